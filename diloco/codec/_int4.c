@@ -1,0 +1,639 @@
+/*
+ * Fused int4 block quantization kernels for diloco.codec (format: see int4.py).
+ *
+ * Why C: the torch-ops version makes ~10 passes over memory (abs, amax, div, round,
+ * cast, shifts, or, ...) and runs at a few percent of memcpy. Here each block is read
+ * once from memory and stays in L1 while its scale is computed and it is quantized and
+ * packed.
+ *
+ * Bit-identity contract: the learner and the shard must dequantize the same bytes to the
+ * same float32 values whichever path each runs, and the shard's error feedback must see
+ * exactly what a learner will apply. Every value here is produced by the same correctly
+ * rounded IEEE single-precision operations as the torch reference in int4.py: x / scale
+ * (a true division, as torch does it), round-half-even or floor, float(q) * scale. There
+ * is no multiply-add anywhere, so FMA contraction could not change a result; we build
+ * with -ffp-contract=off anyway. -ffast-math would break it (ROUND_MAGIC below) and must
+ * never be added. Like torch, we assume the default rounding mode and no flush-to-zero.
+ *
+ * Threads: the work is split into ranges of whole blocks that start on an even element,
+ * so no two threads ever write the same byte; the GIL is released for the whole call.
+ * pthreads rather than OpenMP: torch ships its own libgomp, and two OpenMP runtimes in
+ * one process fight over cores.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <float.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__) && !defined(DILOCO_INT4_PORTABLE)
+#include <emmintrin.h>
+#define HAVE_SSE2_KERNEL 1
+#endif
+
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+#error "bit-identical results need plain single-precision evaluation (FLT_EVAL_METHOD == 0)"
+#endif
+
+/* Reading the input both as floats and as their bit patterns; may_alias keeps that legal. */
+typedef uint32_t __attribute__((may_alias)) u32_alias;
+
+enum { STATUS_OK = 0, STATUS_NONFINITE = 1, STATUS_SCALE_OVERFLOW = 2 };
+
+/* Below this many elements per thread, starting a thread costs more than it saves. */
+#define MIN_ELEMENTS_PER_THREAD ((size_t)1 << 18)
+#define MAX_THREADS 64
+
+/* ---------------------------------------------------------------------------------- */
+/* Scalar helpers (once per block).                                                     */
+
+static inline float bits_to_float(uint32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static inline uint32_t float_to_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t man = h & 0x3FFu;
+    if (exp == 0) {
+        /* Subnormal half: man * 2^-24, exact in float. */
+        float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    if (exp == 31) return bits_to_float(sign | 0x7F800000u | (man << 13));
+    return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/* The smallest half >= t, for finite t >= 0 (0x7C00, +inf, when t > 65504). */
+static inline uint16_t half_ceil(float t) {
+    if (t == 0.0f) return 0;
+    if (t > 65504.0f) return 0x7C00u;
+    if (t < 6.103515625e-05f) {
+        /* Half subnormal range: k * 2^-24 with k = ceil(t * 2^24) <= 1024 (1024 is the
+         * bit pattern of the smallest normal half, so the carry is right too). */
+        float v = t * 16777216.0f; /* exact: power-of-two scaling, no overflow */
+        uint32_t k = (uint32_t)v;
+        if ((float)k < v) k += 1;
+        return (uint16_t)k;
+    }
+    uint32_t b = float_to_bits(t);
+    uint32_t man = b & 0x7FFFFFu;
+    uint32_t h = (((b >> 23) - 112u) << 10) | (man >> 13);
+    if (man & 0x1FFFu) h += 1; /* a carry into the exponent is still the next half up */
+    return (uint16_t)h;
+}
+
+/*
+ * The block scale, chosen so that x / scale, as computed in float, lies in [-7, 7] for
+ * every element of the block (division is monotonic, so checking absmax is enough).
+ * Half: the smallest half with 7 * scale >= absmax; scale * 7 is exact in float (11 + 3
+ * significant bits), so the test is exact. Float: round(absmax / 7), one step up if
+ * absmax / scale still rounds above 7 (one step always suffices; it also lifts a scale
+ * that underflowed to 0 for a subnormal absmax).
+ * Returns 0 on success, -1 if a half scale overflows. *bits gets the stored pattern.
+ */
+static inline int block_scale(float absmax, int scale_size, float *scale, uint32_t *bits) {
+    float t = absmax / 7.0f;
+    if (scale_size == 2) {
+        uint32_t h = half_ceil(t);
+        if (h < 0x7C00u && half_to_float((uint16_t)h) * 7.0f < absmax) h += 1;
+        if (h >= 0x7C00u) return -1;
+        *scale = half_to_float((uint16_t)h);
+        *bits = h;
+    } else {
+        /* t >= 0 and finite, so the next float up is the next bit pattern. */
+        if (absmax / t > 7.0f) t = bits_to_float(float_to_bits(t) + 1u);
+        *scale = t;
+        *bits = float_to_bits(t);
+    }
+    return 0;
+}
+
+static inline void store_scale(unsigned char *scales, size_t block, int scale_size, uint32_t bits) {
+    /* Native byte order; the module only loads on little-endian hosts (see int4.py). */
+    if (scale_size == 2) {
+        uint16_t h = (uint16_t)bits;
+        memcpy(scales + block * 2, &h, 2);
+    } else {
+        memcpy(scales + block * 4, &bits, 4);
+    }
+}
+
+static inline float load_scale(const unsigned char *scales, size_t block, int scale_size) {
+    if (scale_size == 2) {
+        uint16_t h;
+        memcpy(&h, scales + block * 2, 2);
+        return half_to_float(h);
+    }
+    float f;
+    memcpy(&f, scales + block * 4, 4);
+    return f;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* Per-element loops, portable C. Plain counted loops over restrict pointers with        */
+/* branch-free bodies, the shape gcc -O3 auto-vectorises.                                */
+
+static uint32_t abs_max_bits(const float *restrict x, size_t len) {
+    /* |x| as bits: for non-negative floats integer order is float order, and NaN/Inf
+     * land at >= 0x7F800000, so one integer max both finds absmax and flags non-finite
+     * input. Signed compare: SSE2 has it, and the values fit in 31 bits. */
+    const u32_alias *restrict xb = (const u32_alias *)x;
+    int32_t m = 0;
+    for (size_t i = 0; i < len; i++) {
+        int32_t v = (int32_t)(xb[i] & 0x7FFFFFFFu);
+        m = v > m ? v : m;
+    }
+    return (uint32_t)m;
+}
+
+/* Round to nearest, ties to even, as torch.round does: adding 1.5 * 2^23 pushes the
+ * fraction out of the significand in the current (nearest-even) rounding mode. Exact
+ * for |y| < 2^22; here |y| <= 7. */
+#define ROUND_MAGIC 12582912.0f
+
+static inline uint32_t quant_nearest(float x, float s) {
+    /* block_scale guarantees |x / s| <= 7, so no clamp is needed. */
+    float r = (x / s + ROUND_MAGIC) - ROUND_MAGIC;
+    return (uint32_t)(int32_t)r & 15u;
+}
+
+static inline uint32_t quant_stochastic(float x, float s, float u) {
+    /* x / s >= -7 and u >= 0 keep the floor >= -7; but x / s = 7 plus u just below 1
+     * rounds to 8.0f, hence the clamp. Integer compares keep the loop branch-free
+     * (float ones would not be if-converted under the default -ftrapping-math). */
+    float y = x / s + u;
+    int32_t t = (int32_t)y;      /* truncation toward zero, |y| <= 8 */
+    t -= (float)t > y;           /* floor */
+    t = t > 7 ? 7 : t;
+    return (uint32_t)t & 15u;
+}
+
+/* Elements x[0..2*pairs) -> bytes out[0..pairs): even element low nibble, odd high. */
+static void pack_nearest(const float *restrict x, size_t pairs, float s, unsigned char *restrict out) {
+    for (size_t j = 0; j < pairs; j++) {
+        uint32_t lo = quant_nearest(x[2 * j], s);
+        uint32_t hi = quant_nearest(x[2 * j + 1], s);
+        out[j] = (unsigned char)(lo | (hi << 4));
+    }
+}
+
+static void pack_stochastic(const float *restrict x, const float *restrict u, size_t pairs, float s,
+                            unsigned char *restrict out) {
+    for (size_t j = 0; j < pairs; j++) {
+        uint32_t lo = quant_stochastic(x[2 * j], s, u[2 * j]);
+        uint32_t hi = quant_stochastic(x[2 * j + 1], s, u[2 * j + 1]);
+        out[j] = (unsigned char)(lo | (hi << 4));
+    }
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* Range workers: blocks [block_begin, block_end), block_begin * block_size even.       */
+
+typedef struct {
+    /* inputs */
+    const float *x;
+    const float *u; /* NULL: round to nearest */
+    size_t n;
+    size_t block_size;
+    int scale_size;
+    size_t block_begin, block_end;
+    /* outputs */
+    unsigned char *packed;
+    unsigned char *scales;
+    int status;
+    size_t bad_block;
+} QuantJob;
+
+static inline uint32_t quant_one(const QuantJob *job, size_t i, float s) {
+    return job->u ? quant_stochastic(job->x[i], s, job->u[i]) : quant_nearest(job->x[i], s);
+}
+
+#ifdef HAVE_SSE2_KERNEL
+/* ---------------------------------------------------------------------------------- */
+/* SSE2, the x86-64 baseline (no -march needed). gcc's vectorisation of the portable   */
+/* packers reaches about half this speed: it deinterleaves even/odd elements and       */
+/* narrows int32 to bytes through long shuffle chains. Here 16 consecutive elements    */
+/* are converted, narrowed with saturating packs and paired into nibbles with one      */
+/* 16-bit shift. Same IEEE operations, so bit-identical to the portable path: divps is */
+/* divss four times, and cvtps2dq rounds half-to-even like ROUND_MAGIC.                */
+
+static inline __m128i quant4_nearest(const float *x, __m128 s) {
+    return _mm_cvtps_epi32(_mm_div_ps(_mm_loadu_ps(x), s));
+}
+
+static inline __m128i quant4_stochastic(const float *x, const float *u, __m128 s) {
+    __m128 y = _mm_add_ps(_mm_div_ps(_mm_loadu_ps(x), s), _mm_loadu_ps(u));
+    __m128i t = _mm_cvttps_epi32(y);
+    /* floor: subtract 1 (add the all-ones mask) where truncation went up */
+    return _mm_add_epi32(t, _mm_castps_si128(_mm_cmpgt_ps(_mm_cvtepi32_ps(t), y)));
+}
+
+/*
+ * Full blocks [b0, b1) of a block size that is a multiple of 16. Returns 0, or -1 when
+ * some block is non-finite or overflows: the caller then redoes the range with the
+ * portable code, which names the first bad block (errors are rare; speed there is moot).
+ * A NaN is caught late: maxps drops NaN operands, so the absmax of a block holding one
+ * may be wrong, but cvt(t)ps2dq turns the NaN into INT_MIN, which the saturating packs
+ * keep far below -7.
+ */
+static inline __attribute__((always_inline)) int quantize_blocks_sse2(const QuantJob *job, size_t b0, size_t b1,
+                                                                       const size_t B, const int stochastic) {
+    const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7FFFFFFF));
+    const __m128i seven = _mm_set1_epi16(7), nibble = _mm_set1_epi8(15), low_byte = _mm_set1_epi16(0xFF);
+    __m128i lowest = _mm_setzero_si128();
+    for (size_t b = b0; b < b1; b++) {
+        const float *x = job->x + b * B;
+        __m128 m0 = _mm_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
+        for (size_t i = 0; i < B; i += 16) {
+            m0 = _mm_max_ps(m0, _mm_and_ps(_mm_loadu_ps(x + i), abs_mask));
+            m1 = _mm_max_ps(m1, _mm_and_ps(_mm_loadu_ps(x + i + 4), abs_mask));
+            m2 = _mm_max_ps(m2, _mm_and_ps(_mm_loadu_ps(x + i + 8), abs_mask));
+            m3 = _mm_max_ps(m3, _mm_and_ps(_mm_loadu_ps(x + i + 12), abs_mask));
+        }
+        __m128 m = _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3));
+        m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+        m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+        float absmax = _mm_cvtss_f32(m), scale;
+        uint32_t sbits;
+        if (!(absmax <= FLT_MAX) || block_scale(absmax, job->scale_size, &scale, &sbits) != 0) return -1;
+        store_scale(job->scales, b, job->scale_size, sbits);
+        const __m128 s = _mm_set1_ps(scale == 0.0f ? 1.0f : scale);
+
+        unsigned char *out = job->packed + b * B / 2;
+        for (size_t i = 0; i < B; i += 16) {
+            __m128i w0, w1;
+            if (stochastic) {
+                const float *u = job->u + b * B + i;
+                w0 = _mm_packs_epi32(quant4_stochastic(x + i, u, s), quant4_stochastic(x + i + 4, u + 4, s));
+                w1 = _mm_packs_epi32(quant4_stochastic(x + i + 8, u + 8, s),
+                                     quant4_stochastic(x + i + 12, u + 12, s));
+                lowest = _mm_min_epi16(lowest, _mm_min_epi16(w0, w1));
+                w0 = _mm_min_epi16(w0, seven);
+                w1 = _mm_min_epi16(w1, seven);
+            } else {
+                w0 = _mm_packs_epi32(quant4_nearest(x + i, s), quant4_nearest(x + i + 4, s));
+                w1 = _mm_packs_epi32(quant4_nearest(x + i + 8, s), quant4_nearest(x + i + 12, s));
+                lowest = _mm_min_epi16(lowest, _mm_min_epi16(w0, w1));
+            }
+            /* 16 int8 q's; as 16-bit lanes each holds (even q) | (odd q) << 8 */
+            __m128i q = _mm_and_si128(_mm_packs_epi16(w0, w1), nibble);
+            q = _mm_and_si128(_mm_or_si128(q, _mm_srli_epi16(q, 4)), low_byte);
+            _mm_storel_epi64((__m128i *)(out + i / 2), _mm_packus_epi16(q, q));
+        }
+    }
+    return _mm_movemask_epi8(_mm_cmplt_epi16(lowest, _mm_set1_epi16(-8))) ? -1 : 0;
+}
+
+/* Instantiated for the default block size so its inner loops unroll completely. */
+static int quantize_full_blocks(const QuantJob *job, size_t b0, size_t b1) {
+    if (job->block_size == 64)
+        return job->u ? quantize_blocks_sse2(job, b0, b1, 64, 1) : quantize_blocks_sse2(job, b0, b1, 64, 0);
+    return job->u ? quantize_blocks_sse2(job, b0, b1, job->block_size, 1)
+                  : quantize_blocks_sse2(job, b0, b1, job->block_size, 0);
+}
+#endif /* HAVE_SSE2_KERNEL */
+
+/* One block, any size or alignment, plain C; also the reference for the SSE2 path. */
+static int quantize_block(const QuantJob *job, size_t b) {
+    const size_t B = job->block_size;
+    size_t start = b * B;
+    size_t end = start + B < job->n ? start + B : job->n;
+    uint32_t mbits = abs_max_bits(job->x + start, end - start);
+    if (mbits >= 0x7F800000u) return STATUS_NONFINITE;
+    float scale;
+    uint32_t sbits;
+    if (block_scale(bits_to_float(mbits), job->scale_size, &scale, &sbits) != 0) return STATUS_SCALE_OVERFLOW;
+    store_scale(job->scales, b, job->scale_size, sbits);
+    /* An all-zero block has scale 0; dividing its zeros by 1 gives q = 0. */
+    float s = scale == 0.0f ? 1.0f : scale;
+
+    size_t i = start;
+    if (i & 1) {
+        /* Odd block size only: this block starts in the high nibble of a byte whose low
+         * nibble the previous block (same thread) has just written. */
+        job->packed[i >> 1] |= (unsigned char)(quant_one(job, i, s) << 4);
+        i++;
+    }
+    size_t pairs = (end - i) / 2;
+    if (job->u)
+        pack_stochastic(job->x + i, job->u + i, pairs, s, job->packed + (i >> 1));
+    else
+        pack_nearest(job->x + i, pairs, s, job->packed + (i >> 1));
+    i += 2 * pairs;
+    if (i < end) /* odd tail: low nibble; the high one stays zero or the next block fills it */
+        job->packed[i >> 1] = (unsigned char)quant_one(job, i, s);
+    return STATUS_OK;
+}
+
+static void quantize_range(QuantJob *job) {
+    size_t b = job->block_begin;
+    job->status = STATUS_OK;
+#ifdef HAVE_SSE2_KERNEL
+    if (job->block_size % 16 == 0) {
+        size_t full_end = job->n / job->block_size;
+        if (full_end > job->block_end) full_end = job->block_end;
+        if (b < full_end) {
+            if (quantize_full_blocks(job, b, full_end) == 0)
+                b = full_end;
+            /* else: fall through and let the plain code find the first bad block */
+        }
+    }
+#endif
+    for (; b < job->block_end; b++) {
+        int status = quantize_block(job, b);
+        if (status != STATUS_OK) {
+            job->status = status;
+            job->bad_block = b;
+            return;
+        }
+    }
+}
+
+/* Two's complement nibble -> value, without relying on signed shifts. */
+#define NIBBLE_LO(b) ((int32_t)(((uint32_t)(b) & 15u) ^ 8u) - 8)
+#define NIBBLE_HI(b) ((int32_t)(((uint32_t)(b) >> 4) ^ 8u) - 8)
+
+static void unpack(const unsigned char *restrict in, size_t pairs, float s, float *restrict out) {
+    for (size_t j = 0; j < pairs; j++) {
+        uint32_t b = in[j];
+        out[2 * j] = (float)NIBBLE_LO(b) * s;
+        out[2 * j + 1] = (float)NIBBLE_HI(b) * s;
+    }
+}
+
+typedef struct {
+    const unsigned char *packed;
+    const unsigned char *scales;
+    size_t n;
+    size_t block_size;
+    int scale_size;
+    size_t block_begin, block_end;
+    float *out;
+} DequantJob;
+
+static void dequantize_range(DequantJob *job) {
+    const size_t B = job->block_size;
+    for (size_t b = job->block_begin; b < job->block_end; b++) {
+        size_t start = b * B;
+        size_t end = start + B < job->n ? start + B : job->n;
+        float s = load_scale(job->scales, b, job->scale_size);
+        size_t i = start;
+        if (i & 1) {
+            job->out[i] = (float)NIBBLE_HI(job->packed[i >> 1]) * s;
+            i++;
+        }
+        size_t pairs = (end - i) / 2;
+        unpack(job->packed + (i >> 1), pairs, s, job->out + i);
+        i += 2 * pairs;
+        if (i < end) job->out[i] = (float)NIBBLE_LO(job->packed[i >> 1]) * s;
+    }
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* Splitting work over threads.                                                          */
+
+/* Number of ranges and their block bounds; every range starts on an even element. */
+static size_t plan_ranges(size_t n, size_t block_size, size_t max_threads, size_t *bounds) {
+    size_t blocks = (n + block_size - 1) / block_size;
+    size_t threads = n / MIN_ELEMENTS_PER_THREAD;
+    if (threads > max_threads) threads = max_threads;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    size_t step = (blocks + threads - 1) / threads;
+    if ((block_size & 1) && (step & 1)) step++; /* odd blocks: keep range starts even */
+    size_t count = 0;
+    for (size_t b = 0; b < blocks; b += step) bounds[count++] = b;
+    bounds[count] = blocks;
+    return count;
+}
+
+typedef void (*range_fn)(void *);
+
+typedef struct {
+    range_fn fn;
+    void *job;
+} ThreadArg;
+
+static void *thread_main(void *arg) {
+    ThreadArg *a = (ThreadArg *)arg;
+    a->fn(a->job);
+    return NULL;
+}
+
+/* Runs fn on jobs[0..count) (stride job_size): count - 1 new threads plus this one. If a
+ * thread cannot be started its range runs here instead: slower, never wrong. */
+static void run_ranges(range_fn fn, void *jobs, size_t job_size, size_t count) {
+    pthread_t tids[MAX_THREADS];
+    ThreadArg args[MAX_THREADS];
+    int started[MAX_THREADS];
+    for (size_t t = 1; t < count; t++) {
+        args[t] = (ThreadArg){fn, (char *)jobs + t * job_size};
+        started[t] = pthread_create(&tids[t], NULL, thread_main, &args[t]) == 0;
+    }
+    fn(jobs);
+    for (size_t t = 1; t < count; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            fn(args[t].job);
+    }
+}
+
+static void quantize_range_v(void *job) { quantize_range((QuantJob *)job); }
+static void dequantize_range_v(void *job) { dequantize_range((DequantJob *)job); }
+
+/* ---------------------------------------------------------------------------------- */
+/* Python bindings.                                                                      */
+
+static int check_common(Py_ssize_t n, Py_ssize_t block_size, int scale_size, int threads) {
+    if (n < 0 || block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "need numel >= 0 and block_size > 0");
+        return -1;
+    }
+    if (scale_size != 2 && scale_size != 4) {
+        PyErr_SetString(PyExc_ValueError, "scale_size must be 2 or 4");
+        return -1;
+    }
+    if (threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "threads must be >= 1");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_len(const Py_buffer *view, Py_ssize_t expected, const char *what) {
+    if (view->len != expected) {
+        PyErr_Format(PyExc_ValueError, "%s buffer has %zd bytes, expected %zd", what, view->len, expected);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(quantize_doc,
+"quantize(x, numel, block_size, scale_size, u, threads, packed=None, scales=None)\n"
+"-> (status, bad_block, payload)\n\n"
+"x: float32 buffer of numel elements; u: float32 uniforms in [0, 1) for stochastic\n"
+"rounding, or None. With packed/scales None, returns a new bytes payload (packed nibbles\n"
+"then scales); otherwise writes into those writable buffers and payload is None.\n"
+"status: 0 ok, 1 non-finite input in bad_block, 2 half scale overflow in bad_block.");
+
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    PyObject *x_obj, *u_obj, *packed_obj = Py_None, *scales_obj = Py_None;
+    Py_ssize_t n, block_size;
+    int scale_size, threads;
+    if (!PyArg_ParseTuple(args, "OnniOi|OO", &x_obj, &n, &block_size, &scale_size, &u_obj, &threads,
+                          &packed_obj, &scales_obj))
+        return NULL;
+    if (check_common(n, block_size, scale_size, threads) < 0) return NULL;
+    if ((packed_obj == Py_None) != (scales_obj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "pass both packed and scales, or neither");
+        return NULL;
+    }
+    size_t blocks = ((size_t)n + (size_t)block_size - 1) / (size_t)block_size;
+    Py_ssize_t packed_len = (n + 1) / 2, scales_len = (Py_ssize_t)blocks * scale_size;
+
+    Py_buffer xv = {0}, uv = {0}, pv = {0}, sv = {0};
+    PyObject *payload = NULL, *result = NULL;
+    if (PyObject_GetBuffer(x_obj, &xv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (check_len(&xv, n * 4, "x") < 0) goto done;
+    if (u_obj != Py_None) {
+        if (PyObject_GetBuffer(u_obj, &uv, PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (check_len(&uv, n * 4, "u") < 0) goto done;
+    }
+    unsigned char *packed, *scales;
+    if (packed_obj == Py_None) {
+        payload = PyBytes_FromStringAndSize(NULL, packed_len + scales_len);
+        if (!payload) goto done;
+        packed = (unsigned char *)PyBytes_AS_STRING(payload);
+        scales = packed + packed_len;
+    } else {
+        if (PyObject_GetBuffer(packed_obj, &pv, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+        if (check_len(&pv, packed_len, "packed") < 0) goto done;
+        if (PyObject_GetBuffer(scales_obj, &sv, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+        if (check_len(&sv, scales_len, "scales") < 0) goto done;
+        packed = (unsigned char *)pv.buf;
+        scales = (unsigned char *)sv.buf;
+    }
+
+    int status = STATUS_OK;
+    size_t bad_block = 0;
+    if (n > 0) {
+        size_t bounds[MAX_THREADS + 1];
+        size_t count = plan_ranges((size_t)n, (size_t)block_size, (size_t)threads, bounds);
+        QuantJob jobs[MAX_THREADS];
+        for (size_t t = 0; t < count; t++) {
+            jobs[t] = (QuantJob){
+                .x = (const float *)xv.buf,
+                .u = uv.buf ? (const float *)uv.buf : NULL,
+                .n = (size_t)n,
+                .block_size = (size_t)block_size,
+                .scale_size = scale_size,
+                .block_begin = bounds[t],
+                .block_end = bounds[t + 1],
+                .packed = packed,
+                .scales = scales,
+            };
+        }
+        Py_BEGIN_ALLOW_THREADS
+        run_ranges(quantize_range_v, jobs, sizeof(QuantJob), count);
+        Py_END_ALLOW_THREADS
+        /* Ranges are in block order: the first failing one has the earliest bad block. */
+        for (size_t t = 0; t < count; t++) {
+            if (jobs[t].status != STATUS_OK) {
+                status = jobs[t].status;
+                bad_block = jobs[t].bad_block;
+                break;
+            }
+        }
+    }
+    if (status != STATUS_OK) Py_CLEAR(payload);
+    result = Py_BuildValue("inO", status, (Py_ssize_t)bad_block, payload ? payload : Py_None);
+
+done:
+    Py_XDECREF(payload);
+    if (xv.obj) PyBuffer_Release(&xv);
+    if (uv.obj) PyBuffer_Release(&uv);
+    if (pv.obj) PyBuffer_Release(&pv);
+    if (sv.obj) PyBuffer_Release(&sv);
+    return result;
+}
+
+PyDoc_STRVAR(dequantize_doc,
+"dequantize(packed, scales, numel, block_size, scale_size, out, threads) -> None\n\n"
+"Writes numel float32 values float(q) * scale into the writable buffer out. The caller\n"
+"has already checked that every scale is finite and non-negative.");
+
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    PyObject *packed_obj, *scales_obj, *out_obj;
+    Py_ssize_t n, block_size;
+    int scale_size, threads;
+    if (!PyArg_ParseTuple(args, "OOnniOi", &packed_obj, &scales_obj, &n, &block_size, &scale_size, &out_obj,
+                          &threads))
+        return NULL;
+    if (check_common(n, block_size, scale_size, threads) < 0) return NULL;
+    size_t blocks = ((size_t)n + (size_t)block_size - 1) / (size_t)block_size;
+
+    Py_buffer pv = {0}, sv = {0}, ov = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(packed_obj, &pv, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (check_len(&pv, (n + 1) / 2, "packed") < 0) goto done;
+    if (PyObject_GetBuffer(scales_obj, &sv, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (check_len(&sv, (Py_ssize_t)blocks * scale_size, "scales") < 0) goto done;
+    if (PyObject_GetBuffer(out_obj, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (check_len(&ov, n * 4, "out") < 0) goto done;
+
+    if (n > 0) {
+        size_t bounds[MAX_THREADS + 1];
+        size_t count = plan_ranges((size_t)n, (size_t)block_size, (size_t)threads, bounds);
+        DequantJob jobs[MAX_THREADS];
+        for (size_t t = 0; t < count; t++) {
+            jobs[t] = (DequantJob){
+                .packed = (const unsigned char *)pv.buf,
+                .scales = (const unsigned char *)sv.buf,
+                .n = (size_t)n,
+                .block_size = (size_t)block_size,
+                .scale_size = scale_size,
+                .block_begin = bounds[t],
+                .block_end = bounds[t + 1],
+                .out = (float *)ov.buf,
+            };
+        }
+        Py_BEGIN_ALLOW_THREADS
+        run_ranges(dequantize_range_v, jobs, sizeof(DequantJob), count);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_NewRef(Py_None);
+
+done:
+    if (pv.obj) PyBuffer_Release(&pv);
+    if (sv.obj) PyBuffer_Release(&sv);
+    if (ov.obj) PyBuffer_Release(&ov);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"quantize", py_quantize, METH_VARARGS, quantize_doc},
+    {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    "diloco.codec._int4",
+    "Fused int4 block quantization kernels; see diloco/codec/int4.py for the contract.",
+    -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__int4(void) { return PyModule_Create(&module); }

@@ -1,0 +1,259 @@
+"""One tensor on the wire: its spec (what the receiver must know to check and decode the
+bytes) and its payload.
+
+Nothing is pickled and nothing is trusted: ``decode`` rebuilds the expected byte length
+from the spec's shape, block size and scale dtype, checks it against the spec and the
+payload, verifies the CRC-32C and the scales, and only then produces a tensor. Any
+mismatch raises CodecError naming the tensor and the field; no partial tensor escapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import google_crc32c
+import numpy as np
+import torch
+
+from diloco.codec import int4
+from diloco.errors import CodecError
+
+logger = logging.getLogger(__name__)
+
+ENCODINGS = ("int4", "fp32")
+DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Everything the receiver checks before it believes a payload."""
+
+    name: str
+    """Piece name from the fragment plan; named in every error."""
+    shape: tuple[int, ...]
+    dtype: str
+    """Dtype of the decoded tensor; always "float32"."""
+    encoding: str
+    """"int4" or "fp32"."""
+    block_size: int
+    """Elements per quantization block (int4); 0 for fp32."""
+    scale_dtype: str
+    """"float16" or "float32" (int4); "" for fp32."""
+    byte_length: int
+    """Length of the uncompressed payload in bytes."""
+    checksum: int
+    """CRC-32C of the uncompressed payload."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    spec: TensorSpec
+    payload: bytes
+
+
+def checksum(payload: bytes | bytearray | memoryview) -> int:
+    """CRC-32C of the payload (hardware-accelerated on x86 and ARM)."""
+    # google_crc32c refuses memoryview and bytearray but takes a numpy view: no copy.
+    return google_crc32c.value(np.frombuffer(payload, dtype=np.uint8))
+
+
+def expected_byte_length(shape: tuple[int, ...], encoding: str, block_size: int, scale_dtype: str) -> int:
+    """Bytes of the uncompressed payload of a tensor with this shape and encoding."""
+    numel = math.prod(shape)
+    if encoding == "fp32":
+        return 4 * numel
+    return int4.int4_nbytes(numel, block_size, scale_dtype)
+
+
+def encode(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    encoding: str = "int4",
+    block_size: int = 64,
+    scale_dtype: str = "float16",
+    generator: torch.Generator | None = None,
+) -> EncodedTensor:
+    """Encode ``tensor`` (any floating dtype, any device; sent as float32).
+
+    int4 quantizes (stochastically when ``generator`` is given); fp32 sends raw
+    little-endian floats, for ablations and for learners too far behind for a chain of
+    int4 updates. NaN or Inf raises CodecError naming the tensor and the element.
+    """
+    flat = int4.flat_float32(tensor, name)
+    shape = tuple(int(d) for d in tensor.shape)
+    if encoding == "fp32":
+        int4.raise_if_nonfinite(flat, name)
+        payload = flat.numpy().astype("<f4", copy=False).tobytes()
+        block_size, scale_dtype = 0, ""
+    elif encoding == "int4":
+        int4.check_params(block_size, scale_dtype, name)
+        payload = int4.quantize_to_payload(flat, block_size, scale_dtype, generator, name)
+    else:
+        raise CodecError(f"tensor {name!r}: unknown encoding {encoding!r}; expected one of {ENCODINGS}")
+    spec = TensorSpec(
+        name=name,
+        shape=shape,
+        dtype=DTYPE,
+        encoding=encoding,
+        block_size=block_size,
+        scale_dtype=scale_dtype,
+        byte_length=len(payload),
+        checksum=checksum(payload),
+    )
+    return EncodedTensor(spec, payload)
+
+
+def encode_quantized(
+    name: str,
+    shape: tuple[int, ...],
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    scale_dtype: str | None = None,
+) -> EncodedTensor:
+    """Wrap the output of ``quantize_int4`` without quantizing again.
+
+    The shard quantizes an update once, applies exactly its dequantization and sends
+    these very bytes; quantizing twice would double the cost, and with stochastic
+    rounding would send something other than what was applied.
+    """
+    actual_scale_dtype = int4._scale_dtype_of(scales)
+    if scale_dtype is not None and scale_dtype != actual_scale_dtype:
+        raise CodecError(f"tensor {name!r}: scales are {actual_scale_dtype}, not {scale_dtype}")
+    scale_dtype = actual_scale_dtype
+    numel = math.prod(shape)
+    int4.check_params(block_size, scale_dtype, name)
+    if packed.dtype != torch.uint8 or packed.numel() != int4.packed_nbytes(numel):
+        raise CodecError(f"tensor {name!r}: packed nibbles do not match shape {tuple(shape)}")
+    if scales.numel() != int4.num_blocks(numel, block_size):
+        raise CodecError(f"tensor {name!r}: {scales.numel()} scales do not match shape {tuple(shape)}")
+    scale_bytes = scales.detach().cpu().contiguous().numpy().astype(np.dtype(scale_dtype).newbyteorder("<"))
+    payload = packed.detach().cpu().contiguous().numpy().tobytes() + scale_bytes.tobytes()
+    spec = TensorSpec(
+        name=name,
+        shape=tuple(int(d) for d in shape),
+        dtype=DTYPE,
+        encoding="int4",
+        block_size=block_size,
+        scale_dtype=scale_dtype,
+        byte_length=len(payload),
+        checksum=checksum(payload),
+    )
+    return EncodedTensor(spec, payload)
+
+
+def validate_spec(spec: TensorSpec, *, block_size: int | None = None, scale_dtype: str | None = None) -> None:
+    """Checks a spec on its own (before its payload arrives): dtype, encoding, shape,
+    block size, scale dtype, and byte_length against what the shape implies.
+
+    ``block_size`` / ``scale_dtype``, when given, are what this receiver is configured
+    for; a sender that disagrees is misconfigured, and silently accepting its bytes would
+    hide that.
+    """
+    name = spec.name
+    if spec.dtype != DTYPE:
+        raise CodecError(f"tensor {name!r}: dtype {spec.dtype!r} is not supported; expected {DTYPE!r}")
+    if spec.encoding not in ENCODINGS:
+        raise CodecError(f"tensor {name!r}: unknown encoding {spec.encoding!r}; expected one of {ENCODINGS}")
+    if not isinstance(spec.shape, tuple) or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in spec.shape
+    ):
+        raise CodecError(f"tensor {name!r}: shape {spec.shape!r} must be a tuple of non-negative integers")
+    if spec.encoding == "fp32":
+        if spec.block_size != 0 or spec.scale_dtype != "":
+            raise CodecError(
+                f"tensor {name!r}: fp32 payloads have no blocks or scales, got block size "
+                f"{spec.block_size!r} and scale dtype {spec.scale_dtype!r}"
+            )
+    else:
+        int4.check_params(spec.block_size, spec.scale_dtype, name)
+        if block_size is not None and spec.block_size != block_size:
+            raise CodecError(
+                f"tensor {name!r}: block size {spec.block_size} does not match the configured {block_size}"
+            )
+        if scale_dtype is not None and spec.scale_dtype != scale_dtype:
+            raise CodecError(
+                f"tensor {name!r}: scale dtype {spec.scale_dtype!r} does not match the configured {scale_dtype!r}"
+            )
+    expected = expected_byte_length(spec.shape, spec.encoding, spec.block_size, spec.scale_dtype)
+    if spec.byte_length != expected:
+        detail = (
+            "fp32" if spec.encoding == "fp32" else f"int4, block size {spec.block_size}, {spec.scale_dtype} scales"
+        )
+        raise CodecError(
+            f"tensor {name!r}: shape {spec.shape} ({detail}) needs {expected} payload bytes, "
+            f"but byte_length says {spec.byte_length}"
+        )
+
+
+def decode(
+    spec: TensorSpec,
+    payload: bytes | bytearray | memoryview,
+    *,
+    block_size: int | None = None,
+    scale_dtype: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Check everything, then return the float32 tensor of shape ``spec.shape``.
+
+    ``out`` (contiguous float32, spec.numel elements) is written only after every check
+    has passed, so a failed decode never leaves half a tensor behind.
+    """
+    validate_spec(spec, block_size=block_size, scale_dtype=scale_dtype)
+    name = spec.name
+    view = memoryview(payload)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if view.nbytes != spec.byte_length:
+        raise CodecError(f"tensor {name!r}: payload is {view.nbytes} bytes, expected {spec.byte_length}")
+    actual = checksum(view)
+    if actual != spec.checksum:
+        raise CodecError(
+            f"tensor {name!r}: checksum mismatch (expected 0x{spec.checksum:08x}, got 0x{actual:08x})"
+        )
+    numel = spec.numel
+    if spec.encoding == "fp32":
+        values = torch.from_numpy(np.frombuffer(view, dtype="<f4").astype(np.float32))
+        if not bool(torch.isfinite(values).all()):
+            index = int((~torch.isfinite(values)).nonzero()[0, 0])
+            raise CodecError(f"tensor {name!r}: element {index} is {float(values[index])}; expected finite values")
+        if out is None:
+            return values.view(spec.shape)
+        _check_out(out, numel, name)
+        return out.view(-1).copy_(values).view(spec.shape)
+    split = int4.packed_nbytes(numel)
+    scales = view[split:]
+    _check_scales(scales, spec.scale_dtype, name)
+    if out is not None:
+        _check_out(out, numel, name)
+    values = int4._dequantize(view[:split], scales, numel, spec.block_size, spec.scale_dtype, out)
+    return values.view(spec.shape)
+
+
+def _check_out(out: torch.Tensor, numel: int, name: str) -> None:
+    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != numel:
+        raise CodecError(f"tensor {name!r}: out must be a contiguous float32 CPU tensor of {numel} elements")
+
+
+def _check_scales(scales: memoryview, scale_dtype: str, name: str) -> None:
+    """Scales must be finite and non-negative; a NaN scale would turn a whole block into
+    NaN in the global parameters. Done on the bit patterns: exact, and no float16 math."""
+    if scale_dtype == "float16":
+        bits = np.frombuffer(scales, dtype="<u2")
+        bad = ((bits & 0x7C00) == 0x7C00) | (bits > 0x8000)
+    else:
+        bits = np.frombuffer(scales, dtype="<u4")
+        bad = ((bits & 0x7F800000) == 0x7F800000) | (bits > 0x80000000)
+    if bad.any():
+        block = int(np.flatnonzero(bad)[0])
+        value = float(np.frombuffer(scales, dtype="<f2" if scale_dtype == "float16" else "<f4")[block])
+        raise CodecError(
+            f"tensor {name!r}: scale of block {block} is {value}; scales must be finite and non-negative"
+        )

@@ -1,0 +1,75 @@
+"""Protos <-> kernel types for the messages every service shares. The only kernel module
+that imports both the generated protos and the core types."""
+
+from __future__ import annotations
+
+from diloco.clock import VectorClock
+from diloco.codec import TensorSpec
+from diloco.errors import InvalidArgument
+from diloco.fragments import FragmentPlan
+from diloco.v1 import common_pb2
+
+_ENCODING_TO_PROTO = {"fp32": common_pb2.ENCODING_FP32, "int4": common_pb2.ENCODING_INT4}
+_ENCODING_FROM_PROTO = {v: k for k, v in _ENCODING_TO_PROTO.items()}
+
+
+def clock_to_proto(clock: VectorClock) -> common_pb2.VectorClock:
+    return common_pb2.VectorClock(entries=dict(clock.entries))
+
+
+def clock_from_proto(msg: common_pb2.VectorClock) -> VectorClock:
+    return VectorClock(dict(msg.entries))
+
+
+def spec_to_proto(spec: TensorSpec) -> common_pb2.TensorHeader:
+    return common_pb2.TensorHeader(
+        name=spec.name,
+        shape=list(spec.shape),
+        dtype=spec.dtype,
+        encoding=_ENCODING_TO_PROTO[spec.encoding],
+        block_size=spec.block_size,
+        scale_dtype=spec.scale_dtype,
+        byte_length=spec.byte_length,
+        checksum=spec.checksum,
+    )
+
+
+def spec_from_proto(msg: common_pb2.TensorHeader) -> TensorSpec:
+    if msg.encoding not in _ENCODING_FROM_PROTO:
+        raise InvalidArgument(f"tensor {msg.name!r}: unknown encoding {msg.encoding}")
+    if any(d < 0 for d in msg.shape):
+        raise InvalidArgument(f"tensor {msg.name!r}: negative dimension in shape {list(msg.shape)}")
+    return TensorSpec(
+        name=msg.name,
+        shape=tuple(msg.shape),
+        dtype=msg.dtype,
+        encoding=_ENCODING_FROM_PROTO[msg.encoding],
+        block_size=msg.block_size,
+        scale_dtype=msg.scale_dtype,
+        byte_length=msg.byte_length,
+        checksum=msg.checksum,
+    )
+
+
+def plan_to_proto(plan: FragmentPlan, num_shards: int) -> common_pb2.FragmentPlan:
+    return common_pb2.FragmentPlan(
+        plan_hash=plan.plan_hash,
+        fragments=[
+            common_pb2.Fragment(
+                id=f.id,
+                shard_id=f.owner(num_shards),
+                pieces=[
+                    common_pb2.Piece(
+                        tensor=p.tensor,
+                        row_start=p.row_start,
+                        row_stop=p.row_stop,
+                        shape=list(p.shape),
+                        embedding=p.embedding,
+                    )
+                    for p in f.pieces
+                ],
+            )
+            for f in plan.fragments
+        ],
+    )
+

@@ -1,0 +1,88 @@
+"""gRPC plumbing shared by every service: the error -> status table, standard services
+(health, reflection), channel options with deadlines and retries.
+
+This is the kernel's service layer; core modules never import it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from diloco import errors
+
+logger = logging.getLogger(__name__)
+
+# One table from domain errors to status codes; the first matching class wins.
+STATUS_FOR_ERROR: tuple[tuple[type[errors.DilocoError], grpc.StatusCode], ...] = (
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client sees for ``error``.
+
+    Unexpected errors become INTERNAL with a generic message; their traceback goes to
+    the log, never to the client.
+    """
+    for cls, code in STATUS_FOR_ERROR:
+        if isinstance(error, cls):
+            return code, str(error)
+    logger.error("unexpected error in RPC handler", exc_info=error)
+    return grpc.StatusCode.INTERNAL, "internal error; see the server log"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    code, message = status_for(error)
+    await context.abort(code, message)
+
+
+def add_standard_services(server: grpc.aio.Server, service_names: Iterable[str]) -> health.HealthServicer:
+    """Register grpc.health.v1 (every service SERVING) and server reflection."""
+    names = list(service_names)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return health_servicer
+
+
+async def mark_serving(health_servicer, service_names: Iterable[str], serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await health_servicer.set(name, status)
+
+
+def channel_options(max_message_bytes: int, service: str) -> list[tuple[str, object]]:
+    """Message limits plus a retry policy that retries UNAVAILABLE only."""
+    service_config = {
+        "methodConfig": [
+            {
+                "name": [{"service": service}],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", json.dumps(service_config)),
+    ]

@@ -1,0 +1,551 @@
+"""The wire codec: int4 error bounds, the C kernel bit for bit against the torch reference,
+every validation failure named, and zstd framing limits."""
+
+import contextlib
+import dataclasses
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from diloco.codec import (
+    TensorSpec,
+    checksum,
+    chunk_payload_bytes,
+    decode,
+    dequantize_int4,
+    dequantize_int4_reference,
+    encode,
+    encode_quantized,
+    expected_byte_length,
+    frame,
+    quantize_int4,
+    quantize_int4_reference,
+    unframe,
+)
+from diloco.codec import int4
+from diloco.errors import CodecError
+
+HAVE_KERNEL = int4._kernel is not None
+needs_kernel = pytest.mark.skipif(not HAVE_KERNEL, reason="diloco.codec._int4 is not built")
+PATHS = [pytest.param("c", marks=needs_kernel), "torch"]
+SCALE_DTYPES = ["float16", "float32"]
+SCALE_BITS = {"float16": torch.int16, "float32": torch.int32}
+fast = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@contextlib.contextmanager
+def kernel_path(path):
+    """Run the body on the C kernel or on the torch reference (the fallback)."""
+    if path == "c":
+        assert int4._kernel is not None
+        yield
+        return
+    saved = int4._kernel
+    int4._kernel = None
+    try:
+        yield
+    finally:
+        int4._kernel = saved
+
+
+def sample(n, seed=0, scale=1.0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def steps(scales, numel, block_size):
+    """The quantization step (the scale) of every element."""
+    return scales.float().repeat_interleave(block_size)[:numel]
+
+
+def same_bits(a, b):
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+sizes = st.integers(0, 700)
+block_sizes = st.sampled_from([1, 2, 3, 16, 17, 32, 64, 100, 128])
+seeds = st.integers(0, 2**31 - 1)
+exponents = st.integers(-30, 12)
+finite32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+# ---------------------------------------------------------------------------------------
+# Error bounds
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@fast
+@given(n=sizes, block_size=block_sizes, seed=seeds, exponent=exponents)
+def test_round_trip_error_is_at_most_half_a_step(path, scale_dtype, n, block_size, seed, exponent):
+    x = sample(n, seed, 2.0**exponent)
+    with kernel_path(path):
+        packed, scales = quantize_int4(x, block_size, scale_dtype)
+        y = dequantize_int4(packed, scales, n, block_size)
+    # Half a step, plus the rounding of x / scale and of q * scale (a few ulp of the step).
+    assert bool(((y - x).abs() <= steps(scales, n, block_size) * (0.5 + 1e-6) + 1e-44).all())
+
+
+@pytest.mark.parametrize("path", PATHS)
+@fast
+@given(values=st.lists(finite32, max_size=200), block_size=block_sizes)
+def test_error_bound_holds_for_any_finite_float32(path, values, block_size):
+    # float32 scales: no overflow anywhere in the float32 range, subnormals included.
+    x = torch.tensor(values, dtype=torch.float32)
+    with kernel_path(path):
+        packed, scales = quantize_int4(x, block_size, "float32")
+        y = dequantize_int4(packed, scales, x.numel(), block_size)
+    assert bool(torch.isfinite(scales).all()) and bool((scales >= 0).all())
+    err = (y.double() - x.double()).abs()
+    assert bool((err <= steps(scales, x.numel(), block_size).double() * (0.5 + 1e-6) + 1e-44).all())
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_all_zero_and_representable_constant_blocks_are_exact(path, scale_dtype):
+    # A constant c is exact when c / 7 is a value of the scale dtype (then q = +-7).
+    constants = [0.0, 7.0, -7.0, 21.0, -0.4375, 7 * 2.0**-10, -7 * 1024.0]
+    x = torch.tensor([c for c in constants for _ in range(64)], dtype=torch.float32)
+    with kernel_path(path):
+        packed, scales = quantize_int4(x, 64, scale_dtype)
+        y = dequantize_int4(packed, scales, x.numel(), 64)
+        assert torch.equal(y, x)
+        assert scales[0] == 0 and torch.equal(packed[:32], torch.zeros(32, dtype=torch.uint8))
+        assert torch.equal(decode(*_spec_payload(encode("z", torch.zeros(3, 5), scale_dtype=scale_dtype))),
+                           torch.zeros(3, 5))
+
+
+def _spec_payload(encoded):
+    return encoded.spec, encoded.payload
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_rounds_half_to_even_like_torch_round(path):
+    # absmax 7 gives scale 1 exactly, so x / scale = x.
+    x = torch.tensor([7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.4999998])
+    with kernel_path(path):
+        packed, scales = quantize_int4(x, 8, "float16")
+        y = dequantize_int4(packed, scales, 8, 8)
+    assert float(scales[0]) == 1.0
+    assert y.tolist() == [7.0, 0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 3.0]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_stochastic_rounding_is_unbiased(path):
+    """Hoeffding: each error lies in an interval one step long, so the mean of M
+    independent errors deviates from its expectation by more than
+    step * sqrt(ln(2 / delta) / (2 M)) with probability below delta (= 1e-9 here)."""
+    n, draws = 256, 300
+    # Every x / scale sits 0.3 above an integer (absmax 7, scale 1): round-to-nearest is
+    # biased by -0.3 everywhere, so the test would catch rounding that is not stochastic.
+    x = (torch.arange(n) % 13 - 6).float() + 0.3
+    x[::64] = 7.0
+    generator = torch.Generator().manual_seed(1234)
+    total = torch.zeros(n, dtype=torch.float64)
+    with kernel_path(path):
+        for _ in range(draws):
+            packed, scales = quantize_int4(x, 64, "float16", generator)
+            total += dequantize_int4(packed, scales, n, 64).double() - x.double()
+    assert bool((scales == 1.0).all())
+    mean_error = total / draws
+    delta = 1e-9
+    per_element = math.sqrt(math.log(2 * n / delta) / (2 * draws))  # union bound over n
+    overall = math.sqrt(math.log(2 / delta) / (2 * draws * n))
+    assert float(mean_error.abs().max()) < per_element
+    assert abs(float(mean_error.mean())) < overall
+    with kernel_path(path):
+        packed, scales = quantize_int4(x, 64, "float16")
+    nearest_bias = float((dequantize_int4(packed, scales, n, 64) - x).mean())
+    assert abs(nearest_bias) > 10 * overall  # the test has teeth
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [3, 64])
+def test_stochastic_rounding_stays_within_seven(block_size):
+    # x / scale = 7 plus u = 1 - 2^-24 rounds to 8.0f: without the clamp, q = 8 wraps to -8.
+    x = torch.tensor([7.0, -7.0, 3.0] * 64)
+    u = torch.full_like(x, 1 - 2.0**-24)
+    packed, scales = quantize_int4_reference(x, block_size, "float16", u)
+    # (-7 + u and 3 + u round up to -6 and 4: floor sees the float sum, a 2^-24 effect.)
+    assert dequantize_int4_reference(packed, scales, x.numel(), block_size)[::3].tolist() == [7.0] * 64
+    payload = bytearray(int4.int4_nbytes(x.numel(), block_size, "float16"))
+    view = memoryview(payload)
+    status, _, _ = int4._kernel.quantize(
+        x.numpy(), x.numel(), block_size, 2, u.numpy(), 1, view[: packed.numel()], view[packed.numel() :]
+    )
+    assert status == 0 and bytes(payload[: packed.numel()]) == packed.numpy().tobytes()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_stochastic_rounding_is_reproducible_from_the_seed(path):
+    x = sample(1000, 3)
+    with kernel_path(path):
+        a = quantize_int4(x, 64, "float16", torch.Generator().manual_seed(7))
+        b = quantize_int4(x, 64, "float16", torch.Generator().manual_seed(7))
+        c = quantize_int4(x, 64, "float16", torch.Generator().manual_seed(8))
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+
+
+# ---------------------------------------------------------------------------------------
+# The C kernel is the reference, bit for bit
+
+
+@needs_kernel
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+@settings(max_examples=60, deadline=None)
+@given(n=sizes, block_size=block_sizes, seed=seeds, exponent=exponents)
+def test_kernel_is_bit_identical_to_reference(scale_dtype, stochastic, n, block_size, seed, exponent):
+    x = sample(n, seed, 2.0**exponent)
+    if n:
+        x[seed % n] = x[seed % n] * 3  # an outlier somewhere
+    generator = torch.Generator().manual_seed(seed) if stochastic else None
+    uniforms = torch.rand(n, generator=torch.Generator().manual_seed(seed)) if stochastic else None
+    _assert_kernel_matches_reference(x, block_size, scale_dtype, generator, uniforms)
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(finite32, max_size=64), block_size=st.sampled_from([1, 2, 5, 16, 64]))
+def test_kernel_matches_reference_on_any_float32(values, block_size):
+    # block size 1 makes every value its own absmax: scales across the whole float range,
+    # subnormals, powers of two and the float16 edges.
+    x = torch.tensor(values, dtype=torch.float32)
+    _assert_kernel_matches_reference(x, block_size, "float32", None, None)
+    if bool((x.abs() <= 65504 * 7).all()):
+        _assert_kernel_matches_reference(x, block_size, "float16", None, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_kernel_matches_reference_on_scale_edges(scale_dtype):
+    half_edges = [2.0**-24, 2.0**-14, 6.1e-5, 65504.0, 65472.0, 65504 * 7, 0.14285714, 1e-30, 1.4e-45]
+    values = []
+    for v in half_edges:
+        for f in (1.0, 7.0, 1 / 7, 1 + 2**-12, 1 - 2**-12):
+            values += [v * f, -v * f]
+    x = torch.tensor(values, dtype=torch.float32)
+    x = x[x.abs() <= (65504 * 7 if scale_dtype == "float16" else math.inf)]
+    for block_size in (1, 2, 3):
+        _assert_kernel_matches_reference(x, block_size, scale_dtype, None, None)
+
+
+def _assert_kernel_matches_reference(x, block_size, scale_dtype, generator, uniforms):
+    n = x.numel()
+    packed, scales = quantize_int4(x, block_size, scale_dtype, generator)
+    ref_packed, ref_scales = quantize_int4_reference(x, block_size, scale_dtype, uniforms)
+    assert torch.equal(packed, ref_packed)
+    assert torch.equal(scales.view(SCALE_BITS[scale_dtype]), ref_scales.view(SCALE_BITS[scale_dtype]))
+    assert same_bits(dequantize_int4(packed, scales, n, block_size),
+                     dequantize_int4_reference(packed, scales, n, block_size))
+    with kernel_path("torch"):
+        assert same_bits(dequantize_int4(packed, scales, n, block_size),
+                         dequantize_int4_reference(packed, scales, n, block_size))
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [3, 64])
+def test_results_do_not_depend_on_thread_count(block_size, monkeypatch):
+    # Large enough to be split (2^18 elements per thread); an odd block size makes the
+    # ranges start on even elements only by construction.
+    x = sample(3 * (1 << 18) + 11, 5)
+    results = []
+    for threads in (1, 3, 8):
+        monkeypatch.setattr(int4, "_threads", lambda t=threads: t)
+        packed, scales = quantize_int4(x, block_size, "float16", torch.Generator().manual_seed(1))
+        results.append((packed, scales.view(torch.int16), dequantize_int4(packed, scales, x.numel(), block_size)))
+    for packed, scales, values in results[1:]:
+        assert torch.equal(packed, results[0][0]) and torch.equal(scales, results[0][1])
+        assert same_bits(values, results[0][2])
+    uniforms = torch.rand(x.numel(), generator=torch.Generator().manual_seed(1))
+    ref_packed, _ = quantize_int4_reference(x, block_size, "float16", uniforms)
+    assert torch.equal(results[0][0], ref_packed)
+
+
+# ---------------------------------------------------------------------------------------
+# Encode / decode and every validation failure
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (3, 5), (2, 3, 65), (129,)])
+def test_encode_decode_round_trip_odd_lengths_and_partial_blocks(path, shape):
+    x = sample(math.prod(shape), 11).reshape(shape)
+    with kernel_path(path):
+        encoded = encode("w", x)
+        y = decode(encoded.spec, encoded.payload)
+        packed, scales = quantize_int4_reference(x, 64, "float16")
+    spec = encoded.spec
+    assert (spec.name, spec.shape, spec.dtype, spec.encoding) == ("w", shape, "float32", "int4")
+    assert spec.byte_length == len(encoded.payload) == (x.numel() + 1) // 2 + 2 * -(-x.numel() // 64)
+    assert spec.checksum == checksum(encoded.payload)
+    assert y.shape == shape and same_bits(y.reshape(-1), dequantize_int4_reference(packed, scales, x.numel(), 64))
+    if x.numel() % 2:
+        assert encoded.payload[x.numel() // 2] >> 4 == 0  # the unused high nibble
+
+
+def test_payload_layout_is_nibbles_then_little_endian_scales():
+    x = torch.tensor([7.0, -1.0, 2.0])  # scale 1: q = 7, -1, 2
+    encoded = encode("w", x, block_size=4, scale_dtype="float16")
+    assert encoded.payload == bytes([0x07 | 0xF0, 0x02]) + np.float16(1.0).astype("<f2").tobytes()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp32_encoding_round_trip_is_exact(path):
+    x = torch.tensor([[0.0, -0.0, 1e-45, -3.4e38], [1.0 / 3, 65505.0, -1e-40, 2.0**-149]])
+    with kernel_path(path):
+        encoded = encode("w", x, encoding="fp32")
+        y = decode(encoded.spec, encoded.payload)
+    assert (encoded.spec.block_size, encoded.spec.scale_dtype) == (0, "")
+    assert encoded.payload == x.numpy().astype("<f4").tobytes()
+    assert same_bits(y, x)
+
+
+def test_encode_accepts_other_float_dtypes_and_rejects_integers():
+    x = sample(100, 2).to(torch.bfloat16)
+    assert same_bits(decode(*_spec_payload(encode("w", x, encoding="fp32"))), x.float())
+    with pytest.raises(CodecError, match="'ids'.*floating point"):
+        encode("ids", torch.arange(4))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("encoding", ["int4", "fp32"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("position", [0, 63, 64, 130, 200])
+def test_nan_and_inf_are_rejected_naming_tensor_and_element(path, encoding, bad, position):
+    x = sample(201, 4)
+    x[position] = bad
+    with kernel_path(path), pytest.raises(CodecError, match=rf"tensor 'w\.b': element {position} is {bad}"):
+        encode("w.b", x, encoding=encoding)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_is_found_whatever_the_block_size(path):
+    for block_size in (1, 3, 16, 17, 64, 100):
+        for position in (0, 15, 16, 47, 48, 99):
+            x = sample(100, position)
+            x[position] = math.nan
+            with kernel_path(path), pytest.raises(CodecError, match=f"element {position} is nan"):
+                quantize_int4(x, block_size, "float32", name="w")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float16_scale_overflow_suggests_float32(path):
+    x = sample(128, 1)
+    x[70] = 1e6
+    with kernel_path(path), pytest.raises(CodecError, match=r"tensor 'w': block 1 .*float16.*scale_dtype='float32'"):
+        encode("w", x)
+    with kernel_path(path):
+        y = decode(*_spec_payload(encode("w", x, scale_dtype="float32")))
+    assert abs(float(y[70]) - 1e6) <= 1e6 / 14
+
+
+@pytest.fixture(scope="module")
+def encoded():
+    return encode("layer.w", sample(300, 9).reshape(10, 30), block_size=64)
+
+
+def _with_checksum(spec, payload):
+    return dataclasses.replace(spec, checksum=checksum(payload))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_any_single_corrupted_byte_is_detected(encoded, data):
+    position = data.draw(st.integers(0, encoded.spec.byte_length - 1))
+    flip = data.draw(st.integers(1, 255))
+    corrupted = bytearray(encoded.payload)
+    corrupted[position] ^= flip
+    with pytest.raises(CodecError, match=r"tensor 'layer.w': checksum mismatch \(expected 0x[0-9a-f]{8}, got 0x"):
+        decode(encoded.spec, bytes(corrupted))
+
+
+@pytest.mark.parametrize("payload_change", [lambda p: p[:-1], lambda p: p + b"\0", lambda p: b""])
+def test_truncated_or_extended_payload(encoded, payload_change):
+    payload = payload_change(encoded.payload)
+    with pytest.raises(CodecError, match=rf"'layer.w': payload is {len(payload)} bytes, expected 160"):
+        decode(encoded.spec, payload)
+
+
+def test_shape_that_does_not_match_the_byte_length(encoded):
+    spec = dataclasses.replace(encoded.spec, shape=(10, 31))
+    with pytest.raises(CodecError, match=r"shape \(10, 31\) .* needs 165 payload bytes, but byte_length says 160"):
+        decode(spec, encoded.payload)
+    for shape in [(10, -30), (10.0, 30), [10, 30]]:
+        with pytest.raises(CodecError, match="shape"):
+            decode(dataclasses.replace(encoded.spec, shape=shape), encoded.payload)
+
+
+def test_wrong_block_size(encoded):
+    spec = dataclasses.replace(encoded.spec, block_size=32)
+    message = r"block size 32, float16 scales\) needs 170 payload bytes, but byte_length says 160"
+    with pytest.raises(CodecError, match=message):
+        decode(spec, encoded.payload)
+    for bad in (0, -64, 64.0, True):
+        with pytest.raises(CodecError, match="block size must be a positive integer"):
+            decode(dataclasses.replace(encoded.spec, block_size=bad), encoded.payload)
+    with pytest.raises(CodecError, match="block size 64 does not match the configured 128"):
+        decode(encoded.spec, encoded.payload, block_size=128)
+
+
+def test_wrong_scale_dtype_dtype_or_encoding(encoded):
+    cases = [
+        (dict(scale_dtype="bfloat16"), "scale dtype must be one of"),
+        (dict(scale_dtype="float32"), "float32 scales\\) needs 170 payload bytes"),
+        (dict(dtype="float64"), "dtype 'float64' is not supported"),
+        (dict(encoding="int8"), "unknown encoding 'int8'"),
+        (dict(encoding="fp32"), "fp32 payloads have no blocks or scales"),
+    ]
+    for change, message in cases:
+        with pytest.raises(CodecError, match=message):
+            decode(dataclasses.replace(encoded.spec, **change), encoded.payload)
+    with pytest.raises(CodecError, match="scale dtype 'float16' does not match the configured 'float32'"):
+        decode(encoded.spec, encoded.payload, scale_dtype="float32")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("bad_scale", [math.nan, math.inf, -math.inf, -1.0])
+def test_non_finite_or_negative_scale_with_a_valid_checksum(path, scale_dtype, bad_scale):
+    encoded = encode("w", sample(200, 1), scale_dtype=scale_dtype)
+    width = 2 if scale_dtype == "float16" else 4
+    payload = bytearray(encoded.payload)
+    offset = 100 + 2 * width  # third block's scale
+    payload[offset : offset + width] = np.array([bad_scale], dtype=f"<f{width}").tobytes()
+    spec = _with_checksum(encoded.spec, payload)
+    out = torch.full((200,), 5.0)
+    with kernel_path(path), pytest.raises(CodecError, match=rf"tensor 'w': scale of block 2 is {bad_scale}"):
+        decode(spec, bytes(payload), out=out)
+    assert bool((out == 5.0).all())  # nothing written before the checks passed
+
+
+def test_negative_zero_scale_is_accepted():
+    encoded = encode("w", torch.zeros(64))
+    payload = bytearray(encoded.payload)
+    payload[32:34] = b"\x00\x80"
+    assert torch.equal(decode(_with_checksum(encoded.spec, payload), bytes(payload)), torch.zeros(64))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_into_out_and_from_a_memoryview_slice(path):
+    x = sample(1000, 8).reshape(10, 100)
+    with kernel_path(path):
+        # Doubling x doubles every float16 scale exactly and keeps every q.
+        a, b = encode("a", x), encode("b", x * 2)
+        stream = memoryview(a.payload + b.payload)
+        out = torch.empty(1000)
+        y = decode(b.spec, stream[a.spec.byte_length :], out=out)
+        assert y.data_ptr() == out.data_ptr()
+        assert same_bits(decode(a.spec, stream[: a.spec.byte_length]) * 2, y)
+
+
+def test_encode_quantized_sends_exactly_what_was_applied():
+    x = sample(333, 6).reshape(3, 111)
+    packed, scales = quantize_int4(x.reshape(-1), 64, "float16", torch.Generator().manual_seed(3))
+    applied = dequantize_int4(packed, scales, x.numel(), 64).reshape(x.shape)
+    encoded = encode_quantized("u", (3, 111), packed, scales, 64, "float16")
+    assert encoded.spec.byte_length == expected_byte_length((3, 111), "int4", 64, "float16")
+    assert same_bits(decode(encoded.spec, encoded.payload), applied)
+    with pytest.raises(CodecError, match="scales are float16, not float32"):
+        encode_quantized("u", (3, 111), packed, scales, 64, "float32")
+    with pytest.raises(CodecError, match="do not match shape"):
+        encode_quantized("u", (3, 112), packed, scales, 64)
+
+
+def test_fallback_warns_once(caplog):
+    int4._warn_fallback.cache_clear()
+    with kernel_path("torch"), caplog.at_level(logging.WARNING, logger="diloco.codec.int4"):
+        quantize_int4(torch.ones(4))
+        quantize_int4(torch.ones(4))
+    assert len([r for r in caplog.records if "falls back to torch" in r.getMessage()]) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# zstd framing
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 30_000), max_size=6),
+    max_chunk_bytes=st.integers(4096, 20_000),
+    compressible=st.booleans(),
+    seed=seeds,
+)
+def test_frame_unframe_round_trip_within_chunk_limits(sizes, max_chunk_bytes, compressible, seed):
+    rng = np.random.default_rng(seed)
+    make = (lambda k: bytes(k)) if compressible else (lambda k: rng.bytes(k))
+    payloads = [make(k) for k in sizes]
+    chunks = list(frame(payloads, max_chunk_bytes=max_chunk_bytes, threads=2))
+    data = b"".join(payloads)
+    assert len(chunks) == -(-len(data) // chunk_payload_bytes(max_chunk_bytes))
+    for chunk in chunks:
+        assert len(chunk) <= max_chunk_bytes
+        assert 0 < zstandard.frame_content_size(chunk) <= max_chunk_bytes
+    assert unframe(chunks, len(data), max_chunk_bytes=max_chunk_bytes) == data
+
+
+def test_default_chunks_hold_at_most_one_mib_even_for_random_data():
+    payload = np.random.default_rng(0).bytes(3 << 20)
+    chunks = list(frame([payload, memoryview(payload)[:5]]))
+    assert max(map(len, chunks)) <= 1 << 20
+    assert all(zstandard.frame_content_size(c) <= 1 << 20 for c in chunks)
+    assert unframe(chunks, len(payload) + 5) == payload + payload[:5]
+
+
+@pytest.fixture(scope="module")
+def framed():
+    payload = encode("w", sample(40_000, 2)).payload
+    return payload, list(frame([payload], max_chunk_bytes=8192))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_a_corrupted_chunk_raises_and_never_returns_wrong_bytes(framed, data):
+    payload, chunks = framed
+    index = data.draw(st.integers(0, len(chunks) - 1))
+    position = data.draw(st.integers(0, len(chunks[index]) - 1))
+    flip = data.draw(st.integers(1, 255))
+    corrupted = bytearray(chunks[index])
+    corrupted[position] ^= flip
+    broken = chunks[:index] + [bytes(corrupted)] + chunks[index + 1 :]
+    try:
+        result = unframe(broken, len(payload), max_chunk_bytes=8192)
+    except CodecError as exc:
+        assert f"chunk {index}" in str(exc) or "stream" in str(exc)
+    else:  # e.g. a window-size byte: harmless, and the data must then be intact
+        assert result == payload
+
+
+def test_unframe_rejects_missing_extra_and_foreign_chunks(framed):
+    payload, chunks = framed
+    received = len(payload) - zstandard.frame_content_size(chunks[-1])
+    with pytest.raises(CodecError, match=f"stream ended after {received} of the expected {len(payload)} bytes"):
+        unframe(chunks[:-1], len(payload), max_chunk_bytes=8192)
+    with pytest.raises(CodecError, match=f"chunk {len(chunks)}: stream carries more than the expected"):
+        unframe(chunks + chunks[:1], len(payload), max_chunk_bytes=8192)
+    with pytest.raises(CodecError, match="chunk 0: not a zstd frame"):
+        unframe([b"definitely not zstd"], 10)
+    with pytest.raises(CodecError, match="chunk 0: .* exceeds the chunk limit 4096"):
+        unframe(chunks, len(payload), max_chunk_bytes=4096)
+    no_size = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    chunk = no_size.compress(b"abc") + no_size.flush()
+    with pytest.raises(CodecError, match="does not declare its content size"):
+        unframe([chunk], 3)
+    with pytest.raises(CodecError, match="is empty"):
+        unframe([zstandard.ZstdCompressor().compress(b"")], 0)
+    assert unframe([], 0) == b"" and list(frame([b"", b""])) == []
+
+
+def test_chunk_limit_must_leave_room():
+    with pytest.raises(ValueError, match="at least 4096"):
+        list(frame([b"x"], max_chunk_bytes=100))
+    assert (1 << 20) - chunk_payload_bytes(1 << 20) < 8192
+
+
+def test_spec_is_plain_data():
+    spec = TensorSpec("w", (2,), "float32", "int4", 64, "float16", 3, 0)
+    assert spec.numel == 2 and hash(spec) == hash(dataclasses.replace(spec))

@@ -1,0 +1,54 @@
+"""Architectural rule: core modules and the shared kernel never import grpc or protos."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "diloco.v1", "opentelemetry")
+# The kernel's own service-side modules, allowed to touch grpc/protos.
+KERNEL_SERVICE_MODULES = {"rpc.py", "convert.py", "cli.py"}
+
+
+def core_modules():
+    for path in sorted((ROOT / "diloco").rglob("*.py")):
+        rel = path.relative_to(ROOT / "diloco")
+        if rel.parts[0] in ("v1", "bench") or rel.name in KERNEL_SERVICE_MODULES:
+            continue
+        yield path
+    for package in ("learner", "syncer", "coordinator"):
+        yield from sorted((ROOT / package).rglob("core*.py"))
+        core_dir = ROOT / package / "core"
+        if core_dir.is_dir():
+            yield from sorted(core_dir.rglob("*.py"))
+
+
+def imported_modules(path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_core_does_not_import_grpc_or_protos():
+    modules = list(core_modules())
+    assert any(p.name == "fragments.py" for p in modules)
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in modules
+        for name in imported_modules(path)
+        if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+    ]
+    assert not offenders, offenders
+
+
+def test_only_cli_reads_environment():
+    offenders = []
+    for package in ("diloco", "learner", "syncer", "coordinator"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.name == "cli.py" or "v1" in path.parts:
+                continue
+            if "os.environ" in path.read_text() or "getenv(" in path.read_text():
+                offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, offenders
