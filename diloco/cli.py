@@ -54,6 +54,24 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     codec.set_defaults(func=_bench_codec)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from diloco import simulate
+
+    return simulate.run(args)
+
+
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    from diloco.simulate import add_arguments
+
+    parser = commands.add_parser(
+        "simulate",
+        help="goodput and uptime of DP, elastic DP and Decoupled DiLoCo at scale (discrete-event simulation)",
+        description="Simulate chip failures at the paper's scale and report goodput and uptime.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=_simulate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco",
@@ -68,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(commands)
+    _add_simulate(commands)
     return parser
 
 
