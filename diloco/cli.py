@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from diloco import __version__
 from diloco.errors import DilocoError
@@ -26,6 +28,13 @@ def _bench_codec(args: argparse.Namespace) -> int:
 
     result = codec.run(size_mib=args.size_mib, repeats=args.repeats)
     _print_result(result, args.json)
+    return 0
+
+
+def _bench_syncer(args: argparse.Namespace) -> int:
+    from diloco.bench import syncer
+
+    _print_result(syncer.run(params=args.params, learners=args.learners, rounds=args.rounds), args.json)
     return 0
 
 
@@ -52,6 +61,12 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     codec.add_argument("--repeats", type=int, default=5, help="timed repetitions; the best is reported")
     codec.add_argument("--json", action="store_true", help="print one JSON object")
     codec.set_defaults(func=_bench_codec)
+    sync = kinds.add_parser("syncer", help="one shard's ingress vs raw loopback TCP, merge time vs memcpy, memory")
+    sync.add_argument("--params", type=int, default=4 * 1024 * 1024, help="parameters of the shard's fragment (default 4Mi)")
+    sync.add_argument("--learners", type=int, default=8, help="client processes pushing (default 8)")
+    sync.add_argument("--rounds", type=int, default=10, help="rounds to measure (default 10)")
+    sync.add_argument("--json", action="store_true", help="print one JSON object")
+    sync.set_defaults(func=_bench_syncer)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -72,6 +87,186 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_simulate)
 
 
+def _add_run_config(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("run (must match across every process of a run)")
+    group.add_argument("--run-config", metavar="FILE", help="JSON run config (as written by diloco local); overrides the flags below")
+    group.add_argument("--width", type=int, default=128, help="model width (default 128)")
+    group.add_argument("--depth", type=int, default=2, help="transformer blocks (default 2)")
+    group.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    group.add_argument("--context", type=int, default=128, help="tokens per sequence (default 128)")
+    group.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
+    group.add_argument("--fragments", type=int, default=4, help="P: fragments the model is cut into (default 4)")
+    group.add_argument("--sync-every", type=int, default=4, help="H: inner steps between two sends of a fragment (default 4)")
+    group.add_argument("--overlap", type=int, default=2, help="tau: inner steps before a reply is needed (default 2)")
+    group.add_argument("--alpha", type=float, default=0.0, help="merge alpha when applying a reply (default 0: overwrite)")
+    group.add_argument("--synthetic-params", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _run_config(args: argparse.Namespace):
+    from diloco.config import RunConfig
+    from diloco.errors import InvalidArgument, NotFound
+    from diloco.model import ModelConfig
+
+    if args.run_config:
+        try:
+            text = Path(args.run_config).read_text()
+        except OSError as error:
+            raise NotFound(f"cannot read run config {args.run_config}: {error.strerror}") from None
+        return RunConfig.from_json(text)
+    try:
+        model = ModelConfig(width=args.width, depth=args.depth, heads=args.heads, context=args.context, seed=args.seed)
+    except TypeError as error:  # pragma: no cover - argparse gives ints
+        raise InvalidArgument(str(error)) from None
+    return RunConfig(
+        model=model,
+        fragments=args.fragments,
+        sync_every_steps=args.sync_every,
+        overlap_steps=args.overlap,
+        merge_alpha=args.alpha,
+        synthetic_params=args.synthetic_params,
+    )
+
+
+def _secret(args: argparse.Namespace) -> str:
+    from diloco.errors import InvalidArgument, NotFound
+
+    if args.secret_file:
+        try:
+            secret = Path(args.secret_file).read_text().strip()
+        except OSError as error:
+            raise NotFound(f"cannot read secret file {args.secret_file}: {error.strerror}") from None
+    else:
+        secret = os.environ.get("DILOCO_SECRET", "")
+    if not secret:
+        raise InvalidArgument("no run secret: pass --secret-file PATH or set DILOCO_SECRET")
+    return secret
+
+
+def _grace(value: str) -> tuple[str, float]:
+    if value in ("auto", "off"):
+        return value, 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"grace must be auto, off or seconds, got {value!r}") from None
+    if not (seconds >= 0 and seconds != float("inf")):
+        raise argparse.ArgumentTypeError(f"grace seconds must be finite and >= 0, got {value!r}")
+    return "fixed", seconds
+
+
+def _syncer(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from syncer.config import MergeConfig, RoundConfig, SyncerConfig
+    from syncer.server import ShardServerConfig, run_shard
+
+    run = _run_config(args)
+    grace_mode, grace_s = args.grace
+    cfg = SyncerConfig(
+        shard_id=args.shard_id,
+        num_shards=args.shards,
+        rounds=RoundConfig(
+            quorum=args.quorum,
+            grace_mode=grace_mode,
+            grace_fixed_s=grace_s,
+            grace_gamma=args.grace_gamma,
+            grace_max_s=args.grace_max_s,
+            overlap_steps=run.overlap_steps,
+        ),
+        merge=MergeConfig(
+            merge=args.merge,
+            staleness_lambda=args.staleness_lambda,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            block_size=args.block_size,
+            scale_dtype=args.scale_dtype,
+            update_chain_length=args.chain,
+        ),
+        max_push_bytes=args.max_push_mib * 1024 * 1024,
+    )
+    server_cfg = ShardServerConfig(
+        secret=_secret(args),
+        host=args.host,
+        port=args.port,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        static_learners=tuple(x for x in args.learners.split(",") if x) if args.learners else (),
+        coordinator=args.coordinator,
+    )
+    return asyncio.run(run_shard(run, cfg, server_cfg, Path(args.port_file) if args.port_file else None))
+
+
+def _add_syncer(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "syncer",
+        help="run one syncer shard (CPU parameter server owning fragments p with p mod S == shard id)",
+        description="Run one syncer shard. SIGTERM closes open rounds, answers waiting pushes, flushes the tape, exits 0.",
+    )
+    p.add_argument("--shard-id", type=int, default=0, help="this shard's id m (default 0)")
+    p.add_argument("--shards", type=int, default=1, help="S: number of shards (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
+    p.add_argument("--port-file", help="write HOST:PORT here once serving")
+    p.add_argument("--data-dir", help="directory for the event tape (default: keep no tape)")
+    p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
+    p.add_argument("--learners", help="static live learners, e.g. L0,L1 (when there is no coordinator)")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="follow this coordinator's membership stream")
+    p.add_argument("--quorum", type=int, default=1, help="K: pushes needed before the grace window (default 1)")
+    p.add_argument("--grace", type=_grace, default=("auto", 0.0), help="auto (default), off, or fixed SECONDS")
+    p.add_argument("--grace-gamma", type=float, default=0.5, help="share of the estimated slack granted (default 0.5)")
+    p.add_argument("--grace-max-s", type=float, default=5.0, help="upper bound of the adaptive grace (default 5 s)")
+    p.add_argument("--merge", choices=["rda", "mean"], default="rda", help="merge of non-embedding pieces (default rda)")
+    p.add_argument("--staleness-lambda", type=float, default=0.0, help="staleness discount lambda (default 0: off)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (default 0.9)")
+    p.add_argument("--block-size", type=int, default=64, help="int4 block size (default 64)")
+    p.add_argument("--scale-dtype", choices=["float16", "float32"], default="float16", help="int4 scale dtype")
+    p.add_argument("--chain", type=int, default=4, help="int4 updates kept per fragment (default 4)")
+    p.add_argument("--max-push-mib", type=int, default=512, help="largest accepted push, MiB (default 512)")
+    _add_run_config(p)
+    p.set_defaults(func=_syncer)
+
+
+def _tape_show(args: argparse.Namespace) -> int:
+    from diloco.tape import read_tape
+
+    records = list(read_tape(args.path))
+    if args.kind:
+        records = [r for r in records if r["kind"] in args.kind]
+    if args.json:
+        print(json.dumps(records))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=True, header_style="bold", title=str(args.path))
+    for column in ("t", "kind", "learner", "fragment", "version", "detail"):
+        table.add_column(column)
+    start = records[0]["t"] if records else 0.0
+    for r in records:
+        version = r.get("version", r.get("target_version", ""))
+        if r["kind"] == "round":
+            detail = f"{len(r['participants'])} learners, {r['reason']}, merge {r['merge_s'] * 1e3:.1f} ms"
+        elif r["kind"] == "push":
+            detail = f"base {r['base_version']}, {r['tokens']} tokens / {r['steps']} steps, {r['bytes']} B, {r['outcome']}"
+        else:
+            detail = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("t", "kind", "learner", "fragment"))
+        table.add_row(
+            f"{r['t'] - start:9.3f}", r["kind"], str(r.get("learner", "")), str(r.get("fragment", "")), str(version), detail
+        )
+    Console().print(table)
+    return 0
+
+
+def _add_tape(commands: argparse._SubParsersAction) -> None:
+    tape = commands.add_parser("tape", help="read a shard's event tape")
+    verbs = tape.add_subparsers(dest="tape", required=True, metavar="VERB")
+    show = verbs.add_parser("show", help="print a tape as a table (or JSON)")
+    show.add_argument("path", type=Path, help="tape file (tape-S<m>.jsonl in a shard's data directory)")
+    show.add_argument("--kind", action="append", help="only these record kinds (repeatable): push, round, membership, ...")
+    show.add_argument("--json", action="store_true", help="print the records as one JSON list")
+    show.set_defaults(func=_tape_show)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco",
@@ -86,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(commands)
+    _add_syncer(commands)
+    _add_tape(commands)
     _add_simulate(commands)
     return parser
 

@@ -380,10 +380,71 @@ typedef struct {
     int scale_size;
     size_t block_begin, block_end;
     float *out;
+    /* mode 0: out = q*s; mode 1: out += alpha * (q*s); mode 2: sum of (q*s)^2 into sumsq */
+    int mode;
+    float alpha;
+    double sumsq;
 } DequantJob;
+
+/* out[i] += alpha * (q*s) for one block: the merge accumulates decoded deltas without
+ * materialising them (one pass over the int4 bytes instead of decode + add). */
+static void axpy_pairs(const unsigned char *restrict in, size_t pairs, float s, float a, float *restrict out) {
+    for (size_t j = 0; j < pairs; j++) {
+        uint32_t b = in[j];
+        out[2 * j] += a * ((float)NIBBLE_LO(b) * s);
+        out[2 * j + 1] += a * ((float)NIBBLE_HI(b) * s);
+    }
+}
+
+static void axpy_block(const DequantJob *job, size_t start, size_t end, float s) {
+    const float a = job->alpha;
+    size_t i = start;
+    if (i & 1) {
+        job->out[i] += a * ((float)NIBBLE_HI(job->packed[i >> 1]) * s);
+        i++;
+    }
+    size_t pairs = (end - i) / 2;
+    axpy_pairs(job->packed + (i >> 1), pairs, s, a, job->out + i);
+    i += 2 * pairs;
+    if (i < end) job->out[i] += a * ((float)NIBBLE_LO(job->packed[i >> 1]) * s);
+}
+
+static double sumsq_block(const DequantJob *job, size_t start, size_t end, float s) {
+    int32_t acc = 0; /* at most 64 * block elements: no overflow for any sane block size */
+    size_t i = start;
+    if (i & 1) {
+        int32_t q = NIBBLE_HI(job->packed[i >> 1]);
+        acc += q * q;
+        i++;
+    }
+    size_t pairs = (end - i) / 2;
+    const unsigned char *in = job->packed + (i >> 1);
+    for (size_t j = 0; j < pairs; j++) {
+        int32_t lo = NIBBLE_LO(in[j]), hi = NIBBLE_HI(in[j]);
+        acc += lo * lo + hi * hi;
+    }
+    i += 2 * pairs;
+    if (i < end) {
+        int32_t q = NIBBLE_LO(job->packed[i >> 1]);
+        acc += q * q;
+    }
+    return (double)acc * (double)s * (double)s;
+}
 
 static void dequantize_range(DequantJob *job) {
     const size_t B = job->block_size;
+    if (job->mode != 0) {
+        for (size_t b = job->block_begin; b < job->block_end; b++) {
+            size_t start = b * B;
+            size_t end = start + B < job->n ? start + B : job->n;
+            float s = load_scale(job->scales, b, job->scale_size);
+            if (job->mode == 1)
+                axpy_block(job, start, end, s);
+            else
+                job->sumsq += sumsq_block(job, start, end, s);
+        }
+        return;
+    }
     for (size_t b = job->block_begin; b < job->block_end; b++) {
         size_t start = b * B;
         size_t end = start + B < job->n ? start + B : job->n;
@@ -574,6 +635,11 @@ PyDoc_STRVAR(dequantize_doc,
 "Writes numel float32 values float(q) * scale into the writable buffer out. The caller\n"
 "has already checked that every scale is finite and non-negative.");
 
+/* Shared by dequantize (mode 0) and sumsq (mode 2, out is None); mode 1 (axpy) is used
+ * block by block by axpy_many. */
+static PyObject *dequantize_mode(PyObject *packed_obj, PyObject *scales_obj, Py_ssize_t n, Py_ssize_t block_size,
+                                 int scale_size, PyObject *out_obj, int threads, int mode, float alpha);
+
 static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     PyObject *packed_obj, *scales_obj, *out_obj;
     Py_ssize_t n, block_size;
@@ -581,6 +647,24 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOnniOi", &packed_obj, &scales_obj, &n, &block_size, &scale_size, &out_obj,
                           &threads))
         return NULL;
+    return dequantize_mode(packed_obj, scales_obj, n, block_size, scale_size, out_obj, threads, 0, 0.0f);
+}
+
+PyDoc_STRVAR(sumsq_doc,
+"sumsq(packed, scales, numel, block_size, scale_size, threads) -> float\n\n"
+"Sum of (float(q) * scale)^2 in double precision: the squared norm of the decoded tensor.");
+
+static PyObject *py_sumsq(PyObject *self, PyObject *args) {
+    PyObject *packed_obj, *scales_obj;
+    Py_ssize_t n, block_size;
+    int scale_size, threads;
+    if (!PyArg_ParseTuple(args, "OOnnii", &packed_obj, &scales_obj, &n, &block_size, &scale_size, &threads))
+        return NULL;
+    return dequantize_mode(packed_obj, scales_obj, n, block_size, scale_size, NULL, threads, 2, 0.0f);
+}
+
+static PyObject *dequantize_mode(PyObject *packed_obj, PyObject *scales_obj, Py_ssize_t n, Py_ssize_t block_size,
+                                 int scale_size, PyObject *out_obj, int threads, int mode, float alpha) {
     if (check_common(n, block_size, scale_size, threads) < 0) return NULL;
     size_t blocks = ((size_t)n + (size_t)block_size - 1) / (size_t)block_size;
 
@@ -590,8 +674,11 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     if (check_len(&pv, (n + 1) / 2, "packed") < 0) goto done;
     if (PyObject_GetBuffer(scales_obj, &sv, PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (check_len(&sv, (Py_ssize_t)blocks * scale_size, "scales") < 0) goto done;
-    if (PyObject_GetBuffer(out_obj, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
-    if (check_len(&ov, n * 4, "out") < 0) goto done;
+    if (out_obj != NULL) {
+        if (PyObject_GetBuffer(out_obj, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+        if (check_len(&ov, n * 4, "out") < 0) goto done;
+    }
+    double total = 0.0;
 
     if (n > 0) {
         size_t bounds[MAX_THREADS + 1];
@@ -607,13 +694,17 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
                 .block_begin = bounds[t],
                 .block_end = bounds[t + 1],
                 .out = (float *)ov.buf,
+                .mode = mode,
+                .alpha = alpha,
+                .sumsq = 0.0,
             };
         }
         Py_BEGIN_ALLOW_THREADS
         run_ranges(dequantize_range_v, jobs, sizeof(DequantJob), count);
         Py_END_ALLOW_THREADS
+        for (size_t t = 0; t < count; t++) total += jobs[t].sumsq;
     }
-    result = Py_NewRef(Py_None);
+    result = mode == 2 ? PyFloat_FromDouble(total) : Py_NewRef(Py_None);
 
 done:
     if (pv.obj) PyBuffer_Release(&pv);
@@ -622,9 +713,317 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* Many inputs at once: out += sum_k alpha_k * dequant(q_k). Each output block stays in L1
+ * while every input adds into it, so memory traffic is one read+write of out plus one
+ * read of each (8x smaller) int4 input, instead of one read+write of out per input. */
+
+#define MAX_INPUTS 1024
+
+typedef struct {
+    const unsigned char **packed;
+    const unsigned char **scales;
+    const float *alphas;
+    size_t inputs;
+    size_t n;
+    size_t block_size;
+    int scale_size;
+    size_t block_begin, block_end;
+    float *out;
+    int overwrite; /* out = sum instead of out += sum */
+    double sumsq;  /* of the resulting out over this range */
+} ManyJob;
+
+#define MANY_CHUNK 256 /* elements summed in registers/L1 before touching out */
+
+/* acc[0..len) += f * q for the nibbles of in (len even; element 2j in the low nibble). */
+static inline void madd_nibbles(const unsigned char *restrict in, size_t len, float f, float *restrict acc) {
+    size_t i = 0;
+#ifdef HAVE_SSE2_KERNEL
+    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128 vf = _mm_set1_ps(f);
+    for (; i + 32 <= len; i += 32) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(in + i / 2));
+        __m128i lo = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(bytes, mask), eight), eight);
+        __m128i hi = _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), eight), eight);
+        __m128i halves[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)}; /* elements in order */
+        for (int h = 0; h < 2; h++) {
+            __m128i w0 = _mm_srai_epi16(_mm_unpacklo_epi8(halves[h], halves[h]), 8);
+            __m128i w1 = _mm_srai_epi16(_mm_unpackhi_epi8(halves[h], halves[h]), 8);
+            __m128i d[4] = {
+                _mm_srai_epi32(_mm_unpacklo_epi16(w0, w0), 16), _mm_srai_epi32(_mm_unpackhi_epi16(w0, w0), 16),
+                _mm_srai_epi32(_mm_unpacklo_epi16(w1, w1), 16), _mm_srai_epi32(_mm_unpackhi_epi16(w1, w1), 16),
+            };
+            float *a = acc + i + 16 * h;
+            for (int q = 0; q < 4; q++)
+                _mm_storeu_ps(a + 4 * q, _mm_add_ps(_mm_loadu_ps(a + 4 * q), _mm_mul_ps(_mm_cvtepi32_ps(d[q]), vf)));
+        }
+    }
+#endif
+    for (; i < len; i += 2) {
+        uint32_t b = in[i / 2];
+        acc[i] += (float)NIBBLE_LO(b) * f;
+        acc[i + 1] += (float)NIBBLE_HI(b) * f;
+    }
+}
+
+static void axpy_many_range(void *arg) {
+    ManyJob *job = (ManyJob *)arg;
+    const size_t B = job->block_size;
+    float acc[MANY_CHUNK];
+    for (size_t b = job->block_begin; b < job->block_end; b++) {
+        size_t start = b * B;
+        size_t end = start + B < job->n ? start + B : job->n;
+        if ((start & 1) == 0) {
+            /* Even start: unpack each input's chunk with its folded factor alpha*scale
+             * (the merge needs no bit-exactness), sum in acc, add to out once. */
+            for (size_t c0 = start; c0 < end; c0 += MANY_CHUNK) {
+                size_t len = end - c0 < MANY_CHUNK ? end - c0 : MANY_CHUNK;
+                size_t pairs = len / 2;
+                for (size_t i = 0; i < len; i++) acc[i] = 0.0f;
+                for (size_t k = 0; k < job->inputs; k++) {
+                    float f = job->alphas[k] * load_scale(job->scales[k], b, job->scale_size);
+                    const unsigned char *in = job->packed[k] + (c0 >> 1);
+                    madd_nibbles(in, 2 * pairs, f, acc);
+                    if (len & 1) acc[len - 1] += (float)NIBBLE_LO(in[pairs]) * f;
+                }
+                float *out = job->out + c0;
+                double ss = 0.0;
+                if (job->overwrite)
+                    for (size_t i = 0; i < len; i++) out[i] = acc[i];
+                else
+                    for (size_t i = 0; i < len; i++) out[i] += acc[i];
+                for (size_t i = 0; i < len; i++) ss += (double)out[i] * (double)out[i];
+                job->sumsq += ss;
+            }
+            continue;
+        }
+        if (job->overwrite)
+            for (size_t i = start; i < end; i++) job->out[i] = 0.0f;
+        for (size_t k = 0; k < job->inputs; k++) {
+            DequantJob one = {
+                .packed = job->packed[k], .scales = job->scales[k], .n = job->n, .block_size = B,
+                .scale_size = job->scale_size, .out = job->out, .mode = 1, .alpha = job->alphas[k],
+            };
+            axpy_block(&one, start, end, load_scale(job->scales[k], b, job->scale_size));
+        }
+        for (size_t i = start; i < end; i++) job->sumsq += (double)job->out[i] * (double)job->out[i];
+    }
+}
+
+PyDoc_STRVAR(axpy_many_doc,
+"axpy_many(packed_list, scales_list, alphas, numel, block_size, scale_size, out, threads, overwrite)\n"
+"    -> float\n\n"
+"out (+)= sum_k alphas[k] * (float(q_k) * scale_k) in one pass over out; returns the\n"
+"squared norm of the resulting out.");
+
+static PyObject *py_axpy_many(PyObject *self, PyObject *args) {
+    PyObject *packed_seq, *scales_seq, *alpha_seq, *out_obj;
+    Py_ssize_t n, block_size;
+    int scale_size, threads;
+    int overwrite;
+    if (!PyArg_ParseTuple(args, "OOOnniOip", &packed_seq, &scales_seq, &alpha_seq, &n, &block_size, &scale_size,
+                          &out_obj, &threads, &overwrite))
+        return NULL;
+    if (check_common(n, block_size, scale_size, threads) < 0) return NULL;
+    PyObject *pf = PySequence_Fast(packed_seq, "packed_list must be a sequence");
+    PyObject *sf = pf ? PySequence_Fast(scales_seq, "scales_list must be a sequence") : NULL;
+    PyObject *af = sf ? PySequence_Fast(alpha_seq, "alphas must be a sequence") : NULL;
+    Py_ssize_t k = af ? PySequence_Fast_GET_SIZE(pf) : 0;
+    PyObject *result = NULL;
+    Py_buffer *views = NULL;
+    Py_ssize_t got = 0;
+    Py_buffer ov = {0};
+    const unsigned char **packed = NULL, **scales = NULL;
+    float *alphas = NULL;
+    double total = 0.0;
+    if (!af) goto done;
+    if (PySequence_Fast_GET_SIZE(sf) != k || PySequence_Fast_GET_SIZE(af) != k || k > MAX_INPUTS) {
+        PyErr_SetString(PyExc_ValueError, "packed_list, scales_list and alphas must have the same length (<= 1024)");
+        goto done;
+    }
+    size_t blocks = ((size_t)n + (size_t)block_size - 1) / (size_t)block_size;
+    views = PyMem_Calloc((size_t)(2 * k + 1), sizeof(Py_buffer));
+    packed = PyMem_Calloc((size_t)k + 1, sizeof(*packed));
+    scales = PyMem_Calloc((size_t)k + 1, sizeof(*scales));
+    alphas = PyMem_Calloc((size_t)k + 1, sizeof(*alphas));
+    if (!views || !packed || !scales || !alphas) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(pf, i), &views[got], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        got++;
+        if (check_len(&views[got - 1], (n + 1) / 2, "packed") < 0) goto done;
+        packed[i] = (const unsigned char *)views[got - 1].buf;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(sf, i), &views[got], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        got++;
+        if (check_len(&views[got - 1], (Py_ssize_t)blocks * scale_size, "scales") < 0) goto done;
+        scales[i] = (const unsigned char *)views[got - 1].buf;
+        double a = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(af, i));
+        if (a == -1.0 && PyErr_Occurred()) goto done;
+        alphas[i] = (float)a;
+    }
+    if (PyObject_GetBuffer(out_obj, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (check_len(&ov, n * 4, "out") < 0) goto done;
+    if (n > 0 && k > 0) {
+        size_t bounds[MAX_THREADS + 1];
+        size_t count = plan_ranges((size_t)n, (size_t)block_size, (size_t)threads, bounds);
+        ManyJob jobs[MAX_THREADS];
+        for (size_t t = 0; t < count; t++) {
+            jobs[t] = (ManyJob){
+                .packed = packed, .scales = scales, .alphas = alphas, .inputs = (size_t)k, .n = (size_t)n,
+                .block_size = (size_t)block_size, .scale_size = scale_size,
+                .block_begin = bounds[t], .block_end = bounds[t + 1], .out = (float *)ov.buf,
+                .overwrite = overwrite, .sumsq = 0.0,
+            };
+        }
+        Py_BEGIN_ALLOW_THREADS
+        run_ranges(axpy_many_range, jobs, sizeof(ManyJob), count);
+        Py_END_ALLOW_THREADS
+        for (size_t t = 0; t < count; t++) total += jobs[t].sumsq;
+    } else if (n > 0 && overwrite) {
+        memset(ov.buf, 0, (size_t)n * 4);
+    }
+    result = PyFloat_FromDouble(total);
+
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    if (ov.obj) PyBuffer_Release(&ov);
+    PyMem_Free(views);
+    PyMem_Free(packed);
+    PyMem_Free(scales);
+    PyMem_Free(alphas);
+    Py_XDECREF(pf);
+    Py_XDECREF(sf);
+    Py_XDECREF(af);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* The shard's outer step, fused, block by block (one pass over four fp32 arrays):      */
+/*   d = c*delta; m = mu*m + d; step = lr*(d + mu*m); u = r - step;                      */
+/*   q = int4(u) (exactly as quantize); a = float(q)*scale (exactly as dequantize);     */
+/*   r = u - a; p += a.                                                                  */
+
+#define OUTER_MAX_BLOCK 1024
+
+typedef struct {
+    const float *delta;
+    float *momentum, *residual, *params;
+    unsigned char *packed, *scales;
+    size_t n, block_size;
+    int scale_size;
+    float c, lr, mu;
+    size_t block_begin, block_end;
+    int status;
+} OuterJob;
+
+static void outer_range(void *arg) {
+    OuterJob *job = (OuterJob *)arg;
+    const size_t B = job->block_size;
+    float u[OUTER_MAX_BLOCK];
+    job->status = STATUS_OK;
+    for (size_t b = job->block_begin; b < job->block_end; b++) {
+        size_t start = b * B;
+        size_t len = (start + B < job->n ? start + B : job->n) - start;
+        const float *d = job->delta + start;
+        float *m = job->momentum + start, *r = job->residual + start, *p = job->params + start;
+        for (size_t i = 0; i < len; i++) {
+            float di = job->c * d[i];
+            float mi = job->mu * m[i] + di;
+            m[i] = mi;
+            u[i] = r[i] - job->lr * (di + job->mu * mi);
+        }
+        QuantJob q = {.x = u, .u = NULL, .n = len, .block_size = B, .scale_size = job->scale_size,
+                      .packed = job->packed + start / 2, .scales = job->scales + b * (size_t)job->scale_size};
+        int status = quantize_block(&q, 0);
+        if (status != STATUS_OK) {
+            job->status = status;
+            return;
+        }
+        float sc = load_scale(job->scales, b, job->scale_size);
+        const unsigned char *in = job->packed + start / 2;
+        for (size_t j = 0; j < len / 2; j++) {
+            float a0 = (float)NIBBLE_LO(in[j]) * sc, a1 = (float)NIBBLE_HI(in[j]) * sc;
+            r[2 * j] = u[2 * j] - a0;
+            r[2 * j + 1] = u[2 * j + 1] - a1;
+            p[2 * j] += a0;
+            p[2 * j + 1] += a1;
+        }
+        if (len & 1) {
+            float a = (float)NIBBLE_LO(in[len / 2]) * sc;
+            r[len - 1] = u[len - 1] - a;
+            p[len - 1] += a;
+        }
+    }
+}
+
+PyDoc_STRVAR(outer_doc,
+"outer_step(delta, momentum, residual, params, packed, scales, numel, block_size, scale_size, c, lr, mu,\n"
+"           threads) -> int status\n\n"
+"The fused Nesterov step with int4 error feedback (see the comment in _int4.c). Even\n"
+"block_size <= 1024. Status 0 on success, else the quantize status of the first bad block.");
+
+static PyObject *py_outer_step(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    Py_ssize_t n, block_size;
+    int scale_size, threads;
+    float c, lr, mu;
+    if (!PyArg_ParseTuple(args, "OOOOOOnnifffi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &n,
+                          &block_size, &scale_size, &c, &lr, &mu, &threads))
+        return NULL;
+    if (check_common(n, block_size, scale_size, threads) < 0) return NULL;
+    if (block_size > OUTER_MAX_BLOCK || (block_size & 1)) {
+        PyErr_SetString(PyExc_ValueError, "outer_step needs an even block_size <= 1024");
+        return NULL;
+    }
+    size_t blocks = ((size_t)n + (size_t)block_size - 1) / (size_t)block_size;
+    Py_buffer v[6] = {{0}};
+    const Py_ssize_t lens[6] = {n * 4, n * 4, n * 4, n * 4, (n + 1) / 2, (Py_ssize_t)blocks * scale_size};
+    const char *names[6] = {"delta", "momentum", "residual", "params", "packed", "scales"};
+    PyObject *result = NULL;
+    int got = 0;
+    for (; got < 6; got++) {
+        int flags = PyBUF_C_CONTIGUOUS | (got == 0 ? 0 : PyBUF_WRITABLE);
+        if (PyObject_GetBuffer(objs[got], &v[got], flags) < 0) goto done;
+        if (check_len(&v[got], lens[got], names[got]) < 0) {
+            got++;
+            goto done;
+        }
+    }
+    int status = STATUS_OK;
+    if (n > 0) {
+        size_t bounds[MAX_THREADS + 1];
+        size_t count = plan_ranges((size_t)n, (size_t)block_size, (size_t)threads, bounds);
+        OuterJob jobs[MAX_THREADS];
+        for (size_t t = 0; t < count; t++) {
+            jobs[t] = (OuterJob){
+                .delta = (const float *)v[0].buf, .momentum = (float *)v[1].buf, .residual = (float *)v[2].buf,
+                .params = (float *)v[3].buf, .packed = (unsigned char *)v[4].buf, .scales = (unsigned char *)v[5].buf,
+                .n = (size_t)n, .block_size = (size_t)block_size, .scale_size = scale_size,
+                .c = c, .lr = lr, .mu = mu, .block_begin = bounds[t], .block_end = bounds[t + 1],
+            };
+        }
+        Py_BEGIN_ALLOW_THREADS
+        run_ranges(outer_range, jobs, sizeof(OuterJob), count);
+        Py_END_ALLOW_THREADS
+        for (size_t t = 0; t < count; t++)
+            if (jobs[t].status != STATUS_OK) status = jobs[t].status;
+    }
+    result = PyLong_FromLong(status);
+
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, quantize_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
+    {"axpy_many", py_axpy_many, METH_VARARGS, axpy_many_doc},
+    {"outer_step", py_outer_step, METH_VARARGS, outer_doc},
+    {"sumsq", py_sumsq, METH_VARARGS, sumsq_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -356,3 +356,58 @@ def dequantize_int4_reference(
     q = torch.nn.functional.pad(q, (0, nblocks * block_size - numel)).view(nblocks, block_size)
     values = q.float() * scales.reshape(-1).float()[:, None]
     return values.view(-1)[:numel].clone()
+
+
+def axpy_many_int4(
+    inputs: list[tuple[memoryview, memoryview]], alphas: list[float], numel: int, block_size: int, scale_dtype: str,
+    out: torch.Tensor, overwrite: bool = False,
+) -> float:
+    """``out (+)= sum_k alphas[k] * dequant(q_k)`` in one pass over ``out`` (the shard's
+    merge); returns the squared norm of the resulting ``out``. ``inputs`` are (packed,
+    scales) byte views that passed ``decode``'s checks."""
+    flat = out.view(-1)
+    if numel and _use_kernel():
+        return float(_kernel.axpy_many(
+            [p for p, _ in inputs], [s for _, s in inputs], [float(a) for a in alphas],
+            numel, block_size, _SCALE_BYTES[scale_dtype], flat.numpy(), _threads(), overwrite,
+        ))
+    if overwrite:
+        flat.zero_()
+    for (packed, scales), alpha in zip(inputs, alphas):
+        flat.add_(_dequantize(packed, scales, numel, block_size, scale_dtype, None), alpha=alpha)
+    return float(flat.double().square().sum())
+
+
+def sumsq_int4(
+    packed: np.ndarray | memoryview, scales: np.ndarray | memoryview, numel: int, block_size: int, scale_dtype: str
+) -> float:
+    """Squared norm of the decoded tensor, without decoding it (double precision)."""
+    if numel == 0:
+        return 0.0
+    if _use_kernel():
+        return float(_kernel.sumsq(packed, scales, numel, block_size, _SCALE_BYTES[scale_dtype], _threads()))
+    values = _dequantize(packed, scales, numel, block_size, scale_dtype, None).double()
+    return float(values.square().sum())
+
+
+def fused_outer_step(
+    delta: torch.Tensor, momentum: torch.Tensor, residual: torch.Tensor, params: torch.Tensor,
+    block_size: int, scale_dtype: str, c: float, lr: float, mu: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The shard's Nesterov step with int4 error feedback in one pass (see ``_int4.c``):
+    momentum, residual and params (flat float32, updated in place) and the int4 update
+    (packed, scales) that was added to params. None when the C kernel is unavailable or
+    the block size does not suit it: the caller then runs the same math in torch ops."""
+    if not _use_kernel() or block_size % 2 or block_size > 1024:
+        return None
+    numel = params.numel()
+    packed = empty(packed_nbytes(numel), torch.uint8)
+    scales = empty(num_blocks(numel, block_size), SCALE_DTYPES[scale_dtype])
+    status = _kernel.outer_step(
+        delta.numpy(), momentum.numpy(), residual.numpy(), params.numpy(), packed.numpy(), scales.numpy(),
+        numel, block_size, _SCALE_BYTES[scale_dtype], c, lr, mu, _threads(),
+    )
+    if status:
+        # The parameters diverged (a block's update is non-finite or beyond float16 scales).
+        raise CodecError(f"outer update cannot be quantized (status {status}): values are non-finite or too large")
+    return packed, scales

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import google_crc32c
@@ -193,6 +194,82 @@ def validate_spec(spec: TensorSpec, *, block_size: int | None = None, scale_dtyp
         )
 
 
+def check_payload(
+    spec: TensorSpec,
+    payload: bytes | bytearray | memoryview,
+    *,
+    block_size: int | None = None,
+    scale_dtype: str | None = None,
+) -> memoryview:
+    """Every check ``decode`` makes (spec, length, checksum, scales; finite values for
+    fp32), without producing the tensor. Returns the payload as a byte view."""
+    validate_spec(spec, block_size=block_size, scale_dtype=scale_dtype)
+    view = _bytes(payload)
+    if view.nbytes != spec.byte_length:
+        raise CodecError(f"tensor {spec.name!r}: payload is {view.nbytes} bytes, expected {spec.byte_length}")
+    actual = checksum(view)
+    if actual != spec.checksum:
+        raise CodecError(
+            f"tensor {spec.name!r}: checksum mismatch (expected 0x{spec.checksum:08x}, got 0x{actual:08x})"
+        )
+    if spec.encoding == "fp32":
+        values = np.frombuffer(view, dtype="<f4")
+        finite = np.isfinite(values)
+        if not finite.all():
+            index = int(np.argmin(finite))
+            raise CodecError(f"tensor {spec.name!r}: element {index} is {float(values[index])}; expected finite values")
+    else:
+        _check_scales(view[int4.packed_nbytes(spec.numel) :], spec.scale_dtype, spec.name)
+    return view
+
+
+def norm_of(spec: TensorSpec, payload: bytes | bytearray | memoryview) -> float:
+    """L2 norm of the decoded tensor, computed from the encoded bytes. The payload must
+    have passed ``check_payload``."""
+    view = _bytes(payload)
+    if spec.encoding == "fp32":
+        values = np.frombuffer(view, dtype="<f4").astype(np.float64)
+        return float(np.sqrt(np.dot(values, values)))
+    split = int4.packed_nbytes(spec.numel)
+    return math.sqrt(int4.sumsq_int4(view[:split], view[split:], spec.numel, spec.block_size, spec.scale_dtype))
+
+
+def accumulate(items: Sequence[tuple[EncodedTensor, float]], out: torch.Tensor, overwrite: bool = False) -> float:
+    """``out (+)= sum alpha * decoded`` over (tensor, alpha) pairs of one shape, straight
+    from the encoded bytes: int4 inputs in one fused pass over ``out``. Returns the squared
+    norm of the resulting ``out``. Every payload must have passed ``check_payload``."""
+    flat = out.view(-1)
+    numel = flat.numel()
+    _check_out(out, numel, "accumulator")
+    groups: dict[tuple[int, str], list[tuple[EncodedTensor, float]]] = {}
+    fp32 = []
+    for tensor, alpha in items:
+        if tensor.spec.numel != numel:
+            raise CodecError(f"tensor {tensor.spec.name!r}: {tensor.spec.numel} elements, expected {numel}")
+        if tensor.spec.encoding == "fp32":
+            fp32.append((tensor, alpha))
+        else:
+            groups.setdefault((tensor.spec.block_size, tensor.spec.scale_dtype), []).append((tensor, alpha))
+    if overwrite and (fp32 or not groups):
+        flat.zero_()
+        overwrite = False
+    for tensor, alpha in fp32:
+        flat.add_(torch.from_numpy(np.frombuffer(_bytes(tensor.payload), dtype="<f4").copy()), alpha=alpha)
+    sumsq = None
+    split = int4.packed_nbytes(numel)
+    for (block_size, scale_dtype), group in groups.items():
+        inputs = [(_bytes(t.payload)[:split], _bytes(t.payload)[split:]) for t, _ in group]
+        sumsq = int4.axpy_many_int4(inputs, [a for _, a in group], numel, block_size, scale_dtype, out, overwrite)
+        overwrite = False
+    # The int4 groups run last, so the last one measured the final ``out``.
+    return sumsq if sumsq is not None else float(flat.double().square().sum())
+
+
+def _bytes(payload: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def decode(
     spec: TensorSpec,
     payload: bytes | bytearray | memoryview,
@@ -206,34 +283,15 @@ def decode(
     ``out`` (contiguous float32, spec.numel elements) is written only after every check
     has passed, so a failed decode never leaves half a tensor behind.
     """
-    validate_spec(spec, block_size=block_size, scale_dtype=scale_dtype)
-    name = spec.name
-    view = memoryview(payload)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    if view.nbytes != spec.byte_length:
-        raise CodecError(f"tensor {name!r}: payload is {view.nbytes} bytes, expected {spec.byte_length}")
-    actual = checksum(view)
-    if actual != spec.checksum:
-        raise CodecError(
-            f"tensor {name!r}: checksum mismatch (expected 0x{spec.checksum:08x}, got 0x{actual:08x})"
-        )
+    view = check_payload(spec, payload, block_size=block_size, scale_dtype=scale_dtype)
     numel = spec.numel
+    if out is not None:
+        _check_out(out, numel, spec.name)
     if spec.encoding == "fp32":
         values = torch.from_numpy(np.frombuffer(view, dtype="<f4").astype(np.float32))
-        if not bool(torch.isfinite(values).all()):
-            index = int((~torch.isfinite(values)).nonzero()[0, 0])
-            raise CodecError(f"tensor {name!r}: element {index} is {float(values[index])}; expected finite values")
-        if out is None:
-            return values.view(spec.shape)
-        _check_out(out, numel, name)
-        return out.view(-1).copy_(values).view(spec.shape)
+        return (values if out is None else out.view(-1).copy_(values)).view(spec.shape)
     split = int4.packed_nbytes(numel)
-    scales = view[split:]
-    _check_scales(scales, spec.scale_dtype, name)
-    if out is not None:
-        _check_out(out, numel, name)
-    values = int4._dequantize(view[:split], scales, numel, spec.block_size, spec.scale_dtype, out)
+    values = int4._dequantize(view[:split], view[split:], numel, spec.block_size, spec.scale_dtype, out)
     return values.view(spec.shape)
 
 

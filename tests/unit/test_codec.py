@@ -549,3 +549,41 @@ def test_chunk_limit_must_leave_room():
 def test_spec_is_plain_data():
     spec = TensorSpec("w", (2,), "float32", "int4", 64, "float16", 3, 0)
     assert spec.numel == 2 and hash(spec) == hash(dataclasses.replace(spec))
+
+
+# --- the merge's fused paths: norm and accumulate straight from the encoded bytes ---------
+
+
+@pytest.mark.parametrize("encoding", ["int4", "fp32"])
+@pytest.mark.parametrize("numel", [1, 63, 64, 1000, 4097])
+def test_norm_and_accumulate_match_decode(encoding, numel):
+    from diloco.codec import accumulate, check_payload, norm_of
+
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g) * 0.05
+    e = encode("x", x, encoding=encoding)
+    check_payload(e.spec, e.payload)
+    decoded = decode(e.spec, e.payload).view(-1)
+    assert norm_of(e.spec, e.payload) == pytest.approx(float(decoded.double().norm()), rel=1e-12)
+    y = torch.randn(numel, generator=g) * 0.05
+    f = encode("y", y, encoding="int4")
+    out = torch.randn(numel, generator=g)
+    expected = out + 0.3 * decoded - 0.7 * decode(f.spec, f.payload).view(-1)
+    sumsq = accumulate([(e, 0.3), (f, -0.7)], out)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert sumsq == pytest.approx(float(out.double().square().sum()), rel=1e-9)
+    fresh = torch.full((numel,), float("nan"))
+    accumulate([(e, 0.3)], fresh, overwrite=True)
+    torch.testing.assert_close(fresh, 0.3 * decoded, rtol=0, atol=1e-6)
+
+
+def test_check_payload_runs_decodes_checks():
+    from diloco.codec import check_payload
+
+    e = encode("w", torch.randn(100))
+    bad = bytearray(e.payload)
+    bad[3] ^= 1
+    with pytest.raises(CodecError, match="checksum"):
+        check_payload(e.spec, bytes(bad))
+    with pytest.raises(CodecError, match="bytes, expected"):
+        check_payload(e.spec, e.payload[:-1])

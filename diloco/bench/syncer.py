@@ -1,0 +1,215 @@
+"""How fast one shard takes in pushes and closes rounds, next to raw loopback TCP and
+memcpy measured in the same run.
+
+- tcp_loopback_mbps: two processes, one ``sendall``s 1 GiB in 4 MiB writes, the other
+  receives it; MB/s (10^6 bytes per second) from first to last byte at the receiver.
+- ingress_mbps: a real shard process (``diloco syncer``) owning one fragment of
+  ``params`` parameters; ``learners`` client processes released together by a barrier
+  each push one real int4 delta (pre-encoded and pre-framed, so client CPU is not
+  counted); per round, wire bytes of all pushes / time from release to the last ack (the
+  ack comes after the shard received, unframed, checksummed and decoded the push). The
+  median over rounds is reported. ingress_ratio = ingress / raw TCP.
+- merge_ms: in this process, ``compute_round`` for one round of ``learners`` deltas
+  (merge + outer step + quantized update), best of 5; memcpy_ms: ``learners`` copies of
+  the fragment (``dst.copy_(src)`` from ``learners`` distinct fp32 sources, as the merge
+  reads ``learners`` distinct deltas), best of 5; merge_ratio = merge_ms / memcpy_ms.
+- rounds_per_s: full rounds (push, merge, update back to every learner) per second.
+- rss: the shard process's peak resident memory (VmHWM) after the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from diloco.errors import InvalidArgument
+
+_TCP_TOTAL = 1 << 30
+_TCP_WRITE = 4 << 20
+
+
+def _tcp_receiver(port_queue, result_queue) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port_queue.put(server.getsockname()[1])
+        conn, _ = server.accept()
+        with conn:
+            buf = bytearray(_TCP_WRITE)
+            view, received, started = memoryview(buf), 0, None
+            while received < _TCP_TOTAL:
+                n = conn.recv_into(view)
+                if n == 0:
+                    break
+                if started is None:
+                    started = time.perf_counter()
+                received += n
+            result_queue.put((received, time.perf_counter() - started))
+
+
+def tcp_loopback_mbps() -> float:
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    receiver = ctx.Process(target=_tcp_receiver, args=(ports, results))
+    receiver.start()
+    port = ports.get(timeout=30)
+    data = bytes(_TCP_WRITE)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(_TCP_TOTAL // _TCP_WRITE):
+            sock.sendall(data)
+    received, seconds = results.get(timeout=120)
+    receiver.join(timeout=30)
+    return received / seconds / 1e6
+
+
+def _client(index: int, address: str, secret: str, params: int, rounds: int, barrier, results) -> None:
+    from diloco import auth
+    from diloco.clock import VectorClock
+    from diloco.codec import encode, frame
+    from diloco.config import RunConfig
+    from syncer.client import SyncerClient, open_channel
+    from syncer.core.shard import PushMeta
+
+    name = f"L{index}"
+    plan = RunConfig(synthetic_params=params, fragments=1).plan()
+    g = torch.Generator().manual_seed(index)
+    encoded = [encode(p.name, torch.randn(p.shape, generator=g) * 1e-3) for p in plan.fragments[0].pieces]
+    chunks = list(frame([e.payload for e in encoded]))
+
+    async def main():
+        channel = open_channel(address)
+        client = SyncerClient(channel, name, auth.sign(secret, name), timeout_s=120)
+        version, clock, timings = 0, VectorClock(), []
+        for _ in range(rounds):
+            clock = clock.tick(name)
+            meta = PushMeta(name, 0, version, 4096, 8, 0.1, clock, tuple(e.spec for e in encoded))
+            acked = []
+            await asyncio.to_thread(barrier.wait)
+            start = time.monotonic()
+            result = await client.push(meta, encoded, on_ack=lambda *_: acked.append(time.monotonic()), chunks=chunks)
+            timings.append((start, acked[0], time.monotonic(), result.bytes_up, result.update.wire_bytes))
+            version = result.update.version
+        await channel.close()
+        return timings
+
+    results.put((index, asyncio.run(main())))
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _merge_and_memcpy_ms(params: int, learners: int) -> tuple[float, float]:
+    from diloco.clock import VectorClock
+    from diloco.codec import encode
+    from diloco.config import RunConfig
+    from syncer.config import RoundConfig, SyncerConfig
+    from syncer.core.shard import PushMeta, ShardCore, compute_round, inspect_payload
+
+    run = RunConfig(synthetic_params=params, fragments=1)
+    plan = run.plan()
+    state = run.initial_state()
+    core = ShardCore(SyncerConfig(rounds=RoundConfig(grace_mode="off")), plan, {0: plan.gather(0, state)})
+    core.set_membership({f"L{i}" for i in range(learners)}, set())
+    pieces = plan.fragments[0].pieces
+    g = torch.Generator().manual_seed(0)
+    payloads = []
+    for i in range(learners):
+        encoded = [encode(p.name, torch.randn(p.shape, generator=g) * 1e-3) for p in pieces]
+        payloads.append((tuple(e.spec for e in encoded), inspect_payload([e.spec for e in encoded], b"".join(e.payload for e in encoded))))
+    best_merge = float("inf")
+    for r in range(5):
+        for i, (specs, payload) in enumerate(payloads):
+            name = f"L{i}"
+            meta = PushMeta(name, 0, core.fragments[0].version, 4096, 8, 0.1, VectorClock({name: r + 1}), specs)
+            core.accept(meta, payload, 0, now=float(r))
+        job = core.begin_round(0, core.decide(0, float(r)), float(r))
+        started = time.perf_counter()
+        segment = compute_round(job, core.cfg)
+        best_merge = min(best_merge, time.perf_counter() - started)
+        core.finish_round(job, segment, float(r))
+    # One copy per learner's fragment, from distinct sources like the merge's distinct inputs
+    # (copying one source eight times would run from the last-level cache).
+    sources = [torch.randn(params) for _ in range(learners)]
+    dst = torch.empty(params)
+    best_copy = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        for src in sources:
+            dst.copy_(src)
+        best_copy = min(best_copy, time.perf_counter() - started)
+    return best_merge * 1e3, best_copy * 1e3
+
+
+def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 10) -> dict:
+    if params <= 0 or params % 1024 or learners <= 0 or rounds <= 0:
+        raise InvalidArgument("params must be a positive multiple of 1024; learners and rounds positive")
+    tcp = tcp_loopback_mbps()
+    merge_ms, memcpy_ms = _merge_and_memcpy_ms(params, learners)
+
+    secret = "bench-secret"
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file, secret_file = Path(tmp) / "port", Path(tmp) / "secret"
+        secret_file.write_text(secret)
+        shard = subprocess.Popen(
+            [sys.executable, "-m", "diloco.cli", "syncer", "--synthetic-params", str(params), "--fragments", "1",
+             "--learners", ",".join(f"L{i}" for i in range(learners)), "--grace", "off",
+             "--port-file", str(port_file), "--secret-file", str(secret_file)],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not port_file.exists():
+                if shard.poll() is not None or time.monotonic() > deadline:
+                    raise InvalidArgument("the benchmark shard did not start")
+                time.sleep(0.05)
+            address = port_file.read_text().strip()
+            ctx = mp.get_context("spawn")
+            barrier, results = ctx.Barrier(learners), ctx.Queue()
+            clients = [
+                ctx.Process(target=_client, args=(i, address, secret, params, rounds, barrier, results))
+                for i in range(learners)
+            ]
+            for c in clients:
+                c.start()
+            timings = dict(results.get(timeout=600) for _ in clients)
+            for c in clients:
+                c.join(timeout=30)
+            peak_rss = _peak_rss_bytes(shard.pid)
+        finally:
+            shard.terminate()
+            shard.wait(timeout=30)
+
+    per_round = []
+    for r in range(rounds):
+        rows = [timings[i][r] for i in range(learners)]
+        start = min(row[0] for row in rows)
+        per_round.append(sum(row[3] for row in rows) / (max(row[1] for row in rows) - start) / 1e6)
+    first = min(timings[i][0][0] for i in range(learners))
+    last = max(timings[i][-1][2] for i in range(learners))
+    ingress = statistics.median(per_round)
+    return {
+        "tcp_loopback_mbps": round(tcp, 1),
+        "ingress_mbps": round(ingress, 1),
+        "ingress_ratio": round(ingress / tcp, 3),
+        "merge_ms": round(merge_ms, 2),
+        "memcpy_ms": round(memcpy_ms, 2),
+        "merge_ratio": round(merge_ms / memcpy_ms, 2),
+        "rounds_per_s": round(rounds / (last - first), 2),
+        "rss_peak_mb": round(peak_rss / 1e6, 1),
+        "rss_bytes_per_param": round(peak_rss / params, 1),
+        "rss_budget_mb": round((20 * params + 300e6) / 1e6, 1),
+        "params": params,
+        "learners": learners,
+        "rounds": rounds,
+    }

@@ -1,0 +1,167 @@
+"""Client side of the Syncer API: push a fragment delta, bootstrap, status.
+
+Used by the learner's streamer thread, by tests and by the benchmarks. Every call has a
+deadline; UNAVAILABLE is retried by the channel's retry policy, nothing else is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from diloco import auth, rpc
+from diloco.codec import EncodedTensor, decode, frame, unframe
+from diloco.convert import clock_from_proto, spec_from_proto
+from diloco.errors import InvalidArgument
+from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
+from syncer.core.shard import PushMeta
+from syncer.convert import push_meta_to_proto
+
+_KIND = {syncer_pb2.UPDATE_KIND_DELTA: "delta", syncer_pb2.UPDATE_KIND_FULL: "full"}
+_OUTCOME = {
+    syncer_pb2.PUSH_OUTCOME_ACCEPTED: "accepted",
+    syncer_pb2.PUSH_OUTCOME_ACCEPTED_NEXT_ROUND: "accepted_next_round",
+    syncer_pb2.PUSH_OUTCOME_DUPLICATE: "duplicate",
+}
+
+
+@dataclass(frozen=True)
+class DecodedSegment:
+    version: int
+    kind: str
+    tensors: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodedUpdate:
+    fragment: int
+    base_version: int
+    version: int
+    segments: list[DecodedSegment]
+    close_reason: str
+    participants: int
+    clock: object
+    wire_bytes: int
+
+    def apply_to(self, anchor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The anchor advanced through the chain: the exact fp32 values the shard holds."""
+        out = list(anchor)
+        for segment in self.segments:
+            if segment.kind == "full":
+                out = [t.clone() for t in segment.tensors]
+            else:
+                out = [a + u for a, u in zip(out, segment.tensors)]
+        return out
+
+
+@dataclass(frozen=True)
+class PushResult:
+    outcome: str
+    target_version: int
+    update: DecodedUpdate
+    bytes_up: int
+
+
+def credentials_metadata(learner_id: str, credential: str) -> tuple[tuple[str, str], ...]:
+    return ((auth.LEARNER_METADATA, learner_id), (auth.CREDENTIAL_METADATA, credential))
+
+
+def open_channel(address: str, max_message_bytes: int = 8 * 1024 * 1024) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=rpc.channel_options(max_message_bytes, "diloco.v1.Syncer"))
+
+
+async def write_all(call, requests) -> None:
+    """Write a request stream through the call's write API. If the server ends the RPC
+    early (bad credential, bad header) the write fails; the server's status then comes
+    from reading the call, instead of the generic INTERNAL error a request iterator gets."""
+    try:
+        for request in requests:
+            await call.write(request)
+        await call.done_writing()
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+        pass
+
+
+def _decode_update(first: syncer_pb2.FragmentUpdate, chunks: list[bytes]) -> DecodedUpdate:
+    specs = [[spec_from_proto(t) for t in s.tensors] for s in first.segments]
+    expected = sum(spec.byte_length for seg in specs for spec in seg)
+    payload = unframe(chunks, expected)
+    view, offset, segments = memoryview(payload), 0, []
+    for proto_segment, seg_specs in zip(first.segments, specs):
+        tensors = []
+        for spec in seg_specs:
+            tensors.append(decode(spec, view[offset : offset + spec.byte_length]))
+            offset += spec.byte_length
+        segments.append(DecodedSegment(proto_segment.version, _KIND[proto_segment.kind], tensors))
+    return DecodedUpdate(
+        first.fragment, first.base_version, first.version, segments, first.close_reason, first.participants,
+        clock_from_proto(first.clock), sum(len(c) for c in chunks),
+    )
+
+
+async def _updates(replies):
+    """Group a reply stream into (FragmentUpdate header, its chunks): an update's chunks
+    run until the next header or the end of the stream."""
+    header, chunks = None, []
+    async for reply in replies:
+        kind = reply.WhichOneof("kind")
+        if kind == "chunk":
+            if header is None:
+                raise InvalidArgument("update stream: a chunk arrived before its header")
+            chunks.append(reply.chunk.data)
+        elif kind == "update":
+            if header is not None:
+                yield header, chunks
+            header, chunks = reply.update, []
+        else:
+            yield reply, None
+    if header is not None:
+        yield header, chunks
+
+
+class SyncerClient:
+    """One learner's connection to one shard."""
+
+    def __init__(self, channel: grpc.aio.Channel, learner_id: str, credential: str, timeout_s: float = 60.0):
+        self.stub = syncer_pb2_grpc.SyncerStub(channel)
+        self.metadata = credentials_metadata(learner_id, credential)
+        self.timeout_s = timeout_s
+
+    async def push(
+        self, meta: PushMeta, encoded: Sequence[EncodedTensor], on_ack=None, chunks: Sequence[bytes] | None = None
+    ) -> PushResult:
+        """Stream one push; returns once the round it joined has closed and the update
+        arrived. ``on_ack(outcome, target_version)`` is called when the shard acknowledges.
+        ``chunks``: the payloads already framed (``frame``), to skip framing here."""
+        if chunks is None:
+            chunks = await asyncio.to_thread(lambda: list(frame([e.payload for e in encoded])))
+        bytes_up = sum(len(c) for c in chunks)
+
+        requests = [syncer_pb2.PushRequest(header=push_meta_to_proto(meta))]
+        requests += [syncer_pb2.PushRequest(chunk=common_pb2.Chunk(data=data)) for data in chunks]
+        call = self.stub.PushFragment(metadata=self.metadata, timeout=self.timeout_s)
+        await write_all(call, requests)
+        outcome, target, update = None, 0, None
+        async for message, update_chunks in _updates(call):
+            if update_chunks is None:
+                outcome, target = _OUTCOME[message.ack.outcome], message.ack.target_version
+                if on_ack is not None:
+                    on_ack(outcome, target)
+            else:
+                update = await asyncio.to_thread(_decode_update, message, update_chunks)
+        if outcome is None or update is None:
+            raise InvalidArgument("push stream ended without an ack and an update")
+        return PushResult(outcome, target, update, bytes_up)
+
+    async def bootstrap(self, fragments: Sequence[int] = ()) -> list[DecodedUpdate]:
+        call = self.stub.Bootstrap(
+            syncer_pb2.BootstrapRequest(fragments=list(fragments)), metadata=self.metadata, timeout=self.timeout_s
+        )
+        return [await asyncio.to_thread(_decode_update, header, chunks) async for header, chunks in _updates(call)]
+
+    async def status(self) -> syncer_pb2.StatusReply:
+        return await self.stub.Status(syncer_pb2.StatusRequest(), timeout=self.timeout_s)

@@ -1,0 +1,101 @@
+"""Configuration of one syncer shard."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from diloco.errors import InvalidArgument
+
+GRACE_MODES = ("auto", "fixed", "off")
+MERGE_MODES = ("rda", "mean")
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """When a round closes (DESIGN §3 "Syncer round")."""
+
+    quorum: int = 1
+    """Minimum learners (K) whose pushes must be in before the grace window starts."""
+    grace_mode: str = "auto"
+    """auto: clamp(gamma * (tau * step_time - (quorum_time + sync_time)), 0, grace_max_s);
+    fixed: always grace_fixed_s; off: close as soon as the quorum is in."""
+    grace_gamma: float = 0.5
+    """Fraction of the estimated slack granted to stragglers (gamma < 1)."""
+    grace_max_s: float = 5.0
+    """Upper bound of the adaptive grace window."""
+    grace_fixed_s: float = 0.5
+    """Grace window in fixed mode."""
+    overlap_steps: int = 2
+    """tau: inner steps a learner trains before it needs the reply."""
+    ema_factor: float = 0.2
+    """Weight of the newest sample in the step, quorum and sync time averages."""
+
+    def __post_init__(self) -> None:
+        if self.quorum < 1:
+            raise InvalidArgument(f"quorum must be >= 1, got {self.quorum}")
+        if self.grace_mode not in GRACE_MODES:
+            raise InvalidArgument(f"grace mode must be one of {GRACE_MODES}, got {self.grace_mode!r}")
+        if not 0 < self.grace_gamma < 1:
+            raise InvalidArgument(f"grace gamma must be in (0, 1), got {self.grace_gamma}")
+        for name in ("grace_max_s", "grace_fixed_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")
+        if self.overlap_steps < 1:
+            raise InvalidArgument(f"overlap steps (tau) must be >= 1, got {self.overlap_steps}")
+        if not 0 < self.ema_factor <= 1:
+            raise InvalidArgument(f"EMA factor must be in (0, 1], got {self.ema_factor}")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """How a round's deltas become one outer step."""
+
+    merge: str = "rda"
+    """rda: radial-directional averaging for non-embedding pieces; mean: weighted mean everywhere."""
+    staleness_lambda: float = 0.0
+    """Staleness discount 1 / (1 + lambda * (version - base_version)); 0 disables it."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    block_size: int = 64
+    """int4 block size of the downlink updates (and the expected block size of pushes)."""
+    scale_dtype: str = "float16"
+    update_chain_length: int = 4
+    """Quantized updates kept per fragment; older learners get the full fp32 fragment."""
+
+    def __post_init__(self) -> None:
+        if self.merge not in MERGE_MODES:
+            raise InvalidArgument(f"merge must be one of {MERGE_MODES}, got {self.merge!r}")
+        if not (math.isfinite(self.staleness_lambda) and self.staleness_lambda >= 0):
+            raise InvalidArgument(f"staleness lambda must be >= 0, got {self.staleness_lambda}")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise InvalidArgument(f"outer lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise InvalidArgument(f"outer momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.block_size < 2 or self.block_size % 2:
+            raise InvalidArgument(f"block size must be an even number >= 2, got {self.block_size}")
+        if self.scale_dtype not in ("float16", "float32"):
+            raise InvalidArgument(f"scale dtype must be float16 or float32, got {self.scale_dtype!r}")
+        if self.update_chain_length < 1:
+            raise InvalidArgument(f"update chain length must be >= 1, got {self.update_chain_length}")
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    shard_id: int = 0
+    num_shards: int = 1
+    rounds: RoundConfig = field(default_factory=RoundConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    max_push_bytes: int = 512 * 1024 * 1024
+    """Largest accepted push payload (uncompressed); bigger pushes get RESOURCE_EXHAUSTED."""
+    max_tokens_per_push: int = 10**12
+    max_steps_per_push: int = 10**7
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise InvalidArgument(f"shard count must be >= 1, got {self.num_shards}")
+        if not 0 <= self.shard_id < self.num_shards:
+            raise InvalidArgument(f"shard id must be in [0, {self.num_shards}), got {self.shard_id}")
+        if self.max_push_bytes <= 0:
+            raise InvalidArgument(f"max push bytes must be positive, got {self.max_push_bytes}")

@@ -1,0 +1,69 @@
+"""Protos <-> shard core types. The only syncer module that imports both."""
+
+from __future__ import annotations
+
+from diloco.clock import VectorClock
+from diloco.convert import clock_from_proto, clock_to_proto, spec_from_proto, spec_to_proto
+from diloco.errors import InvalidArgument
+from diloco.v1 import syncer_pb2
+from syncer.core.shard import ACCEPTED, ACCEPTED_NEXT_ROUND, DUPLICATE, Ack, FragmentUpdate, PushMeta
+
+_OUTCOME = {
+    ACCEPTED: syncer_pb2.PUSH_OUTCOME_ACCEPTED,
+    ACCEPTED_NEXT_ROUND: syncer_pb2.PUSH_OUTCOME_ACCEPTED_NEXT_ROUND,
+    DUPLICATE: syncer_pb2.PUSH_OUTCOME_DUPLICATE,
+}
+_KIND = {"delta": syncer_pb2.UPDATE_KIND_DELTA, "full": syncer_pb2.UPDATE_KIND_FULL}
+
+
+def push_meta_from_proto(msg: syncer_pb2.PushHeader) -> PushMeta:
+    if not msg.learner_id:
+        raise InvalidArgument("push header lacks learner_id")
+    return PushMeta(
+        learner_id=msg.learner_id,
+        fragment=msg.fragment,
+        base_version=msg.base_version,
+        tokens=msg.tokens,
+        inner_steps=msg.inner_steps,
+        step_time_s=msg.step_time_s,
+        clock=clock_from_proto(msg.clock),
+        specs=tuple(spec_from_proto(t) for t in msg.tensors),
+        snapshot_epoch=msg.snapshot_epoch,
+    )
+
+
+def push_meta_to_proto(meta: PushMeta) -> syncer_pb2.PushHeader:
+    return syncer_pb2.PushHeader(
+        learner_id=meta.learner_id,
+        fragment=meta.fragment,
+        base_version=meta.base_version,
+        tokens=meta.tokens,
+        inner_steps=meta.inner_steps,
+        step_time_s=meta.step_time_s,
+        clock=clock_to_proto(meta.clock),
+        snapshot_epoch=meta.snapshot_epoch,
+        tensors=[spec_to_proto(s) for s in meta.specs],
+    )
+
+
+def ack_to_proto(ack: Ack, clock: VectorClock) -> syncer_pb2.PushReply:
+    return syncer_pb2.PushReply(
+        ack=syncer_pb2.PushAck(outcome=_OUTCOME[ack.outcome], target_version=ack.target_version, clock=clock_to_proto(clock))
+    )
+
+
+def update_to_proto(update: FragmentUpdate, clock: VectorClock) -> syncer_pb2.FragmentUpdate:
+    return syncer_pb2.FragmentUpdate(
+        fragment=update.fragment,
+        base_version=update.base_version,
+        version=update.version,
+        segments=[
+            syncer_pb2.UpdateSegment(
+                version=s.version, kind=_KIND[s.kind], tensors=[spec_to_proto(t.spec) for t in s.tensors]
+            )
+            for s in update.segments
+        ],
+        clock=clock_to_proto(clock),
+        close_reason=update.close_reason,
+        participants=update.participants,
+    )

@@ -1,0 +1,428 @@
+"""The state of one shard and every rule that changes it.
+
+Pure: tensors and numbers in, results out; time is an argument. The async runtime
+(``syncer.runtime``) owns one ``ShardCore`` on its event loop, runs ``compute_round`` in a
+worker thread and swaps the result in with ``finish_round``; while a round is being
+computed its fragment is ``applying`` and new pushes join the next round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.clock import VectorClock
+from diloco.codec import (
+    EncodedTensor,
+    TensorSpec,
+    accumulate,
+    check_payload,
+    encode,
+    encode_quantized,
+    expected_byte_length,
+    norm_of,
+)
+from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from diloco.fragments import Fragment, FragmentPlan
+from syncer.config import SyncerConfig
+from syncer.core.merge import Contribution, merge_piece, token_weights
+from syncer.core.outer import outer_step_
+from syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
+
+ACCEPTED = "accepted"
+ACCEPTED_NEXT_ROUND = "accepted_next_round"
+DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True)
+class PushMeta:
+    """A push header, validated before any payload byte is accepted."""
+
+    learner_id: str
+    fragment: int
+    base_version: int
+    tokens: int
+    inner_steps: int
+    step_time_s: float
+    clock: VectorClock
+    specs: tuple[TensorSpec, ...]
+    snapshot_epoch: int = 0
+
+    @property
+    def seq(self) -> int:
+        """The learner's own clock entry: with (learner, fragment) it identifies the push."""
+        return self.clock[self.learner_id]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.byte_length for s in self.specs)
+
+
+@dataclass(frozen=True)
+class PushPayload:
+    """A push's deltas kept in their compact wire encoding (int4: 0.53 bytes/param), plus
+    the per-piece norms RDA needs. A round decodes each delta once more while merging, so
+    a shard never holds a round's worth of fp32 deltas."""
+
+    tensors: tuple[EncodedTensor, ...]
+    norms: tuple[float, ...]
+
+
+def inspect_payload(specs: Sequence[TensorSpec], payload: bytes | memoryview) -> PushPayload:
+    """Validate every piece of an unframed push (length, checksum, scales, finite values;
+    see ``diloco.codec.decode``) and measure its norm. Heavy: call it off the event loop."""
+    view, offset = memoryview(payload), 0
+    tensors, norms = [], []
+    for spec in specs:
+        piece = view[offset : offset + spec.byte_length]
+        offset += spec.byte_length
+        check_payload(spec, piece)
+        norms.append(norm_of(spec, piece))
+        tensors.append(EncodedTensor(spec, piece))
+    if offset != view.nbytes:
+        raise InvalidArgument(f"push payload is {view.nbytes} bytes, its header announces {offset}")
+    return PushPayload(tuple(tensors), tuple(norms))
+
+
+@dataclass
+class Pending:
+    meta: PushMeta
+    payload: PushPayload
+    received_at: float
+    wire_bytes: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    outcome: str
+    target_version: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    version: int
+    kind: str  # "delta" | "full"
+    tensors: tuple[EncodedTensor, ...]
+
+
+@dataclass(frozen=True)
+class FragmentUpdate:
+    """Brings a learner at ``base_version`` to ``version``, bit-identical to the shard."""
+
+    fragment: int
+    base_version: int
+    version: int
+    segments: tuple[Segment, ...]
+    close_reason: str = ""
+    participants: int = 0
+
+
+@dataclass
+class FragmentState:
+    fragment: Fragment
+    params: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    residual: list[torch.Tensor]
+    chain: deque[Segment]
+    version: int = 0
+    open: dict[str, Pending] = field(default_factory=dict)
+    next: dict[str, Pending] = field(default_factory=dict)
+    opened_at: float | None = None
+    quorum_at: float | None = None
+    applying: bool = False
+    last_seq: dict[str, int] = field(default_factory=dict)
+    last_target: dict[str, int] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
+    last_reason: str = ""
+    last_participants: int = 0
+    full_cache: Segment | None = None
+
+
+@dataclass(frozen=True)
+class RoundJob:
+    """Everything ``compute_round`` needs, captured on the event loop. The tensors are the
+    fragment's own state, updated in place."""
+
+    fragment: Fragment
+    version: int
+    pushes: tuple[Pending, ...]
+    weights: tuple[float, ...]
+    params: tuple[torch.Tensor, ...]
+    momentum: tuple[torch.Tensor, ...]
+    residual: tuple[torch.Tensor, ...]
+    reason: str
+    grace_s: float
+    quorum_s: float
+    opened_at: float
+    closed_at: float
+
+
+def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
+    """Merge, outer Nesterov step and int4 downlink update, in place on the fragment's
+    state (the runtime keeps every reader away while the fragment is ``applying``).
+
+    Memory: the state (params, momentum, residual: 12 bytes/param) plus one merge buffer
+    for one piece at a time; deltas are accumulated straight from their int4 bytes. Returns the update segment: the int4 encoding
+    of exactly what was added to the parameters."""
+    m = cfg.merge
+    encoded = []
+    for index, piece in enumerate(job.fragment.pieces):
+        delta = torch.empty(piece.numel, dtype=torch.float32)
+        scale = 1.0
+        if sum(job.weights) > 0:
+            tensors = [p.payload.tensors[index] for p in job.pushes]
+
+            def add(terms: list[tuple[int, float]], out: torch.Tensor) -> float:
+                return accumulate([(tensors[i], alpha) for i, alpha in terms], out, overwrite=True)
+
+            norms = [p.payload.norms[index] for p in job.pushes]
+            scale = merge_piece(add, norms, job.weights, m.merge == "rda" and not piece.embedding, delta)
+            momentum = job.momentum[index].view(-1)
+        else:
+            # Nothing with weight arrived (every pusher failed): no step, momentum untouched.
+            delta.zero_()
+            momentum = torch.zeros_like(delta)
+        packed, scales = outer_step_(
+            delta, momentum, job.residual[index].view(-1), job.params[index].view(-1),
+            scale, m.outer_lr, m.outer_momentum, m.block_size, m.scale_dtype,
+        )
+        encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
+    return Segment(job.version, "delta", tuple(encoded))
+
+
+class ShardCore:
+    def __init__(
+        self, cfg: SyncerConfig, plan: FragmentPlan, initial: Mapping[int, Sequence[torch.Tensor]]
+    ) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.process = f"S{cfg.shard_id}"
+        self.clock = VectorClock()
+        self.live: set[str] = set()
+        self.failed: set[str] = set()
+        self.fragments: dict[int, FragmentState] = {}
+        self.pushes_received = 0
+        self.rounds_closed = 0
+        for fragment in plan.owned_by(cfg.shard_id, cfg.num_shards):
+            if fragment.id not in initial:
+                raise InvalidArgument(f"no initial parameters for fragment {fragment.id}")
+            params = [t.detach().to(torch.float32).contiguous().clone() for t in initial[fragment.id]]
+            shapes = [tuple(t.shape) for t in params]
+            if shapes != [p.shape for p in fragment.pieces]:
+                raise InvalidArgument(f"initial parameters of fragment {fragment.id} have shapes {shapes}")
+            self.fragments[fragment.id] = FragmentState(
+                fragment=fragment,
+                params=params,
+                momentum=[torch.zeros_like(p) for p in params],
+                residual=[torch.zeros_like(p) for p in params],
+                chain=deque(maxlen=cfg.merge.update_chain_length),
+            )
+
+    # --- validation -------------------------------------------------------------------
+
+    def state_of(self, fragment_id: int) -> FragmentState:
+        if not 0 <= fragment_id < self.plan.num_fragments:
+            raise InvalidArgument(f"fragment {fragment_id} is not in the plan ({self.plan.num_fragments} fragments)")
+        state = self.fragments.get(fragment_id)
+        if state is None:
+            owner = self.plan.fragments[fragment_id].owner(self.cfg.num_shards)
+            raise FailedPrecondition(f"fragment {fragment_id} is owned by shard {owner}, not shard {self.cfg.shard_id}")
+        return state
+
+    def check_header(self, meta: PushMeta) -> None:
+        """Reject a push before reading its payload. Raises; changes nothing."""
+        state = self.state_of(meta.fragment)
+        cfg = self.cfg
+        if meta.seq < 1:
+            raise InvalidArgument(f"push clock lacks the learner's own entry {meta.learner_id!r}")
+        if not (math.isfinite(meta.step_time_s) and meta.step_time_s >= 0):
+            raise InvalidArgument(f"step time must be a finite number >= 0, got {meta.step_time_s}")
+        if meta.tokens > cfg.max_tokens_per_push or meta.inner_steps > cfg.max_steps_per_push:
+            raise InvalidArgument(
+                f"absurd counters: {meta.tokens} tokens in {meta.inner_steps} inner steps "
+                f"(limits {cfg.max_tokens_per_push} tokens, {cfg.max_steps_per_push} steps)"
+            )
+        if meta.tokens < meta.inner_steps:
+            raise InvalidArgument(f"{meta.tokens} tokens cannot come from {meta.inner_steps} inner steps")
+        if meta.base_version > state.version:
+            raise FailedPrecondition(
+                f"base version {meta.base_version} is in the future: fragment {meta.fragment} is at version {state.version}"
+            )
+        pieces = state.fragment.pieces
+        if len(meta.specs) != len(pieces):
+            raise InvalidArgument(f"fragment {meta.fragment} has {len(pieces)} tensors, the push has {len(meta.specs)}")
+        for spec, piece in zip(meta.specs, pieces):
+            if spec.name != piece.name:
+                raise InvalidArgument(f"expected tensor {piece.name!r}, got {spec.name!r}")
+            if tuple(spec.shape) != piece.shape:
+                raise InvalidArgument(f"tensor {piece.name!r}: shape {list(spec.shape)} != plan {list(piece.shape)}")
+            if spec.dtype != "float32":
+                raise InvalidArgument(f"tensor {piece.name!r}: dtype {spec.dtype!r}, expected 'float32'")
+            if spec.encoding == "int4" and spec.block_size != cfg.merge.block_size:
+                raise InvalidArgument(
+                    f"tensor {piece.name!r}: block size {spec.block_size} != shard's {cfg.merge.block_size}"
+                )
+            expected = expected_byte_length(spec.shape, spec.encoding, spec.block_size, spec.scale_dtype)
+            if spec.byte_length != expected:
+                raise InvalidArgument(
+                    f"tensor {piece.name!r}: byte length {spec.byte_length} != {expected} for its shape and encoding"
+                )
+        if meta.payload_bytes > cfg.max_push_bytes:
+            raise ResourceExhausted(f"push of {meta.payload_bytes} bytes exceeds the limit of {cfg.max_push_bytes}")
+
+    # --- pushes and rounds -----------------------------------------------------------
+
+    def accept(self, meta: PushMeta, payload: PushPayload, wire_bytes: int, now: float) -> Ack:
+        """Add a validated push (``check_header``, then ``inspect_payload``) to its round.
+        Idempotent on (learner, fragment, seq)."""
+        state = self.state_of(meta.fragment)
+        if len(payload.tensors) != len(state.fragment.pieces):
+            raise InvalidArgument(f"push carries {len(payload.tensors)} tensors, fragment {meta.fragment} has {len(state.fragment.pieces)}")
+        if not all(math.isfinite(n) for n in payload.norms):
+            raise InvalidArgument(f"push from {meta.learner_id} has a non-finite norm")
+        self.clock = self.clock.receive(self.process, meta.clock)
+        if meta.seq <= state.last_seq.get(meta.learner_id, 0):
+            return Ack(DUPLICATE, state.last_target.get(meta.learner_id, state.version))
+        if meta.learner_id not in self.failed:
+            # A push is proof of life for a learner the membership has not announced yet.
+            self.live.add(meta.learner_id)
+        state.timings.observe("step_time_s", meta.step_time_s, self.cfg.rounds.ema_factor)
+        pending = Pending(meta, payload, now, wire_bytes)
+        self.pushes_received += 1
+        state.last_seq[meta.learner_id] = meta.seq
+        if state.applying:
+            # A newer push from the same learner supersedes its older one: deltas are
+            # cumulative since the anchor.
+            state.next[meta.learner_id] = pending
+            target, outcome = state.version + 2, ACCEPTED_NEXT_ROUND
+        else:
+            self._join_open(state, pending, now)
+            target, outcome = state.version + 1, ACCEPTED
+        state.last_target[meta.learner_id] = target
+        return Ack(outcome, target)
+
+    def _join_open(self, state: FragmentState, pending: Pending, now: float) -> None:
+        if not state.open:
+            state.opened_at = pending.received_at
+        state.open[pending.meta.learner_id] = pending
+        if state.quorum_at is None and len(state.open) >= self.cfg.rounds.quorum:
+            state.quorum_at = now
+            state.timings.observe("quorum_time_s", now - (state.opened_at or now), self.cfg.rounds.ema_factor)
+
+    def view(self, fragment_id: int) -> RoundView:
+        state = self.state_of(fragment_id)
+        return RoundView(
+            pushed=frozenset(state.open),
+            live=frozenset(self.live - self.failed),
+            opened_at=state.opened_at or 0.0,
+            quorum_at=state.quorum_at,
+            grace_s=state.timings.grace_s(self.cfg.rounds),
+        )
+
+    def decide(self, fragment_id: int, now: float) -> Close | Wait:
+        state = self.state_of(fragment_id)
+        if state.applying:
+            return Wait("a round is being applied", None)
+        return decide_round(self.view(fragment_id), now, self.cfg.rounds)
+
+    def begin_round(self, fragment_id: int, decision: Close, now: float) -> RoundJob:
+        state = self.state_of(fragment_id)
+        if state.applying or not state.open:
+            raise FailedPrecondition(f"fragment {fragment_id} has no round to close")
+        pushes = tuple(state.open[k] for k in sorted(state.open))
+        contributions = [
+            Contribution(
+                p.meta.learner_id,
+                p.meta.tokens,
+                p.meta.inner_steps,
+                state.version - p.meta.base_version,
+                failed=p.meta.learner_id in self.failed,
+            )
+            for p in pushes
+        ]
+        weights = token_weights(contributions, self.cfg.merge.staleness_lambda)
+        opened = state.opened_at if state.opened_at is not None else now
+        quorum_s = (state.quorum_at - opened) if state.quorum_at is not None else now - opened
+        job = RoundJob(
+            fragment=state.fragment,
+            version=state.version + 1,
+            pushes=pushes,
+            weights=tuple(weights),
+            params=tuple(state.params),
+            momentum=tuple(state.momentum),
+            residual=tuple(state.residual),
+            reason=decision.reason,
+            grace_s=decision.grace_s,
+            quorum_s=max(quorum_s, 0.0),
+            opened_at=opened,
+            closed_at=now,
+        )
+        state.applying = True
+        state.open = {}
+        state.opened_at = None
+        state.quorum_at = None
+        return job
+
+    def finish_round(self, job: RoundJob, update: Segment, now: float) -> None:
+        state = self.state_of(job.fragment.id)
+        if not state.applying or job.version != state.version + 1:
+            raise FailedPrecondition(f"round for version {job.version} does not fit fragment at {state.version}")
+        state.version = job.version
+        state.chain.append(update)
+        state.full_cache = None
+        state.applying = False
+        state.last_reason = job.reason
+        state.last_participants = len(job.pushes)
+        state.timings.observe("sync_time_s", now - job.closed_at, self.cfg.rounds.ema_factor)
+        self.rounds_closed += 1
+        self.clock = self.clock.tick(self.process)
+        waiting, state.next = state.next, {}
+        for pending in waiting.values():
+            self._join_open(state, pending, now)
+
+    def update_for(self, fragment_id: int, base_version: int) -> FragmentUpdate:
+        """The chain base+1..version, or the full fp32 fragment when the chain is too short."""
+        state = self.state_of(fragment_id)
+        if base_version > state.version:
+            raise FailedPrecondition(
+                f"base version {base_version} is in the future: fragment {fragment_id} is at version {state.version}"
+            )
+        if base_version == state.version:
+            segments: tuple[Segment, ...] = ()
+        elif state.chain and state.chain[0].version <= base_version + 1:
+            segments = tuple(s for s in state.chain if s.version > base_version)
+        else:
+            segments = (self.full(fragment_id),)
+        return FragmentUpdate(
+            fragment_id, base_version, state.version, segments, state.last_reason, state.last_participants
+        )
+
+    def full(self, fragment_id: int) -> Segment:
+        state = self.state_of(fragment_id)
+        if state.full_cache is None or state.full_cache.version != state.version:
+            tensors = tuple(
+                encode(piece.name, param, encoding="fp32") for piece, param in zip(state.fragment.pieces, state.params)
+            )
+            state.full_cache = Segment(state.version, "full", tensors)
+        return state.full_cache
+
+    # --- membership ------------------------------------------------------------------
+
+    def set_membership(self, live: set[str], failed: set[str]) -> None:
+        self.live = set(live)
+        self.failed = set(failed)
+
+    def learner_failed(self, learner_id: str) -> None:
+        self.live.discard(learner_id)
+        self.failed.add(learner_id)
+
+    def learner_left(self, learner_id: str) -> None:
+        self.live.discard(learner_id)
+
+    def learner_joined(self, learner_id: str) -> None:
+        self.live.add(learner_id)
+        self.failed.discard(learner_id)

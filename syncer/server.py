@@ -1,0 +1,170 @@
+"""Process wiring of one shard: build the core from the run config, serve gRPC, follow
+the coordinator's membership stream, shut down cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from diloco import auth, rpc
+from diloco.config import RunConfig
+from diloco.tape import TapeWriter
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, syncer_pb2_grpc
+from syncer.config import SyncerConfig
+from syncer.core.shard import ShardCore
+from syncer.runtime import ShardRuntime
+from syncer.service import SyncerServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "diloco.v1.Syncer"
+_MEMBERSHIP_EVENTS = {
+    common_pb2.LEARNER_STATE_ACTIVE: "joined",
+    common_pb2.LEARNER_STATE_JOINING: "joined",
+    common_pb2.LEARNER_STATE_FAILED: "failed",
+    common_pb2.LEARNER_STATE_LEFT: "left",
+    common_pb2.LEARNER_STATE_DRAINING: "draining",
+}
+
+
+@dataclass(frozen=True)
+class ShardServerConfig:
+    secret: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_dir: Path | None = None
+    """Where the event tape (and, later, snapshots) go; None keeps no tape."""
+    static_learners: tuple[str, ...] = ()
+    """Live learners when running without a coordinator (tests, benchmarks)."""
+    coordinator: str | None = None
+    max_message_bytes: int = 8 * 1024 * 1024
+    tape_fsync_every: int = 64
+    shutdown_grace_s: float = 10.0
+
+
+def build_runtime(run: RunConfig, cfg: SyncerConfig, tape: TapeWriter | None) -> ShardRuntime:
+    plan = run.plan()
+    state = run.initial_state()
+    owned = plan.owned_by(cfg.shard_id, cfg.num_shards)
+    if not owned:
+        logger.warning("shard %d of %d owns no fragment (P=%d)", cfg.shard_id, cfg.num_shards, plan.num_fragments)
+    initial = {f.id: plan.gather(f.id, state) for f in owned}
+    return ShardRuntime(ShardCore(cfg, plan, initial), tape)
+
+
+class ShardServer:
+    def __init__(self, run: RunConfig, cfg: SyncerConfig, server_cfg: ShardServerConfig) -> None:
+        self.cfg, self.server_cfg = cfg, server_cfg
+        tape = None
+        if server_cfg.data_dir is not None:
+            tape = TapeWriter(Path(server_cfg.data_dir) / f"tape-S{cfg.shard_id}.jsonl", server_cfg.tape_fsync_every)
+        self.runtime = build_runtime(run, cfg, tape)
+        if server_cfg.static_learners:
+            self.runtime.core.set_membership(set(server_cfg.static_learners), set())
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
+                ("grpc.max_send_message_length", server_cfg.max_message_bytes),
+            ]
+        )
+        syncer_pb2_grpc.add_SyncerServicer_to_server(SyncerServicer(self.runtime, server_cfg.secret), self.server)
+        self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
+        self.port = 0
+        self._watch: asyncio.Task | None = None
+        self._stopped = False
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(f"{self.server_cfg.host}:{self.server_cfg.port}")
+        await self.server.start()
+        await rpc.mark_serving(self.health, [SERVICE_NAME])
+        if self.server_cfg.coordinator:
+            self._watch = asyncio.get_running_loop().create_task(self._follow_membership())
+        logger.info("shard %d listening on %s:%d", self.cfg.shard_id, self.server_cfg.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await rpc.mark_serving(self.health, [SERVICE_NAME], serving=False)
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.runtime.drain()
+        await self.server.stop(self.server_cfg.shutdown_grace_s)
+
+    async def _follow_membership(self) -> None:
+        """Follow WatchMembership; reconnect with backoff while the coordinator is away
+        (rounds keep closing on the membership last known)."""
+        name = f"S{self.cfg.shard_id}"
+        metadata = (
+            (auth.LEARNER_METADATA, name),
+            (auth.CREDENTIAL_METADATA, auth.sign(self.server_cfg.secret, name)),
+        )
+        backoff = 0.2
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self.server_cfg.coordinator) as channel:
+                    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                    stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher=name), metadata=metadata)
+                    async for event in stream:
+                        backoff = 0.2
+                        self._apply_membership(event)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as error:
+                logger.warning("membership stream from %s: %s; retrying in %.1f s", self.server_cfg.coordinator, error.code().name, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def _apply_membership(self, event: coordinator_pb2.MembershipEvent) -> None:
+        if event.kind == coordinator_pb2.MEMBERSHIP_EVENT_KIND_SNAPSHOT:
+            live = {i.learner_id for i in event.learners if _MEMBERSHIP_EVENTS.get(i.state) == "joined"}
+            failed = {i.learner_id for i in event.learners if i.state == common_pb2.LEARNER_STATE_FAILED}
+            self.runtime.set_membership(live, failed)
+            return
+        for info in event.learners:
+            kind = _MEMBERSHIP_EVENTS.get(info.state)
+            if kind is not None:
+                self.runtime.membership(kind, info.learner_id)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+
+
+def return_large_buffers_to_the_os() -> None:
+    """Rounds allocate and free fragment-sized buffers from worker threads. With glibc's
+    adaptive mmap threshold those frees stay in per-thread arenas and the shard's resident
+    memory creeps up (measured: 775 MB instead of 458 MB peak for a 4M-parameter shard
+    with 8 learners). A fixed 1 MiB threshold makes each large buffer an mmap, returned to
+    the OS when freed. No-op where libc is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        logger.debug("not glibc: leaving malloc's mmap threshold alone")
+
+
+async def run_shard(run: RunConfig, cfg: SyncerConfig, server_cfg: ShardServerConfig, port_file: Path | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; then drain rounds, flush the tape and exit 0."""
+    return_large_buffers_to_the_os()
+    shard = ShardServer(run, cfg, server_cfg)
+    port = await shard.start()
+    if port_file is not None:
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(f"{server_cfg.host}:{port}\n")
+        os.replace(tmp, port_file)
+    print(f"syncer shard {cfg.shard_id} listening on {server_cfg.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shard %d shutting down", cfg.shard_id)
+    await shard.stop()
+    return 0

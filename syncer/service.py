@@ -1,0 +1,163 @@
+"""The Syncer gRPC servicer: decode, call the runtime, encode. No round logic here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import grpc
+
+from diloco import auth, rpc
+from diloco.codec import frame, unframe
+from diloco.errors import DilocoError, InvalidArgument, PermissionDenied
+from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
+from syncer import convert
+from syncer.core.shard import FragmentUpdate, PushPayload, Segment, inspect_payload
+from syncer.runtime import ShardRuntime
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 1 << 20
+# zstd frames of incompressible data are a little larger than their payload.
+_CHUNK_SLACK_BYTES = 64 * 1024
+# Framed update segments kept for reuse: every waiter of a round gets the same chunks.
+_FRAME_CACHE_SEGMENTS = 16
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+def _inspect(specs, chunks: list[bytes]) -> PushPayload:
+    return inspect_payload(specs, unframe(chunks, sum(s.byte_length for s in specs)))
+
+
+async def _drain(requests, limit_bytes: int, timeout_s: float = 5.0) -> None:
+    """Read what the client is still sending before rejecting its push, bounded in bytes
+    and time. Ending the RPC while a grpc.aio client is still writing makes that client
+    report INTERNAL instead of our status (grpc/grpc#36066)."""
+
+    async def consume() -> None:
+        seen = 0
+        async for request in requests:
+            seen += request.ByteSize()
+            if seen > limit_bytes:
+                return
+
+    try:
+        await asyncio.wait_for(consume(), timeout_s)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError, StopAsyncIteration):
+        pass
+
+
+class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
+    def __init__(self, runtime: ShardRuntime, secret: str) -> None:
+        self.runtime = runtime
+        self._secret = secret
+        self._frames: OrderedDict[tuple[int, int, str], list[bytes]] = OrderedDict()
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        meta = _metadata(context)
+        learner_id = meta.get(auth.LEARNER_METADATA, "")
+        auth.verify(self._secret, learner_id, meta.get(auth.CREDENTIAL_METADATA))
+        return learner_id
+
+    async def _chunks_of(self, fragment: int, segment: Segment) -> list[bytes]:
+        key = (fragment, segment.version, segment.kind)
+        chunks = self._frames.get(key)
+        if chunks is None:
+            chunks = await asyncio.to_thread(lambda: list(frame([t.payload for t in segment.tensors])))
+            self._frames[key] = chunks
+            while len(self._frames) > _FRAME_CACHE_SEGMENTS:
+                self._frames.popitem(last=False)
+        return chunks
+
+    async def _update_messages(self, update: FragmentUpdate, wrap) -> AsyncIterator:
+        yield wrap(update=convert.update_to_proto(update, self.runtime.core.clock))
+        for segment in update.segments:
+            for data in await self._chunks_of(update.fragment, segment):
+                self.runtime.counters.bytes_sent += len(data)
+                yield wrap(chunk=common_pb2.Chunk(data=data))
+
+    async def PushFragment(self, request_iterator, context):
+        requests = request_iterator.__aiter__()
+        reading = True
+        try:
+            learner_id = self._authenticate(context)
+            try:
+                first = await anext(requests)
+            except StopAsyncIteration:
+                raise InvalidArgument("empty push stream: a push starts with its header") from None
+            if first.WhichOneof("kind") != "header":
+                raise InvalidArgument("a push starts with its header, not a chunk")
+            meta = convert.push_meta_from_proto(first.header)
+            if meta.learner_id != learner_id:
+                raise PermissionDenied(f"credential is for {learner_id!r}, the push claims {meta.learner_id!r}")
+            self.runtime.core.check_header(meta)
+            chunks, wire_bytes = [], 0
+            limit = meta.payload_bytes + _CHUNK_SLACK_BYTES * (1 + meta.payload_bytes // MAX_CHUNK_BYTES)
+            async for request in requests:
+                if request.WhichOneof("kind") != "chunk":
+                    raise InvalidArgument("only chunks may follow the push header")
+                size = len(request.chunk.data)
+                if size > MAX_CHUNK_BYTES + _CHUNK_SLACK_BYTES:
+                    raise InvalidArgument(f"chunk of {size} bytes exceeds the 1 MiB chunk limit")
+                wire_bytes += size
+                if wire_bytes > limit:
+                    raise InvalidArgument(f"push carries more data than its header announces ({meta.payload_bytes} bytes)")
+                chunks.append(request.chunk.data)
+            reading = False
+            payload = await asyncio.to_thread(_inspect, meta.specs, chunks)
+            # The handler lives until the round closes; only the unframed payload may stay.
+            del chunks
+            ack, waiter = self.runtime.push(meta, payload, wire_bytes)
+            yield convert.ack_to_proto(ack, self.runtime.core.clock)
+            update = await waiter
+            async for message in self._update_messages(update, syncer_pb2.PushReply):
+                yield message
+        except DilocoError as error:
+            if reading:
+                await _drain(requests, self.runtime.core.cfg.max_push_bytes)
+            await rpc.abort_with(context, error)
+
+    async def Bootstrap(self, request, context):
+        try:
+            self._authenticate(context)
+            core = self.runtime.core
+            wanted = list(request.fragments) or sorted(core.fragments)
+            for fragment_id in wanted:
+                core.state_of(fragment_id)
+            for fragment_id in wanted:
+                full = await self.runtime.full(fragment_id)
+                update = FragmentUpdate(fragment_id, 0, full.version, (full,))
+                async for message in self._update_messages(update, syncer_pb2.BootstrapReply):
+                    yield message
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def Status(self, request, context):
+        core, counters = self.runtime.core, self.runtime.counters
+        fragments = []
+        for fragment_id, state in sorted(core.fragments.items()):
+            decision = core.decide(fragment_id, self.runtime.now())
+            fragments.append(
+                syncer_pb2.FragmentStatus(
+                    fragment=fragment_id,
+                    version=state.version,
+                    open_round_pushes=len(state.open),
+                    round_state=decision.reason,
+                )
+            )
+        return syncer_pb2.StatusReply(
+            shard_id=core.cfg.shard_id,
+            fragments=fragments,
+            live_learners=sorted(core.live - core.failed),
+            rounds_closed=core.rounds_closed,
+            pushes_received=counters.pushes,
+            bytes_received=counters.bytes_received,
+            bytes_sent=counters.bytes_sent,
+            clock=convert.clock_to_proto(core.clock),
+            plan_hash=core.plan.plan_hash,
+        )

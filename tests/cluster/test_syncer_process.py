@@ -1,0 +1,56 @@
+"""`diloco syncer` as a real process: it serves, and SIGTERM answers waiting pushes,
+flushes the tape and exits 0."""
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from diloco.config import RunConfig
+from diloco.model import ModelConfig
+from diloco.tape import read_tape
+from tests.grpc.conftest import SECRET, client_for
+from tests.grpc.test_syncer_service import FakeLearner
+
+pytestmark = pytest.mark.cluster
+
+
+def test_sigterm_answers_waiting_pushes_flushes_tape_and_exits_0(tmp_path):
+    (tmp_path / "secret").write_text(SECRET)
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "syncer", "--width", "16", "--depth", "1", "--heads", "2",
+         "--context", "16", "--fragments", "2", "--learners", "L0,L1", "--quorum", "2", "--grace", "off",
+         "--data-dir", str(tmp_path), "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        address = port_file.read_text().strip()
+
+        async def scenario():
+            run = RunConfig(model=ModelConfig(width=16, depth=1, heads=2, context=16), fragments=2)
+            plan = run.plan()
+            learner = FakeLearner("L0", plan, plan.gather(0, run.initial_state()))
+            async with client_for(address, "L0") as client:
+                acked = asyncio.Event()
+                push = asyncio.ensure_future(learner.push_with_ack(client, acked))
+                await asyncio.wait_for(acked.wait(), 30)  # in the round, waiting for L1
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.wait_for(push, 30)
+
+        result = asyncio.run(scenario())
+        assert result.update.close_reason == "shard shutting down" and result.update.version == 1
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    kinds = [r["kind"] for r in read_tape(tmp_path / "tape-S0.jsonl")]
+    assert kinds[0] == "start" and kinds[-1] == "stop" and kinds.count("push") == 1 and kinds.count("round") == 1

@@ -1,0 +1,320 @@
+"""A real shard on 127.0.0.1:0 and concurrent fake learners pushing real int4 payloads."""
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from diloco.clock import VectorClock
+from diloco.codec import EncodedTensor, TensorSpec, checksum, encode
+from diloco.tape import read_tape
+from diloco.v1 import common_pb2, syncer_pb2
+from diloco.v1.syncer_pb2_grpc import SyncerStub
+from syncer.client import write_all
+from syncer.convert import push_meta_to_proto
+from syncer.core.shard import PushMeta
+from tests.grpc.conftest import TINY, client_for, run, running_shard
+
+
+class FakeLearner:
+    def __init__(self, name, plan, params, fragment=0, seed=0):
+        self.name, self.fragment = name, fragment
+        self.pieces = plan.fragments[fragment].pieces
+        self.anchor = [t.clone() for t in params]
+        self.version = 0
+        self.clock = VectorClock()
+        self.g = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def of(cls, server, name, fragment=0, seed=0):
+        core = server.runtime.core
+        return cls(name, core.plan, core.fragments[fragment].params, fragment, seed)
+
+    def next_push(self, tokens=128, steps=4, encoding="int4", deltas=None):
+        deltas = deltas or [torch.randn(p.shape, generator=self.g) * 0.01 for p in self.pieces]
+        encoded = [encode(p.name, d, encoding=encoding) for p, d in zip(self.pieces, deltas)]
+        self.clock = self.clock.tick(self.name)
+        meta = PushMeta(self.name, self.fragment, self.version, tokens, steps, 0.05, self.clock,
+                        tuple(e.spec for e in encoded))
+        return meta, encoded
+
+    async def push(self, client, **kw):
+        meta, encoded = self.next_push(**kw)
+        result = await client.push(meta, encoded)
+        self.anchor = result.update.apply_to(self.anchor)
+        self.version = result.update.version
+        return result
+
+    async def push_with_ack(self, client, acked: asyncio.Event):
+        meta, encoded = self.next_push()
+        result = await client.push(meta, encoded, on_ack=lambda *_: acked.set())
+        self.anchor = result.update.apply_to(self.anchor)
+        self.version = result.update.version
+        return result
+
+
+def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path):
+    async def scenario():
+        async with running_shard(tmp_path, quorum=2, grace_mode="fixed", grace_fixed_s=5.0) as (server, address):
+            learners = [FakeLearner.of(server, f"L{i}", seed=i) for i in range(3)]
+            for round_index in range(3):
+                async def one(learner):
+                    async with client_for(address, learner.name) as client:
+                        return await learner.push(client)
+                results = await asyncio.gather(*(one(l) for l in learners))
+                assert {r.outcome for r in results} == {"accepted"}
+                assert {r.update.version for r in results} == {round_index + 1}
+                # Every live learner pushed: the round closed early, without the 5 s grace.
+                assert results[0].update.close_reason == "all 3 live learners pushed"
+                assert results[0].update.participants == 3
+            shard_params = server.runtime.core.fragments[0].params
+            for learner in learners:
+                assert all(torch.equal(a, b) for a, b in zip(learner.anchor, shard_params))
+        rounds = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "round"]
+        assert [r["version"] for r in rounds] == [1, 2, 3]
+        assert all(sorted(r["participants"]) == ["L0", "L1", "L2"] for r in rounds)
+        assert all(abs(sum(r["weights"]) - 1) < 1e-5 for r in rounds)
+
+    run(scenario())
+
+
+def test_quorum_then_grace_then_straggler_joins_next_round(tmp_path):
+    async def scenario():
+        async with running_shard(tmp_path, quorum=2, grace_mode="fixed", grace_fixed_s=0.3) as (server, address):
+            a, b, c = (FakeLearner.of(server, f"L{i}", seed=i) for i in range(3))
+            async with client_for(address, "L0") as ca, client_for(address, "L1") as cb:
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                ra, rb = await asyncio.gather(a.push(ca), b.push(cb))
+                waited = loop.time() - started
+            assert ra.update.version == rb.update.version == 1
+            assert ra.update.participants == 2
+            assert "quorum 2/3 + grace 0.30 s expired" in ra.update.close_reason
+            assert waited >= 0.3
+            async with client_for(address, "L2") as cc, client_for(address, "L0") as ca:
+                # Round 2 needs a quorum of 2 again: the straggler and L0's next push.
+                rc, ra2 = await asyncio.gather(c.push(cc), a.push(ca))
+            assert ra2.update.version == 2 and [s.version for s in ra2.update.segments] == [2]
+            # The straggler's delta was taken against version 0; it joins round 2 and gets the chain 1..2.
+            assert rc.update.base_version == 0 and rc.update.version == 2
+            assert [s.version for s in rc.update.segments] == [1, 2]
+
+    run(scenario())
+
+
+def test_duplicate_push_is_not_applied_twice(tmp_path):
+    async def scenario():
+        async with running_shard(tmp_path, learners=("L0",)) as (server, address):
+            learner = FakeLearner.of(server, "L0")
+            meta, encoded = learner.next_push()
+            async with client_for(address, "L0") as client:
+                first = await client.push(meta, encoded)
+                again = await client.push(meta, encoded)
+            assert first.outcome == "accepted" and again.outcome == "duplicate"
+            assert server.runtime.core.fragments[0].version == 1
+            assert server.runtime.counters.pushes == 1 and server.runtime.counters.duplicates == 1
+            assert again.update.version == 1
+
+    run(scenario())
+
+
+def test_bootstrap_streams_full_fragments(tmp_path):
+    async def scenario():
+        async with running_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as client:
+                updates = await client.bootstrap()
+            core = server.runtime.core
+            assert sorted(u.fragment for u in updates) == sorted(core.fragments)
+            for u in updates:
+                assert [s.kind for s in u.segments] == ["full"]
+                assert all(torch.equal(a, b) for a, b in zip(u.segments[0].tensors, core.fragments[u.fragment].params))
+
+    run(scenario())
+
+
+def test_shutdown_closes_open_rounds_and_answers_waiting_pushes(tmp_path):
+    async def scenario():
+        async with running_shard(tmp_path, quorum=2, grace_mode="off") as (server, address):
+            learner = FakeLearner.of(server, "L0")
+            async with client_for(address, "L0") as client:
+                task = asyncio.ensure_future(learner.push(client))
+                for _ in range(200):
+                    if server.runtime.core.fragments[0].open:
+                        break
+                    await asyncio.sleep(0.01)
+                assert not task.done()
+                await server.stop()
+                result = await task
+            assert result.update.close_reason == "shard shutting down"
+            assert result.update.version == 1
+        kinds = [r["kind"] for r in read_tape(tmp_path / "tape-S0.jsonl")]
+        assert kinds[0] == "start" and kinds[-1] == "stop" and "round" in kinds
+
+    run(scenario())
+
+
+# --- bad input: a specific status, a useful message, no state change ---------------------
+
+
+async def raw_push(address, learner_id, messages, credential=True):
+    from diloco import auth
+    from tests.grpc.conftest import SECRET
+
+    metadata = [("x-diloco-learner", learner_id)]
+    if credential is True:
+        metadata.append(("x-diloco-credential", auth.sign(SECRET, learner_id)))
+    elif credential:
+        metadata.append(("x-diloco-credential", credential))
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = SyncerStub(channel).PushFragment(metadata=metadata, timeout=10)
+        await write_all(call, messages)
+        return [r async for r in call]
+
+
+def header_msg(meta):
+    return syncer_pb2.PushRequest(header=push_meta_to_proto(meta))
+
+
+def chunk_msgs(encoded):
+    from diloco.codec import frame
+
+    return [syncer_pb2.PushRequest(chunk=common_pb2.Chunk(data=c)) for c in frame([e.payload for e in encoded])]
+
+
+def corrupt(data: bytes) -> bytes:
+    b = bytearray(data)
+    b[len(b) // 2] ^= 0xFF
+    return bytes(b)
+
+
+def _bad_cases(learner):
+    meta, encoded = learner.next_push()
+    good = [header_msg(meta), *chunk_msgs(encoded)]
+    # encode() refuses NaN, so build the fp32 payload by hand, with valid checksums.
+    nan_encoded = []
+    for p in learner.pieces:
+        payload = torch.full(p.shape, float("nan")).numpy().tobytes()
+        spec = TensorSpec(p.name, p.shape, "float32", "fp32", 0, "", len(payload), checksum(payload))
+        nan_encoded.append(EncodedTensor(spec, payload))
+    learner.clock = learner.clock.tick(learner.name)
+    nan_meta = dataclasses.replace(meta, clock=learner.clock, specs=tuple(e.spec for e in nan_encoded))
+    bad_checksum = [dataclasses.replace(e.spec, checksum=(e.spec.checksum + 1) % 2**32) for e in encoded]
+    return {
+        "unknown fragment": ([header_msg(dataclasses.replace(meta, fragment=9)), *good[1:]], "INVALID_ARGUMENT", "not in the plan"),
+        "shape mismatch": (
+            [header_msg(dataclasses.replace(meta, specs=(dataclasses.replace(meta.specs[0], shape=(1, 2)), *meta.specs[1:]))), *good[1:]],
+            "INVALID_ARGUMENT", "shape",
+        ),
+        "block size": (
+            [header_msg(dataclasses.replace(meta, specs=tuple(dataclasses.replace(s, block_size=32) for s in meta.specs))), *good[1:]],
+            "INVALID_ARGUMENT", "block size",
+        ),
+        "corrupt chunk": ([good[0], syncer_pb2.PushRequest(chunk=common_pb2.Chunk(data=corrupt(good[1].chunk.data))), *good[2:]], "INVALID_ARGUMENT", ""),
+        "truncated stream": (good[:1], "INVALID_ARGUMENT", ""),
+        "checksum": ([header_msg(dataclasses.replace(meta, specs=tuple(bad_checksum))), *good[1:]], "INVALID_ARGUMENT", "checksum"),
+        "nan delta": ([header_msg(nan_meta), *chunk_msgs(nan_encoded)], "INVALID_ARGUMENT", "is nan"),
+        "future base version": ([header_msg(dataclasses.replace(meta, base_version=5)), *good[1:]], "FAILED_PRECONDITION", "future"),
+        "absurd tokens": ([header_msg(dataclasses.replace(meta, tokens=10**15)), *good[1:]], "INVALID_ARGUMENT", "absurd"),
+        "chunk first": (good[1:], "INVALID_ARGUMENT", "header"),
+        "empty stream": ([], "INVALID_ARGUMENT", "empty push stream"),
+        "learner mismatch": ([header_msg(dataclasses.replace(meta, learner_id="L1")), *good[1:]], "PERMISSION_DENIED", "claims"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["unknown fragment", "shape mismatch", "block size", "corrupt chunk", "truncated stream", "checksum",
+     "nan delta", "future base version", "absurd tokens", "chunk first", "empty stream", "learner mismatch"],
+)
+def test_bad_push_gets_specific_status_and_changes_nothing(tmp_path, case):
+    async def scenario():
+        async with running_shard(tmp_path) as (server, address):
+            learner = FakeLearner.of(server, "L0")
+            messages, code, match = _bad_cases(learner)[case]
+            before = (server.runtime.core.clock, server.runtime.counters.pushes, server.runtime.core.fragments[0].version)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_push(address, "L0", messages)
+            assert info.value.code().name == code, info.value.details()
+            assert match in info.value.details()
+            after = (server.runtime.core.clock, server.runtime.counters.pushes, server.runtime.core.fragments[0].version)
+            assert before == after and not server.runtime.core.fragments[0].open
+            # The shard still works.
+            async with client_for(address, "L0") as client:
+                fresh = FakeLearner.of(server, "L0", seed=5)
+                fresh.clock = VectorClock({"L0": 100})
+                assert (await fresh.push(client)).update.version == 1
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("credential,match", [(False, "missing credential"), ("bogus", "invalid credential")])
+def test_credentials_required(tmp_path, credential, match):
+    async def scenario():
+        async with running_shard(tmp_path) as (server, address):
+            meta, encoded = FakeLearner.of(server, "L0").next_push()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_push(address, "L0", [header_msg(meta), *chunk_msgs(encoded)], credential=credential)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert match in info.value.details()
+            assert server.runtime.counters.pushes == 0
+
+    run(scenario())
+
+
+def test_oversized_push_is_resource_exhausted(tmp_path):
+    async def scenario():
+        async with running_shard(tmp_path, max_push_bytes=64) as (server, address):
+            meta, encoded = FakeLearner.of(server, "L0").next_push()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_push(address, "L0", [header_msg(meta), *chunk_msgs(encoded)])
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    run(scenario())
+
+
+def test_not_owned_fragment_is_failed_precondition(tmp_path):
+    async def scenario():
+        async with running_shard(tmp_path, num_shards=2) as (server, address):
+            plan = server.runtime.core.plan
+            pieces = plan.fragments[1].pieces
+            encoded = [encode(p.name, torch.zeros(p.shape)) for p in pieces]
+            meta = PushMeta("L0", 1, 0, 10, 1, 0.1, VectorClock({"L0": 1}), tuple(e.spec for e in encoded))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_push(address, "L0", [header_msg(meta), *chunk_msgs(encoded)])
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "owned by shard 1" in info.value.details()
+
+    run(scenario())
+
+
+def test_client_disconnect_mid_stream_discards_partial_push(tmp_path):
+    async def scenario():
+        async with running_shard(tmp_path) as (server, address):
+            learner = FakeLearner.of(server, "L0")
+            meta, encoded = learner.next_push()
+            from diloco import auth
+            from diloco.v1 import syncer_pb2_grpc
+            from tests.grpc.conftest import SECRET
+
+            gate = asyncio.Event()
+
+            async def requests():
+                yield header_msg(meta)
+                gate.set()
+                await asyncio.sleep(30)  # never finishes: the client goes away mid-stream
+
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = syncer_pb2_grpc.SyncerStub(channel).PushFragment(
+                    requests(), metadata=[("x-diloco-learner", "L0"), ("x-diloco-credential", auth.sign(SECRET, "L0"))]
+                )
+                await gate.wait()
+                call.cancel()
+            async with client_for(address, "L0") as client:
+                assert (await learner.push(client)).update.version == 1
+            # Only the complete push counted; the abandoned one left nothing behind.
+            assert server.runtime.counters.pushes == 1
+            assert server.runtime.core.fragments[0].version == 1
+
+    run(scenario())

@@ -1,0 +1,118 @@
+import pytest
+import torch
+
+from diloco.codec import dequantize_int4, quantize_int4
+from syncer.core.merge import Contribution, merge_piece, token_weights
+from syncer.core.outer import apply_quantized_, nesterov_
+
+
+def merged(deltas, weights, rda=True):
+    out = torch.empty_like(deltas[0])
+    def add(terms, acc):
+        acc.zero_()
+        for i, a in terms:
+            acc.add_(deltas[i], alpha=a)
+        return float(acc.double().square().sum())
+
+    return out.mul_(merge_piece(add, [float(d.norm()) for d in deltas], weights, rda, out))
+
+
+def test_token_weights_formula_and_normalisation():
+    w = token_weights([Contribution("a", 100, 10, 0), Contribution("b", 200, 10, 0)])
+    # w_a = 100 * 10 = 1000, w_b = 200 * 20 = 4000
+    assert w == pytest.approx([0.2, 0.8])
+
+
+def test_zero_steps_and_failed_learners_get_zero_weight():
+    w = token_weights(
+        [Contribution("a", 100, 0, 0), Contribution("b", 50, 5, 0, failed=True), Contribution("c", 10, 1, 0)]
+    )
+    assert w == [0.0, 0.0, 1.0]
+    assert token_weights([Contribution("a", 0, 0, 0)]) == [0.0]
+
+
+def test_staleness_discount():
+    fresh, stale = Contribution("a", 100, 10, 0), Contribution("b", 100, 10, 3)
+    assert token_weights([fresh, stale]) == pytest.approx([0.5, 0.5])
+    assert token_weights([fresh, stale], staleness_lambda=1.0) == pytest.approx([4 / 5, 1 / 5])
+
+
+def test_rda_matches_formula():
+    g = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(50, generator=g) * s for s in (1.0, 3.0, 0.5)]
+    w = [0.2, 0.5, 0.3]
+    mag = sum(wi * d.norm() for wi, d in zip(w, deltas)) / sum(w)
+    direction = sum(wi * d / d.norm() for wi, d in zip(w, deltas))
+    expected = mag * direction / direction.norm()
+    out = merged(deltas, w)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    # The merged step keeps the mean length of the learners' steps; a plain mean is shorter.
+    assert out.norm() == pytest.approx(float(mag), rel=1e-5)
+    assert merged(deltas, w, rda=False).norm() < out.norm()
+
+
+def test_rda_of_identical_deltas_is_that_delta():
+    d = torch.randn(32)
+    torch.testing.assert_close(merged([d, d.clone()], [0.3, 0.7]), d)
+
+
+def test_rda_falls_back_to_mean_when_direction_vanishes():
+    d = torch.randn(16)
+    out = merged([d, -d], [0.5, 0.5])
+    # The unit vectors cancel up to rounding; normalising that noise would invent a step.
+    assert torch.all(out.abs() < 1e-6)
+
+
+def test_mean_mode_is_the_weighted_mean():
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])
+    torch.testing.assert_close(merged([a, b], [0.25, 0.75], rda=False), torch.tensor([0.25, 2.25]))
+
+
+def test_zero_weights_give_zero_merge():
+    assert torch.all(merged([torch.ones(4)], [0.0]) == 0)
+
+
+def test_nesterov_equals_torch_sgd():
+    g = torch.Generator().manual_seed(1)
+    theta = torch.randn(100, generator=g)
+    reference = torch.nn.Parameter(theta.clone())
+    opt = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    ours, buf = theta.clone(), torch.zeros(100)
+    for _ in range(20):
+        delta = torch.randn(100, generator=g) * 0.01  # outer gradients are small
+        reference.grad = delta.clone()
+        opt.step()
+        ours -= nesterov_(buf, delta.clone(), lr=0.7, mu=0.9)
+    torch.testing.assert_close(ours, reference.detach(), rtol=0, atol=1e-6)
+
+
+def test_quantized_apply_is_exact_and_keeps_the_rest_as_residual():
+    g = torch.Generator().manual_seed(2)
+    params, residual = torch.randn(256, generator=g), torch.randn(256, generator=g) * 1e-3
+    start, r0 = params.clone(), residual.clone()
+    step = torch.randn(256, generator=g) * 1e-2
+    true_move = r0 - step
+    packed, scales = apply_quantized_(params, residual, step.clone(), 64, "float16")
+    applied = dequantize_int4(packed, scales, 256, 64)
+    assert torch.equal(params, start + applied)
+    torch.testing.assert_close(applied + residual, true_move, rtol=0, atol=1e-7)
+    assert torch.equal(quantize_int4(true_move, 64, "float16")[0], packed)
+
+
+def test_fused_outer_step_matches_the_torch_ops():
+    from syncer.core import outer
+
+    g = torch.Generator().manual_seed(3)
+    n = 64 * 100 + 10  # a partial last block
+    state = [torch.randn(n, generator=g) * s for s in (1e-3, 1e-4, 1.0)]  # momentum, residual, params
+    delta = torch.randn(n, generator=g) * 1e-2
+    fused_state = [t.clone() for t in state]
+    packed, scales = outer.outer_step_(delta.clone(), *fused_state, 1.7, 0.7, 0.9, 64, "float16")
+    m, r, p = state
+    step = outer.nesterov_(m, delta.clone().mul_(1.7), 0.7, 0.9)
+    ref_packed, ref_scales = outer.apply_quantized_(p, r, step, 64, "float16")
+    for fused, ref in zip(fused_state, state):
+        torch.testing.assert_close(fused, ref, rtol=0, atol=1e-6)
+    # What the fused step added to params is the int4 update it returns.
+    original_params = state[2] - dequantize_int4(ref_packed, ref_scales, n, 64)
+    torch.testing.assert_close(fused_state[2], original_params + dequantize_int4(packed, scales, n, 64), rtol=0, atol=1e-6)

@@ -1,0 +1,74 @@
+import pytest
+
+from syncer.config import RoundConfig
+from syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
+
+
+def view(pushed, live, quorum_at=None, grace=0.0):
+    return RoundView(frozenset(pushed), frozenset(live), opened_at=0.0, quorum_at=quorum_at, grace_s=grace)
+
+
+def test_waits_without_pushes():
+    d = decide_round(view([], ["a", "b"]), 1.0, RoundConfig(quorum=1))
+    assert isinstance(d, Wait) and d.deadline is None and "no pushes" in d.reason
+
+
+def test_waits_below_quorum_with_reason():
+    d = decide_round(view(["a"], ["a", "b", "c"]), 1.0, RoundConfig(quorum=2))
+    assert isinstance(d, Wait)
+    assert d.reason == "1/2 pushes for quorum (3 live)"
+
+
+def test_grace_window_then_close():
+    cfg = RoundConfig(quorum=1)
+    v = view(["a"], ["a", "b"], quorum_at=10.0, grace=1.5)
+    early = decide_round(v, 10.4, cfg)
+    assert isinstance(early, Wait) and early.deadline == pytest.approx(11.5)
+    assert "grace ends in 1.10 s" in early.reason
+    late = decide_round(v, 11.5, cfg)
+    assert isinstance(late, Close) and late.grace_s == pytest.approx(1.5)
+
+
+def test_early_close_when_every_live_learner_pushed():
+    d = decide_round(view(["a", "b"], ["a", "b"], quorum_at=10.0, grace=5.0), 10.1, RoundConfig(quorum=1))
+    assert isinstance(d, Close) and "all 2 live learners pushed" in d.reason
+
+
+def test_never_stalls_when_fewer_live_learners_than_quorum():
+    d = decide_round(view(["a"], ["a"]), 1.0, RoundConfig(quorum=3))
+    assert isinstance(d, Close)
+
+
+def test_no_grace_closes_at_quorum():
+    d = decide_round(view(["a"], ["a", "b"], quorum_at=1.0, grace=0.0), 1.0, RoundConfig(quorum=1))
+    assert isinstance(d, Close) and d.grace_s == 0.0
+
+
+def test_adaptive_grace_formula_and_clamp():
+    t = Timings(step_time_s=1.0, quorum_time_s=0.2, sync_time_s=0.3)
+    cfg = RoundConfig(grace_gamma=0.5, overlap_steps=2, grace_max_s=5.0)
+    assert t.grace_s(cfg) == pytest.approx(0.5 * (2 * 1.0 - 0.5))
+    assert t.grace_s(RoundConfig(grace_gamma=0.5, overlap_steps=2, grace_max_s=0.1)) == pytest.approx(0.1)
+    slow_sync = Timings(step_time_s=0.1, quorum_time_s=1.0, sync_time_s=1.0)
+    assert slow_sync.grace_s(cfg) == 0.0
+    assert Timings().grace_s(cfg) == 0.0
+    assert t.grace_s(RoundConfig(grace_mode="off")) == 0.0
+    assert t.grace_s(RoundConfig(grace_mode="fixed", grace_fixed_s=0.7)) == 0.7
+
+
+def test_ema():
+    t = Timings()
+    t.observe("step_time_s", 1.0, 0.5)
+    t.observe("step_time_s", 3.0, 0.5)
+    assert t.step_time_s == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(quorum=0), dict(grace_mode="maybe"), dict(grace_gamma=1.0), dict(grace_max_s=-1), dict(ema_factor=0)],
+)
+def test_bad_config(kwargs):
+    from diloco.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        RoundConfig(**kwargs)
