@@ -12,6 +12,13 @@ from diloco.errors import Unauthenticated
 LEARNER_METADATA = "x-diloco-learner"
 CREDENTIAL_METADATA = "x-diloco-credential"
 ADMIN_METADATA = "x-diloco-admin-token"
+JOIN_METADATA = "x-diloco-join-token"
+# The coordinator's id (and vector clock process name); it signs it like a learner id
+# when it calls the shards (snapshot markers).
+COORDINATOR_ID = "C"
+# The join token is the run secret's signature of this word: a launcher can hand it to a
+# new learner without handing it the secret itself.
+_JOIN_SUBJECT = "join"
 
 
 def new_secret() -> str:
@@ -36,3 +43,15 @@ def check_admin(token: str, presented: str | None) -> None:
         raise Unauthenticated("missing admin token (metadata x-diloco-admin-token)")
     if not hmac.compare_digest(token, presented):
         raise Unauthenticated("invalid admin token")
+
+
+def join_token(secret: str) -> str:
+    """What a learner presents (metadata x-diloco-join-token) to be allowed to Join."""
+    return sign(secret, _JOIN_SUBJECT)
+
+
+def check_join(secret: str, presented: str | None) -> None:
+    if not presented:
+        raise Unauthenticated("missing join token (metadata x-diloco-join-token)")
+    if not hmac.compare_digest(join_token(secret), presented):
+        raise Unauthenticated("invalid join token")

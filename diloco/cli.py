@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from coordinator.cli import add_admin_parser, add_coordinator_parser
 from diloco import __version__
 from diloco.errors import DilocoError
 
@@ -35,6 +36,13 @@ def _bench_syncer(args: argparse.Namespace) -> int:
     from diloco.bench import syncer
 
     _print_result(syncer.run(params=args.params, learners=args.learners, rounds=args.rounds), args.json)
+    return 0
+
+
+def _bench_learner(args: argparse.Namespace) -> int:
+    from diloco.bench import learner
+
+    _print_result(learner.run(steps=args.steps, overlap_steps=args.overlap), args.json)
     return 0
 
 
@@ -67,6 +75,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     sync.add_argument("--rounds", type=int, default=10, help="rounds to measure (default 10)")
     sync.add_argument("--json", action="store_true", help="print one JSON object")
     sync.set_defaults(func=_bench_syncer)
+    lrn = kinds.add_parser("learner", help="a learner's tokens/s with syncing on vs off, side by side")
+    lrn.add_argument("--steps", type=int, default=120, help="inner steps per run (default 120)")
+    lrn.add_argument("--overlap", type=int, default=2, help="tau, inner steps of overlap (default 2)")
+    lrn.add_argument("--json", action="store_true", help="print one JSON object")
+    lrn.set_defaults(func=_bench_learner)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -96,7 +109,7 @@ def _add_run_config(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--context", type=int, default=128, help="tokens per sequence (default 128)")
     group.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
     group.add_argument("--fragments", type=int, default=4, help="P: fragments the model is cut into (default 4)")
-    group.add_argument("--sync-every", type=int, default=4, help="H: inner steps between two sends of a fragment (default 4)")
+    group.add_argument("--sync-every", type=int, default=4, help="H: inner steps between two sends of a fragment (default 16)")
     group.add_argument("--overlap", type=int, default=2, help="tau: inner steps before a reply is needed (default 2)")
     group.add_argument("--alpha", type=float, default=0.0, help="merge alpha when applying a reply (default 0: overwrite)")
     group.add_argument("--synthetic-params", type=int, default=0, help=argparse.SUPPRESS)
@@ -191,6 +204,8 @@ def _syncer(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir) if args.data_dir else None,
         static_learners=tuple(x for x in args.learners.split(",") if x) if args.learners else (),
         coordinator=args.coordinator,
+        snapshot_dir=Path(args.snapshot_dir) if args.snapshot_dir else None,
+        restore=args.restore,
     )
     return asyncio.run(run_shard(run, cfg, server_cfg, Path(args.port_file) if args.port_file else None))
 
@@ -222,8 +237,76 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-dtype", choices=["float16", "float32"], default="float16", help="int4 scale dtype")
     p.add_argument("--chain", type=int, default=4, help="int4 updates kept per fragment (default 4)")
     p.add_argument("--max-push-mib", type=int, default=512, help="largest accepted push, MiB (default 512)")
+    p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory (for --restore latest or an id)")
+    p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of the seeded model")
     _add_run_config(p)
     p.set_defaults(func=_syncer)
+
+
+def _learner(args: argparse.Namespace) -> int:
+    from diloco.errors import InvalidArgument, NotFound
+    from learner.config import LearnerConfig
+    from learner.server import joined_membership, run_learner, static_membership
+
+    cfg = LearnerConfig(
+        device=args.device, batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+        eval_every_steps=args.eval_every, eval_batches=args.eval_batches, seed=args.data_seed,
+        data_shard=args.data_shard, data_shards=args.data_shards, delta_codec=args.delta_codec,
+        block_size=args.block_size, step_delay_s=args.step_delay_s, push_timeout_s=args.push_timeout_s,
+        max_inflight_pushes=args.max_inflight, heartbeat_interval_s=args.heartbeat_s,
+    )
+    if args.coordinator:
+        if not args.join_token_file:
+            raise InvalidArgument("--coordinator needs --join-token-file")
+        try:
+            token = Path(args.join_token_file).read_text().strip()
+        except OSError as error:
+            raise NotFound(f"cannot read join token {args.join_token_file}: {error.strerror}") from None
+        member = joined_membership(args.coordinator, token, args.pool, args.launch_id)
+    else:
+        if not args.shards or not args.learner_id:
+            raise InvalidArgument("without --coordinator, give --shards HOST:PORT,... and --learner-id (static topology)")
+        member = static_membership(_run_config(args), args.learner_id, _secret(args), args.shards.split(","))
+    summary_path = Path(args.summary) if args.summary else None
+    run_learner(cfg, member, args.data, args.coordinator, summary_path, assign_data_shard=bool(args.coordinator))
+    return 0
+
+
+def _add_learner(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "learner",
+        help="run one learner: inner AdamW, fragments streamed to the shards",
+        description="Run one learner. SIGTERM finishes in-flight pushes (bounded), leaves and exits 0.",
+    )
+    join = p.add_argument_group("joining (coordinator) or a static topology")
+    join.add_argument("--coordinator", metavar="HOST:PORT", help="join this coordinator (topology, id, credential)")
+    join.add_argument("--join-token-file", help="file with the run's join token (with --coordinator)")
+    join.add_argument("--pool", default="default", help="pool name reported to the coordinator (default: default)")
+    join.add_argument("--launch-id", default="", help="set by launchers to match the process they started")
+    join.add_argument("--shards", help="static topology: shard addresses in shard-id order, comma-separated")
+    join.add_argument("--learner-id", help="static topology: this learner's id, e.g. L0")
+    join.add_argument("--secret-file", help="static topology: the run secret (default: $DILOCO_SECRET)")
+    t = p.add_argument_group("training")
+    t.add_argument("--device", choices=["cpu", "cuda", "xla"], default="cpu", help="default cpu")
+    t.add_argument("--data", help="a text file or a directory of them (default: the Python standard library's sources)")
+    t.add_argument("--data-shard", type=int, default=0, help="this learner's data shard (static topology; default 0)")
+    t.add_argument("--data-shards", type=int, default=8, help="disjoint data shards (default 8)")
+    t.add_argument("--data-seed", type=int, default=0, help="data order seed (default 0)")
+    t.add_argument("--steps", type=int, default=300, help="inner steps (default 300)")
+    t.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate (default 3e-3)")
+    t.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default 20)")
+    t.add_argument("--eval-every", type=int, default=50, help="inner steps between evaluations (default 50)")
+    t.add_argument("--eval-batches", type=int, default=4, help="eval batches (default 4)")
+    t.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="delta encoding (default int4)")
+    t.add_argument("--block-size", type=int, default=64, help="int4 block size; must match the shards' (default 64)")
+    t.add_argument("--step-delay-s", type=float, default=0.0, help="extra seconds per step: a simulated slow learner")
+    t.add_argument("--push-timeout-s", type=float, default=120.0, help="deadline of one push (default 120 s)")
+    t.add_argument("--max-inflight", type=int, default=16, help="pushes in flight before new ones are dropped")
+    t.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval (default 1 s)")
+    t.add_argument("--summary", help="write the JSON summary here at exit")
+    _add_run_config(p)
+    p.set_defaults(func=_learner)
 
 
 def _tape_show(args: argparse.Namespace) -> int:
@@ -282,8 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(commands)
     _add_syncer(commands)
+    _add_learner(commands)
     _add_tape(commands)
     _add_simulate(commands)
+    add_coordinator_parser(commands)
+    add_admin_parser(commands)
     return parser
 
 

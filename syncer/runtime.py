@@ -8,12 +8,18 @@ result in, answers every push waiting on that round and writes the event tape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from diloco.clock import VectorClock
+from diloco.errors import DilocoError, FailedPrecondition
 from diloco.tape import TapeWriter
+from syncer import snapshot as snapshot_files
+from syncer.core import snapshot
 from syncer.core.rounds import Close
 from syncer.core.shard import DUPLICATE, Ack, PushMeta, PushPayload, RoundJob, ShardCore, Segment, compute_round
 
@@ -27,6 +33,18 @@ class Counters:
     bytes_received: int = 0
     bytes_sent: int = 0
     rounds: int = 0
+
+
+@dataclass(frozen=True)
+class MarkerResult:
+    snapshot_id: int
+    clock: VectorClock
+    """The shard's clock when it recorded: its part of the cut."""
+    files: tuple[snapshot_files.WrittenFile, ...]
+
+
+# Called once a snapshot's channel state is complete, with every file the shard wrote.
+SnapshotReporter = Callable[[MarkerResult], Awaitable[None]]
 
 
 @dataclass
@@ -57,6 +75,15 @@ class ShardRuntime:
         for event in self._idle.values():
             event.set()
         self.accepting = True
+        # Snapshots: rounds are held while the state is recorded; the newest marker's id
+        # stamps every reply; the recorder collects the channel state.
+        self._held = 0
+        self.snapshot_epoch = 0
+        self.recorder: snapshot.ChannelRecorder | None = None
+        self.on_snapshot_recorded: SnapshotReporter | None = None
+        self._markers: dict[int, asyncio.Future] = {}
+        self._snapshot_tasks: set[asyncio.Task] = set()
+        self._recorded: dict[int, tuple[MarkerResult, Path]] = {}
         self._record("start", shard=core.cfg.shard_id, fragments=sorted(core.fragments), plan=core.plan.plan_hash)
 
     def now(self) -> float:
@@ -95,6 +122,10 @@ class ShardRuntime:
             outcome=ack.outcome,
             target_version=ack.target_version,
         )
+        if self.recorder is not None:
+            decision = self.recorder.observe(meta, payload, ack.outcome)
+            logger.debug("snapshot %d: push from %s: %s", self.recorder.snapshot_id, meta.learner_id, decision.reason)
+            self._maybe_finish_snapshot()
         future = asyncio.get_running_loop().create_future()
         self._waiters[meta.fragment].append(_Waiter(ack.target_version, meta.base_version, future))
         self._resolve(meta.fragment)
@@ -107,6 +138,8 @@ class ShardRuntime:
         timer = self._timers.pop(fragment_id, None)
         if timer is not None:
             timer.cancel()
+        if self._held:
+            return  # re-decided when the hold ends
         decision = self.core.decide(fragment_id, self._monotonic())
         if isinstance(decision, Close):
             self._close(fragment_id, decision)
@@ -172,6 +205,99 @@ class ShardRuntime:
         await self._idle[fragment_id].wait()
         return self.core.full(fragment_id)
 
+    def evaluate_all(self) -> None:
+        for fragment_id in self.core.fragments:
+            self._evaluate(fragment_id)
+
+    # --- snapshots -------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def held(self):
+        """Hold new rounds and wait for those in flight: inside, no fragment is being
+        applied, so the whole shard can be read in one consistent step."""
+        self._held += 1
+        try:
+            for event in self._idle.values():
+                await event.wait()
+            yield
+        finally:
+            self._held -= 1
+            if not self._held:
+                self.evaluate_all()
+
+    async def marker(self, snapshot_id: int, directory: Path, learners: list[str], clock: VectorClock) -> MarkerResult:
+        """Record the shard's state for snapshot ``snapshot_id`` and start recording its
+        channel state. A repeated marker (a retried RPC) gets the same answer."""
+        if snapshot_id in self._markers:
+            return await asyncio.shield(self._markers[snapshot_id])
+        if snapshot_id <= self.snapshot_epoch:
+            raise FailedPrecondition(f"marker for snapshot {snapshot_id} arrived after snapshot {self.snapshot_epoch}'s")
+        future = self._markers[snapshot_id] = asyncio.get_running_loop().create_future()
+        try:
+            async with self.held():
+                if snapshot_id <= self.snapshot_epoch:
+                    raise FailedPrecondition(f"marker for snapshot {snapshot_id} arrived after snapshot {self.snapshot_epoch}'s")
+                core = self.core
+                core.clock = core.clock.receive(core.process, clock)
+                state = snapshot.capture(core, snapshot_id)
+                cut = {f: s.version for f, s in core.fragments.items()}
+                recorder = self.recorder = snapshot.ChannelRecorder(snapshot_id, cut, set(learners) - core.failed)
+                self.snapshot_epoch = snapshot_id
+                # An older snapshot still recording has failed at the coordinator: forget it.
+                self._recorded = {i: r for i, r in self._recorded.items() if i == snapshot_id}
+                self._markers = {i: f for i, f in self._markers.items() if i == snapshot_id}
+                cut_clock = core.clock
+                self._record("marker", snapshot=snapshot_id, clock=dict(cut_clock.entries), versions=cut, learners=sorted(learners))
+            name = snapshot_files.state_name(core.cfg.shard_id)
+            written = await asyncio.to_thread(snapshot_files.write, directory, name, state)
+        except BaseException:
+            if self.recorder is not None and self.recorder.snapshot_id == snapshot_id:
+                self.recorder = None
+            self._markers.pop(snapshot_id, None)
+            future.cancel()  # a repeated marker waiting on this one fails too; the coordinator retries
+            raise
+        result = MarkerResult(snapshot_id, cut_clock, (written,))
+        if self.snapshot_epoch == snapshot_id:  # not overtaken by a newer marker meanwhile
+            self._recorded[snapshot_id] = (result, Path(directory))
+        future.set_result(result)
+        logger.info("snapshot %d: state recorded at %s; channels open: %s", snapshot_id, cut_clock, sorted(recorder.open_channels))
+        self._maybe_finish_snapshot()
+        return result
+
+    def _maybe_finish_snapshot(self) -> None:
+        recorder = self.recorder
+        if recorder is None or not recorder.done or recorder.snapshot_id not in self._recorded:
+            return
+        self.recorder = None
+        task = asyncio.get_running_loop().create_task(self._finish_snapshot(recorder))
+        self._snapshot_tasks.add(task)
+        task.add_done_callback(self._snapshot_tasks.discard)
+
+    async def _finish_snapshot(self, recorder: snapshot.ChannelRecorder) -> None:
+        """Write the channel state and report. A failure here is only logged: the
+        coordinator times the snapshot out and says so to the operator."""
+        result, directory = self._recorded.pop(recorder.snapshot_id)
+        shard_id = self.core.cfg.shard_id
+        try:
+            written = await asyncio.to_thread(
+                snapshot_files.write_channel, directory, shard_id, recorder.snapshot_id, recorder.recorded
+            )
+            self._record("snapshot", snapshot=recorder.snapshot_id, channel_pushes=len(recorder.recorded), excluded=recorder.excluded)
+            logger.info("snapshot %d: %d in-flight pushes recorded", recorder.snapshot_id, len(recorder.recorded))
+            if self.on_snapshot_recorded is not None:
+                await self.on_snapshot_recorded(MarkerResult(result.snapshot_id, result.clock, (*result.files, written)))
+        except DilocoError as error:
+            logger.warning("snapshot %d: cannot finish this shard's part: %s", recorder.snapshot_id, error)
+
+    def restore(self, snapshot_id: int, state: dict, pushes: list[tuple[PushMeta, PushPayload, int]]) -> None:
+        """Load a recorded state, then accept the pushes that were in flight at the cut."""
+        now = self._monotonic()
+        snapshot.restore(self.core, state, now)
+        self.snapshot_epoch = snapshot_id
+        outcomes = [self.core.accept(meta, payload, wire_bytes, now).outcome for meta, payload, wire_bytes in pushes]
+        versions = {f: s.version for f, s in self.core.fragments.items()}
+        self._record("restore", snapshot=snapshot_id, versions=versions, channel_pushes=outcomes)
+
     # --- membership ------------------------------------------------------------------
 
     def membership(self, event: str, learner_id: str) -> None:
@@ -183,12 +309,19 @@ class ShardRuntime:
             self.core.learner_failed(learner_id)
         elif event in ("left", "draining"):
             self.core.learner_left(learner_id)
+        if self.recorder is not None and event in ("failed", "left"):
+            self.recorder.learner_gone(learner_id)
+            self._maybe_finish_snapshot()
         self._record("membership", learner=learner_id, event=event)
         for fragment_id in self.core.fragments:
             self._evaluate(fragment_id)
 
     def set_membership(self, live: set[str], failed: set[str]) -> None:
         self.core.set_membership(live, failed)
+        if self.recorder is not None:
+            for learner_id in self.recorder.open_channels - live:
+                self.recorder.learner_gone(learner_id)
+            self._maybe_finish_snapshot()
         self._record("membership", event="snapshot", live=sorted(live), failed=sorted(failed))
         for fragment_id in self.core.fragments:
             self._evaluate(fragment_id)
@@ -199,6 +332,8 @@ class ShardRuntime:
         """Stop accepting, close every open round so its pushers get their replies, wait
         for rounds in flight, flush the tape."""
         self.accepting = False
+        for task in self._snapshot_tasks:
+            task.cancel()  # an unfinished snapshot fails at the coordinator's timeout
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()

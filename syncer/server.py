@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -15,11 +16,13 @@ import grpc
 
 from diloco import auth, rpc
 from diloco.config import RunConfig
+from diloco.errors import Unavailable
 from diloco.tape import TapeWriter
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, syncer_pb2_grpc
+from syncer import snapshot
 from syncer.config import SyncerConfig
 from syncer.core.shard import ShardCore
-from syncer.runtime import ShardRuntime
+from syncer.runtime import MarkerResult, ShardRuntime
 from syncer.service import SyncerServicer
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,11 @@ class ShardServerConfig:
     static_learners: tuple[str, ...] = ()
     """Live learners when running without a coordinator (tests, benchmarks)."""
     coordinator: str | None = None
+    snapshot_dir: Path | None = None
+    """Where snapshots live (the coordinator's snapshot directory); needed by restore by id."""
+    restore: str | None = None
+    """Start from a complete snapshot: "latest", an id, a snapshot directory or manifest."""
+    report_timeout_s: float = 30.0
     max_message_bytes: int = 8 * 1024 * 1024
     tape_fsync_every: int = 64
     shutdown_grace_s: float = 10.0
@@ -66,8 +74,11 @@ class ShardServer:
         if server_cfg.data_dir is not None:
             tape = TapeWriter(Path(server_cfg.data_dir) / f"tape-S{cfg.shard_id}.jsonl", server_cfg.tape_fsync_every)
         self.runtime = build_runtime(run, cfg, tape)
+        if server_cfg.restore:
+            self.runtime.restore(*snapshot.load_for_restore(server_cfg.restore, server_cfg.snapshot_dir, cfg.shard_id))
         if server_cfg.static_learners:
             self.runtime.core.set_membership(set(server_cfg.static_learners), set())
+        self.runtime.on_snapshot_recorded = self._report_snapshot
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
@@ -84,10 +95,19 @@ class ShardServer:
         self.port = self.server.add_insecure_port(f"{self.server_cfg.host}:{self.server_cfg.port}")
         await self.server.start()
         await rpc.mark_serving(self.health, [SERVICE_NAME])
+        self.runtime.evaluate_all()  # rounds restored from a snapshot may be ready to close
         if self.server_cfg.coordinator:
             self._watch = asyncio.get_running_loop().create_task(self._follow_membership())
         logger.info("shard %d listening on %s:%d", self.cfg.shard_id, self.server_cfg.host, self.port)
         return self.port
+
+    def follow(self, coordinator: str) -> None:
+        """Follow (and report snapshots to) a coordinator that started after this shard:
+        with ephemeral ports, one of the two must start first."""
+        self.server_cfg = dataclasses.replace(self.server_cfg, coordinator=coordinator)
+        if self._watch is not None:
+            self._watch.cancel()
+        self._watch = asyncio.get_running_loop().create_task(self._follow_membership())
 
     async def stop(self) -> None:
         if self._stopped:
@@ -99,14 +119,36 @@ class ShardServer:
         await self.runtime.drain()
         await self.server.stop(self.server_cfg.shutdown_grace_s)
 
+    def _credentials(self) -> tuple[tuple[str, str], ...]:
+        name = f"S{self.cfg.shard_id}"
+        return ((auth.LEARNER_METADATA, name), (auth.CREDENTIAL_METADATA, auth.sign(self.server_cfg.secret, name)))
+
+    async def _report_snapshot(self, result: MarkerResult) -> None:
+        """Tell the coordinator this shard's part of a snapshot is on disk (state and
+        channel state). UNAVAILABLE is retried by the channel's policy."""
+        if not self.server_cfg.coordinator:
+            logger.info("snapshot %d recorded; no coordinator to report to", result.snapshot_id)
+            return
+        request = coordinator_pb2.ReportSnapshotRequest(
+            snapshot_id=result.snapshot_id,
+            participant=f"S{self.cfg.shard_id}",
+            clock=common_pb2.VectorClock(entries=dict(result.clock.entries)),
+            files=[common_pb2.SnapshotFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in result.files],
+        )
+        options = rpc.channel_options(self.server_cfg.max_message_bytes, "diloco.v1.Coordinator")
+        async with grpc.aio.insecure_channel(self.server_cfg.coordinator, options=options) as channel:
+            try:
+                await coordinator_pb2_grpc.CoordinatorStub(channel).ReportSnapshot(
+                    request, metadata=self._credentials(), timeout=self.server_cfg.report_timeout_s
+                )
+            except grpc.aio.AioRpcError as error:
+                raise Unavailable(f"ReportSnapshot: {error.code().name}: {error.details()}") from None
+
     async def _follow_membership(self) -> None:
         """Follow WatchMembership; reconnect with backoff while the coordinator is away
         (rounds keep closing on the membership last known)."""
         name = f"S{self.cfg.shard_id}"
-        metadata = (
-            (auth.LEARNER_METADATA, name),
-            (auth.CREDENTIAL_METADATA, auth.sign(self.server_cfg.secret, name)),
-        )
+        metadata = self._credentials()
         backoff = 0.2
         while True:
             try:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
@@ -75,7 +76,9 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         return chunks
 
     async def _update_messages(self, update: FragmentUpdate, wrap) -> AsyncIterator:
-        yield wrap(update=convert.update_to_proto(update, self.runtime.core.clock))
+        header = convert.update_to_proto(update, self.runtime.core.clock)
+        header.snapshot_epoch = self.runtime.snapshot_epoch
+        yield wrap(update=header)
         for segment in update.segments:
             for data in await self._chunks_of(update.fragment, segment):
                 self.runtime.counters.bytes_sent += len(data)
@@ -113,7 +116,9 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             # The handler lives until the round closes; only the unframed payload may stay.
             del chunks
             ack, waiter = self.runtime.push(meta, payload, wire_bytes)
-            yield convert.ack_to_proto(ack, self.runtime.core.clock)
+            reply = convert.ack_to_proto(ack, self.runtime.core.clock)
+            reply.ack.snapshot_epoch = self.runtime.snapshot_epoch
+            yield reply
             update = await waiter
             async for message in self._update_messages(update, syncer_pb2.PushReply):
                 yield message
@@ -134,6 +139,23 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 update = FragmentUpdate(fragment_id, 0, full.version, (full,))
                 async for message in self._update_messages(update, syncer_pb2.BootstrapReply):
                     yield message
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def Marker(self, request, context):
+        try:
+            if self._authenticate(context) != auth.COORDINATOR_ID:
+                raise PermissionDenied("only the coordinator sends snapshot markers")
+            if request.snapshot_id < 1 or not request.directory:
+                raise InvalidArgument("a marker needs a snapshot id >= 1 and a directory")
+            result = await self.runtime.marker(
+                request.snapshot_id, Path(request.directory), list(request.learners), convert.clock_from_proto(request.clock)
+            )
+            return syncer_pb2.MarkerReply(
+                participant=self.runtime.core.process,
+                clock=convert.clock_to_proto(result.clock),
+                files=[common_pb2.SnapshotFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in result.files],
+            )
         except DilocoError as error:
             await rpc.abort_with(context, error)
 

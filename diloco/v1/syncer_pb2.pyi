@@ -59,14 +59,16 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class PushAck(_message.Message):
-    __slots__ = ("outcome", "target_version", "clock")
+    __slots__ = ("outcome", "target_version", "clock", "snapshot_epoch")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     outcome: PushOutcome
     target_version: int
     clock: _common_pb2.VectorClock
-    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., target_version: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
+    snapshot_epoch: int
+    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., target_version: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., snapshot_epoch: _Optional[int] = ...) -> None: ...
 
 class UpdateSegment(_message.Message):
     __slots__ = ("version", "kind", "tensors")
@@ -79,7 +81,7 @@ class UpdateSegment(_message.Message):
     def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHeader, _Mapping]]] = ...) -> None: ...
 
 class FragmentUpdate(_message.Message):
-    __slots__ = ("fragment", "base_version", "version", "segments", "clock", "close_reason", "participants")
+    __slots__ = ("fragment", "base_version", "version", "segments", "clock", "close_reason", "participants", "snapshot_epoch")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +89,7 @@ class FragmentUpdate(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     CLOSE_REASON_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     base_version: int
     version: int
@@ -94,7 +97,8 @@ class FragmentUpdate(_message.Message):
     clock: _common_pb2.VectorClock
     close_reason: str
     participants: int
-    def __init__(self, fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[UpdateSegment, _Mapping]]] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., close_reason: _Optional[str] = ..., participants: _Optional[int] = ...) -> None: ...
+    snapshot_epoch: int
+    def __init__(self, fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[UpdateSegment, _Mapping]]] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., close_reason: _Optional[str] = ..., participants: _Optional[int] = ..., snapshot_epoch: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("ack", "update", "chunk")
@@ -125,14 +129,16 @@ class BootstrapReply(_message.Message):
     def __init__(self, update: _Optional[_Union[FragmentUpdate, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class MarkerRequest(_message.Message):
-    __slots__ = ("snapshot_id", "directory", "clock")
+    __slots__ = ("snapshot_id", "directory", "clock", "learners")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: int
     directory: str
     clock: _common_pb2.VectorClock
-    def __init__(self, snapshot_id: _Optional[int] = ..., directory: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
+    learners: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, snapshot_id: _Optional[int] = ..., directory: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., learners: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MarkerReply(_message.Message):
     __slots__ = ("participant", "clock", "files")

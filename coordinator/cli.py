@@ -1,0 +1,355 @@
+"""``diloco coordinator`` and ``diloco admin``: their parsers and handlers, wired into
+the ``diloco`` command by ``diloco.cli.build_parser``.
+
+Like the main CLI, parsers import nothing heavy; handlers import their implementation
+when they run. The helpers shared with ``diloco.cli`` are imported inside functions, so
+``diloco.cli`` may import this module at its top (also when it runs as ``__main__``). This module may read the environment (the Kubernetes chart passes the
+admin token and the pod's namespace that way); nothing below it does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+
+from diloco.errors import InvalidArgument, NotFound
+
+ENDPOINTS_FILE = "endpoints.json"
+ADMIN_TOKEN_FILE = "admin-token"
+
+
+# --- diloco coordinator ----------------------------------------------------------------
+
+
+def _pod_template(value: str) -> tuple[str, Path]:
+    pool, sep, path = value.rpartition("=")
+    return (pool if sep else "", Path(path))
+
+
+def _read_token(path: Path, what: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise NotFound(f"cannot read {what} {path}: {error.strerror}") from None
+    if not token:
+        raise InvalidArgument(f"{what} {path} is empty")
+    return token
+
+
+def _admin_token(args: argparse.Namespace, data_dir: Path) -> str:
+    """--admin-token-file, else $DILOCO_ADMIN_TOKEN, else DATA_DIR/admin-token (made on
+    first start, owner-only)."""
+    if args.admin_token_file:
+        return _read_token(Path(args.admin_token_file), "admin token file")
+    if os.environ.get("DILOCO_ADMIN_TOKEN"):
+        return os.environ["DILOCO_ADMIN_TOKEN"]
+    path = data_dir / ADMIN_TOKEN_FILE
+    if path.exists():
+        return _read_token(path, "admin token file")
+    from coordinator.server import write_secret_file
+    from diloco.auth import new_secret
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    token = new_secret()
+    write_secret_file(path, token)
+    return token
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
+    from coordinator.server import run_coordinator
+    from diloco.cli import _run_config, _secret
+
+    run = _run_config(args)
+    data_dir = Path(args.data_dir)
+    cfg = CoordinatorConfig(
+        data_dir=data_dir,
+        shards=tuple(x for x in (args.shards or "").split(",") if x),
+        pools=tuple(x for x in args.pools.split(",") if x),
+        lease_s=args.lease_s,
+        max_learners=args.max_learners,
+        drain_timeout_s=args.drain_timeout_s,
+        join_timeout_s=args.join_timeout_s,
+        snapshot_timeout_s=args.snapshot_timeout_s,
+        snapshot_dir=Path(args.snapshot_dir) if args.snapshot_dir else None,
+        restore=args.restore,
+        host=args.host,
+        port=args.port,
+        advertise_address=args.advertise_address or "",
+        release=args.release,
+        launcher=args.launcher,
+        local=LocalLauncherConfig(
+            command=tuple(shlex.split(args.learner_command)) if args.learner_command else (),
+            terminate_timeout_s=args.terminate_timeout_s,
+        ),
+        kubernetes=KubernetesLauncherConfig(
+            namespace=args.namespace or os.environ.get("POD_NAMESPACE", "default"),
+            pod_templates=tuple(args.pod_template or ()),
+            container=args.learner_container,
+            join_token_path=args.join_token_path,
+            kube_config=args.kube_config,
+        ),
+    )
+    if cfg.launcher == "kubernetes" and not cfg.kubernetes.pod_templates:
+        raise InvalidArgument("--launcher kubernetes needs --pod-template [POOL=]PATH")
+    port_file = Path(args.port_file) if args.port_file else None
+    return asyncio.run(run_coordinator(run, cfg, _secret(args), _admin_token(args, data_dir), port_file))
+
+
+def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
+    from diloco.cli import _add_run_config
+
+    p = commands.add_parser(
+        "coordinator",
+        help="run the coordinator: membership and leases, launchers, snapshots",
+        description=(
+            "Run the coordinator. Learners Join with the join token (DATA_DIR/join-token), heartbeat within "
+            "the lease and are marked failed when it runs out; shards follow the membership stream. SIGTERM "
+            "stops the learners it launched as processes, saves its state and exits 0; a restart resumes "
+            "from DATA_DIR/coordinator-state.json."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
+    p.add_argument("--port-file", help="write HOST:PORT here once serving")
+    p.add_argument("--advertise-address", metavar="HOST:PORT", help="address launched learners use (default: the bound one)")
+    p.add_argument("--data-dir", default="coordinator", help="state, tokens, learner logs, snapshots (default ./coordinator)")
+    p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
+    p.add_argument("--admin-token-file", help="admin token (default: $DILOCO_ADMIN_TOKEN, else DATA_DIR/admin-token, made if absent)")
+    p.add_argument("--shards", metavar="HOST:PORT,...", help="every shard's address, in shard id order")
+    p.add_argument("--pools", default="default", help="pools learners may join, comma-separated; the first is the default")
+    p.add_argument("--lease-s", type=float, default=5.0, help="heartbeat lease (default 5 s)")
+    p.add_argument("--max-learners", type=int, default=64, help="cap on learners joined or launching (default 64)")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0, help="stop a draining learner after this long (default 60 s)")
+    p.add_argument("--join-timeout-s", type=float, default=300.0, help="a launch not joined by then frees its slot (default 300 s)")
+    p.add_argument("--snapshot-timeout-s", type=float, default=120.0, help="fail a snapshot not complete by then (default 120 s)")
+    p.add_argument("--snapshot-dir", help="where snapshots go (default DATA_DIR/snapshots); shards must see the same path")
+    p.add_argument("--restore", metavar="latest|ID", help="restart the run from a complete snapshot (learners re-join)")
+    p.add_argument("--launcher", choices=["local", "kubernetes", "none"], default="local", help="how AddLearners starts learners")
+    p.add_argument("--release", default="diloco", help="owner label of launched pods (the Helm release)")
+    local = p.add_argument_group("local launcher")
+    local.add_argument("--learner-command", help="command line that starts a learner (default: this Python's -m diloco.cli learner)")
+    local.add_argument("--terminate-timeout-s", type=float, default=10.0, help="SIGKILL a learner this long after SIGTERM")
+    k8s = p.add_argument_group("kubernetes launcher")
+    k8s.add_argument("--namespace", help="namespace of learner pods (default $POD_NAMESPACE, else default)")
+    k8s.add_argument("--pod-template", action="append", type=_pod_template, metavar="[POOL=]PATH",
+                     help="pod template (YAML/JSON) for POOL, or for every pool without its own (repeatable)")
+    k8s.add_argument("--learner-container", default="learner", help="learner container's name in the template")
+    k8s.add_argument("--join-token-path", default="/var/run/diloco/join-token", help="join token file inside learner pods")
+    k8s.add_argument("--kube-config", default="auto", help="in-cluster, auto or a kubeconfig path (default auto)")
+    _add_run_config(p)
+    p.set_defaults(func=_coordinator)
+
+
+# --- diloco admin ----------------------------------------------------------------------
+
+
+def _run_dir(args: argparse.Namespace) -> Path | None:
+    if args.run_dir:
+        return Path(args.run_dir)
+    return Path.cwd() if (Path.cwd() / ENDPOINTS_FILE).exists() else None
+
+
+def _coordinator_address(args: argparse.Namespace) -> str:
+    if args.coordinator:
+        return args.coordinator
+    if os.environ.get("DILOCO_COORDINATOR"):
+        return os.environ["DILOCO_COORDINATOR"]
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        raise InvalidArgument("no coordinator: pass --coordinator HOST:PORT or --run-dir DIR (or run inside a run directory)")
+    path = run_dir / ENDPOINTS_FILE
+    try:
+        endpoints = json.loads(path.read_text())
+    except OSError as error:
+        raise NotFound(f"cannot read {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise InvalidArgument(f"{path} is not JSON: {error}") from None
+    for entry in endpoints if isinstance(endpoints, list) else []:
+        if isinstance(entry, dict) and entry.get("role") == "coordinator" and entry.get("address"):
+            return entry["address"]
+    raise NotFound(f"{path} lists no coordinator")
+
+
+def _token(args: argparse.Namespace) -> str:
+    if args.token_file:
+        return _read_token(Path(args.token_file), "admin token file")
+    if os.environ.get("DILOCO_ADMIN_TOKEN"):
+        return os.environ["DILOCO_ADMIN_TOKEN"]
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        raise InvalidArgument("no admin token: pass --token-file PATH or --run-dir DIR, or set DILOCO_ADMIN_TOKEN")
+    return _read_token(run_dir / ADMIN_TOKEN_FILE, "admin token file")
+
+
+def _client(args: argparse.Namespace):
+    from coordinator.client import AdminClient
+
+    return AdminClient(_coordinator_address(args), _token(args), timeout_s=args.timeout_s)
+
+
+def _ago(unix_ms: int, now_s: float) -> str:
+    return "-" if not unix_ms else f"{max(0.0, now_s - unix_ms / 1000):.1f} s ago"
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=True, header_style="bold")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def _members(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        learners = client.members(include_gone=args.all)
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(learners))
+        return 0
+    now = time.time()
+    rows = [
+        [l["id"], l["state"], l["pool"], l["address"], _ago(l["last_heartbeat_unix_ms"], now),
+         str(l["tokens"]), str(l["inner_steps"]), str(l["version_lag"])]
+        for l in learners
+    ]
+    _table(f"{len(learners)} learners", ["id", "state", "pool", "address", "heartbeat", "tokens", "steps", "lag"], rows)
+    return 0
+
+
+def _overrides(pairs: list[str] | None) -> dict[str, str]:
+    overrides = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"--set takes KEY=VALUE, got {pair!r}")
+        overrides[key] = value
+    return overrides
+
+
+def _add_learners(args: argparse.Namespace) -> int:
+    if args.count <= 0:
+        raise InvalidArgument(f"count must be >= 1, got {args.count}")
+    client = _client(args)
+    try:
+        launches = client.add_learners(args.count, args.pool or "", _overrides(args.set))
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(launches))
+    else:
+        _table("launches", ["launch id", "ok", "detail"], [[x["launch_id"], "yes" if x["ok"] else "NO", x["detail"]] for x in launches])
+    return 0 if all(x["ok"] for x in launches) else 1
+
+
+def _remove_learners(args: argparse.Namespace) -> int:
+    if bool(args.ids) == bool(args.count):
+        raise InvalidArgument("give learner ids or --count N, not both")
+    if args.count is not None and args.count <= 0:
+        raise InvalidArgument(f"count must be >= 1, got {args.count}")
+    client = _client(args)
+    try:
+        removed = client.remove_learners(args.ids, args.count or 0, args.drain)
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(removed))
+    else:
+        print(f"{'draining' if args.drain else 'removed'}: {', '.join(removed)}")
+    return 0
+
+
+def _snapshot(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        snapshot_id = client.start_snapshot()
+        info = {"id": snapshot_id, "state": "running"}
+        deadline = time.monotonic() + args.wait_s
+        while args.wait_s > 0:
+            info = next((s for s in client.snapshots() if s["id"] == snapshot_id), info)
+            if info["state"] != "running" or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)  # polling a remote state on a human's behalf
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(f"snapshot {snapshot_id}: {info['state']}" + (f" ({info['detail']})" if info.get("detail") else ""))
+    return 1 if info["state"] == "failed" else 0
+
+
+def _snapshots(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        snapshots = client.snapshots()
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(snapshots))
+        return 0
+    now = time.time()
+    rows = [
+        [str(s["id"]), s["state"], _ago(s["started_unix_ms"], now),
+         f"{len(s['reported'])}/{len(s['participants'])}", s["manifest"] or s["detail"]]
+        for s in snapshots
+    ]
+    _table(f"{len(snapshots)} snapshots", ["id", "state", "started", "reported", "manifest / detail"], rows)
+    return 0
+
+
+def add_admin_parser(commands: argparse._SubParsersAction) -> None:
+    admin = commands.add_parser(
+        "admin",
+        help="operate a running coordinator: members, add/remove learners, snapshots",
+        description=(
+            "Talk to a coordinator's admin RPCs. The address and token come from --coordinator / --token-file, "
+            "else $DILOCO_COORDINATOR / $DILOCO_ADMIN_TOKEN, else the run directory (--run-dir, or the current "
+            "directory if it holds endpoints.json): DIR/endpoints.json and DIR/admin-token."
+        ),
+    )
+    admin.add_argument("--coordinator", metavar="HOST:PORT", help="the coordinator's address")
+    admin.add_argument("--token-file", help="file holding the admin token")
+    admin.add_argument("--run-dir", help="run directory holding endpoints.json and admin-token")
+    admin.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call (default 10 s)")
+    verbs = admin.add_subparsers(dest="admin", required=True, metavar="VERB")
+
+    members = verbs.add_parser("members", help="list learners (id, state, pool, address, heartbeat, tokens, lag)")
+    members.add_argument("--all", action="store_true", help="include failed and departed learners")
+    members.add_argument("--json", action="store_true", help="print a JSON list")
+    members.set_defaults(func=_members)
+
+    add = verbs.add_parser("add-learners", help="launch N learners through the coordinator's launcher")
+    add.add_argument("count", type=int, metavar="N")
+    add.add_argument("--pool", help="pool to launch into (default: the coordinator's first pool)")
+    add.add_argument("--set", action="append", metavar="KEY=VALUE", help="learner flag override, e.g. device=cpu (repeatable)")
+    add.add_argument("--json", action="store_true", help="print the launch results as JSON")
+    add.set_defaults(func=_add_learners)
+
+    remove = verbs.add_parser("remove-learners", help="remove learners by id, or the N newest")
+    remove.add_argument("ids", nargs="*", metavar="ID", help="learner ids, e.g. L3 L4")
+    remove.add_argument("--count", type=int, help="remove the N newest learners instead")
+    remove.add_argument("--drain", action="store_true", help="let them finish in-flight pushes and leave")
+    remove.add_argument("--json", action="store_true", help="print the removed ids as JSON")
+    remove.set_defaults(func=_remove_learners)
+
+    snapshot = verbs.add_parser("snapshot", help="start a Chandy-Lamport snapshot")
+    snapshot.add_argument("--wait-s", type=float, default=0.0, help="wait up to this long for it to finish (exit 1 if it failed)")
+    snapshot.add_argument("--json", action="store_true", help="print {id, state} as JSON")
+    snapshot.set_defaults(func=_snapshot)
+
+    snapshots = verbs.add_parser("snapshots", help="list snapshots (running, complete, failed)")
+    snapshots.add_argument("--json", action="store_true", help="print a JSON list")
+    snapshots.set_defaults(func=_snapshots)

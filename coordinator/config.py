@@ -1,0 +1,125 @@
+"""Configuration of the coordinator: leases, caps, pools, snapshots and the launcher."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diloco.errors import InvalidArgument
+
+LAUNCHERS = ("local", "kubernetes", "none")
+# Pool and release names end up in pod names and label values: keep them DNS labels.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_MAX_RELEASE_CHARS = 40  # leaves room for "-learner-<launch id>" within 63 characters
+
+
+def check_dns_label(what: str, value: str, max_chars: int = 63) -> None:
+    if not _DNS_LABEL.match(value) or len(value) > max_chars:
+        raise InvalidArgument(
+            f"{what} must be lowercase letters, digits and '-' (at most {max_chars} characters), got {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class LocalLauncherConfig:
+    """Learners as child processes of the coordinator (the embedded default)."""
+
+    command: tuple[str, ...] = ()
+    """Argv that starts a learner, before the launcher's own flags. Empty: this Python's
+    ``-m diloco.cli learner``. Tests put a small fake learner script here."""
+    terminate_timeout_s: float = 10.0
+    """After SIGTERM, wait this long for the learner to exit before SIGKILL."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.terminate_timeout_s) and self.terminate_timeout_s > 0):
+            raise InvalidArgument(f"terminate timeout must be > 0 s, got {self.terminate_timeout_s}")
+
+
+@dataclass(frozen=True)
+class KubernetesLauncherConfig:
+    """Learners as pods created from a pod template through the Kubernetes API."""
+
+    namespace: str = "default"
+    pod_templates: tuple[tuple[str, Path], ...] = ()
+    """(pool, template file) pairs; pool "" is the template of every pool without its own."""
+    container: str = "learner"
+    """Name of the learner container in the template (the first container if absent)."""
+    join_token_path: str = "/var/run/diloco/join-token"
+    """Where a learner pod reads the join token (the chart mounts a Secret there)."""
+    kube_config: str = "auto"
+    """"in-cluster", "auto" (in-cluster, else ~/.kube/config) or a kubeconfig path."""
+
+    def __post_init__(self) -> None:
+        check_dns_label("namespace", self.namespace)
+        for pool, _ in self.pod_templates:
+            if pool:
+                check_dns_label("pool", pool)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    data_dir: Path
+    """Holds the coordinator's state file, tokens, learner logs and (by default) snapshots."""
+    shards: tuple[str, ...] = ()
+    """host:port of every syncer shard; shard id = position."""
+    pools: tuple[str, ...] = ("default",)
+    """Pools learners may join and be launched into; the first is the default."""
+    lease_s: float = 5.0
+    """A learner that has not heartbeated for this long is marked failed."""
+    max_learners: int = 64
+    """Cap on learners joined or being launched; AddLearners beyond it is refused."""
+    drain_timeout_s: float = 60.0
+    """A draining learner that has not left after this long is stopped."""
+    join_timeout_s: float = 300.0
+    """A launched learner that has not joined after this long frees its slot under the cap."""
+    snapshot_timeout_s: float = 120.0
+    """A snapshot whose participants have not all reported after this long is marked failed."""
+    snapshot_dir: Path | None = None
+    """Where snapshots are written (one directory per snapshot); None: data_dir/snapshots."""
+    restore: str | None = None
+    """"latest" or a snapshot id: the run restarts from it (learners re-join)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_address: str = ""
+    """Address learners are told to reach the coordinator at; empty: host:port."""
+    release: str = "diloco"
+    """Owner label of launched pods (the Helm release name)."""
+    launcher: str = "local"
+    local: LocalLauncherConfig = field(default_factory=LocalLauncherConfig)
+    kubernetes: KubernetesLauncherConfig = field(default_factory=KubernetesLauncherConfig)
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("lease_s", "drain_timeout_s", "join_timeout_s", "snapshot_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgument(f"{name} must be a finite number > 0, got {value}")
+        if self.max_learners < 1:
+            raise InvalidArgument(f"max learners must be >= 1, got {self.max_learners}")
+        if not self.pools:
+            raise InvalidArgument("at least one pool is needed")
+        if len(set(self.pools)) != len(self.pools):
+            raise InvalidArgument(f"pools must be unique, got {list(self.pools)}")
+        for pool in self.pools:
+            check_dns_label("pool", pool)
+        check_dns_label("release", self.release, _MAX_RELEASE_CHARS)
+        if self.launcher not in LAUNCHERS:
+            raise InvalidArgument(f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+        for address in self.shards:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidArgument(f"shard address must be HOST:PORT, got {address!r}")
+        if self.restore is not None and self.restore != "latest" and not self.restore.isdigit():
+            raise InvalidArgument(f"restore must be 'latest' or a snapshot id, got {self.restore!r}")
+        if not 0 <= self.port < 65536:
+            raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
+
+    @property
+    def default_pool(self) -> str:
+        return self.pools[0]
+
+    @property
+    def snapshots_path(self) -> Path:
+        return self.snapshot_dir if self.snapshot_dir is not None else self.data_dir / "snapshots"

@@ -1,0 +1,115 @@
+"""Protos <-> coordinator core types. The only coordinator module that imports both."""
+
+from __future__ import annotations
+
+from coordinator.core.membership import ACTIVE, DRAINING, FAILED, JOINING, LEFT, Change, HeartbeatStats, Learner
+from coordinator.core.snapshots import COMPLETE, FAILED as SNAPSHOT_FAILED, RUNNING, Snapshot, SnapshotFile
+from diloco.clock import VectorClock
+from diloco.config import RunConfig
+from diloco.convert import clock_from_proto, clock_to_proto, plan_to_proto
+from diloco.errors import InvalidArgument
+from diloco.v1 import common_pb2, coordinator_pb2
+
+__all__ = ["clock_from_proto", "clock_to_proto"]
+
+_STATE = {
+    JOINING: common_pb2.LEARNER_STATE_JOINING,
+    ACTIVE: common_pb2.LEARNER_STATE_ACTIVE,
+    DRAINING: common_pb2.LEARNER_STATE_DRAINING,
+    FAILED: common_pb2.LEARNER_STATE_FAILED,
+    LEFT: common_pb2.LEARNER_STATE_LEFT,
+}
+# A learner becoming active is announced as another JOINED event with state ACTIVE.
+_EVENT = {
+    "joined": coordinator_pb2.MEMBERSHIP_EVENT_KIND_JOINED,
+    "active": coordinator_pb2.MEMBERSHIP_EVENT_KIND_JOINED,
+    "draining": coordinator_pb2.MEMBERSHIP_EVENT_KIND_DRAINING,
+    "failed": coordinator_pb2.MEMBERSHIP_EVENT_KIND_FAILED,
+    "left": coordinator_pb2.MEMBERSHIP_EVENT_KIND_LEFT,
+}
+_SNAPSHOT_STATE = {
+    RUNNING: coordinator_pb2.SNAPSHOT_STATE_RUNNING,
+    COMPLETE: coordinator_pb2.SNAPSHOT_STATE_COMPLETE,
+    SNAPSHOT_FAILED: coordinator_pb2.SNAPSHOT_STATE_FAILED,
+}
+
+
+def _ms(seconds: float | None) -> int:
+    return 0 if seconds is None else int(round(seconds * 1000))
+
+
+def learner_to_proto(learner: Learner) -> common_pb2.LearnerInfo:
+    return common_pb2.LearnerInfo(
+        learner_id=learner.id,
+        state=_STATE[learner.state],
+        pool=learner.pool,
+        address=learner.address,
+        last_heartbeat_unix_ms=_ms(learner.heartbeat_s),
+        tokens=learner.tokens,
+        inner_steps=learner.inner_steps,
+        version_lag=learner.version_lag,
+        joined_unix_ms=_ms(learner.joined_s),
+    )
+
+
+def membership_snapshot(learners: list[Learner], clock: VectorClock) -> coordinator_pb2.MembershipEvent:
+    return coordinator_pb2.MembershipEvent(
+        kind=coordinator_pb2.MEMBERSHIP_EVENT_KIND_SNAPSHOT,
+        learners=[learner_to_proto(l) for l in learners],
+        clock=clock_to_proto(clock),
+    )
+
+
+def change_to_proto(change: Change, clock: VectorClock) -> coordinator_pb2.MembershipEvent:
+    return coordinator_pb2.MembershipEvent(
+        kind=_EVENT[change.kind], learners=[learner_to_proto(change.learner)], clock=clock_to_proto(clock)
+    )
+
+
+def stats_from_proto(msg: coordinator_pb2.HeartbeatRequest) -> HeartbeatStats:
+    return HeartbeatStats(msg.tokens, msg.inner_steps, msg.version_lag, msg.tokens_per_s)
+
+
+def files_from_proto(files) -> list[SnapshotFile]:
+    return [SnapshotFile(f.path, f.size_bytes, f.sha256) for f in files]
+
+
+def snapshot_to_proto(snapshot: Snapshot) -> coordinator_pb2.SnapshotInfo:
+    return coordinator_pb2.SnapshotInfo(
+        snapshot_id=snapshot.id,
+        state=_SNAPSHOT_STATE[snapshot.state],
+        started_unix_ms=_ms(snapshot.started_s),
+        finished_unix_ms=_ms(snapshot.finished_s),
+        participants=snapshot.participants,
+        reported=sorted(snapshot.reports),
+        manifest=snapshot.manifest,
+        detail=snapshot.detail,
+    )
+
+
+def topology_to_proto(run: RunConfig, shards: tuple[str, ...], epoch: int) -> common_pb2.Topology:
+    """Without shards (a coordinator used for membership only) the plan is laid out
+    for one shard and the shard list is empty."""
+    plan = run.plan()
+    num_shards = max(1, len(shards))
+    return common_pb2.Topology(
+        plan=plan_to_proto(plan, num_shards),
+        shards=[
+            common_pb2.ShardInfo(
+                shard_id=m, address=address, fragments=[f.id for f in plan.owned_by(m, num_shards)]
+            )
+            for m, address in enumerate(shards)
+        ],
+        sync_every_steps=run.sync_every_steps,
+        overlap_steps=run.overlap_steps,
+        merge_alpha=run.merge_alpha,
+        run_config_json=run.to_json(),
+        epoch=epoch,
+    )
+
+
+def overrides_from_proto(msg: coordinator_pb2.AddLearnersRequest) -> dict[str, str]:
+    overrides = dict(msg.overrides)
+    if any(not k for k in overrides):
+        raise InvalidArgument("override keys must not be empty")
+    return overrides

@@ -1,0 +1,1 @@
+"""The coordinator's pure core: membership and leases, snapshot bookkeeping."""

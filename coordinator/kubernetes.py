@@ -1,0 +1,181 @@
+"""``KubernetesLauncher``: learners as pods, created from a pod template through the
+official ``kubernetes`` client (an optional dependency, imported only here).
+
+Every pod it creates is labelled ``app.kubernetes.io/name=diloco``, ``diloco/pool``,
+``diloco/owner`` (the release) and ``diloco/launch-id``, so the launcher can count its
+own pods (the cap also holds for pods a restarted coordinator no longer remembers) and
+delete them on remove. Pods outlive the coordinator: a restarted one finds its learners
+re-joining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from coordinator.config import KubernetesLauncherConfig
+from coordinator.launcher import LaunchResult, learner_args
+from diloco.errors import InvalidArgument, NotFound, ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+NAME_LABEL = "app.kubernetes.io/name"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+POOL_LABEL = "diloco/pool"
+OWNER_LABEL = "diloco/owner"
+LAUNCH_LABEL = "diloco/launch-id"
+
+
+def load_template(path: Path) -> dict:
+    """A pod template from YAML or JSON: a Pod, a PodTemplate, or a bare
+    PodTemplateSpec (``{metadata, spec}``) as a Helm chart renders into a ConfigMap."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise NotFound(f"cannot read pod template {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise InvalidArgument(f"pod template {path} is not YAML or JSON: {error}") from None
+    if isinstance(raw, dict) and raw.get("kind") == "PodTemplate":
+        raw = raw.get("template")
+    if not isinstance(raw, dict) or not isinstance(raw.get("spec"), dict) or not raw["spec"].get("containers"):
+        raise InvalidArgument(f"pod template {path} needs a spec with at least one container")
+    return {"metadata": raw.get("metadata") or {}, "spec": raw["spec"]}
+
+
+def _default_api_client(kube_config: str):
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    if kube_config == "in-cluster":
+        config.load_incluster_config(client_configuration=configuration)
+    elif kube_config == "auto":
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+    else:
+        config.load_kube_config(config_file=kube_config, client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+def _api_error(error) -> str:
+    """The Kubernetes Status message if the API sent one, else the HTTP reason."""
+    try:
+        message = json.loads(error.body).get("message", "")
+    except (TypeError, ValueError, AttributeError):
+        message = ""
+    return f"{error.status} {error.reason}" + (f": {message}" if message else "")
+
+
+class KubernetesLauncher:
+    def __init__(
+        self,
+        cfg: KubernetesLauncherConfig,
+        release: str,
+        coordinator: str,
+        max_learners: int,
+        api_client=None,
+    ) -> None:
+        from kubernetes import client
+
+        self.cfg = cfg
+        self.release = release
+        self.coordinator = coordinator
+        self.max_learners = max_learners
+        self.templates = {pool: load_template(path) for pool, path in cfg.pod_templates}
+        self.api = client.CoreV1Api(api_client if api_client is not None else _default_api_client(cfg.kube_config))
+
+    def pod_name(self, launch_id: str) -> str:
+        return f"{self.release}-learner-{launch_id}"
+
+    def manifest(self, launch_id: str, pool: str, overrides: Mapping[str, str]) -> dict:
+        template = self.templates.get(pool) or self.templates.get("")
+        if template is None:
+            raise NotFound(f"no pod template for pool {pool!r}")
+        metadata = copy.deepcopy(template["metadata"])
+        spec = copy.deepcopy(template["spec"])
+        labels = {
+            **(metadata.get("labels") or {}),
+            NAME_LABEL: "diloco",
+            COMPONENT_LABEL: "learner",
+            POOL_LABEL: pool,
+            OWNER_LABEL: self.release,
+            LAUNCH_LABEL: launch_id,
+        }
+        containers = spec["containers"]
+        container = next((c for c in containers if c.get("name") == self.cfg.container), containers[0])
+        container["args"] = [
+            *(container.get("args") or []),
+            *learner_args(self.coordinator, self.cfg.join_token_path, pool, launch_id, overrides),
+        ]
+        spec.setdefault("restartPolicy", "Never")
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                **{k: v for k, v in metadata.items() if k not in ("name", "generateName", "namespace")},
+                "name": self.pod_name(launch_id),
+                "namespace": self.cfg.namespace,
+                "labels": labels,
+            },
+            "spec": spec,
+        }
+
+    def _selector(self) -> str:
+        return f"{NAME_LABEL}=diloco,{OWNER_LABEL}={self.release},{LAUNCH_LABEL}"
+
+    def running_pods(self) -> list[str]:
+        """Names of this release's launched pods that are not finished or being deleted."""
+        pods = self.api.list_namespaced_pod(self.cfg.namespace, label_selector=self._selector())
+        return [
+            p.metadata.name
+            for p in pods.items
+            if p.metadata.deletion_timestamp is None and (p.status is None or p.status.phase not in ("Succeeded", "Failed"))
+        ]
+
+    async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
+        from kubernetes.client.exceptions import ApiException
+
+        manifests = [self.manifest(i, pool, overrides) for i in launch_ids]
+        try:
+            existing = await asyncio.to_thread(self.running_pods)
+        except ApiException as error:
+            return [LaunchResult(i, False, f"cannot list pods: {_api_error(error)}") for i in launch_ids]
+        if len(existing) + len(launch_ids) > self.max_learners:
+            raise ResourceExhausted(
+                f"cannot add {len(launch_ids)} learner pods: {len(existing)} of the cap of {self.max_learners} exist"
+            )
+        results = []
+        for launch_id, body in zip(launch_ids, manifests):
+            try:
+                await asyncio.to_thread(self.api.create_namespaced_pod, self.cfg.namespace, body)
+            except ApiException as error:
+                results.append(LaunchResult(launch_id, False, f"pod {body['metadata']['name']}: {_api_error(error)}"))
+                continue
+            logger.info("created pod %s/%s (pool %s)", self.cfg.namespace, body["metadata"]["name"], pool)
+            results.append(LaunchResult(launch_id, True, f"pod {self.cfg.namespace}/{body['metadata']['name']}"))
+        return results
+
+    async def stop(self, launch_ids: Sequence[str], gently: bool = False) -> None:
+        """Delete the pods. Deletion is graceful either way (the pod's termination grace
+        period), so ``gently`` changes nothing here."""
+        from kubernetes.client.exceptions import ApiException
+
+        for launch_id in launch_ids:
+            try:
+                await asyncio.to_thread(self.api.delete_namespaced_pod, self.pod_name(launch_id), self.cfg.namespace)
+            except ApiException as error:
+                if error.status != 404:
+                    logger.warning("cannot delete pod %s: %s", self.pod_name(launch_id), _api_error(error))
+
+    def reaped_on_close(self) -> list[str]:
+        return []
+
+    async def close(self) -> None:
+        """Pods are not children: they keep training while the coordinator restarts."""

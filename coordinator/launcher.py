@@ -1,0 +1,173 @@
+"""Launchers start and stop learners for AddLearners / RemoveLearners. Two share one
+contract: ``LocalProcessLauncher`` (child processes, the embedded default, here) and
+``KubernetesLauncher`` (pods, in ``coordinator.kubernetes``).
+
+A launcher only starts and stops things; the coordinator's core decides how many, and
+keeps the books (a launch holds a slot under the cap until its learner joins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from coordinator.config import LocalLauncherConfig
+from diloco.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+# Flags the launcher sets itself; an override may not replace them.
+RESERVED_FLAGS = ("coordinator", "join-token-file", "pool", "launch-id")
+_OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    launch_id: str
+    ok: bool
+    detail: str
+    """Why the launch failed, or where the learner runs."""
+
+
+# Called with (launch id, how it ended) when a launched learner's process or pod ends.
+ExitCallback = Callable[[str, str], None]
+
+
+class Launcher(Protocol):
+    async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
+        """Start one learner per launch id; failures are results, not exceptions."""
+
+    async def stop(self, launch_ids: Sequence[str], gently: bool = False) -> None:
+        """Stop these learners; unknown or already stopped ids are ignored. ``gently``:
+        the learner left by itself and is exiting; stop it only if it lingers."""
+
+    def reaped_on_close(self) -> list[str]:
+        """Launch ids that ``close`` will stop (children die with the coordinator)."""
+
+    async def close(self) -> None:
+        """The coordinator is shutting down."""
+
+
+def override_args(overrides: Mapping[str, str]) -> list[str]:
+    """``{"device": "cpu", "inner_lr": "3e-4"}`` -> ``--device cpu --inner-lr 3e-4``."""
+    args = []
+    for key, value in sorted(overrides.items()):
+        flag = key.replace("_", "-")
+        if not _OVERRIDE_KEY.match(key):
+            raise InvalidArgument(f"override key must be a flag name like 'inner_lr', got {key!r}")
+        if flag in RESERVED_FLAGS:
+            raise InvalidArgument(f"--{flag} is set by the launcher and cannot be overridden")
+        if "\0" in value or "\n" in value:
+            raise InvalidArgument(f"override {key!r} has a control character in its value")
+        args += [f"--{flag}", value]
+    return args
+
+
+def learner_args(coordinator: str, join_token_file: str, pool: str, launch_id: str, overrides: Mapping[str, str]) -> list[str]:
+    return [
+        "--coordinator", coordinator, "--join-token-file", join_token_file, "--pool", pool, "--launch-id", launch_id,
+        *override_args(overrides),
+    ]
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+class LocalProcessLauncher:
+    """Learners as child processes: ``diloco learner`` (or ``cfg.command``), each in its
+    own session so a Ctrl-C at the coordinator's terminal reaches only the coordinator,
+    which then stops them itself; output to ``<log_dir>/<launch id>.log``."""
+
+    def __init__(
+        self, cfg: LocalLauncherConfig, coordinator: str, join_token_file: Path, log_dir: Path, on_exit: ExitCallback
+    ) -> None:
+        self.cfg = cfg
+        self.coordinator = coordinator
+        self.join_token_file = Path(join_token_file)
+        self.log_dir = Path(log_dir)
+        self.on_exit = on_exit
+        self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self._watchers: set[asyncio.Task] = set()
+
+    def command(self, launch_id: str, pool: str, overrides: Mapping[str, str]) -> list[str]:
+        prefix = list(self.cfg.command) or [sys.executable, "-m", "diloco.cli", "learner"]
+        return [*prefix, *learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)]
+
+    async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        results = []
+        for launch_id in launch_ids:
+            argv = self.command(launch_id, pool, overrides)
+            log_path = self.log_dir / f"{launch_id}.log"
+            try:
+                with open(log_path, "ab") as log:
+                    process = await asyncio.create_subprocess_exec(
+                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+            except OSError as error:
+                results.append(LaunchResult(launch_id, False, f"cannot start {argv[0]}: {error.strerror or error}"))
+                continue
+            self.processes[launch_id] = process
+            watcher = asyncio.get_running_loop().create_task(self._watch(launch_id, process))
+            self._watchers.add(watcher)
+            watcher.add_done_callback(self._watchers.discard)
+            logger.info("launched learner %s (pid %d, pool %s), log %s", launch_id, process.pid, pool, log_path)
+            results.append(LaunchResult(launch_id, True, f"pid {process.pid}, log {log_path}"))
+        return results
+
+    async def _watch(self, launch_id: str, process: asyncio.subprocess.Process) -> None:
+        returncode = await process.wait()
+        self.processes.pop(launch_id, None)
+        logger.info("learner %s (pid %d) ended: %s", launch_id, process.pid, describe_exit(returncode))
+        self.on_exit(launch_id, describe_exit(returncode))
+
+    async def stop(self, launch_ids: Sequence[str], gently: bool = False) -> None:
+        await asyncio.gather(*(self._stop_one(i, gently) for i in launch_ids))
+
+    async def _stop_one(self, launch_id: str, gently: bool = False) -> None:
+        process = self.processes.get(launch_id)
+        if process is None or process.returncode is not None:
+            return
+        if gently:  # after Leave it writes its summary and exits: give it the time
+            try:
+                await asyncio.wait_for(process.wait(), self.cfg.terminate_timeout_s)
+                return
+            except asyncio.TimeoutError:
+                logger.warning("learner %s left but did not exit within %.1f s", launch_id, self.cfg.terminate_timeout_s)
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), self.cfg.terminate_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("learner %s ignored SIGTERM for %.1f s: SIGKILL", launch_id, self.cfg.terminate_timeout_s)
+            _signal_group(process.pid, signal.SIGKILL)
+            await process.wait()
+
+    def reaped_on_close(self) -> list[str]:
+        return list(self.processes)
+
+    async def close(self) -> None:
+        """Reap every child: no learner outlives a coordinator that shut down cleanly."""
+        await self.stop(list(self.processes))
+        if self._watchers:
+            await asyncio.gather(*self._watchers, return_exceptions=True)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """The learner leads its own process group (``start_new_session``): signal the group
+    so its helpers (data loader workers) go too."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass

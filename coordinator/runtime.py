@@ -1,0 +1,363 @@
+"""The coordinator's runtime: one event loop owns the membership and snapshot books (no
+locks). After every call it announces the changes to the shards' membership streams,
+stops the processes or pods of departed learners, writes finished snapshots' manifests,
+saves the state file and sets one timer for the next deadline (a lease, a drain, a
+launch that never joined, a snapshot timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.config import CoordinatorConfig
+from coordinator.core.membership import DRAINING, Change, HeartbeatStats, Learner, Membership
+from coordinator.core.snapshots import COMPLETE, Snapshot, SnapshotFile, Snapshots, manifest_of
+from coordinator.launcher import Launcher, LaunchResult, override_args
+from diloco import auth
+from diloco.clock import VectorClock
+from diloco.errors import DilocoError, FailedPrecondition
+from diloco.snapshots import MANIFEST, atomic_write_json, find_manifest, read_manifest
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "coordinator-state.json"
+STATE_FORMAT = 1
+# A membership stream that falls this far behind is closed; the shard reconnects and
+# starts again from a full list.
+WATCH_QUEUE_EVENTS = 1024
+
+# (shard name, address, snapshot id, directory, learners, coordinator clock) -> sends the Marker RPC.
+MarkerSender = Callable[[str, str, int, str, list[str], VectorClock], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Directive:
+    kind: str
+    """drain | snapshot"""
+    reason: str = ""
+    snapshot_id: int = 0
+    directory: str = ""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the coordinator knows of the run, for manifests and checks."""
+
+    plan_hash: str
+    run_config_json: str
+
+
+class CoordinatorRuntime:
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        run: RunInfo,
+        send_marker: MarkerSender,
+        clock: Callable[[], float] = time.time,
+        new_launch_id: Callable[[], str] = lambda: secrets.token_hex(4),
+    ) -> None:
+        self.cfg = cfg
+        self.run = run
+        self._send_marker = send_marker
+        self._now = clock
+        self._new_launch_id = new_launch_id
+        self.launcher: Launcher | None = None
+        self.vector_clock = VectorClock()
+        self.topology_epoch = 1
+        self.restored_from: int | None = None
+        self.membership = Membership(cfg, run.plan_hash)
+        self.snapshots = Snapshots(cfg.snapshot_timeout_s, str(cfg.snapshots_path))
+        self._watchers: set[asyncio.Queue] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._load()
+
+    # --- the state file --------------------------------------------------------------
+
+    @property
+    def state_path(self) -> Path:
+        return self.cfg.data_dir / STATE_FILE
+
+    def _load(self) -> None:
+        """Resume from the state file: learners keep their ids and get a fresh lease; a
+        snapshot that was running is failed; ``--restore`` makes every learner re-join."""
+        now = self._now()
+        state = read_state(self.state_path)
+        if state is not None:
+            self.membership = Membership.from_state(self.cfg, self.run.plan_hash, state.get("membership", {}))
+            self.snapshots = Snapshots.from_state(
+                self.cfg.snapshot_timeout_s, str(self.cfg.snapshots_path), state.get("snapshots", {}), now
+            )
+            self.vector_clock = VectorClock(state.get("clock", {}))
+            topology = state.get("topology", {})
+            self.topology_epoch = int(topology.get("epoch", 1))
+            if list(topology.get("shards", [])) != list(self.cfg.shards):
+                self.topology_epoch += 1  # the shard set changed across the restart
+            self.restored_from = state.get("restored_from")
+            self.membership.renew_all(now)
+            logger.info("resumed from %s: %d live learners", self.state_path, len(self.membership.live()))
+        on_disk = [int(p.name) for p in self.cfg.snapshots_path.glob("[0-9]*") if p.name.isdigit()]
+        self.snapshots.next_id = max([self.snapshots.next_id, *(i + 1 for i in on_disk)])
+        if self.cfg.restore is not None:
+            manifest_path = find_manifest(self.cfg.snapshots_path, self.cfg.restore)
+            manifest = read_manifest(manifest_path)
+            if manifest.get("run", {}).get("plan_hash") != self.run.plan_hash:
+                raise FailedPrecondition(f"snapshot {manifest['snapshot_id']} was taken with another fragment plan")
+            self.restored_from = int(manifest["snapshot_id"])
+            self.membership.reset(f"the run was restored from snapshot {self.restored_from}; join again", now)
+            self.membership.take_changes()
+            logger.info("restoring the run from snapshot %d (%s)", self.restored_from, manifest_path)
+        self._save()
+
+    def _save(self) -> None:
+        atomic_write_json(
+            self.state_path,
+            {
+                "format": STATE_FORMAT,
+                "membership": self.membership.to_state(),
+                "snapshots": self.snapshots.to_state(),
+                "clock": dict(self.vector_clock.entries),
+                "topology": {"shards": list(self.cfg.shards), "epoch": self.topology_epoch},
+                "restored_from": self.restored_from,
+            },
+        )
+
+    # --- after every call --------------------------------------------------------------
+
+    def received(self, clock: VectorClock) -> VectorClock:
+        """Merge a caller's clock; returns the clock to send back."""
+        self.vector_clock = self.vector_clock.receive(auth.COORDINATOR_ID, clock)
+        return self.vector_clock
+
+    def _settle(self, save: bool = False) -> None:
+        """Apply what time has done, hand every change on, save if anything changed,
+        re-arm the timer. Called after every call and when the timer fires."""
+        now = self._now()
+        self.membership.expire(now)
+        self.snapshots.expire(now)
+        changes = self.membership.take_changes()
+        for change in changes:
+            self._announce(change, now)
+        finished = self.snapshots.take_finished()
+        for snapshot in finished:
+            self._finished(snapshot)
+        if save or changes or finished:
+            self._save()
+        self._schedule()
+
+    def _announce(self, change: Change, now: float) -> None:
+        if change.learner is not None:
+            logger.info("learner %s %s: %s", change.learner.id, change.kind, change.reason)
+            for queue in list(self._watchers):
+                try:
+                    queue.put_nowait(change)
+                except asyncio.QueueFull:
+                    logger.warning("a membership watcher fell %d events behind: closing its stream", WATCH_QUEUE_EVENTS)
+                    self._close_watcher(queue)
+            if change.kind in ("failed", "left"):
+                self.snapshots.drop_learner(change.learner.id, change.reason, now)
+        else:
+            logger.warning("%s", change.reason)
+        if change.stop_launch and self.launcher is not None:
+            self._spawn(self.launcher.stop([change.stop_launch], gently=change.gently))
+
+    def _finished(self, snapshot: Snapshot) -> None:
+        if snapshot.state != COMPLETE:
+            logger.warning("snapshot %d failed: %s", snapshot.id, snapshot.detail)
+            return
+        path = Path(snapshot.directory) / MANIFEST
+        run = {"plan_hash": self.run.plan_hash, "shards": list(self.cfg.shards), "run_config": self.run.run_config_json}
+        atomic_write_json(path, manifest_of(snapshot, dict(self.vector_clock.entries), run))
+        self.snapshots.completed(snapshot.id, str(path))
+        logger.info("snapshot %d complete: %s", snapshot.id, path)
+
+    def _schedule(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._closed:
+            return
+        deadlines = [d for d in (self.membership.next_deadline(), self.snapshots.next_deadline()) if d is not None]
+        if deadlines:
+            delay = max(0.0, min(deadlines) - self._now())
+            self._timer = asyncio.get_running_loop().call_later(delay + 0.001, self._settle)
+
+    def start(self) -> None:
+        """Arm the timers (called on the event loop once serving)."""
+        self._settle()
+
+    def _spawn(self, coroutine: Awaitable) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- learner calls ---------------------------------------------------------------
+
+    def join(self, pool: str, address: str, launch_id: str, plan_hash: str) -> Learner:
+        try:
+            return self.membership.join(pool, address, launch_id, plan_hash, self._now())
+        finally:
+            self._settle()
+
+    def heartbeat(self, learner_id: str, stats: HeartbeatStats) -> tuple[Learner, list[Directive]]:
+        try:
+            learner = self.membership.heartbeat(learner_id, stats, self._now())
+        finally:
+            self._settle()
+        directives = []
+        if learner.state == DRAINING:
+            directives.append(Directive("drain", learner.reason))
+        snapshot = self.snapshots.running()
+        if snapshot is not None and learner_id in snapshot.learners and learner_id not in snapshot.reports:
+            # Sent on every heartbeat until the learner reports: a lost reply costs nothing.
+            directives.append(Directive("snapshot", snapshot_id=snapshot.id, directory=snapshot.directory))
+        return learner, directives
+
+    def leave(self, learner_id: str, reason: str) -> None:
+        try:
+            self.membership.leave(learner_id, reason, self._now())
+        finally:
+            self._settle()
+
+    def launch_ended(self, launch_id: str, detail: str) -> None:
+        """From a launcher: a process or pod it started has ended."""
+        self.membership.launch_ended(launch_id, detail, self._now())
+        self._settle()
+
+    # --- the membership stream -------------------------------------------------------
+
+    def watch(self) -> tuple[asyncio.Queue, list[Learner]]:
+        """A queue of every change from now on, and the full membership to send first.
+        The queue yields None when the stream must end."""
+        queue: asyncio.Queue = asyncio.Queue(WATCH_QUEUE_EVENTS)
+        self._watchers.add(queue)
+        return queue, self.membership.listing(include_gone=True)
+
+    def unwatch(self, queue: asyncio.Queue) -> None:
+        self._watchers.discard(queue)
+
+    def _close_watcher(self, queue: asyncio.Queue) -> None:
+        self._watchers.discard(queue)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(None)
+
+    # --- admin calls -----------------------------------------------------------------
+
+    async def add_learners(self, count: int, pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
+        if self.launcher is None:
+            raise FailedPrecondition("this coordinator has no launcher (--launcher none)")
+        override_args(overrides)  # bad overrides fail before anything starts
+        now = self._now()
+        pool = self.membership.check_launch(count, pool)
+        launch_ids = [self._new_launch_id() for _ in range(count)]
+        for launch_id in launch_ids:  # slots are held while the launcher works
+            self.membership.add_launch(launch_id, pool, now)
+        results: list[LaunchResult] = []
+        try:
+            results = await self.launcher.launch(launch_ids, pool, overrides)
+        finally:
+            started = {r.launch_id for r in results if r.ok}
+            for launch_id in launch_ids:
+                if launch_id not in started:
+                    self.membership.launches.pop(launch_id, None)
+            self._settle(save=True)
+        for result in results:
+            if not result.ok:
+                logger.warning("launch %s into pool %s failed: %s", result.launch_id, pool, result.detail)
+        return results
+
+    def remove_learners(self, learner_ids: list[str], count: int, drain: bool) -> list[str]:
+        now = self._now()
+        self.membership.expire(now)
+        chosen = [l.id for l in self.membership.select(learner_ids, count)]
+        if drain:
+            self.membership.drain(chosen, now)
+        else:
+            self.membership.remove(chosen, "removed by an operator", now)
+        self._settle()
+        return chosen
+
+    def list_learners(self, include_gone: bool) -> list[Learner]:
+        self._settle()
+        return self.membership.listing(include_gone)
+
+    def start_snapshot(self) -> Snapshot:
+        """Register snapshot n and send the markers (in the background): the shards by
+        Marker RPC now, the learners with their next heartbeat."""
+        now = self._now()
+        self.membership.expire(now)
+        shards = [f"S{m}" for m in range(len(self.cfg.shards))]
+        snapshot = self.snapshots.start(shards, [l.id for l in self.membership.live()], now)
+        Path(snapshot.directory).mkdir(parents=True, exist_ok=True)
+        clock = self.vector_clock = self.vector_clock.tick(auth.COORDINATOR_ID)
+        logger.info("snapshot %d started: %s", snapshot.id, ", ".join(snapshot.participants) or "no participants")
+        for name, address in zip(shards, self.cfg.shards):
+            self._spawn(self._marker(snapshot.id, name, address, snapshot.directory, list(snapshot.learners), clock))
+        self._settle(save=True)
+        return snapshot
+
+    async def _marker(self, snapshot_id: int, name: str, address: str, directory: str, learners: list[str], clock: VectorClock) -> None:
+        try:
+            await self._send_marker(name, address, snapshot_id, directory, learners, clock)
+        except DilocoError as error:
+            self.snapshots.fail(snapshot_id, f"marker to {name} at {address} failed: {error}", self._now())
+            self._settle()
+
+    def report_snapshot(self, snapshot_id: int, participant: str, clock: VectorClock, files: list[SnapshotFile]) -> None:
+        try:
+            self.snapshots.report(snapshot_id, participant, dict(clock.entries), files, self._now())
+        finally:
+            self._settle(save=True)
+
+    def list_snapshots(self) -> list[Snapshot]:
+        self._settle()
+        return self.snapshots.listing()
+
+    # --- shutdown --------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Stop the learners that die with the coordinator (its child processes; pods
+        live on) as departed, not failed, so the shards keep their pushes; then end the
+        membership streams and save the state."""
+        self._closed = True
+        if self.launcher is not None:
+            reaped = set(self.launcher.reaped_on_close())
+            now = self._now()
+            self.membership.remove(
+                [l.id for l in self.membership.live() if l.launch_id in reaped], "stopped with the coordinator", now
+            )
+            for launch_id in reaped:
+                self.membership.launches.pop(launch_id, None)
+            self._settle()
+            await self.launcher.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        for queue in list(self._watchers):
+            self._close_watcher(queue)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._save()
+
+
+def read_state(path: Path) -> dict | None:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        state = json.loads(text)
+    except ValueError as error:
+        raise FailedPrecondition(f"coordinator state {path} is corrupt: {error}") from None
+    if state.get("format") != STATE_FORMAT:
+        raise FailedPrecondition(f"coordinator state {path} has unknown format {state.get('format')!r}")
+    return state

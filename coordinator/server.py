@@ -1,0 +1,161 @@
+"""Process wiring of the coordinator: state from its data directory, gRPC with health
+and reflection, the launcher, Marker calls to the shards, clean shutdown on SIGTERM.
+
+Files in the data directory: ``coordinator-state.json`` (members, snapshots, counters;
+written atomically on every change), ``join-token`` (what launched learners present to
+Join), ``learners/<launch id>.log`` (local learners' output) and, unless configured
+elsewhere, ``snapshots/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from coordinator import convert
+from coordinator.client import error_from_rpc
+from coordinator.config import CoordinatorConfig
+from coordinator.launcher import Launcher, LocalProcessLauncher
+from coordinator.runtime import CoordinatorRuntime, RunInfo
+from coordinator.service import CoordinatorServicer
+from diloco import auth, rpc
+from diloco.clock import VectorClock
+from diloco.config import RunConfig
+from diloco.v1 import coordinator_pb2_grpc, syncer_pb2, syncer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "diloco.v1.Coordinator"
+JOIN_TOKEN_FILE = "join-token"
+_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+# (server, address learners should use) -> the launcher, or None for --launcher none.
+LauncherFactory = Callable[["CoordinatorServer", str], Launcher | None]
+
+
+def default_launcher(server: CoordinatorServer, address: str) -> Launcher | None:
+    cfg = server.cfg
+    if cfg.launcher == "none":
+        return None
+    if cfg.launcher == "local":
+        return LocalProcessLauncher(
+            cfg.local, address, cfg.data_dir / JOIN_TOKEN_FILE, cfg.data_dir / "learners", server.runtime.launch_ended
+        )
+    from coordinator.kubernetes import KubernetesLauncher
+
+    return KubernetesLauncher(cfg.kubernetes, cfg.release, address, cfg.max_learners)
+
+
+def write_secret_file(path: Path, value: str) -> None:
+    """Owner-only, written whole: learners may read it the moment it appears."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.replace(tmp, path)
+
+
+class CoordinatorServer:
+    def __init__(
+        self,
+        run: RunConfig,
+        cfg: CoordinatorConfig,
+        secret: str,
+        admin_token: str,
+        launcher_factory: LauncherFactory = default_launcher,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self._secret = secret
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self.runtime = CoordinatorRuntime(cfg, RunInfo(run.plan().plan_hash, run.to_json()), self._send_marker, clock)
+        topology = convert.topology_to_proto(run, cfg.shards, self.runtime.topology_epoch)
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ]
+        )
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+            CoordinatorServicer(self.runtime, secret, admin_token, topology), self.server
+        )
+        self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
+        self._launcher_factory = launcher_factory
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.port = 0
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.host}:{self.port}"
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        write_secret_file(self.cfg.data_dir / JOIN_TOKEN_FILE, auth.join_token(self._secret))
+        self.runtime.launcher = self._launcher_factory(self, self.cfg.advertise_address or self.address)
+        await self.server.start()
+        await rpc.mark_serving(self.health, [SERVICE_NAME])
+        self.runtime.start()
+        logger.info("coordinator listening on %s (%d shards)", self.address, len(self.cfg.shards))
+        return self.port
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await rpc.mark_serving(self.health, [SERVICE_NAME], serving=False)
+        await self.runtime.close()
+        await self.server.stop(self.cfg.shutdown_grace_s)
+        for channel in self._channels.values():
+            await channel.close()
+
+    async def _send_marker(
+        self, name: str, address: str, snapshot_id: int, directory: str, learners: list[str], clock: VectorClock
+    ) -> None:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = rpc.channel_options(_MAX_MESSAGE_BYTES, "diloco.v1.Syncer")
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=options)
+        metadata = (
+            (auth.LEARNER_METADATA, auth.COORDINATOR_ID),
+            (auth.CREDENTIAL_METADATA, auth.sign(self._secret, auth.COORDINATOR_ID)),
+        )
+        request = syncer_pb2.MarkerRequest(
+            snapshot_id=snapshot_id, directory=directory, learners=learners, clock=convert.clock_to_proto(clock)
+        )
+        try:
+            reply = await syncer_pb2_grpc.SyncerStub(channel).Marker(
+                request, metadata=metadata, timeout=self.cfg.snapshot_timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error, f"marker to {name}") from None
+        self.runtime.received(convert.clock_from_proto(reply.clock))
+        logger.info("snapshot %d: %s recorded its state", snapshot_id, name)
+
+
+async def run_coordinator(
+    run: RunConfig, cfg: CoordinatorConfig, secret: str, admin_token: str, port_file: Path | None = None
+) -> int:
+    """Serve until SIGTERM/SIGINT; then stop launched children, save the state, exit 0."""
+    coordinator = CoordinatorServer(run, cfg, secret, admin_token)
+    await coordinator.start()
+    if port_file is not None:
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(f"{coordinator.address}\n")
+        os.replace(tmp, port_file)
+    print(f"coordinator listening on {coordinator.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("coordinator shutting down")
+    await coordinator.stop()
+    return 0

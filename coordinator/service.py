@@ -1,0 +1,177 @@
+"""The Coordinator gRPC servicer: check the caller, decode, call the runtime, encode.
+
+Who may call what: Join needs the join token; learner calls, WatchMembership and
+ReportSnapshot need a credential (a learner's, or a shard's ``S<m>``) and may only act
+for that id; admin calls need the admin token.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from coordinator import convert
+from coordinator.runtime import CoordinatorRuntime
+from diloco import auth, rpc
+from diloco.errors import DilocoError, InvalidArgument, PermissionDenied
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, runtime: CoordinatorRuntime, secret: str, admin_token: str, topology: common_pb2.Topology) -> None:
+        self.runtime = runtime
+        self._secret = secret
+        self._admin_token = admin_token
+        self._topology = topology
+
+    def _caller(self, context, claimed: str | None = None, field: str = "learner_id") -> str:
+        """The credential's id; when the request names an id (``claimed``), it must be it."""
+        meta = _metadata(context)
+        caller = meta.get(auth.LEARNER_METADATA, "")
+        auth.verify(self._secret, caller, meta.get(auth.CREDENTIAL_METADATA))
+        if claimed is not None:
+            if not claimed:
+                raise InvalidArgument(f"the request lacks {field}")
+            if claimed != caller:
+                raise PermissionDenied(f"credential is for {caller!r}, the request is for {claimed!r}")
+        return caller
+
+    def _admin(self, context) -> None:
+        auth.check_admin(self._admin_token, _metadata(context).get(auth.ADMIN_METADATA))
+
+    def _clock(self, msg) -> common_pb2.VectorClock:
+        return convert.clock_to_proto(self.runtime.received(convert.clock_from_proto(msg)))
+
+    # --- learner calls ---------------------------------------------------------------
+
+    async def Join(self, request, context):
+        try:
+            auth.check_join(self._secret, _metadata(context).get(auth.JOIN_METADATA))
+            learner = self.runtime.join(request.pool, request.address, request.launch_id, request.plan_hash)
+            return coordinator_pb2.JoinReply(
+                learner_id=learner.id,
+                credential=auth.sign(self._secret, learner.id),
+                topology=self._topology_now(),
+                lease_s=self.runtime.cfg.lease_s,
+                clock=self._clock(request.clock),
+            )
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def Heartbeat(self, request, context):
+        try:
+            self._caller(context, request.learner_id)
+            _, directives = self.runtime.heartbeat(request.learner_id, convert.stats_from_proto(request))
+            return coordinator_pb2.HeartbeatReply(
+                directives=[_directive(d) for d in directives],
+                lease_s=self.runtime.cfg.lease_s,
+                topology_epoch=self.runtime.topology_epoch,
+                clock=self._clock(request.clock),
+            )
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def Leave(self, request, context):
+        try:
+            self._caller(context, request.learner_id)
+            self.runtime.leave(request.learner_id, request.reason)
+            self._clock(request.clock)
+            return coordinator_pb2.LeaveReply()
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def GetTopology(self, request, context):
+        try:
+            self._caller(context)
+            return self._topology_now()
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def WatchMembership(self, request, context):
+        try:
+            self._caller(context, request.watcher or None)
+            clock = self._clock(request.clock)
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+            return
+        queue, learners = self.runtime.watch()
+        try:
+            yield convert.membership_snapshot(learners, convert.clock_from_proto(clock))
+            while (change := await queue.get()) is not None:
+                yield convert.change_to_proto(change, self.runtime.vector_clock)
+        finally:
+            self.runtime.unwatch(queue)
+
+    async def ReportSnapshot(self, request, context):
+        try:
+            self._caller(context, request.participant, "participant")
+            files = convert.files_from_proto(request.files)
+            self.runtime.report_snapshot(request.snapshot_id, request.participant, convert.clock_from_proto(request.clock), files)
+            self._clock(request.clock)
+            return coordinator_pb2.ReportSnapshotReply()
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    # --- admin calls -----------------------------------------------------------------
+
+    async def AddLearners(self, request, context):
+        try:
+            self._admin(context)
+            results = await self.runtime.add_learners(request.count, request.pool, convert.overrides_from_proto(request))
+            return coordinator_pb2.AddLearnersReply(
+                launches=[coordinator_pb2.LaunchResult(launch_id=r.launch_id, ok=r.ok, detail=r.detail) for r in results]
+            )
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def RemoveLearners(self, request, context):
+        try:
+            self._admin(context)
+            removed = self.runtime.remove_learners(list(request.learner_ids), request.count, request.drain)
+            return coordinator_pb2.RemoveLearnersReply(learner_ids=removed)
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def ListLearners(self, request, context):
+        try:
+            self._admin(context)
+            learners = self.runtime.list_learners(request.include_gone)
+            return coordinator_pb2.ListLearnersReply(learners=[convert.learner_to_proto(l) for l in learners])
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def StartSnapshot(self, request, context):
+        try:
+            self._admin(context)
+            snapshot = self.runtime.start_snapshot()
+            return coordinator_pb2.StartSnapshotReply(snapshot_id=snapshot.id)
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def ListSnapshots(self, request, context):
+        try:
+            self._admin(context)
+            return coordinator_pb2.ListSnapshotsReply(
+                snapshots=[convert.snapshot_to_proto(s) for s in self.runtime.list_snapshots()]
+            )
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    def _topology_now(self) -> common_pb2.Topology:
+        topology = common_pb2.Topology()
+        topology.CopyFrom(self._topology)
+        topology.epoch = self.runtime.topology_epoch
+        return topology
+
+
+def _directive(directive) -> coordinator_pb2.Directive:
+    if directive.kind == "drain":
+        return coordinator_pb2.Directive(drain=coordinator_pb2.DrainDirective(reason=directive.reason))
+    if directive.kind == "snapshot":
+        return coordinator_pb2.Directive(
+            snapshot=coordinator_pb2.SnapshotMarker(snapshot_id=directive.snapshot_id, directory=directive.directory)
+        )
+    raise InvalidArgument(f"unknown directive {directive.kind!r}")

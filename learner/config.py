@@ -1,0 +1,66 @@
+"""Configuration of one learner worker."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from diloco.errors import InvalidArgument
+
+DEVICES = ("cpu", "cuda", "xla")
+DELTA_CODECS = ("int4", "fp32")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    device: str = "cpu"
+    """cpu | cuda | xla (torch_xla is imported only when chosen)."""
+    batch_size: int = 16
+    """Sequences per inner step."""
+    steps: int = 300
+    """Inner steps to train (the learner then leaves)."""
+    lr: float = 3e-3
+    """Peak inner AdamW learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr * min_lr_ratio."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every_steps: int = 50
+    eval_batches: int = 4
+    seed: int = 0
+    """Data order and dropout-free determinism; the model init seed is the run's."""
+    data_shard: int = 0
+    """This learner's disjoint share of the corpus, in [0, data_shards)."""
+    data_shards: int = 8
+    delta_codec: str = "int4"
+    """Encoding of outgoing deltas: int4 (default) or fp32 (ablations)."""
+    block_size: int = 64
+    step_delay_s: float = 0.0
+    """Extra seconds per inner step: simulates a slower accelerator (chaos, benchmarks)."""
+    push_timeout_s: float = 120.0
+    """Deadline of one push RPC (upload + waiting for the round to close)."""
+    max_inflight_pushes: int = 16
+    """Pushes queued or in flight; beyond it a send is dropped and counted, never waited for."""
+    heartbeat_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise InvalidArgument(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.delta_codec not in DELTA_CODECS:
+            raise InvalidArgument(f"delta codec must be one of {DELTA_CODECS}, got {self.delta_codec!r}")
+        for name in ("batch_size", "steps", "eval_every_steps", "eval_batches", "data_shards", "max_inflight_pushes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.data_shard < self.data_shards:
+            raise InvalidArgument(f"data shard must be in [0, {self.data_shards}), got {self.data_shard}")
+        for name in ("lr", "push_timeout_s", "heartbeat_interval_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgument(f"{name} must be a positive number, got {value}")
+        for name in ("weight_decay", "grad_clip", "step_delay_s", "min_lr_ratio"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")
+        if self.warmup_steps < 0:
+            raise InvalidArgument(f"warmup steps must be >= 0, got {self.warmup_steps}")

@@ -1,0 +1,1 @@
+"""The learner's pure core: schedules and the per-fragment sync bookkeeping."""

@@ -1,0 +1,183 @@
+"""The learner's network side: one thread with its own event loop does every push and
+bootstrap, so the training loop never waits on the network.
+
+The training thread calls ``submit`` (never blocks: when too many pushes are in flight,
+or the owning shard is down, the push is dropped and counted) and drains ``replies``.
+A push that fails with UNAVAILABLE marks its shard down; a probe with backoff brings it
+back and re-syncs that shard's fragments with a full bootstrap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from diloco.codec import EncodedTensor
+from learner.core.sync import Reply
+from syncer.client import DecodedUpdate, SyncerClient, open_channel
+from syncer.core.shard import PushMeta
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushJob:
+    shard: int
+    meta: PushMeta
+    encoded: Sequence[EncodedTensor]
+    anchor: list[torch.Tensor]
+    """The anchor the delta was taken against: the update chain applies to it."""
+    sent_step: int
+
+
+@dataclass
+class StreamStats:
+    pushes_sent: int = 0
+    pushes_acked: int = 0
+    pushes_dropped: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    resyncs: int = 0
+    latency_s: list[float] = field(default_factory=list)
+
+
+class Streamer:
+    def __init__(
+        self,
+        shards: dict[int, str],
+        learner_id: str,
+        credential: str,
+        timeout_s: float = 120.0,
+        max_inflight: int = 16,
+        fragments_of: dict[int, list[int]] | None = None,
+    ) -> None:
+        self.shards = dict(shards)
+        self.fragments_of = fragments_of or {}
+        self.learner_id, self.credential, self.timeout_s = learner_id, credential, timeout_s
+        self.max_inflight = max_inflight
+        self.replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
+        self.stats = StreamStats()
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._down: set[int] = set()
+        self._loop = asyncio.new_event_loop()
+        self._clients: dict[int, SyncerClient] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self._tasks: set[asyncio.Future] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="diloco-streamer", daemon=True)
+        self._thread.start()
+
+    # --- called from the training thread ---------------------------------------------
+
+    def submit(self, job: PushJob) -> bool:
+        with self._lock:
+            if self._inflight >= self.max_inflight or job.shard in self._down:
+                self.stats.pushes_dropped += 1
+                return False
+            self._inflight += 1
+            self.stats.pushes_sent += 1
+        future = asyncio.run_coroutine_threadsafe(self._push(job), self._loop)
+        self._tasks.add(future)
+        future.add_done_callback(self._tasks.discard)
+        return True
+
+    def bootstrap(self, fragments_by_shard: dict[int, list[int]], timeout_s: float = 120.0) -> list[DecodedUpdate]:
+        """Full fragments from their shards; blocks (only used before training starts)."""
+        return asyncio.run_coroutine_threadsafe(self._bootstrap(fragments_by_shard), self._loop).result(timeout_s)
+
+    def inflight(self) -> int:
+        with self._lock:
+            return self._inflight
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait (bounded) for in-flight pushes, then stop the loop and close channels."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    # --- on the streamer loop ----------------------------------------------------------
+
+    def _client(self, shard: int) -> SyncerClient:
+        client = self._clients.get(shard)
+        if client is None:
+            channel = open_channel(self.shards[shard])
+            self._channels.append(channel)
+            client = self._clients[shard] = SyncerClient(channel, self.learner_id, self.credential, self.timeout_s)
+        return client
+
+    async def _push(self, job: PushJob) -> None:
+        started = time.monotonic()
+        try:
+            result = await self._client(job.shard).push(job.meta, job.encoded)
+            values = await asyncio.to_thread(result.update.apply_to, job.anchor)
+            staleness = max(result.update.version - job.meta.base_version - 1, 0)
+            self.replies.put(Reply(job.meta.fragment, result.update.version, values, job.sent_step, staleness))
+            with self._lock:
+                self.stats.pushes_acked += 1
+                self.stats.bytes_up += result.bytes_up
+                self.stats.bytes_down += result.update.wire_bytes
+                self.stats.latency_s.append(time.monotonic() - started)
+        except grpc.aio.AioRpcError as error:
+            with self._lock:
+                self.stats.pushes_dropped += 1
+            logger.warning("push of fragment %d to shard %d failed: %s %s", job.meta.fragment, job.shard,
+                           error.code().name, error.details())
+            # Unreachable, or it lost our versions (restarted without its state): re-sync.
+            if error.code() in (
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION
+            ):
+                self._mark_down(job.shard)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    def _mark_down(self, shard: int) -> None:
+        with self._lock:
+            if shard in self._down:
+                return
+            self._down.add(shard)
+        self._loop.create_task(self._probe(shard))
+
+    async def _probe(self, shard: int) -> None:
+        """Probe a down shard with backoff; when it answers, re-sync its fragments."""
+        backoff = 0.2
+        while True:
+            await asyncio.sleep(backoff)
+            try:
+                await asyncio.wait_for(self._client(shard).status(), 2)
+                updates = await self._bootstrap({shard: self.fragments_of.get(shard, [])})
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+                backoff = min(backoff * 2, 5.0)
+                continue
+            for update in updates:
+                values = update.segments[-1].tensors
+                self.replies.put(Reply(update.fragment, update.version, values, -1, 0))
+            with self._lock:
+                self._down.discard(shard)
+                self.stats.resyncs += 1
+            logger.info("shard %d is back: re-synced %d fragments", shard, len(updates))
+            return
+
+    async def _bootstrap(self, fragments_by_shard: dict[int, list[int]]) -> list[DecodedUpdate]:
+        results = await asyncio.gather(
+            *(self._client(shard).bootstrap(fragments) for shard, fragments in fragments_by_shard.items())
+        )
+        updates = [u for shard_updates in results for u in shard_updates]
+        with self._lock:
+            self.stats.bytes_down += sum(u.wire_bytes for u in updates)
+        return updates
+
+    async def _close(self) -> None:
+        for channel in self._channels:
+            await channel.close()

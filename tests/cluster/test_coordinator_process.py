@@ -1,0 +1,82 @@
+"""`diloco coordinator` as a real process launching fake learner processes: SIGTERM
+stops its children (no orphans) and exits 0; a restart resumes from its state file."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.client import AdminClient
+from tests.grpc.conftest import SECRET
+
+pytestmark = pytest.mark.cluster
+
+TESTS = Path(__file__).resolve().parents[1]
+TINY_FLAGS = ["--width", "16", "--depth", "1", "--heads", "2", "--context", "16", "--fragments", "2"]
+
+
+def poll(predicate, what, timeout_s=60.0, proc=None):
+    """Poll with a deadline; fail early if the coordinator died."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"coordinator exited with {proc.returncode}: {proc.stderr.read()}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def start(tmp_path):
+    port_file = tmp_path / "port"
+    port_file.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "coordinator", "--data-dir", str(tmp_path / "data"),
+         "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret"), "--lease-s", "3",
+         "--learner-command", f"{sys.executable} {TESTS / 'fake_learner.py'} --heartbeat-s 0.1", *TINY_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", proc=proc)
+    return proc, AdminClient(address, (tmp_path / "data" / "admin-token").read_text().strip(), timeout_s=10)
+
+
+def test_sigterm_reaps_learners_and_a_restart_resumes(tmp_path):
+    (tmp_path / "secret").write_text(SECRET)
+    proc, admin = start(tmp_path)
+    try:
+        assert [r["ok"] for r in admin.add_learners(2)] == [True, True]
+
+        def both_active():
+            members = admin.members()
+            return members if [m["state"] for m in members] == ["active", "active"] else None
+
+        members = poll(both_active, "2 active learners", proc=proc)
+        pids = [int(m["address"].rsplit(":", 1)[1]) for m in members]
+        assert all(alive(pid) for pid in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not any(alive(pid) for pid in pids)  # reaped, not orphaned
+        admin.close()
+
+        proc, admin = start(tmp_path)
+        gone = admin.members(include_gone=True)
+        assert [(m["id"], m["state"]) for m in gone] == [("L0", "left"), ("L1", "left")]
+        admin.add_learners(1)
+        poll(lambda: [m["id"] for m in admin.members() if m["state"] == "active"] == ["L2"], "L2 to join", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        admin.close()
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,66 @@
+"""`diloco learner` as a real process against a real shard process: it trains, and on
+SIGTERM it finishes its in-flight pushes, writes its summary and exits 0."""
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from syncer.client import SyncerClient, open_channel
+
+pytestmark = pytest.mark.cluster
+
+TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--fragments", "2", "--sync-every", "4"]
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def shard_pushes(address):
+    async def status():
+        async with open_channel(address) as channel:
+            return (await SyncerClient(channel, "L0", "", timeout_s=5).status()).pushes_received
+
+    return asyncio.run(status())
+
+
+def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
+    (tmp_path / "secret").write_text("s")
+    common = ["--secret-file", str(tmp_path / "secret"), *TINY]
+    shard = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
+         "--port-file", str(tmp_path / "port"), *common],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    learner = None
+    try:
+        wait_for(lambda: (tmp_path / "port").exists(), 60, "the shard")
+        learner = subprocess.Popen(
+            [sys.executable, "-m", "diloco.cli", "--log-level", "INFO", "learner", "--shards",
+             (tmp_path / "port").read_text().strip(), "--learner-id", "L0", "--steps", "100000",
+             "--batch-size", "4", "--summary", str(tmp_path / "summary.json"), *common],
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"),
+        )
+        address = (tmp_path / "port").read_text().strip()
+        wait_for(lambda: learner.poll() is not None or shard_pushes(address) >= 2, 90, "the first pushes")
+        assert learner.poll() is None, (tmp_path / "learner.log").read_text()
+        learner.send_signal(signal.SIGTERM)
+        assert learner.wait(timeout=60) == 0, (tmp_path / "learner.log").read_text()
+        assert "SIGTERM, finishing in-flight pushes" in (tmp_path / "learner.log").read_text()
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert 0 < summary["inner_steps"] < 100000
+        assert summary["pushes_acked"] == summary["pushes_sent"] > 0 and summary["pushes_dropped"] == 0
+    finally:
+        for proc in (learner, shard):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    assert shard.returncode == 0

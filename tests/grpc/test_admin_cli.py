@@ -1,0 +1,136 @@
+"""``diloco admin`` and ``diloco coordinator`` parsers, driven through a parser built
+here (as ``diloco.cli.build_parser`` will build it) against a real coordinator."""
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from coordinator.cli import add_admin_parser, add_coordinator_parser
+from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
+from tests.grpc.conftest import run
+from tests.grpc.coordinator_fixtures import ADMIN, joined, running_coordinator
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="diloco")
+    commands = p.add_subparsers(dest="command", required=True)
+    add_coordinator_parser(commands)
+    add_admin_parser(commands)
+    return p
+
+
+def diloco(*argv) -> tuple[int, str]:
+    """Run a command like ``main`` does (blocking; call it off the event loop)."""
+    args = parser().parse_args([str(a) for a in argv])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = args.func(args)
+    return code, out.getvalue()
+
+
+def run_dir(tmp_path: Path, address: str, token: str = ADMIN) -> Path:
+    directory = tmp_path / "run"
+    directory.mkdir(exist_ok=True)
+    endpoints = [
+        {"role": "syncer", "address": "127.0.0.1:1", "pid": 1},
+        {"role": "coordinator", "address": address, "pid": 2},
+    ]
+    (directory / "endpoints.json").write_text(json.dumps(endpoints))
+    (directory / "admin-token").write_text(token + "\n")
+    return directory
+
+
+def test_members_and_snapshots_as_json_and_tables(tmp_path):
+    async def scenario():
+        async with running_coordinator(tmp_path, pools=("default", "spot")) as server:
+            await joined(server.address)
+            await (await joined(server.address, pool="spot")).leave("done")
+            directory = run_dir(tmp_path, server.address)
+            code, out = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "members", "--json")
+            assert code == 0
+            assert [(l["id"], l["state"], l["pool"]) for l in json.loads(out)] == [("L0", "joining", "default")]
+            _, out = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "members", "--all", "--json")
+            assert [(l["id"], l["state"], l["pool"]) for l in json.loads(out)] == [("L0", "joining", "default"), ("L1", "left", "spot")]
+            _, table = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "members")
+            assert "L0" in table and "joining" in table and "1 learners" in table
+
+            token_file = directory / "admin-token"
+            code, out = await asyncio.to_thread(
+                diloco, "admin", "--coordinator", server.address, "--token-file", token_file, "snapshot", "--json"
+            )
+            assert code == 0 and json.loads(out) == {"id": 1, "state": "running"}  # L0 has not reported
+            _, out = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "snapshots", "--json")
+            (snapshot,) = json.loads(out)
+            assert (snapshot["id"], snapshot["state"], snapshot["participants"]) == (1, "running", ["L0"])
+            _, table = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "snapshots")
+            assert "running" in table and "0/1" in table
+
+    run(scenario())
+
+
+def test_snapshot_wait_and_remove(tmp_path):
+    async def scenario():
+        async with running_coordinator(tmp_path) as server:
+            directory = run_dir(tmp_path, server.address)
+            code, out = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "snapshot", "--wait-s", 10, "--json")
+            assert code == 0 and json.loads(out)["state"] == "complete"  # no participants: complete at once
+            await joined(server.address)
+            await joined(server.address)
+            code, out = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "remove-learners", "--count", 1, "--drain", "--json")
+            assert code == 0 and json.loads(out) == ["L1"]
+            code, out = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "remove-learners", "L0")
+            assert out.strip() == "removed: L0"
+
+    run(scenario())
+
+
+def test_bad_input_raises_one_line_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("DILOCO_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("DILOCO_COORDINATOR", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    async def scenario():
+        async with running_coordinator(tmp_path) as server:
+            directory = run_dir(tmp_path, server.address)
+            cases = [
+                (("admin", "members"), InvalidArgument, "no coordinator: pass --coordinator"),
+                (("admin", "--coordinator", server.address, "members"), InvalidArgument, "no admin token"),
+                (("admin", "--run-dir", tmp_path / "nowhere", "members"), NotFound, "cannot read"),
+                (("admin", "--run-dir", directory, "add-learners", 0), InvalidArgument, "count must be >= 1, got 0"),
+                (("admin", "--run-dir", directory, "add-learners", 2), FailedPrecondition, "has no launcher"),
+                (("admin", "--run-dir", directory, "add-learners", 1, "--set", "novalue"), InvalidArgument, "KEY=VALUE"),
+                (("admin", "--run-dir", directory, "remove-learners", "L0", "--count", 1), InvalidArgument, "not both"),
+                (("admin", "--run-dir", directory, "remove-learners", "L5"), NotFound, "unknown learner 'L5'"),
+            ]
+            for argv, error, message in cases:
+                with pytest.raises(error, match=message):
+                    await asyncio.to_thread(diloco, *argv)
+            (directory / "admin-token").write_text("wrong\n")
+            with pytest.raises(Unauthenticated, match="invalid admin token"):
+                await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "members")
+        with pytest.raises(DilocoError, match="UNAVAILABLE"):
+            await asyncio.to_thread(diloco, "admin", "--coordinator", server.address, "--token-file", directory / "admin-token",
+                                    "--timeout-s", 2, "members")
+
+    run(scenario())
+
+
+def test_coordinator_flags_become_a_validated_config(tmp_path):
+    args = parser().parse_args([
+        "coordinator", "--shards", "a:1,b:2", "--pod-template", "spot=/t/spot.yaml", "--pod-template", "/t/any.yaml",
+        "--lease-s", "0", "--data-dir", str(tmp_path),
+    ])
+    assert args.pod_template == [("spot", Path("/t/spot.yaml")), ("", Path("/t/any.yaml"))]
+    with pytest.raises(InvalidArgument, match="lease_s must be a finite number > 0"):
+        args.func(args)
+    args = parser().parse_args(["coordinator", "--launcher", "kubernetes", "--data-dir", str(tmp_path)])
+    with pytest.raises(InvalidArgument, match="needs --pod-template"):
+        args.func(args)
+    args = parser().parse_args(["coordinator", "--pools", "default,Spot!", "--data-dir", str(tmp_path)])
+    with pytest.raises(InvalidArgument, match="pool must be lowercase"):
+        args.func(args)

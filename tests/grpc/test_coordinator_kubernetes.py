@@ -1,0 +1,260 @@
+"""The KubernetesLauncher against a local HTTP server (127.0.0.1:0, in this process) that
+implements the pod create / list / delete paths of the Kubernetes API. The official
+``kubernetes`` client does the talking; every manifest it sends is checked with
+kubernetes-validate against the API's own schema."""
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import grpc
+import pytest
+
+pytest.importorskip("kubernetes")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+from kubernetes import client  # noqa: E402
+
+from coordinator.config import KubernetesLauncherConfig  # noqa: E402
+from coordinator.kubernetes import KubernetesLauncher  # noqa: E402
+from diloco.errors import ResourceExhausted  # noqa: E402
+from diloco.v1 import coordinator_pb2  # noqa: E402
+from tests.grpc.conftest import run  # noqa: E402
+from tests.grpc.coordinator_fixtures import admin_stub, joined, running_coordinator, wait_for  # noqa: E402
+
+TEMPLATE = """
+apiVersion: v1
+kind: PodTemplate
+metadata:
+  name: diloco-learner
+template:
+  metadata:
+    labels:
+      app.kubernetes.io/instance: run-a
+    annotations:
+      example.com/team: ml-infra
+  spec:
+    serviceAccountName: diloco-learner
+    nodeSelector:
+      cloud.google.com/gke-spot: "true"
+      cloud.google.com/gke-tpu-accelerator: tpu-v5-lite-podslice
+    tolerations:
+      - {key: google.com/tpu, operator: Exists, effect: NoSchedule}
+    containers:
+      - name: learner
+        image: ghcr.io/example/diloco:0.1.0
+        command: [diloco, learner]
+        args: [--device, xla]
+        resources:
+          limits: {google.com/tpu: "4"}
+        volumeMounts:
+          - {name: join-token, mountPath: /var/run/diloco, readOnly: true}
+    volumes:
+      - name: join-token
+        secret: {secretName: diloco-join-token}
+"""
+PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?$")
+
+
+class FakeKubernetesAPI(ThreadingHTTPServer):
+    """Pods only: POST (create), GET with labelSelector (list), DELETE (delete)."""
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.pods: dict[tuple[str, str], dict] = {}
+        self.received: list[dict] = []
+        self.deleted: list[str] = []
+        self.lock = threading.Lock()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def api_client(self):
+        configuration = client.Configuration()
+        configuration.host = self.url
+        return client.ApiClient(configuration)
+
+
+def _status(code, reason, message):
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+
+
+def _matches(labels, selector):
+    for term in filter(None, (selector or "").split(",")):
+        key, eq, value = term.partition("=")
+        if (eq and labels.get(key) != value) or (not eq and key not in labels):
+            return False
+    return True
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: FakeKubernetesAPI
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        match = PODS.match(urlparse(self.path).path)
+        if not match or match.group(2):
+            return self._reply(404, _status(404, "NotFound", "no such path"))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        namespace, name = match.group(1), body["metadata"]["name"]
+        with self.server.lock:
+            self.server.received.append(body)
+            if (namespace, name) in self.server.pods:
+                return self._reply(409, _status(409, "AlreadyExists", f'pods "{name}" already exists'))
+            pod = {**body, "metadata": {**body["metadata"], "uid": f"uid-{name}", "creationTimestamp": "2026-01-01T00:00:00Z"},
+                   "status": {"phase": "Pending"}}
+            self.server.pods[(namespace, name)] = pod
+        self._reply(201, pod)
+
+    def do_GET(self):
+        url = urlparse(self.path)
+        match = PODS.match(url.path)
+        if not match or match.group(2):
+            return self._reply(404, _status(404, "NotFound", "no such path"))
+        selector = parse_qs(url.query).get("labelSelector", [""])[0]
+        with self.server.lock:
+            items = [p for (ns, _), p in self.server.pods.items()
+                     if ns == match.group(1) and _matches(p["metadata"].get("labels", {}), selector)]
+        self._reply(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": items})
+
+    def do_DELETE(self):
+        match = PODS.match(urlparse(self.path).path)
+        if not match or not match.group(2):
+            return self._reply(404, _status(404, "NotFound", "no such path"))
+        key = (match.group(1), match.group(2))
+        with self.server.lock:
+            pod = self.server.pods.pop(key, None)
+            self.server.deleted.append(key[1])
+        if pod is None:
+            return self._reply(404, _status(404, "NotFound", f'pods "{key[1]}" not found'))
+        self._reply(200, pod)
+
+
+@pytest.fixture
+def api():
+    server = FakeKubernetesAPI()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def template(tmp_path):
+    path = tmp_path / "learner-pod.yaml"
+    path.write_text(TEMPLATE)
+    return path
+
+
+def launcher_for(api, template, max_learners=8, pools=("",)):
+    cfg = KubernetesLauncherConfig(namespace="training", pod_templates=tuple((p, template) for p in pools))
+    return KubernetesLauncher(cfg, "run-a", "coordinator.training:7000", max_learners, api.api_client())
+
+
+def assert_valid(manifest):
+    """Raises kubernetes_validate.ValidationError naming the field if the pod is invalid."""
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_validator_rejects_a_broken_pod():
+    broken = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": {"containers": [{"name": "c", "args": "--oops"}]}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        assert_valid(broken)
+
+
+def test_launch_creates_labelled_valid_pods_and_stop_deletes_them(api, template):
+    async def scenario():
+        launcher = launcher_for(api, template)
+        results = await launcher.launch(["a1", "a2"], "spot", {"inner_lr": "3e-4"})
+        assert [(r.launch_id, r.ok, r.detail) for r in results] == [
+            ("a1", True, "pod training/run-a-learner-a1"), ("a2", True, "pod training/run-a-learner-a2"),
+        ]
+        assert len(api.received) == 2
+        for manifest in api.received:
+            assert_valid(manifest)
+        pod = api.received[0]
+        assert pod["metadata"]["name"] == "run-a-learner-a1" and pod["metadata"]["namespace"] == "training"
+        assert pod["metadata"]["labels"] == {
+            "app.kubernetes.io/instance": "run-a",
+            "app.kubernetes.io/name": "diloco",
+            "app.kubernetes.io/component": "learner",
+            "diloco/pool": "spot",
+            "diloco/owner": "run-a",
+            "diloco/launch-id": "a1",
+        }
+        assert pod["metadata"]["annotations"] == {"example.com/team": "ml-infra"}
+        (container,) = pod["spec"]["containers"]
+        assert container["command"] == ["diloco", "learner"]
+        assert container["args"] == [
+            "--device", "xla", "--coordinator", "coordinator.training:7000",
+            "--join-token-file", "/var/run/diloco/join-token", "--pool", "spot", "--launch-id", "a1",
+            "--inner-lr", "3e-4",
+        ]
+        assert pod["spec"]["restartPolicy"] == "Never"
+        assert pod["spec"]["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+        assert sorted(launcher.running_pods()) == ["run-a-learner-a1", "run-a-learner-a2"]
+
+        await launcher.stop(["a1", "never-launched"])  # a pod already gone is no error
+        assert api.deleted == ["run-a-learner-a1", "run-a-learner-never-launched"]
+        assert launcher.running_pods() == ["run-a-learner-a2"]
+        assert launcher.reaped_on_close() == []  # pods outlive the coordinator
+
+    run(scenario())
+
+
+def test_the_cap_counts_existing_pods_and_api_errors_come_back_as_results(api, template):
+    async def scenario():
+        launcher = launcher_for(api, template, max_learners=2)
+        assert [r.ok for r in await launcher.launch(["b1"], "default", {})] == [True]
+        (again,) = await launcher.launch(["b1"], "default", {})  # the same pod name twice
+        assert not again.ok and again.detail == 'pod run-a-learner-b1: 409 Conflict: pods "run-a-learner-b1" already exists'
+        # A restarted coordinator does not remember b1, the list API does.
+        fresh = launcher_for(api, template, max_learners=2)
+        with pytest.raises(ResourceExhausted, match="cannot add 2 learner pods: 1 of the cap of 2 exist"):
+            await fresh.launch(["b2", "b3"], "default", {})
+
+    run(scenario())
+
+
+def test_add_and_remove_learners_through_the_coordinator(api, template, tmp_path):
+    async def scenario():
+        def factory(server, address):
+            cfg = KubernetesLauncherConfig(namespace="training", pod_templates=(("spot", template),))
+            return KubernetesLauncher(cfg, "run-a", address, server.cfg.max_learners, api.api_client())
+
+        async with running_coordinator(
+            tmp_path, launcher="kubernetes", launcher_factory=factory, pools=("default", "spot")
+        ) as server:
+            async with admin_stub(server.address) as (stub, md):
+                reply = await stub.AddLearners(coordinator_pb2.AddLearnersRequest(count=1, pool="spot"), metadata=md)
+                (launch,) = reply.launches
+                assert launch.ok and launch.detail.startswith("pod training/run-a-learner-")
+                args = api.received[0]["spec"]["containers"][0]["args"]
+                assert args[args.index("--coordinator") + 1] == server.address
+                # The pod's learner joins with its launch id; removing it deletes the pod.
+                session = await joined(server.address, pool="spot", launch_id=launch.launch_id)
+                await stub.RemoveLearners(coordinator_pb2.RemoveLearnersRequest(learner_ids=[session.learner_id]), metadata=md)
+                await wait_for(lambda: api.deleted == [f"run-a-learner-{launch.launch_id}"], "the pod to be deleted")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.AddLearners(coordinator_pb2.AddLearnersRequest(count=1, pool="default"), metadata=md)
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+                assert info.value.details() == "no pod template for pool 'default'"
+                assert server.runtime.membership.occupied() == 0
+            await session.close()
+
+    run(scenario())

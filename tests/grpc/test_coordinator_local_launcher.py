@@ -1,0 +1,107 @@
+"""AddLearners / RemoveLearners through the LocalProcessLauncher, with a fake learner
+script that Joins and Heartbeats through the real RPCs: launch, drain, terminate
+(SIGTERM, then SIGKILL), launch failures in the reply, no orphans at shutdown."""
+
+import json
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coordinator.config import LocalLauncherConfig
+from diloco.v1 import coordinator_pb2
+from tests.grpc.conftest import run
+from tests.grpc.coordinator_fixtures import admin_stub, running_coordinator, wait_for
+
+FAKE_LEARNER = (sys.executable, str(Path(__file__).resolve().parents[1] / "fake_learner.py"))
+
+
+def local(**kw):
+    return {"launcher": "local", "local": LocalLauncherConfig(command=FAKE_LEARNER, **kw)}
+
+
+def test_add_drain_terminate_and_reap_learner_processes(tmp_path):
+    async def scenario():
+        async with running_coordinator(tmp_path, lease_s=5.0, **local(terminate_timeout_s=1.5)) as server:
+            membership, launcher = server.runtime.membership, server.runtime.launcher
+            async with admin_stub(server.address) as (stub, md):
+                reply = await stub.AddLearners(
+                    coordinator_pb2.AddLearnersRequest(count=3, overrides={"heartbeat_s": "0.05"}), metadata=md
+                )
+                assert [r.ok for r in reply.launches] == [True] * 3
+                assert all(r.detail.startswith("pid ") for r in reply.launches)
+                await wait_for(lambda: [l.state for l in membership.live()] == ["active"] * 3, "3 active learners")
+                by_id = {l.id: l for l in membership.live()}
+                processes = dict(launcher.processes)
+                assert {l.launch_id for l in by_id.values()} == set(processes)
+                log = (tmp_path / "coordinator" / "learners" / f"{by_id['L0'].launch_id}.log").read_text()
+                argv = json.loads(log.splitlines()[0])["argv"]
+                assert argv[argv.index("--pool") + 1] == "default" and argv[argv.index("--heartbeat-s") + 1] == "0.05"
+                assert argv[argv.index("--coordinator") + 1] == server.address
+
+                # Drain: the directive comes with the next heartbeat; the learner leaves and exits 0.
+                drained = await stub.RemoveLearners(coordinator_pb2.RemoveLearnersRequest(count=1, drain=True), metadata=md)
+                newest = list(drained.learner_ids)
+                assert len(newest) == 1 and newest[0] in by_id
+                await wait_for(lambda: membership.learner(newest[0]).state == "left", "the drained learner to leave")
+                assert membership.learner(newest[0]).reason == "drained"
+                await processes[by_id[newest[0]].launch_id].wait()
+                assert processes[by_id[newest[0]].launch_id].returncode == 0
+
+                # Terminate: gone at once for the shards; the process gets SIGTERM.
+                (victim,) = [i for i in by_id if i not in newest][:1]
+                removed = await stub.RemoveLearners(coordinator_pb2.RemoveLearnersRequest(learner_ids=[victim]), metadata=md)
+                assert list(removed.learner_ids) == [victim]
+                assert membership.learner(victim).state == "left"
+                await processes[by_id[victim].launch_id].wait()
+
+                # A learner that ignores SIGTERM is killed after the timeout.
+                reply = await stub.AddLearners(
+                    coordinator_pb2.AddLearnersRequest(count=1, overrides={"ignore_sigterm": "1", "heartbeat_s": "0.05"}),
+                    metadata=md,
+                )
+                stubborn_launch = reply.launches[0].launch_id
+                stubborn = launcher.processes[stubborn_launch]
+                await wait_for(lambda: any(l.launch_id == stubborn_launch for l in membership.live()), "it to join")
+                (stubborn_id,) = [l.id for l in membership.live() if l.launch_id == stubborn_launch]
+                await stub.RemoveLearners(coordinator_pb2.RemoveLearnersRequest(learner_ids=[stubborn_id]), metadata=md)
+                assert await stubborn.wait() == -9
+            survivors = [p for p in launcher.processes.values()]
+            assert len(survivors) == 1
+        # The coordinator stopped: its last child was stopped with it, none is left behind.
+        assert all(p.returncode is not None for p in processes.values())
+        assert membership.learner([i for i in by_id if i not in (newest[0], victim)][0]).reason == "stopped with the coordinator"
+
+    run(scenario())
+
+
+def test_launch_failures_come_back_in_the_reply(tmp_path):
+    async def scenario():
+        cfg = {"launcher": "local", "local": LocalLauncherConfig(command=(str(tmp_path / "no-such-learner"),))}
+        async with running_coordinator(tmp_path, **cfg) as server:
+            async with admin_stub(server.address) as (stub, md):
+                reply = await stub.AddLearners(coordinator_pb2.AddLearnersRequest(count=2), metadata=md)
+                assert [r.ok for r in reply.launches] == [False, False]
+                assert "cannot start" in reply.launches[0].detail and "No such file" in reply.launches[0].detail
+                assert server.runtime.membership.occupied() == 0  # failed launches hold no slot
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.AddLearners(coordinator_pb2.AddLearnersRequest(count=1, overrides={"pool": "x"}), metadata=md)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "--pool is set by the launcher" in info.value.details()
+
+    run(scenario())
+
+
+def test_a_launched_learner_that_crashes_before_joining_frees_its_slot(tmp_path):
+    async def scenario():
+        async with running_coordinator(tmp_path, **local()) as server:
+            async with admin_stub(server.address) as (stub, md):
+                # The fake learner fails at once on a bad coordinator address in its flags.
+                reply = await stub.AddLearners(
+                    coordinator_pb2.AddLearnersRequest(count=1, overrides={"heartbeat_s": "not-a-number"}), metadata=md
+                )
+            assert reply.launches[0].ok
+            await wait_for(lambda: server.runtime.membership.occupied() == 0, "the slot to be freed")
+
+    run(scenario())

@@ -1,0 +1,261 @@
+"""A real coordinator on 127.0.0.1:0: membership over the RPCs, the membership stream a
+real shard follows, bad input answered with a specific status, state across restarts."""
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.client import LearnerSession
+from diloco import auth
+from diloco.config import RunConfig
+from diloco.errors import DilocoError
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from syncer.config import SyncerConfig
+from syncer.server import ShardServer, ShardServerConfig
+from tests.grpc.conftest import SECRET, TINY, run
+from tests.grpc.coordinator_fixtures import admin_stub, joined, reconnect, running_coordinator, wait_for
+
+
+def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
+    async def scenario():
+        shards = ("127.0.0.1:7101", "127.0.0.1:7102")  # only named in the topology here
+        async with running_coordinator(tmp_path, shards=shards, pools=("default", "spot")) as server:
+            session = LearnerSession(server.address)
+            reply = await session.join(auth.join_token(SECRET), pool="spot", address="host:42", plan_hash=TINY.plan().plan_hash)
+            assert reply.learner_id == "L0" and reply.credential == auth.sign(SECRET, "L0") and reply.lease_s == 5.0
+            topology = reply.topology
+            assert topology.plan.plan_hash == TINY.plan().plan_hash
+            assert [(s.shard_id, s.address, list(s.fragments)) for s in topology.shards] == [
+                (0, "127.0.0.1:7101", [0]), (1, "127.0.0.1:7102", [1]),
+            ]
+            assert (topology.sync_every_steps, topology.overlap_steps) == (TINY.sync_every_steps, TINY.overlap_steps)
+            assert RunConfig.from_json(topology.run_config_json) == TINY
+            assert reply.clock.entries["C"] >= 1
+
+            beat = await session.heartbeat(tokens=1024, inner_steps=8, version_lag=2, tokens_per_s=99.0)
+            assert list(beat.directives) == [] and beat.lease_s == 5.0 and beat.topology_epoch == 1
+            assert (await session.topology()).plan.plan_hash == topology.plan.plan_hash
+            async with admin_stub(server.address) as (stub, md):
+                (info,) = (await stub.ListLearners(coordinator_pb2.ListLearnersRequest(), metadata=md)).learners
+                assert (info.learner_id, info.state, info.pool, info.address) == ("L0", common_pb2.LEARNER_STATE_ACTIVE, "spot", "host:42")
+                assert (info.tokens, info.inner_steps, info.version_lag) == (1024, 8, 2)
+                assert abs(info.last_heartbeat_unix_ms / 1000 - time.time()) < 60
+                await session.leave("done")
+                assert list((await stub.ListLearners(coordinator_pb2.ListLearnersRequest(), metadata=md)).learners) == []
+                gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
+                assert [(l.learner_id, l.state) for l in gone.learners] == [("L0", common_pb2.LEARNER_STATE_LEFT)]
+            await session.close()
+
+    run(scenario())
+
+
+def test_health_and_reflection(tmp_path):
+    async def scenario():
+        async with running_coordinator(tmp_path) as server:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                reply = await health.Check(health_pb2.HealthCheckRequest(service="diloco.v1.Coordinator"), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(scenario())
+
+
+# --- bad input: a specific status and a message that says what is wrong ------------------
+
+
+async def _bad_join_token(server):
+    session = LearnerSession(server.address)
+    await session.join("not-the-token")
+
+
+async def _unknown_learner(server):
+    session = LearnerSession(server.address)
+    session.learner_id, session.credential = "L7", auth.sign(SECRET, "L7")
+    await session.heartbeat()
+
+
+async def _someone_elses_learner_id(server):
+    a, b = await joined(server.address), await joined(server.address)
+    async with grpc.aio.insecure_channel(server.address) as channel:  # b's credential, a's id
+        await coordinator_pb2_grpc.CoordinatorStub(channel).Heartbeat(
+            coordinator_pb2.HeartbeatRequest(learner_id=a.learner_id), metadata=b.metadata
+        )
+
+
+async def _expired_lease(server):
+    session = await joined(server.address)
+    await wait_for(lambda: server.runtime.membership.learner("L0").state == "failed", "the lease to run out")
+    await session.heartbeat()
+
+
+async def _bad_admin_token(server):
+    async with admin_stub(server.address, token="guess") as (stub, md):
+        await stub.ListLearners(coordinator_pb2.ListLearnersRequest(), metadata=md)
+
+
+async def _admin(server, method, request):
+    async with admin_stub(server.address) as (stub, md):
+        return await getattr(stub, method)(request, metadata=md)
+
+
+async def _count_zero(server):
+    await _admin(server, "AddLearners", coordinator_pb2.AddLearnersRequest(count=0))
+
+
+async def _above_the_cap(server):
+    await _admin(server, "AddLearners", coordinator_pb2.AddLearnersRequest(count=5))
+
+
+async def _unknown_pool(server):
+    await _admin(server, "AddLearners", coordinator_pb2.AddLearnersRequest(count=1, pool="gpu"))
+
+
+async def _remove_unknown(server):
+    await _admin(server, "RemoveLearners", coordinator_pb2.RemoveLearnersRequest(learner_ids=["L9"]))
+
+
+async def _snapshot_already_running(server):
+    await joined(server.address)  # a participant that never reports keeps snapshot 1 running
+    await _admin(server, "StartSnapshot", coordinator_pb2.StartSnapshotRequest())
+    await _admin(server, "StartSnapshot", coordinator_pb2.StartSnapshotRequest())
+
+
+async def _report_for_someone_else(server):
+    session = await joined(server.address)
+    request = coordinator_pb2.ReportSnapshotRequest(snapshot_id=1, participant="S0")
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        await coordinator_pb2_grpc.CoordinatorStub(channel).ReportSnapshot(request, metadata=session.metadata)
+
+
+@pytest.mark.parametrize(
+    "call,code,message,cfg",
+    [
+        (_bad_join_token, grpc.StatusCode.UNAUTHENTICATED, "invalid join token", {}),
+        (_unknown_learner, grpc.StatusCode.NOT_FOUND, "unknown learner 'L7'", {}),
+        (_someone_elses_learner_id, grpc.StatusCode.PERMISSION_DENIED, "credential is for 'L1', the request is for 'L0'", {}),
+        (_expired_lease, grpc.StatusCode.FAILED_PRECONDITION, "L0 was marked failed (lease expired", {"lease_s": 0.2}),
+        (_bad_admin_token, grpc.StatusCode.UNAUTHENTICATED, "invalid admin token", {}),
+        (_count_zero, grpc.StatusCode.INVALID_ARGUMENT, "count must be >= 1, got 0", {"launcher": "local"}),
+        (_above_the_cap, grpc.StatusCode.RESOURCE_EXHAUSTED, "cannot add 5 learners: 0 of the cap of 4", {"launcher": "local", "max_learners": 4}),
+        (_unknown_pool, grpc.StatusCode.NOT_FOUND, "unknown pool 'gpu'; pools: default", {"launcher": "local"}),
+        (_remove_unknown, grpc.StatusCode.NOT_FOUND, "unknown learner 'L9'", {}),
+        (_snapshot_already_running, grpc.StatusCode.ALREADY_EXISTS, "snapshot 1 is already running (waiting for L0", {}),
+        (_report_for_someone_else, grpc.StatusCode.PERMISSION_DENIED, "credential is for 'L0', the request is for 'S0'", {}),
+    ],
+    ids=lambda x: x.__name__.strip("_") if callable(x) else None,
+)
+def test_bad_input(tmp_path, call, code, message, cfg):
+    async def scenario():
+        async with running_coordinator(tmp_path, **cfg) as server:
+            with pytest.raises((grpc.aio.AioRpcError, DilocoError)) as info:
+                await call(server)
+        error = info.value
+        if isinstance(error, DilocoError):  # raised through LearnerSession
+            assert f"({code.name})" in str(error) and message in str(error), str(error)
+        else:
+            assert error.code() == code and message in error.details(), error.details()
+
+    run(scenario())
+
+
+# --- the membership stream -----------------------------------------------------------
+
+
+def test_membership_stream_and_a_real_shard_hear_of_a_failure_within_one_lease(tmp_path):
+    async def scenario():
+        lease_s = 0.5
+        async with running_coordinator(tmp_path, lease_s=lease_s) as server:
+            a = await joined(server.address)
+            shard = ShardServer(TINY, SyncerConfig(), ShardServerConfig(secret=SECRET, coordinator=server.address))
+            await shard.start()
+            try:
+                metadata = ((auth.LEARNER_METADATA, "S9"), (auth.CREDENTIAL_METADATA, auth.sign(SECRET, "S9")))
+                async with grpc.aio.insecure_channel(server.address) as channel:
+                    stream = coordinator_pb2_grpc.CoordinatorStub(channel).WatchMembership(
+                        coordinator_pb2.WatchMembershipRequest(watcher="S9"), metadata=metadata
+                    )
+                    first = await stream.read()
+                    assert first.kind == coordinator_pb2.MEMBERSHIP_EVENT_KIND_SNAPSHOT
+                    assert [(l.learner_id, l.state) for l in first.learners] == [("L0", common_pb2.LEARNER_STATE_JOINING)]
+                    await wait_for(lambda: shard.runtime.core.live == {"L0"}, "the shard to learn of L0")
+                    b = await joined(server.address)
+                    await b.heartbeat()
+                    last_heartbeat = time.monotonic()
+                    events = [await stream.read() for _ in range(2)]
+                    assert [(e.kind, e.learners[0].learner_id, e.learners[0].state) for e in events] == [
+                        (coordinator_pb2.MEMBERSHIP_EVENT_KIND_JOINED, "L1", common_pb2.LEARNER_STATE_JOINING),
+                        (coordinator_pb2.MEMBERSHIP_EVENT_KIND_JOINED, "L1", common_pb2.LEARNER_STATE_ACTIVE),
+                    ]
+                    # Neither heartbeats again: both leases run out; the shard hears it.
+                    await wait_for(lambda: shard.runtime.core.failed == {"L0", "L1"}, "the shard to hear of failures")
+                    assert time.monotonic() - last_heartbeat < 2 * lease_s
+                    failed = await stream.read()
+                    assert failed.kind == coordinator_pb2.MEMBERSHIP_EVENT_KIND_FAILED
+                    stream.cancel()
+                await a.close()
+                await b.close()
+            finally:
+                await shard.stop()
+
+    run(scenario())
+
+
+def test_watching_needs_a_credential(tmp_path):
+    async def scenario():
+        async with running_coordinator(tmp_path) as server:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stream = coordinator_pb2_grpc.CoordinatorStub(channel).WatchMembership(
+                    coordinator_pb2.WatchMembershipRequest(watcher="S0"), metadata=((auth.LEARNER_METADATA, "S0"),)
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stream.read()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    run(scenario())
+
+
+# --- the coordinator's own state -----------------------------------------------------
+
+
+def test_state_survives_a_restart_and_restore_makes_learners_rejoin(tmp_path):
+    async def scenario():
+        async with running_coordinator(tmp_path) as server:
+            a, b = await joined(server.address), await joined(server.address)
+            await a.heartbeat()
+            await b.leave("bye")
+            async with admin_stub(server.address) as (stub, md):
+                await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
+            await wait_for(lambda: server.runtime.snapshots.running() is not None, "snapshot 1 to run")
+            await a.report_snapshot(1)
+            await wait_for(lambda: server.runtime.snapshots.get(1).state == "complete", "snapshot 1 to complete")
+        # Restarted (the learner never noticed): same ids, a fresh lease, the counter goes on.
+        async with running_coordinator(tmp_path) as server:
+            await reconnect(a, server.address)
+            await a.heartbeat()
+            c = await joined(server.address)
+            assert c.learner_id == "L2"
+            states = {l.id: l.state for l in server.runtime.membership.listing(include_gone=True)}
+            assert states == {"L0": "active", "L1": "left", "L2": "joining"}
+            assert [(s.id, s.state) for s in server.runtime.snapshots.listing()] == [(1, "complete")]
+        # Restarted from the snapshot: everyone re-joins and bootstraps from the shards.
+        async with running_coordinator(tmp_path, restore="latest") as server:
+            assert server.runtime.restored_from == 1
+            assert server.runtime.membership.live() == []
+            await reconnect(a, server.address)
+            with pytest.raises(DilocoError, match="restored from snapshot 1; join again"):
+                await a.heartbeat()
+            assert (await joined(server.address)).learner_id == "L3"
+            async with admin_stub(server.address) as (stub, md):
+                reply = await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
+            assert reply.snapshot_id == 2
+
+    run(scenario())
+
+
+def test_restore_of_a_missing_snapshot_is_refused(tmp_path):
+    from diloco.errors import NotFound
+
+    with pytest.raises(NotFound, match="no complete snapshot"):
+        run(running_coordinator(tmp_path, restore="latest").__aenter__())

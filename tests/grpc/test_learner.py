@@ -1,0 +1,113 @@
+"""Learners against real in-process shards on 127.0.0.1:0."""
+
+import asyncio
+import contextlib
+import dataclasses
+
+import torch
+
+from diloco import auth
+from diloco.config import RunConfig
+from diloco.model import ModelConfig
+from learner.config import LearnerConfig
+from learner.worker import Learner
+from syncer.config import RoundConfig, SyncerConfig
+from syncer.server import ShardServer, ShardServerConfig
+from tests.grpc.conftest import SECRET, run
+
+RUN = RunConfig(model=ModelConfig(width=32, depth=1, heads=2, context=32), fragments=4, sync_every_steps=16, overlap_steps=2)
+CFG = LearnerConfig(batch_size=8, steps=24, lr=3e-3, warmup_steps=4, eval_every_steps=8, eval_batches=2)
+
+
+@contextlib.asynccontextmanager
+async def shards(tmp_path, count, learners, **rounds):
+    servers = []
+    for m in range(count):
+        cfg = SyncerConfig(shard_id=m, num_shards=count, rounds=RoundConfig(**rounds))
+        server = ShardServer(RUN, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=learners))
+        servers.append((server, f"127.0.0.1:{await server.start()}"))
+    try:
+        yield servers
+    finally:
+        for server, _ in servers:
+            await server.stop()
+
+
+def make_learner(name, addresses, **overrides):
+    cfg = dataclasses.replace(CFG, **overrides)
+    return Learner(RUN, cfg, name, auth.sign(SECRET, name), dict(enumerate(addresses)))
+
+
+def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
+    async def scenario():
+        async with shards(tmp_path, 2, ("L0",)) as servers:
+            # Three sends of every fragment; the last inner step sends fragment 3.
+            h = RUN.sync_every_steps
+            learner = make_learner("L0", [a for _, a in servers], steps=2 * h + (3 * h) // 4 + 1)
+            summary = await asyncio.to_thread(learner.train)
+            assert summary.pushes_sent == summary.pushes_acked == 12 and summary.pushes_dropped == 0
+            assert summary.replies_applied == 12
+            for server, _ in servers:
+                for fragment_id, state in server.runtime.core.fragments.items():
+                    assert state.version == 3
+                    mine = learner.anchors()[fragment_id]
+                    assert all(torch.equal(a, b) for a, b in zip(mine, state.params))
+            # alpha = 0: fragment 3's reply came after the last inner step, so the model
+            # itself holds the global values of that fragment, bit for bit.
+            owner = servers[learner.plan.fragments[3].owner(2)][0].runtime.core.fragments[3]
+            live = learner.plan.gather(3, learner.params)
+            assert all(torch.equal(a.detach(), b) for a, b in zip(live, owner.params))
+            assert summary.blocked_s < 0.5 * summary.wall_s
+
+    run(scenario())
+
+
+def test_two_learners_two_shards_eval_loss_falls(tmp_path):
+    async def scenario():
+        async with shards(tmp_path, 2, ("L0", "L1"), quorum=1, grace_mode="fixed", grace_fixed_s=0.05) as servers:
+            addresses = [a for _, a in servers]
+            learners = [make_learner(f"L{i}", addresses, data_shard=i, seed=i, steps=96) for i in range(2)]
+            summaries = await asyncio.gather(*(asyncio.to_thread(l.train) for l in learners))
+            for s in summaries:
+                assert s.pushes_acked > 0 and s.replies_applied > 0
+                assert s.eval_bpb_final < s.eval_bpb_start - 0.5, (s.eval_bpb_start, s.eval_bpb_final)
+            rounds = sum(server.runtime.counters.rounds for server, _ in servers)
+            assert rounds >= 10
+
+    run(scenario())
+
+
+def test_shard_outage_drops_pushes_keeps_training_and_resyncs(tmp_path):
+    async def scenario():
+        cfg = SyncerConfig(rounds=RoundConfig())
+        server_cfg = ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=("L0",))
+        first = ShardServer(RUN, cfg, server_cfg)
+        port = await first.start()
+        # A slowed learner, so that the outage falls in the middle of its training.
+        learner = make_learner("L0", [f"127.0.0.1:{port}"], steps=600, step_delay_s=0.02, push_timeout_s=5)
+        training = asyncio.ensure_future(asyncio.to_thread(learner.train))
+        await wait_until(lambda: learner.book.applied >= 4)
+        await first.stop()
+        await wait_until(lambda: learner.streamer.stats.pushes_dropped >= 2)
+        second = ShardServer(RUN, cfg, dataclasses.replace(server_cfg, port=port))
+        await second.start()
+        try:
+            await wait_until(lambda: learner.streamer.stats.resyncs >= 1)
+            summary = await training
+        finally:
+            await second.stop()
+        assert summary.inner_steps == 600  # training never stopped
+        assert summary.pushes_dropped >= 2 and summary.pushes_acked > 4
+        # After the re-sync the learner follows the new shard again, bit for bit.
+        for fragment_id, state in second.runtime.core.fragments.items():
+            assert state.version >= 1
+            assert all(torch.equal(a, b) for a, b in zip(learner.anchors()[fragment_id], state.params))
+
+    run(scenario())
+
+
+async def wait_until(predicate, timeout_s=60):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)

@@ -1,0 +1,109 @@
+import math
+
+import pytest
+import torch
+
+from diloco.errors import FailedPrecondition, InvalidArgument
+from learner.config import LearnerConfig
+from learner.core.schedule import fragments_due, inner_lr, send_offsets
+from learner.core.sync import FragmentSync, Reply, SyncBook, delta, merge_into
+from learner.device import Device
+
+
+def test_lr_warmup_then_cosine_to_floor():
+    lrs = [inner_lr(s, 1.0, 10, 110, 0.1) for s in range(120)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lrs[110] == pytest.approx(0.1) and lrs[119] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+def test_send_offsets_spread_evenly_and_each_fragment_once_per_cycle():
+    assert send_offsets(4, 4) == [0, 1, 2, 3]
+    assert send_offsets(4, 16) == [0, 4, 8, 12]
+    assert send_offsets(8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
+    offsets = send_offsets(3, 12)
+    sent = [p for step in range(24) for p in fragments_due(step, offsets, 12)]
+    assert sorted(sent) == [0, 0, 1, 1, 2, 2]
+    assert fragments_due(4, offsets, 12) == [1] and fragments_due(16, offsets, 12) == [1]
+
+
+def test_delta_is_anchor_minus_params():
+    anchor, params = [torch.tensor([1.0, 2.0])], [torch.tensor([0.5, 2.5])]
+    assert torch.equal(delta(anchor, params)[0], torch.tensor([0.5, -0.5]))
+
+
+def test_alpha_merge():
+    p = [torch.tensor([1.0, 1.0])]
+    merge_into(p, [torch.tensor([3.0, 5.0])], 0.0)
+    assert torch.equal(p[0], torch.tensor([3.0, 5.0]))
+    merge_into(p, [torch.tensor([1.0, 1.0])], 0.5)
+    assert torch.equal(p[0], torch.tensor([2.0, 3.0]))
+
+
+def book():
+    return SyncBook({0: FragmentSync([torch.zeros(2)], 3), 1: FragmentSync([torch.zeros(2)], 0)}, overlap_steps=2)
+
+
+def reply(fragment, version, sent_step):
+    return Reply(fragment, version, [torch.full((2,), float(version))], sent_step, 0)
+
+
+def test_reply_waits_tau_steps_then_applies_and_resets_counters():
+    b = book()
+    b.count_step(100)
+    b.count_step(100)
+    b.receive(reply(0, 4, sent_step=5))
+    assert b.due(6) == []  # arrived early: held until step 5 + tau
+    (r,) = b.due(7)
+    b.applied_reply(r)
+    f = b.fragments[0]
+    assert (f.base_version, f.tokens, f.steps) == (4, 0, 0)
+    assert torch.equal(f.anchor[0], torch.full((2,), 4.0))
+    assert b.fragments[1].tokens == 200 and b.late == 0
+
+
+def test_late_replies_apply_on_arrival_and_are_counted():
+    b = book()
+    b.receive(reply(1, 1, sent_step=0))
+    assert [r.version for r in b.due(9)] == [1]
+    assert b.late == 1
+
+
+def test_only_the_newest_reply_applies_and_stale_ones_are_dropped():
+    b = book()
+    b.receive(reply(0, 2, sent_step=0))  # older than base version 3
+    b.receive(reply(1, 1, sent_step=0))
+    b.receive(reply(1, 2, sent_step=1))
+    due = b.due(10)
+    assert [(r.fragment, r.version) for r in due] == [(1, 2)]
+    assert b.stale_dropped == 2
+
+
+def test_resync_applies_immediately_whatever_its_version():
+    b = book()
+    b.receive(reply(0, 9, sent_step=8))  # an answer from before the shard restarted
+    b.receive(reply(0, 0, sent_step=-1))  # the restarted shard's state, version 0
+    assert [(r.fragment, r.version) for r in b.due(0)] == [(0, 0)]
+    assert b.due(20) == [] and b.stale_dropped == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(device="tpu"), dict(batch_size=0), dict(data_shard=8), dict(lr=0), dict(delta_codec="int2")]
+)
+def test_bad_config(kwargs):
+    with pytest.raises(InvalidArgument):
+        LearnerConfig(**kwargs)
+
+
+def test_unavailable_devices_give_clear_errors():
+    if not torch.cuda.is_available():
+        with pytest.raises(FailedPrecondition, match="no CUDA device"):
+            Device("cuda")
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        with pytest.raises(FailedPrecondition, match="torch_xla is not installed"):
+            Device("xla")
+    assert Device("cpu").torch.type == "cpu"
