@@ -268,6 +268,8 @@ def _learner(args: argparse.Namespace) -> int:
             raise InvalidArgument("without --coordinator, give --shards HOST:PORT,... and --learner-id (static topology)")
         member = static_membership(_run_config(args), args.learner_id, _secret(args), args.shards.split(","))
     summary_path = Path(args.summary) if args.summary else None
+    if args.summary_dir:
+        summary_path = Path(args.summary_dir) / f"{member.learner_id}.json"
     run_learner(cfg, member, args.data, args.coordinator, summary_path, assign_data_shard=bool(args.coordinator))
     return 0
 
@@ -305,8 +307,43 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
     t.add_argument("--max-inflight", type=int, default=16, help="pushes in flight before new ones are dropped")
     t.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval (default 1 s)")
     t.add_argument("--summary", help="write the JSON summary here at exit")
+    t.add_argument("--summary-dir", help="write the JSON summary to DIR/<learner id>.json at exit")
     _add_run_config(p)
     p.set_defaults(func=_learner)
+
+
+def _local(args: argparse.Namespace) -> int:
+    from diloco.local import LocalConfig, run_local
+
+    grace_mode, grace_s = args.grace
+    cfg = LocalConfig(
+        run=_run_config(args), learners=args.learners, shards=args.shards, quorum=args.quorum,
+        grace=grace_mode if grace_mode != "fixed" else str(grace_s), steps=args.steps, batch_size=args.batch_size,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        out=Path(args.out) if args.out else None,
+    )
+    summary = run_local(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0 if not summary["interrupted"] else 130
+
+
+def _add_local(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "local",
+        help="the main job: a coordinator, S shards and M learners as processes on 127.0.0.1, training the default model",
+        description="Run a real multi-process Decoupled DiLoCo training on this machine and write a run directory.",
+    )
+    p.add_argument("--learners", type=int, default=3, help="M: learners (default 3)")
+    p.add_argument("--shards", type=int, default=2, help="S: syncer shards (default 2)")
+    p.add_argument("--quorum", type=int, default=1, help="K: minimum pushes per round (default 1)")
+    p.add_argument("--grace", type=_grace, default=("auto", 0.0), help="auto (default), off, or SECONDS")
+    p.add_argument("--steps", type=int, default=150, help="inner steps per learner (default 150)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
+    p.add_argument("--outer-lr", type=float, default=1.0, help="shards' outer learning rate (default 1.0, see README)")
+    p.add_argument("--outer-momentum", type=float, default=0.0, help="shards' outer Nesterov momentum (default 0)")
+    p.add_argument("--out", help="run directory (default ./runs/<timestamp>)")
+    _add_run_config(p)
+    p.set_defaults(func=_local)
 
 
 def _tape_show(args: argparse.Namespace) -> int:
@@ -363,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log level for messages on stderr (default WARNING)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_local(commands)
     _add_bench(commands)
     _add_syncer(commands)
     _add_learner(commands)
