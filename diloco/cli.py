@@ -42,7 +42,7 @@ def _bench_syncer(args: argparse.Namespace) -> int:
 def _bench_learner(args: argparse.Namespace) -> int:
     from diloco.bench import learner
 
-    _print_result(learner.run(steps=args.steps, overlap_steps=args.overlap), args.json)
+    _print_result(learner.run(steps=args.steps, overlap_steps=args.overlap, threads=args.threads), args.json)
     return 0
 
 
@@ -78,6 +78,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     lrn = kinds.add_parser("learner", help="a learner's tokens/s with syncing on vs off, side by side")
     lrn.add_argument("--steps", type=int, default=120, help="inner steps per run (default 120)")
     lrn.add_argument("--overlap", type=int, default=2, help="tau, inner steps of overlap (default 2)")
+    lrn.add_argument("--threads", type=int, help="torch threads of the learner (default: all cores but one)")
     lrn.add_argument("--json", action="store_true", help="print one JSON object")
     lrn.set_defaults(func=_bench_learner)
 

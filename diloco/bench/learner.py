@@ -6,16 +6,23 @@ each counts: on a shared machine noise only ever slows a run down. tokens/s is m
 over the inner-step loop (bootstrap, evaluation and the final drain excluded).
 bytes_per_1k_tokens is wire bytes up + down per 1000 training tokens; blocked_s the time
 the training loop spent handing pushes to the streamer (it never waits for replies).
+
+The learner gets ``threads`` torch threads in both configurations (default: all cores
+but one, which is left to the shard process — in a deployment the shards run on their
+own CPU hosts; with every core given to torch, the shard and the streamer thread
+preempt torch's parallel regions and the comparison measures oversubscription instead).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from diloco import auth
 from diloco.config import RunConfig
@@ -44,9 +51,12 @@ def _start_shard(tmp: Path, run: RunConfig) -> tuple[subprocess.Popen, str]:
     return proc, port_file.read_text().strip()
 
 
-def run(steps: int = 120, overlap_steps: int = 2) -> dict:
+def run(steps: int = 120, overlap_steps: int = 2, threads: int | None = None) -> dict:
     if steps < 10 or overlap_steps < 2:
         raise InvalidArgument("need at least 10 steps and tau >= 2")
+    threads = threads or max((os.cpu_count() or 2) - 1, 1)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
     run_cfg = RunConfig(overlap_steps=overlap_steps)
     cfg = LearnerConfig(steps=steps, eval_every_steps=10**9, eval_batches=1, warmup_steps=10)
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,6 +69,7 @@ def run(steps: int = 120, overlap_steps: int = 2) -> dict:
         finally:
             shard.terminate()
             shard.wait(timeout=30)
+            torch.set_num_threads(previous_threads)
     best_sync = max(results[True], key=lambda s: s.tokens_per_s)
     best_nosync = max(results[False], key=lambda s: s.tokens_per_s)
     wire = best_sync.bytes_up + best_sync.bytes_down
@@ -73,5 +84,6 @@ def run(steps: int = 120, overlap_steps: int = 2) -> dict:
         "replies_late": best_sync.replies_late,
         "steps": steps,
         "overlap_steps": overlap_steps,
+        "threads": threads,
         "params": sum(p.numel() for p in learner.model.parameters()),
     }
