@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -146,16 +145,7 @@ async def run_coordinator(
     """Serve until SIGTERM/SIGINT; then stop launched children, save the state, exit 0."""
     coordinator = CoordinatorServer(run, cfg, secret, admin_token)
     await coordinator.start()
-    if port_file is not None:
-        tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(f"{coordinator.address}\n")
-        os.replace(tmp, port_file)
-    print(f"coordinator listening on {coordinator.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await rpc.announce_and_wait_for_signal("coordinator", coordinator.address, port_file)
     logger.info("coordinator shutting down")
     await coordinator.stop()
     return 0

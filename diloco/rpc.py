@@ -6,9 +6,13 @@ This is the kernel's service layer; core modules never import it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+import signal
 from collections.abc import Iterable
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -86,3 +90,18 @@ def channel_options(max_message_bytes: int, service: str) -> list[tuple[str, obj
         ("grpc.enable_retries", 1),
         ("grpc.service_config", json.dumps(service_config)),
     ]
+
+
+async def announce_and_wait_for_signal(what: str, address: str, port_file: Path | None) -> None:
+    """Write ``address`` to ``port_file`` (atomically: launchers poll for it), print it, and
+    return once SIGTERM or SIGINT arrives."""
+    if port_file is not None:
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(f"{address}\n")
+        os.replace(tmp, port_file)
+    print(f"{what} listening on {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -7,8 +7,6 @@ import asyncio
 import ctypes
 import dataclasses
 import logging
-import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,16 +195,7 @@ async def run_shard(run: RunConfig, cfg: SyncerConfig, server_cfg: ShardServerCo
     return_large_buffers_to_the_os()
     shard = ShardServer(run, cfg, server_cfg)
     port = await shard.start()
-    if port_file is not None:
-        tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(f"{server_cfg.host}:{port}\n")
-        os.replace(tmp, port_file)
-    print(f"syncer shard {cfg.shard_id} listening on {server_cfg.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await rpc.announce_and_wait_for_signal(f"syncer shard {cfg.shard_id}", f"{server_cfg.host}:{port}", port_file)
     logger.info("shard %d shutting down", cfg.shard_id)
     await shard.stop()
     return 0
