@@ -270,8 +270,10 @@ def plot_eval(run_dir: Path, learner_summaries: list[dict], final_bpb: float, to
     for s in learner_summaries:
         history = s.get("eval_history") or []
         ax.plot([h[1] for h in history], [h[2] for h in history], marker="o", ms=3, label=s["learner_id"])
-    ax.scatter([tokens], [final_bpb], color="black", zorder=3, label="final global model")
-    ax.set_xlabel("tokens seen by the learner (global model: all learners)")
+    end = max((s["tokens"] for s in learner_summaries), default=0)
+    ax.scatter([end], [final_bpb], color="black", zorder=3,
+               label=f"final global model ({tokens:,} tokens from all learners)")
+    ax.set_xlabel("tokens seen by each learner")
     ax.set_ylabel("eval loss (bits per byte)")
     ax.set_title("diloco local: eval loss vs tokens")
     ax.grid(alpha=0.3)
