@@ -380,7 +380,8 @@ typedef struct {
     int scale_size;
     size_t block_begin, block_end;
     float *out;
-    /* mode 0: out = q*s; mode 1: out += alpha * (q*s); mode 2: sum of (q*s)^2 into sumsq */
+    /* mode 0: out = q*s; mode 2: sum of (q*s)^2 into sumsq; axpy_block (out += alpha * (q*s))
+     * reads alpha and is called block by block by axpy_many */
     int mode;
     float alpha;
     double sumsq;
@@ -433,15 +434,11 @@ static double sumsq_block(const DequantJob *job, size_t start, size_t end, float
 
 static void dequantize_range(DequantJob *job) {
     const size_t B = job->block_size;
-    if (job->mode != 0) {
+    if (job->mode == 2) {
         for (size_t b = job->block_begin; b < job->block_end; b++) {
             size_t start = b * B;
             size_t end = start + B < job->n ? start + B : job->n;
-            float s = load_scale(job->scales, b, job->scale_size);
-            if (job->mode == 1)
-                axpy_block(job, start, end, s);
-            else
-                job->sumsq += sumsq_block(job, start, end, s);
+            job->sumsq += sumsq_block(job, start, end, load_scale(job->scales, b, job->scale_size));
         }
         return;
     }
@@ -635,8 +632,7 @@ PyDoc_STRVAR(dequantize_doc,
 "Writes numel float32 values float(q) * scale into the writable buffer out. The caller\n"
 "has already checked that every scale is finite and non-negative.");
 
-/* Shared by dequantize (mode 0) and sumsq (mode 2, out is None); mode 1 (axpy) is used
- * block by block by axpy_many. */
+/* Shared by dequantize (mode 0) and sumsq (mode 2, out is None). */
 static PyObject *dequantize_mode(PyObject *packed_obj, PyObject *scales_obj, Py_ssize_t n, Py_ssize_t block_size,
                                  int scale_size, PyObject *out_obj, int threads, int mode, float alpha);
 
@@ -803,7 +799,7 @@ static void axpy_many_range(void *arg) {
         for (size_t k = 0; k < job->inputs; k++) {
             DequantJob one = {
                 .packed = job->packed[k], .scales = job->scales[k], .n = job->n, .block_size = B,
-                .scale_size = job->scale_size, .out = job->out, .mode = 1, .alpha = job->alphas[k],
+                .scale_size = job->scale_size, .out = job->out, .alpha = job->alphas[k],
             };
             axpy_block(&one, start, end, load_scale(job->scales[k], b, job->scale_size));
         }
