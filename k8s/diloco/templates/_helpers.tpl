@@ -1,0 +1,401 @@
+{{/*
+Names. 40 characters at most, so that "<fullname>-syncer" stays a valid StatefulSet name
+and the launcher's pod names "<fullname>-learner-<launch id>" stay DNS labels.
+*/}}
+{{- define "diloco.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains "diloco" .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-diloco" .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The name label is always "diloco": the coordinator's launcher sets it on the pods it
+creates, and the NetworkPolicies select on it.
+*/}}
+{{- define "diloco.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: diloco
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: diloco
+{{- end -}}
+
+{{/* (dict "root" $ "component" "syncer") */}}
+{{- define "diloco.selectorLabels" -}}
+app.kubernetes.io/name: diloco
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "diloco.componentLabels" -}}
+{{ include "diloco.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* (dict "root" $ "image" <values with repository, tag, digest>) -> repository:tag or @digest */}}
+{{- define "diloco.imageRef" -}}
+{{- $image := .image -}}
+{{- $repository := $image.repository | default .root.Values.image.repository -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repository ($image.tag | default .root.Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "diloco.image" -}}
+{{- include "diloco.imageRef" (dict "root" . "image" .Values.image) -}}
+{{- end -}}
+
+{{- define "diloco.learnerImage" -}}
+{{- $image := index .Values.learners.images .Values.learners.accelerator -}}
+{{- if $image.repository -}}
+{{- include "diloco.imageRef" (dict "root" . "image" $image) -}}
+{{- else -}}
+{{- include "diloco.image" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "diloco.secretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "diloco.fullname" .)) -}}
+{{- end -}}
+
+{{- define "diloco.serviceAccountName" -}}
+{{- printf "%s-coordinator" (include "diloco.fullname" .) -}}
+{{- end -}}
+
+{{- define "diloco.coordinatorAddress" -}}
+{{- printf "%s-coordinator.%s.svc.%s:%d" (include "diloco.fullname" .) .Release.Namespace .Values.clusterDomain (int .Values.coordinator.port) -}}
+{{- end -}}
+
+{{/* Every shard's stable address, in shard id order (the coordinator's --shards). */}}
+{{- define "diloco.shardAddresses" -}}
+{{- $fullname := include "diloco.fullname" . -}}
+{{- $addresses := list -}}
+{{- range $m := until (int .Values.syncer.shards) -}}
+{{- $addresses = append $addresses (printf "%s-syncer-%d.%s-syncer.%s.svc.%s:%d" $fullname $m $fullname $.Release.Namespace $.Values.clusterDomain (int $.Values.syncer.port)) -}}
+{{- end -}}
+{{- join "," $addresses -}}
+{{- end -}}
+
+{{/* The run config as RunConfig.to_json writes it. */}}
+{{- define "diloco.runConfig" -}}
+{{- $run := .Values.run -}}
+{{- if mod (int $run.model.width) (int $run.model.heads) -}}
+{{- fail (printf "run.model.width %d must be divisible by run.model.heads %d" (int $run.model.width) (int $run.model.heads)) -}}
+{{- end -}}
+{{- $model := dict "width" (int $run.model.width) "depth" (int $run.model.depth) "heads" (int $run.model.heads) "context" (int $run.model.context) "seed" (int $run.model.seed) -}}
+{{- dict "model" $model "fragments" (int $run.fragments) "sync_every_steps" (int $run.syncEverySteps) "overlap_steps" (int $run.overlapSteps) "merge_alpha" (float64 $run.mergeAlpha) "synthetic_params" 0 | toJson -}}
+{{- end -}}
+
+{{/* Chips of a single-host TPU slice: the product of the topology's dimensions. */}}
+{{- define "diloco.tpuChips" -}}
+{{- $chips := 1 -}}
+{{- range (splitList "x" .Values.learners.tpu.topology) -}}
+{{- $chips = mul $chips (int .) -}}
+{{- end -}}
+{{- $chips -}}
+{{- end -}}
+
+{{- define "diloco.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "diloco.securityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+allowPrivilegeEscalation: false
+privileged: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/*
+Environment of every container: the pod's identity from the downward API, then the
+OTEL_* variables. (dict "root" $ "service" "diloco-syncer" "attributes" (list "diloco.shard.id=$(SHARD_ID)"))
+Kubernetes expands $(VAR) from variables defined earlier in the list.
+*/}}
+{{- define "diloco.env" -}}
+{{- $root := .root -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef: {fieldPath: metadata.name}
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef: {fieldPath: metadata.namespace}
+- name: NODE_NAME
+  valueFrom:
+    fieldRef: {fieldPath: spec.nodeName}
+- name: HOME
+  value: /tmp
+- name: MPLCONFIGDIR
+  value: /tmp/matplotlib
+- name: OTEL_SERVICE_NAME
+  value: {{ .service }}
+{{- $attributes := list "k8s.namespace.name=$(POD_NAMESPACE)" "k8s.pod.name=$(POD_NAME)" "k8s.node.name=$(NODE_NAME)" "service.instance.id=$(POD_NAME)" -}}
+{{- $attributes = concat $attributes (.attributes | default list) -}}
+{{- range $key, $value := $root.Values.otel.resourceAttributes -}}
+{{- $attributes = append $attributes (printf "%s=%s" $key (urlquery (toString $value) | replace "+" "%20")) -}}
+{{- end }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ join "," $attributes | quote }}
+{{- with $root.Values.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: grpc
+- name: OTEL_EXPORTER_OTLP_INSECURE
+  value: {{ $root.Values.otel.insecure | quote }}
+{{- end }}
+{{- with $root.Values.otel.sampler }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ . | quote }}
+{{- with $root.Values.otel.samplerArg }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- if $root.Values.metrics.enabled }}
+- name: OTEL_METRICS_EXPORTER
+  value: {{ ternary "otlp,prometheus" "prometheus" (ne $root.Values.otel.endpoint "") }}
+- name: OTEL_EXPORTER_PROMETHEUS_HOST
+  value: 0.0.0.0
+- name: OTEL_EXPORTER_PROMETHEUS_PORT
+  value: {{ $root.Values.metrics.port | int | quote }}
+{{- end }}
+{{- with $root.Values.otel.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Empty unless metrics are on; use as (include ...) in a "with". */}}
+{{- define "diloco.metricsPort" -}}
+{{- if .Values.metrics.enabled -}}
+- name: metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end -}}
+{{- end -}}
+
+{{/* A writable /tmp on a read-only root filesystem (torch, XLA and libtpu write there). */}}
+{{- define "diloco.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 2Gi
+{{- end -}}
+
+{{/*
+The learner pod, shared by the learner Job and the launcher's pod templates:
+(dict "root" $ "pool" "spot" "spot" true "static" false "extra" <pool entry>).
+Static learners get --coordinator, --join-token-file and --pool here; the launcher
+appends those (and --launch-id) to a template's args itself.
+
+Learners serve no port (they are gRPC clients), so they have no readiness or liveness
+probe: what detects a dead or hung learner is the coordinator's heartbeat lease, after
+which the shards stop waiting for it.
+*/}}
+{{- define "diloco.learnerPod" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values.learners -}}
+{{- $extra := .extra | default dict -}}
+metadata:
+  labels:
+    {{- include "diloco.selectorLabels" (dict "root" $root "component" "learner") | nindent 4 }}
+    app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+    app.kubernetes.io/part-of: diloco
+    diloco/pool: {{ .pool }}
+  {{- with $v.podAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- if .static }}
+  restartPolicy: Never
+  {{- end }}
+  automountServiceAccountToken: false
+  enableServiceLinks: false
+  terminationGracePeriodSeconds: {{ ternary $root.Values.scavenging.terminationGracePeriodSeconds $v.terminationGracePeriodSeconds (.spot | default false) }}
+  securityContext:
+    {{- include "diloco.podSecurityContext" . | nindent 4 }}
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- $selector := dict -}}
+  {{- if eq $v.accelerator "tpu" -}}
+  {{- $_ := set $selector "cloud.google.com/gke-tpu-accelerator" $v.tpu.accelerator -}}
+  {{- $_ := set $selector "cloud.google.com/gke-tpu-topology" $v.tpu.topology -}}
+  {{- else if eq $v.accelerator "gpu" -}}
+  {{- $_ := set $selector "cloud.google.com/gke-accelerator" $v.gpu.accelerator -}}
+  {{- end -}}
+  {{- if .spot -}}
+  {{- $_ := set $selector "cloud.google.com/gke-spot" "true" -}}
+  {{- end -}}
+  {{- $selector = merge $selector ($extra.nodeSelector | default dict) $v.nodeSelector }}
+  {{- with $selector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- $tolerations := list -}}
+  {{- if eq $v.accelerator "tpu" -}}
+  {{- $tolerations = append $tolerations (dict "key" "google.com/tpu" "operator" "Exists" "effect" "NoSchedule") -}}
+  {{- else if eq $v.accelerator "gpu" -}}
+  {{- $tolerations = append $tolerations (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") -}}
+  {{- end -}}
+  {{- if .spot -}}
+  {{- $tolerations = append $tolerations (dict "key" "cloud.google.com/gke-spot" "operator" "Equal" "value" "true" "effect" "NoSchedule") -}}
+  {{- end -}}
+  {{- $tolerations = concat $tolerations ($extra.tolerations | default list) $v.tolerations }}
+  {{- with $tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: learner
+      image: {{ include "diloco.learnerImage" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      args:
+        - --log-level
+        - {{ $root.Values.logLevel }}
+        - learner
+        - --device
+        - {{ get (dict "tpu" "xla" "gpu" "cuda" "cpu" "cpu") $v.accelerator }}
+        - --steps
+        - {{ $v.steps | int | quote }}
+        - --batch-size
+        - {{ $v.batchSize | int | quote }}
+        - --lr
+        - {{ $v.lr | toString | quote }}
+        - --warmup-steps
+        - {{ $v.warmupSteps | int | quote }}
+        - --block-size
+        - {{ $root.Values.syncer.blockSize | int | quote }}
+        {{- with $v.data }}
+        - --data
+        - {{ . | quote }}
+        {{- end }}
+        {{- range $v.extraArgs }}
+        - {{ . | quote }}
+        {{- end }}
+        {{- if .static }}
+        - --coordinator
+        - {{ include "diloco.coordinatorAddress" $root }}
+        - --join-token-file
+        - /var/run/diloco/join-token
+        - --pool
+        - {{ .pool }}
+        {{- end }}
+      env:
+        {{- include "diloco.env" (dict "root" $root "service" "diloco-learner" "attributes" (list (printf "diloco.pool=%s" .pool))) | nindent 8 }}
+        {{- if eq $v.accelerator "tpu" }}
+        - name: PJRT_DEVICE
+          value: TPU
+        {{- end }}
+        {{- with $v.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with (include "diloco.metricsPort" $root) }}
+      ports:
+        {{- . | nindent 8 }}
+      {{- end }}
+      {{- $resources := deepCopy $v.resources -}}
+      {{- $device := dict -}}
+      {{- if eq $v.accelerator "tpu" -}}
+      {{- $device = dict "google.com/tpu" (include "diloco.tpuChips" $root | int) -}}
+      {{- else if eq $v.accelerator "gpu" -}}
+      {{- $device = dict "nvidia.com/gpu" ($v.gpu.count | int) -}}
+      {{- end -}}
+      {{- $_ := set $resources "requests" (merge (deepCopy ($resources.requests | default dict)) $device) -}}
+      {{- $_ := set $resources "limits" (merge (deepCopy ($resources.limits | default dict)) $device) }}
+      resources:
+        {{- toYaml $resources | nindent 8 }}
+      securityContext:
+        {{- include "diloco.securityContext" . | nindent 8 }}
+      volumeMounts:
+        - name: join-token
+          mountPath: /var/run/diloco
+          readOnly: true
+        - name: tmp
+          mountPath: /tmp
+        {{- with $v.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: join-token
+      secret:
+        secretName: {{ include "diloco.secretName" $root }}
+        defaultMode: 0440
+        items:
+          - key: join-token
+            path: join-token
+    {{- include "diloco.tmpVolume" . | nindent 4 }}
+    {{- with $v.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
+
+{{- define "diloco.scavengingPoolNames" -}}
+{{- $names := list -}}
+{{- range .Values.scavenging.pools -}}
+{{- if has .name $names -}}
+{{- fail (printf "scavenging.pools: pool %q is listed twice" .name) -}}
+{{- end -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- toJson $names -}}
+{{- end -}}
+
+{{/* The coordinator's --pools: the scavenging pools first (the first is where
+add-learners launches by default), then the learners' own pool. */}}
+{{- define "diloco.pools" -}}
+{{- $names := list -}}
+{{- if .Values.scavenging.enabled -}}
+{{- $names = include "diloco.scavengingPoolNames" . | fromJsonArray -}}
+{{- end -}}
+{{- if not (has .Values.learners.pool $names) -}}
+{{- $names = append $names .Values.learners.pool -}}
+{{- end -}}
+{{- join "," $names -}}
+{{- end -}}
+
+{{- define "diloco.snapshotsClaim" -}}
+{{- .Values.snapshots.existingClaim | default (printf "%s-snapshots" (include "diloco.fullname" .)) -}}
+{{- end -}}
+
+{{/* NetworkPolicy peers: (dict "root" $ "components" (list "learner")) */}}
+{{- define "diloco.peers" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/name: diloco
+      app.kubernetes.io/instance: {{ .root.Release.Name }}
+    matchExpressions:
+      - key: app.kubernetes.io/component
+        operator: In
+        values: {{ toJson .components }}
+{{- end -}}
+{{- define "diloco.metricsIngress" -}}
+{{- if .Values.metrics.enabled -}}
+- from:
+    {{- toYaml .Values.metrics.allowFrom | nindent 4 }}
+  ports:
+    - port: metrics
+      protocol: TCP
+{{- end -}}
+{{- end -}}

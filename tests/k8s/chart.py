@@ -1,0 +1,248 @@
+"""Rendering k8s/diloco with the real Helm engine (helm-python-sdk, Helm v4's Go code
+through its C ABI, no helm binary) and reading what it rendered the way the kubelet
+would: $(VAR) expansion, the downward API, volumes behind mount paths, StatefulSet
+ordinals, and NetworkPolicy selection."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import helm_python as helm
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "k8s" / "diloco"
+PRESETS = ("values-tpu-v5e.yaml", "values-tpu-v6e.yaml", "values-cpu-dev.yaml")
+RELEASE = "diloco"
+NAMESPACE = "ml"
+CLUSTER_DOMAIN = "cluster.local"
+# Kinds kubernetes-validate has no schema for (CRDs of the monitoring stacks).
+CRD_KINDS = {"PodMonitoring", "ServiceMonitor"}
+EXISTING_SECRET = {"auth": {"existingSecret": "diloco-auth"}}
+JOIN_TOKEN = "0" * 64
+INLINE_SECRET = {"auth": {"secret": "run-secret", "joinToken": JOIN_TOKEN, "adminToken": "admin-token"}}
+
+
+def merge(base: dict, *overrides: dict) -> dict:
+    out = copy.deepcopy(base)
+    for override in overrides:
+        for key, value in override.items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = merge(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+    return out
+
+
+def preset(name: str) -> dict:
+    """A preset as `helm -f` reads it."""
+    return helm.values_from_yaml((CHART / name).read_text())
+
+
+@dataclass
+class Rendered:
+    values: dict
+    """The values the chart saw (its defaults merged with the overrides)."""
+    objects: list[dict]
+    notes: str
+
+    def all(self, kind: str) -> list[dict]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str, suffix: str = "") -> dict:
+        found = [o for o in self.all(kind) if o["metadata"]["name"].endswith(suffix)]
+        assert len(found) == 1, f"{len(found)} {kind} objects named *{suffix}: {[o['metadata']['name'] for o in found]}"
+        return found[0]
+
+    def named(self, kind: str, name: str) -> dict | None:
+        return next((o for o in self.all(kind) if o["metadata"]["name"] == name), None)
+
+    def pod_templates(self) -> dict[str, dict]:
+        """The launcher's pod templates, by pool."""
+        configmap = self.one("ConfigMap", "-pod-templates")
+        return {key.removesuffix(".yaml"): yaml.safe_load(text) for key, text in configmap["data"].items()}
+
+    def workload_pods(self) -> dict[str, dict]:
+        """name -> PodTemplateSpec of every workload, plus the helm test pod as {metadata, spec}."""
+        pods = {}
+        for kind in ("Deployment", "StatefulSet", "Job"):
+            for o in self.all(kind):
+                pods[f"{kind}/{o['metadata']['name']}"] = o["spec"]["template"]
+        for o in self.all("Pod"):
+            pods[f"Pod/{o['metadata']['name']}"] = {"metadata": o["metadata"], "spec": o["spec"]}
+        return pods
+
+
+class Chart:
+    """The chart loaded once; renders are cheap (milliseconds)."""
+
+    def __init__(self) -> None:
+        self._chart = helm.Chart.load(CHART)
+
+    def render(self, values: dict, name: str = RELEASE, namespace: str = NAMESPACE) -> Rendered:
+        manifests = self._chart.render(values=values, name=name, namespace=namespace)
+        objects = []
+        notes = ""
+        for path, text in sorted(manifests.items()):
+            if path.endswith("NOTES.txt"):
+                notes = text
+                continue
+            objects.extend(o for o in yaml.safe_load_all(text) if o)
+        return Rendered(self._chart.merge_values(values), objects, notes)
+
+    def validate(self, values: dict) -> None:
+        self._chart.validate_schema(values)
+
+
+def container(pod: dict, name: str) -> dict:
+    return next(c for c in pod["spec"]["containers"] if c["name"] == name)
+
+
+# --- what the kubelet does with a pod ----------------------------------------------------
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in env values, command and args ($$ escapes; an
+    undefined reference stays as written)."""
+    return _VAR.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
+
+
+def field_ref(pod: dict, path: str) -> str:
+    label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", path)
+    if label:
+        return pod["metadata"]["labels"][label.group(1)]
+    return {
+        "metadata.name": pod["metadata"]["name"],
+        "metadata.namespace": pod["metadata"]["namespace"],
+        "spec.nodeName": "node-a",
+    }[path]
+
+
+def environment(pod: dict, c: dict) -> dict[str, str]:
+    """The container's environment as the kubelet resolves it (fieldRefs from `pod`;
+    secret references become a placeholder)."""
+    env: dict[str, str] = {}
+    for var in c.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+        elif "fieldRef" in var.get("valueFrom", {}):
+            env[var["name"]] = field_ref(pod, var["valueFrom"]["fieldRef"]["fieldPath"])
+        else:
+            env[var["name"]] = f"<{var['name']} from {sorted(var['valueFrom'])[0]}>"
+    return env
+
+
+def args(pod: dict, c: dict) -> list[str]:
+    env = environment(pod, c)
+    return [expand(a, env) for a in c.get("args", [])]
+
+
+def statefulset_pod(sts: dict, ordinal: int) -> dict:
+    """Pod `ordinal` of a StatefulSet, with the name, hostname and labels the controller sets."""
+    name = f"{sts['metadata']['name']}-{ordinal}"
+    template = copy.deepcopy(sts["spec"]["template"])
+    labels = {
+        **template["metadata"]["labels"],
+        "apps.kubernetes.io/pod-index": str(ordinal),
+        "statefulset.kubernetes.io/pod-name": name,
+    }
+    spec = {**template["spec"], "hostname": name, "subdomain": sts["spec"]["serviceName"]}
+    return {"metadata": {**template["metadata"], "name": name, "namespace": sts["metadata"]["namespace"], "labels": labels},
+            "spec": spec}
+
+
+def templated_pod(template: dict, name: str, namespace: str = NAMESPACE) -> dict:
+    return {"metadata": {**template["metadata"], "name": name, "namespace": namespace}, "spec": template["spec"]}
+
+
+@dataclass(frozen=True)
+class Mounted:
+    kind: str
+    """configMap, secret, persistentVolumeClaim, emptyDir, csi, ..."""
+    source: str
+    """The ConfigMap, Secret or claim name; the volume's name for other kinds."""
+    key: str
+    """The key of a ConfigMap or Secret; the path inside the volume otherwise."""
+
+
+def mounted(pod: dict, c: dict, path: str) -> Mounted:
+    """Which volume (and key) a file path inside the container comes from."""
+    mounts = sorted(c.get("volumeMounts", []), key=lambda m: len(m["mountPath"]), reverse=True)
+    mount = next((m for m in mounts if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+    assert mount is not None, f"{path} is on no volume of container {c['name']}"
+    inside = path[len(mount["mountPath"]):].lstrip("/")
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    for kind, name_field in (("configMap", "name"), ("secret", "secretName")):
+        if kind in volume:
+            source = volume[kind]
+            items = source.get("items")
+            key = next((i["key"] for i in items if i["path"] == inside), None) if items else inside
+            assert key is not None, f"{path}: volume {volume['name']} projects no item at {inside!r}"
+            return Mounted(kind, source[name_field], key)
+    if "persistentVolumeClaim" in volume:
+        return Mounted("persistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"], inside)
+    [kind] = [k for k in volume if k != "name"]
+    return Mounted(kind, volume["name"], inside)
+
+
+# --- NetworkPolicy ------------------------------------------------------------------------
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        present, value = e["key"] in labels, labels.get(e["key"])
+        ok = {
+            "In": present and value in e.get("values", []),
+            "NotIn": not present or value not in e.get("values", []),
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def _port_matches(rule: dict, port_name: str, port_number: int) -> bool:
+    ports = rule.get("ports")
+    return not ports or any(p.get("port") in (port_name, port_number) for p in ports)
+
+
+def ingress_allowed(
+    policies: list[dict], target: dict[str, str], source: dict[str, str], port: tuple[str, int],
+    source_namespace: str = NAMESPACE, namespace_labels: dict[str, str] | None = None,
+) -> bool:
+    """Whether a pod labelled `source` may open a connection to `port` of a pod labelled
+    `target` (both pods' namespaces as given; the policies are in NAMESPACE)."""
+    namespace_labels = namespace_labels or {"kubernetes.io/metadata.name": source_namespace}
+    isolating = [p for p in policies if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                 and selects(p["spec"]["podSelector"], target)]
+    if not isolating:
+        return True
+    for policy in isolating:
+        for rule in policy["spec"].get("ingress") or []:
+            if not _port_matches(rule, *port):
+                continue
+            peers = rule.get("from")
+            if not peers:
+                return True
+            for peer in peers:
+                pods_ok = "podSelector" not in peer or selects(peer["podSelector"], source)
+                if "namespaceSelector" in peer:
+                    ns_ok = selects(peer["namespaceSelector"], namespace_labels)
+                else:
+                    ns_ok = source_namespace == NAMESPACE
+                if pods_ok and ns_ok and ("podSelector" in peer or "namespaceSelector" in peer):
+                    return True
+    return False
+
+
+def matches_any(patterns: list[str], value: str) -> bool:
+    return any(fnmatch.fnmatchcase(value, p) for p in patterns)

@@ -1,0 +1,140 @@
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from coordinator.config import KubernetesLauncherConfig
+from coordinator.kubernetes import KubernetesLauncher
+from diloco.cli import build_parser
+from tests.k8s.chart import (
+    EXISTING_SECRET,
+    INLINE_SECRET,
+    PRESETS,
+    Chart,
+    Rendered,
+    args,
+    container,
+    merge,
+    mounted,
+    preset,
+)
+
+DIGEST = "sha256:" + "ab" * 32
+# Value combinations beyond the presets; each is rendered once per session.
+VARIANTS = {
+    "defaults": INLINE_SECRET,
+    "observability": merge(EXISTING_SECRET, {
+        "otel": {"endpoint": "http://otel-collector.observability.svc:4317", "sampler": "parentbased_traceidratio",
+                 "samplerArg": "0.1", "resourceAttributes": {"deployment.environment": "prod east", "team": "ml"}},
+        "metrics": {"enabled": True, "podMonitoring": {"enabled": True}, "serviceMonitor": {"enabled": True}},
+    }),
+    "static-only": merge(EXISTING_SECRET, {"scavenging": {"enabled": False}, "learners": {"replicas": 3}}),
+    "scavenged-only": merge(EXISTING_SECRET, {"learners": {"replicas": 0}}),
+    "gpu": merge(EXISTING_SECRET, {"learners": {
+        "accelerator": "gpu", "gpu": {"accelerator": "nvidia-h100-80gb", "count": 8}, "data": "/data/corpus",
+        "podAnnotations": {"gke-gcsfuse/volumes": "true"},
+        "extraVolumes": [{"name": "corpus", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": True,
+                                                    "volumeAttributes": {"bucketName": "corpus"}}}],
+        "extraVolumeMounts": [{"name": "corpus", "mountPath": "/data", "readOnly": True}],
+    }}),
+    "ephemeral": merge(EXISTING_SECRET, {
+        "coordinator": {"persistence": {"enabled": False}}, "syncer": {"persistence": {"enabled": False}},
+        "snapshots": {"enabled": False}, "networkPolicy": {"enabled": False},
+    }),
+    "restore-pinned": merge(EXISTING_SECRET, {
+        "fullnameOverride": "run-b", "restore": "latest",
+        "image": {"repository": "us-docker.pkg.dev/p/r/diloco", "digest": DIGEST},
+        "learners": {"images": {"tpu": {"repository": "us-docker.pkg.dev/p/r/diloco-tpu", "digest": DIGEST}}},
+        "snapshots": {"existingClaim": "filestore-snapshots"},
+        "coordinator": {"persistence": {"existingClaim": "coordinator-data"}},
+        "scavenging": {"pools": [{"name": "spot-a", "spot": True}, {"name": "flex", "spot": False,
+                                                                     "nodeSelector": {"pool": "flex"}}]},
+    }),
+}
+
+
+@pytest.fixture(scope="session")
+def chart():
+    return Chart()
+
+
+@pytest.fixture(scope="session")
+def presets(chart) -> dict[str, Rendered]:
+    return {name: chart.render(merge(preset(name), EXISTING_SECRET)) for name in PRESETS}
+
+
+@pytest.fixture(scope="session")
+def variants(chart) -> dict[str, Rendered]:
+    return {name: chart.render(values) for name, values in VARIANTS.items()}
+
+
+@pytest.fixture(scope="session")
+def renders(presets, variants) -> dict[str, Rendered]:
+    return {**presets, **variants}
+
+
+class RecordingPodApi:
+    """Stands in for kubernetes.client.CoreV1Api: records each call as the RBAC
+    (verb, resource) it needs; any other method is an AttributeError."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+        self.created: list[dict] = []
+
+    def list_namespaced_pod(self, namespace, label_selector=None):
+        self.calls.append(("list", "pods", namespace))
+        return SimpleNamespace(items=[])
+
+    def create_namespaced_pod(self, namespace, body):
+        self.calls.append(("create", "pods", namespace))
+        self.created.append(body)
+
+    def delete_namespaced_pod(self, name, namespace):
+        self.calls.append(("delete", "pods", namespace))
+
+
+def coordinator_launcher(rendered: Rendered, directory: Path) -> tuple[KubernetesLauncher, RecordingPodApi]:
+    """The KubernetesLauncher exactly as `diloco coordinator` builds it from the rendered
+    Deployment's args, with the pod templates read from the files its mounts give them."""
+    deployment = rendered.one("Deployment", "-coordinator")
+    pod = {"metadata": {**deployment["spec"]["template"]["metadata"], "name": "coordinator-0", "namespace": "ml"},
+           "spec": deployment["spec"]["template"]["spec"]}
+    c = container(pod, "coordinator")
+    parsed = build_parser().parse_args(args(pod, c))
+    templates = []
+    for pool, path in parsed.pod_template:
+        source = mounted(pod, c, str(path))
+        assert source.kind == "configMap"
+        configmap = rendered.named("ConfigMap", source.source)
+        assert configmap is not None, f"{path} comes from ConfigMap {source.source}, which the chart does not render"
+        file = directory / f"{pool or 'default'}.yaml"
+        file.write_text(configmap["data"][source.key])
+        templates.append((pool, file))
+    cfg = KubernetesLauncherConfig(
+        namespace=parsed.namespace, pod_templates=tuple(templates), container=parsed.learner_container,
+        join_token_path=parsed.join_token_path, kube_config=parsed.kube_config,
+    )
+    launcher = KubernetesLauncher(cfg, parsed.release, parsed.advertise_address, parsed.max_learners, api_client=object())
+    api = RecordingPodApi()
+    launcher.api = api
+    return launcher, api
+
+
+@pytest.fixture(scope="session")
+def launched(presets, tmp_path_factory) -> dict[str, tuple[list[dict], RecordingPodApi]]:
+    """Per preset: the pods `add-learners 1 --pool P` creates for each pool, through the
+    real launcher, and the API calls it made (launch, then stop)."""
+    out = {}
+    for name, rendered in presets.items():
+        launcher, api = coordinator_launcher(rendered, tmp_path_factory.mktemp(name))
+
+        async def launch_and_stop():
+            for i, pool in enumerate(rendered.pod_templates()):
+                [result] = await launcher.launch([f"{i + 0xa0:08x}"], pool, {})
+                assert result.ok, result.detail
+            await launcher.stop([p["metadata"]["labels"]["diloco/launch-id"] for p in api.created])
+
+        asyncio.run(launch_and_stop())
+        out[name] = (api.created, api)
+    return out

@@ -1,0 +1,414 @@
+"""The chart against the code it deploys: the rendered args parse with the real `diloco`
+command line, files named on them are mounted from the right ConfigMap or Secret key,
+the shard id each StatefulSet pod computes is its ordinal and the coordinator lists that
+pod's address at that position, the launcher builds runnable pods from the templates
+with only the RBAC the chart grants, and the probes ask for the services the servers
+register."""
+
+import math
+import subprocess
+import sys
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from coordinator.server import SERVICE_NAME as COORDINATOR_SERVICE
+from diloco import telemetry
+from diloco.cli import build_parser
+from diloco.config import RunConfig
+from diloco.model import ModelConfig
+from syncer.server import SERVICE_NAME as SYNCER_SERVICE
+from tests.k8s.chart import (
+    CLUSTER_DOMAIN,
+    NAMESPACE,
+    Mounted,
+    PRESETS,
+    args,
+    container,
+    environment,
+    ingress_allowed,
+    mounted,
+    statefulset_pod,
+    templated_pod,
+)
+
+TPU_PRESETS = {"values-tpu-v5e.yaml": ("tpu-v5-lite-podslice", "2x4"), "values-tpu-v6e.yaml": ("tpu-v6e-slice", "2x4")}
+
+
+def coordinator_pod(rendered):
+    deployment = rendered.one("Deployment", "-coordinator")
+    return templated_pod(deployment["spec"]["template"], "diloco-coordinator-5d9f-x2x4z")
+
+
+def job_pod(rendered, index=0):
+    [job] = rendered.all("Job")
+    return templated_pod(job["spec"]["template"], f"{job['metadata']['name']}-{index}-abcde")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_shard_id_is_the_pod_ordinal_and_the_coordinator_lists_shards_in_that_order(presets, name):
+    rendered = presets[name]
+    shards = rendered.values["syncer"]["shards"]
+    sts = rendered.one("StatefulSet", "-syncer")
+    assert sts["spec"]["replicas"] == shards
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    headless = rendered.one("Service", "-syncer")
+    assert headless["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == headless["metadata"]["name"]
+
+    coordinator = coordinator_pod(rendered)
+    listed = build_parser().parse_args(args(coordinator, container(coordinator, "coordinator"))).shards.split(",")
+    assert len(listed) == shards
+    for ordinal in range(shards):
+        pod = statefulset_pod(sts, ordinal)
+        parsed = build_parser().parse_args(args(pod, container(pod, "syncer")))
+        assert (parsed.command, parsed.shard_id, parsed.shards) == ("syncer", ordinal, shards)
+        dns = f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}"
+        assert listed[ordinal] == f"{dns}:{parsed.port}"
+        env = environment(pod, container(pod, "syncer"))
+        assert telemetry.parse_resource_attributes(env["OTEL_RESOURCE_ATTRIBUTES"])[telemetry.SHARD_ID] == str(ordinal)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_shard_keeps_its_tape_on_its_own_claim_and_the_budget_allows_one_down(presets, name):
+    rendered = presets[name]
+    sts = rendered.one("StatefulSet", "-syncer")
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    pod = statefulset_pod(sts, 0)
+    parsed = build_parser().parse_args(args(pod, container(pod, "syncer")))
+    mount = next(m for m in container(pod, "syncer")["volumeMounts"] if m["mountPath"] == parsed.data_dir)
+    assert mount["name"] == claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    pdb = rendered.one("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_coordinator_args_parse_and_name_mounted_files(presets, name):
+    rendered = presets[name]
+    deployment = rendered.one("Deployment", "-coordinator")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    pod = coordinator_pod(rendered)
+    c = container(pod, "coordinator")
+    parsed = build_parser().parse_args(args(pod, c))
+    values = rendered.values
+    assert parsed.command == "coordinator" and parsed.launcher == "kubernetes"
+    assert parsed.host == "0.0.0.0" and parsed.port == values["coordinator"]["port"]
+    service = rendered.one("Service", "-coordinator")
+    assert parsed.advertise_address == \
+        f"{service['metadata']['name']}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}:{service['spec']['ports'][0]['port']}"
+    assert (parsed.namespace, parsed.release, parsed.kube_config) == (NAMESPACE, "diloco", "in-cluster")
+    scavenging = [p["name"] for p in values["scavenging"]["pools"]]
+    assert parsed.pools.split(",") == [*scavenging, values["learners"]["pool"]]
+    assert sorted(pool for pool, _ in parsed.pod_template) == sorted(parsed.pools.split(","))
+    secret = values["auth"]["existingSecret"]
+    assert mounted(pod, c, parsed.secret_file) == Mounted("secret", secret, "secret")
+    assert mounted(pod, c, parsed.admin_token_file).key == "admin-token"
+    assert mounted(pod, c, parsed.data_dir).kind == "persistentVolumeClaim"
+    snapshots = mounted(pod, c, parsed.snapshot_dir)
+    assert snapshots.kind == "persistentVolumeClaim"
+    assert rendered.named("PersistentVolumeClaim", snapshots.source)["spec"]["accessModes"] == values["snapshots"]["accessModes"]
+    sts = rendered.one("StatefulSet", "-syncer")
+    shard = statefulset_pod(sts, 0)
+    shard_args = build_parser().parse_args(args(shard, container(shard, "syncer")))
+    assert mounted(shard, container(shard, "syncer"), shard_args.snapshot_dir) == snapshots, \
+        "the coordinator and the shards must see one snapshot directory"
+    assert shard_args.coordinator == parsed.advertise_address
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_process_reads_the_same_run_config(presets, name):
+    rendered = presets[name]
+    configmap = rendered.one("ConfigMap", "-run")
+    run = RunConfig.from_json(configmap["data"]["run-config.json"])
+    values = rendered.values["run"]
+    assert run == RunConfig(
+        model=ModelConfig(**values["model"]), fragments=values["fragments"], sync_every_steps=values["syncEverySteps"],
+        overlap_steps=values["overlapSteps"], merge_alpha=values["mergeAlpha"],
+    )
+    pods = [(coordinator_pod(rendered), "coordinator"), (statefulset_pod(rendered.one("StatefulSet"), 0), "syncer")]
+    for pod, name_ in pods:
+        c = container(pod, name_)
+        source = mounted(pod, c, build_parser().parse_args(args(pod, c)).run_config)
+        assert (source.kind, source.source, source.key) == ("configMap", configmap["metadata"]["name"], "run-config.json")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_static_learners_join_the_coordinator_with_the_join_token(presets, name):
+    rendered = presets[name]
+    [job] = rendered.all("Job")
+    values = rendered.values["learners"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == values["replicas"]
+    pod = job_pod(rendered)
+    c = container(pod, "learner")
+    parsed = build_parser().parse_args(args(pod, c))
+    assert parsed.command == "learner" and parsed.pool == values["pool"]
+    assert parsed.coordinator == build_parser().parse_args(args(coordinator_pod(rendered), container(coordinator_pod(rendered), "coordinator"))).advertise_address
+    assert mounted(pod, c, parsed.join_token_file) == Mounted("secret", rendered.values["auth"]["existingSecret"], "join-token")
+    assert parsed.block_size == rendered.values["syncer"]["blockSize"]
+    assert parsed.device == {"tpu": "xla", "gpu": "cuda", "cpu": "cpu"}[values["accelerator"]]
+    # A learner never holds the run secret: only the join token is projected into it.
+    secret_items = [i["key"] for v in pod["spec"]["volumes"] if "secret" in v for i in v["secret"]["items"]]
+    assert secret_items == ["join-token"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_launcher_pods_run_a_learner_that_joins_its_pool(presets, launched, name):
+    rendered = presets[name]
+    pods, _ = launched[name]
+    pools = set(rendered.pod_templates())
+    assert {p["metadata"]["labels"]["diloco/pool"] for p in pods} == pools
+    coordinator = build_parser().parse_args(args(coordinator_pod(rendered), container(coordinator_pod(rendered), "coordinator")))
+    for pod in pods:
+        c = container(pod, "learner")
+        parsed = build_parser().parse_args(args(pod, c))
+        assert parsed.command == "learner"
+        assert parsed.coordinator == coordinator.advertise_address
+        assert parsed.pool == pod["metadata"]["labels"]["diloco/pool"] and parsed.launch_id
+        assert mounted(pod, c, parsed.join_token_file).key == "join-token"
+        assert pod["metadata"]["namespace"] == NAMESPACE and pod["spec"]["restartPolicy"] == "Never"
+        assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "diloco"
+        assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "learner"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_rbac_grants_the_coordinator_exactly_what_its_launcher_uses(presets, launched, name):
+    rendered = presets[name]
+    _, api = launched[name]
+    [role] = rendered.all("Role")
+    [binding] = rendered.all("RoleBinding")
+    assert not rendered.all("ClusterRole") and not rendered.all("ClusterRoleBinding")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "list", "delete"]}]
+    granted = {(verb, resource) for rule in role["rules"] for verb in rule["verbs"] for resource in rule["resources"]}
+    used = {(verb, resource) for verb, resource, _ in api.calls}
+    assert used == granted, "every verb the chart grants is used, and none beyond"
+    assert {namespace for _, _, namespace in api.calls} == {role["metadata"]["namespace"]} == {NAMESPACE}
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    deployment = rendered.one("Deployment", "-coordinator")
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    assert rendered.named("ServiceAccount", account)
+
+
+@pytest.mark.parametrize("name", ["static-only", "scavenged-only"])
+def test_scavenging_switch(variants, name):
+    rendered = variants[name]
+    pod = coordinator_pod(rendered)
+    parsed = build_parser().parse_args(args(pod, container(pod, "coordinator")))
+    if name == "static-only":
+        assert parsed.launcher == "none" and not parsed.pod_template
+        assert not rendered.all("Role") and not rendered.all("RoleBinding")
+        assert pod["spec"]["automountServiceAccountToken"] is False
+        assert rendered.one("Job")["spec"]["completions"] == 3
+    else:
+        assert parsed.launcher == "kubernetes" and not rendered.all("Job")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_only_the_coordinator_gets_an_api_token(presets, launched, name):
+    rendered = presets[name]
+    pods = {**rendered.workload_pods(), **{f"launched/{p['metadata']['name']}": p for p in launched[name][0]}}
+    tokens = {where for where, pod in pods.items() if pod["spec"].get("automountServiceAccountToken", True)}
+    assert tokens == {"Deployment/diloco-coordinator"}
+
+
+@pytest.mark.parametrize("name", TPU_PRESETS)
+def test_tpu_learners_land_on_their_slice_with_every_chip(presets, launched, name):
+    accelerator, topology = TPU_PRESETS[name]
+    chips = math.prod(int(d) for d in topology.split("x"))
+    rendered = presets[name]
+    pods = {"job": job_pod(rendered), **{p["metadata"]["labels"]["diloco/pool"]: p for p in launched[name][0]}}
+    spot_pools = {p["name"] for p in rendered.values["scavenging"]["pools"] if p.get("spot")}
+    assert spot_pools
+    for where, pod in pods.items():
+        spec = pod["spec"]
+        selector = spec["nodeSelector"]
+        assert selector["cloud.google.com/gke-tpu-accelerator"] == accelerator, where
+        assert selector["cloud.google.com/gke-tpu-topology"] == topology, where
+        c = container(pod, "learner")
+        assert c["resources"]["requests"]["google.com/tpu"] == c["resources"]["limits"]["google.com/tpu"] == chips
+        assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        assert environment(pod, c)["PJRT_DEVICE"] == "TPU"
+        assert c["image"].startswith("diloco-tpu:")
+        spot = where in spot_pools
+        assert (selector.get("cloud.google.com/gke-spot") == "true") == spot, where
+        spot_toleration = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+        assert (spot_toleration in spec["tolerations"]) == spot, where
+        if spot:
+            assert spec["terminationGracePeriodSeconds"] <= 30, "Spot VMs give 30 s notice"
+
+
+def test_cpu_and_gpu_learners_through_values(presets, variants):
+    cpu = job_pod(presets["values-cpu-dev.yaml"])
+    assert "nodeSelector" not in cpu["spec"] and "tolerations" not in cpu["spec"]
+    assert set(container(cpu, "learner")["resources"]["limits"]) == {"cpu", "memory"}
+    gpu = job_pod(variants["gpu"])
+    c = container(gpu, "learner")
+    assert gpu["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    parsed = build_parser().parse_args(args(gpu, c))
+    assert parsed.device == "cuda"
+    assert gpu["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
+    assert mounted(gpu, c, parsed.data) == Mounted("csi", "corpus", "corpus")
+    assert c["image"].startswith("diloco-gpu:")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_grpc_probes_ask_the_services_the_servers_register(presets, name):
+    rendered = presets[name]
+    servers = {
+        "coordinator": (coordinator_pod(rendered), COORDINATOR_SERVICE),
+        "syncer": (statefulset_pod(rendered.one("StatefulSet"), 0), SYNCER_SERVICE),
+    }
+    for name_, (pod, service) in servers.items():
+        c = container(pod, name_)
+        port = build_parser().parse_args(args(pod, c)).port
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == port
+        for probe in ("startupProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": port, "service": service}, (name_, probe)
+        # Liveness asks for the server as a whole (""), which stays SERVING while it drains.
+        assert c["livenessProbe"]["grpc"] == {"port": port}
+    for pod in (job_pod(rendered), *rendered.pod_templates().values()):
+        c = container(pod, "learner")
+        assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(c), "learners serve no port"
+
+
+@pytest.mark.parametrize("name", [*PRESETS, "observability", "restore-pinned"])
+def test_security_context_and_resources_everywhere(renders, launched, name):
+    rendered = renders[name]
+    pods = {**rendered.workload_pods(), **{f"template/{k}": v for k, v in rendered.pod_templates().items()}}
+    pods.update({f"launched/{p['metadata']['name']}": p for p in launched.get(name, ([], None))[0]})
+    for where, pod in pods.items():
+        spec = pod["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, where
+        assert spec["securityContext"]["runAsUser"] >= 10000, where
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        assert spec["enableServiceLinks"] is False, where
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["readOnlyRootFilesystem"] is True, where
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, where
+            for bound in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][bound]), (where, bound)
+            assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]), f"{where}: no writable /tmp"
+
+
+def test_otel_wiring(presets, variants):
+    for rendered in (presets["values-tpu-v5e.yaml"], variants["observability"]):
+        endpoint = rendered.values["otel"]["endpoint"]
+        pods = {
+            "coordinator": (coordinator_pod(rendered), "coordinator"),
+            "syncer": (statefulset_pod(rendered.one("StatefulSet"), 1), "syncer"),
+            "learner": (job_pod(rendered), "learner"),
+            "launched learner": (templated_pod(next(iter(rendered.pod_templates().values())), "p"), "learner"),
+        }
+        for role, (pod, name_) in pods.items():
+            env = environment(pod, container(pod, name_))
+            service_role = role.split()[-1]
+            assert env["OTEL_SERVICE_NAME"] == telemetry.SERVICE_NAMES[service_role]
+            attributes = telemetry.resource_attributes(service_role, env)
+            assert attributes["k8s.pod.name"] == pod["metadata"]["name"]
+            assert attributes["k8s.namespace.name"] == NAMESPACE
+            if service_role == "learner":
+                assert attributes[telemetry.POOL] == pod["metadata"]["labels"]["diloco/pool"]
+            plan = telemetry.export_plan(env)
+            if endpoint:
+                assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
+                assert plan.traces == ("otlp",) and plan.metrics == ("otlp", "prometheus")
+                assert attributes["deployment.environment"] == "prod east" and attributes["team"] == "ml"
+                assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+            else:
+                assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env
+                assert plan.traces == () and plan.metrics == (), "nothing exported unless configured"
+
+
+def _pod_labels(pod):
+    return pod["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_network_policy_lets_learners_reach_shards_and_coordinator_and_nobody_else_the_shards(presets, launched, name):
+    rendered = presets[name]
+    policies = rendered.all("NetworkPolicy")
+    shard = _pod_labels(statefulset_pod(rendered.one("StatefulSet"), 0))
+    coordinator = _pod_labels(coordinator_pod(rendered))
+    test_pod = _pod_labels(rendered.one("Pod", "-test-health"))
+    learners = [_pod_labels(job_pod(rendered)), *(_pod_labels(p) for p in launched[name][0])]
+    grpc_port = ("grpc", rendered.values["syncer"]["port"])
+    coordinator_port = ("grpc", rendered.values["coordinator"]["port"])
+    for learner in learners:
+        assert ingress_allowed(policies, shard, learner, grpc_port)
+        assert ingress_allowed(policies, coordinator, learner, coordinator_port)
+        assert not ingress_allowed(policies, learner, shard, grpc_port), "learners accept no connections"
+    assert ingress_allowed(policies, shard, coordinator, grpc_port), "snapshot markers"
+    assert ingress_allowed(policies, coordinator, shard, coordinator_port), "membership stream"
+    assert ingress_allowed(policies, shard, test_pod, grpc_port) and ingress_allowed(policies, coordinator, test_pod, coordinator_port)
+    strangers = {
+        "another release's learner": {**learners[0], "app.kubernetes.io/instance": "other"},
+        "an unlabelled pod": {"app": "web"},
+        "another shard of another release": {**shard, "app.kubernetes.io/instance": "other"},
+    }
+    for who, labels in strangers.items():
+        assert not ingress_allowed(policies, shard, labels, grpc_port), who
+        assert not ingress_allowed(policies, coordinator, labels, coordinator_port), who
+    assert not ingress_allowed(policies, shard, learners[0], grpc_port, source_namespace="other"), "same labels, other namespace"
+    assert not ingress_allowed(policies, shard, shard, grpc_port), "shards do not talk to each other"
+
+
+def test_network_policy_admits_scrapers_only_to_metrics(variants):
+    rendered = variants["observability"]
+    policies = rendered.all("NetworkPolicy")
+    shard = _pod_labels(statefulset_pod(rendered.one("StatefulSet"), 0))
+    scraper = {"app.kubernetes.io/name": "collector"}
+    gmp = {"kubernetes.io/metadata.name": "gmp-system"}
+    assert ingress_allowed(policies, shard, scraper, ("metrics", 9464), "gmp-system", gmp)
+    assert not ingress_allowed(policies, shard, scraper, ("grpc", 50052), "gmp-system", gmp)
+    assert not ingress_allowed(policies, shard, scraper, ("metrics", 9464), "default")
+
+
+# --- helm test ---------------------------------------------------------------------------
+
+
+def test_helm_test_pod_checks_every_service(presets):
+    rendered = presets["values-tpu-v6e.yaml"]
+    pod = rendered.one("Pod", "-test-health")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = container(pod, "health")
+    pairs = list(zip(c["args"][::2], c["args"][1::2]))
+    coordinator = build_parser().parse_args(args(coordinator_pod(rendered), container(coordinator_pod(rendered), "coordinator")))
+    assert pairs == [(coordinator.advertise_address, COORDINATOR_SERVICE)] + [
+        (address, SYNCER_SERVICE) for address in coordinator.shards.split(",")
+    ]
+    assert len(pairs) == 1 + rendered.values["syncer"]["shards"]
+
+
+def _run_health_script(c, targets):
+    command = c["command"]
+    assert command[:2] == ["python", "-c"]
+    return subprocess.run([sys.executable, "-c", command[2], *targets], capture_output=True, text=True, timeout=60)
+
+
+def test_helm_test_script_passes_only_when_every_service_serves(presets):
+    """The test pod's script, run here against a real grpc.health.v1 server on port 0."""
+    c = container(presets["values-cpu-dev.yaml"].one("Pod", "-test-health"), "health")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        for service in (COORDINATOR_SERVICE, SYNCER_SERVICE):
+            servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        ok = _run_health_script(c, [address, COORDINATOR_SERVICE, address, SYNCER_SERVICE])
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert f"{address} {SYNCER_SERVICE}: SERVING" in ok.stdout
+        servicer.set(SYNCER_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        draining = _run_health_script(c, [address, COORDINATOR_SERVICE, address, SYNCER_SERVICE])
+        assert draining.returncode == 1 and "NOT_SERVING" in draining.stdout, draining.stdout + draining.stderr
+    finally:
+        server.stop(None)
+

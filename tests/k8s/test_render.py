@@ -1,0 +1,137 @@
+"""Every preset and value combination renders with the real Helm engine, lints clean,
+and every object it makes passes the Kubernetes API's own schema in strict mode (no
+unknown fields), on the oldest Kubernetes the chart supports and the newest known."""
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+
+from tests.k8s.chart import CHART, CRD_KINDS, EXISTING_SECRET, PRESETS, merge, preset
+from tests.k8s.conftest import DIGEST, VARIANTS
+
+KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+RENDERS = (*PRESETS, *VARIANTS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_lints_clean(name):
+    report = helm.lint(CHART, merge(preset(name), EXISTING_SECRET), strict=True, namespace="ml", kube_version="v1.29.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+def test_lint_reports_what_is_wrong():
+    """The lint check above can fail: without credentials it reports the schema error."""
+    report = helm.lint(CHART, {}, strict=True)
+    assert any("/auth" in m["error"] for m in report["messages"] if m["severity"] == 3), report
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_every_object_is_valid_kubernetes_in_strict_mode(renders, name):
+    objects = renders[name].objects
+    assert len(objects) >= 10
+    for version in KUBERNETES_VERSIONS:
+        for obj in objects:
+            if obj["kind"] in CRD_KINDS:
+                continue
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_launched_learner_pods_are_valid_kubernetes_in_strict_mode(launched, name):
+    pods, _ = launched[name]
+    assert pods
+    for version in KUBERNETES_VERSIONS:
+        for pod in pods:
+            kubernetes_validate.validate(pod, version, strict=True)
+
+
+def test_strict_validation_rejects_an_unknown_field():
+    """What 'strict' buys: a misspelt field is an error, not silently dropped."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+           "spec": {"containers": [{"name": "c", "image": "i", "readinessProbes": {}}]}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, KUBERNETES_VERSIONS[0], strict=True)
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_every_object_lives_in_the_release_namespace_with_release_labels(renders, name):
+    for obj in renders[name].objects:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml", f"{obj['kind']}/{meta['name']}"
+        assert meta["labels"]["app.kubernetes.io/instance"] == "diloco"
+        assert meta["labels"]["app.kubernetes.io/name"] == "diloco"
+        assert len(meta["name"]) <= 63
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_references_resolve(renders, name):
+    """Every volume, ConfigMap, Secret and claim a pod names is rendered by the chart (or
+    is one the values name as existing), and every mount has its volume."""
+    rendered = renders[name]
+    values = rendered.values
+    existing_secret = values["auth"]["existingSecret"]
+    existing_claims = {values["snapshots"]["existingClaim"], values["coordinator"]["persistence"]["existingClaim"]} - {""}
+    sts_claims = {t["metadata"]["name"] for s in rendered.all("StatefulSet") for t in s["spec"].get("volumeClaimTemplates", [])}
+    pods = {**rendered.workload_pods(), **{f"template/{k}": v for k, v in rendered.pod_templates().items()}} \
+        if values["scavenging"]["enabled"] else rendered.workload_pods()
+    for where, pod in pods.items():
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+        for c in pod["spec"]["containers"]:
+            for m in c.get("volumeMounts", []):
+                assert m["name"] in volumes or m["name"] in sts_claims, f"{where}: mount {m['name']} has no volume"
+        for v in volumes.values():
+            if "configMap" in v:
+                assert rendered.named("ConfigMap", v["configMap"]["name"]), f"{where}: {v}"
+            if "secret" in v:
+                assert v["secret"]["secretName"] == existing_secret or rendered.named("Secret", v["secret"]["secretName"])
+            if "persistentVolumeClaim" in v:
+                claim = v["persistentVolumeClaim"]["claimName"]
+                assert claim in existing_claims or rendered.named("PersistentVolumeClaim", claim), f"{where}: {claim}"
+
+
+def test_digests_pin_every_image(variants):
+    rendered = variants["restore-pinned"]
+    images = {c["image"] for pod in rendered.workload_pods().values() for c in pod["spec"]["containers"]}
+    images |= {c["image"] for t in rendered.pod_templates().values() for c in t["spec"]["containers"]}
+    assert images == {f"us-docker.pkg.dev/p/r/diloco@{DIGEST}", f"us-docker.pkg.dev/p/r/diloco-tpu@{DIGEST}"}
+
+
+def test_images_default_to_the_chart_app_version(presets):
+    rendered = presets["values-tpu-v5e.yaml"]
+    app_version = helm.Chart.load(CHART).metadata["appVersion"]
+    assert rendered.one("StatefulSet")["spec"]["template"]["spec"]["containers"][0]["image"] == f"diloco:{app_version}"
+    [job] = rendered.all("Job")
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == f"diloco-tpu:{app_version}"
+
+
+def test_notes_say_how_to_add_scavenged_learners_and_where_traces_go(presets, variants):
+    notes = presets["values-tpu-v5e.yaml"].notes
+    assert "diloco admin --token-file admin-token add-learners 4 --pool v5e-spot" in notes
+    assert "port-forward svc/diloco-coordinator 50051:50051" in notes
+    assert "AddLearners" in notes
+    assert "set otel.endpoint" in notes
+    assert "exports OTLP/gRPC to http://otel-collector.observability.svc:4317" in variants["observability"].notes
+    assert "add-learners is refused" in variants["static-only"].notes
+
+
+def test_monitoring_objects_only_behind_the_flag(presets, variants):
+    for rendered in presets.values():
+        assert not {o["kind"] for o in rendered.objects} & CRD_KINDS
+    rendered = variants["observability"]
+    pod_monitoring = rendered.one("PodMonitoring")
+    service_monitor = rendered.one("ServiceMonitor")
+    assert pod_monitoring["apiVersion"] == "monitoring.googleapis.com/v1"
+    assert service_monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pod_monitoring["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "diloco",
+                                                                "app.kubernetes.io/instance": "diloco"}
+    assert [e["port"] for e in pod_monitoring["spec"]["endpoints"]] == ["metrics"]
+    metrics_service = rendered.one("Service", "-metrics")
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= metrics_service["metadata"]["labels"].items()
+    # Every process, launched learners included, exposes the port the monitors scrape.
+    pods = [*rendered.workload_pods().values(), *rendered.pod_templates().values()]
+    for pod in pods:
+        if pod["metadata"]["labels"]["app.kubernetes.io/component"] == "test":
+            continue
+        ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        assert ports["metrics"] == 9464

@@ -1,0 +1,119 @@
+"""values.schema.json rejects each class of bad value before anything renders (Helm
+validates the merged values on install, upgrade, template and lint), naming where the
+value is. The few rules a JSON schema cannot state are template checks, tested below."""
+
+import helm_python as helm
+import pytest
+
+from tests.k8s.chart import CHART, EXISTING_SECRET, PRESETS, merge, preset
+
+AUTH = EXISTING_SECRET
+GOOD_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
+
+# class of bad value -> (values, the location Helm's report names)
+BAD = {
+    "unknown top-level key": ({"replicaCount": 3}, "additional properties 'replicaCount'"),
+    "unknown nested key (a typo)": ({"syncer": {"shard": 4}}, "at '/syncer': additional properties 'shard'"),
+    "wrong type": ({"syncer": {"shards": "four"}}, "/syncer/shards"),
+    "below minimum": ({"syncer": {"shards": 0}}, "/syncer/shards"),
+    "above maximum": ({"coordinator": {"port": 70000}}, "/coordinator/port"),
+    "outside an open interval": ({"syncer": {"outerMomentum": 1.0}}, "/syncer/outerMomentum"),
+    "not an even block size": ({"syncer": {"blockSize": 63}}, "/syncer/blockSize"),
+    "not one of an enum": ({"learners": {"accelerator": "tpu-v5e"}}, "/learners/accelerator"),
+    "unknown TPU accelerator": ({"learners": {"tpu": {"accelerator": "tpu-v9"}}}, "/learners/tpu/accelerator"),
+    "multi-host TPU topology": ({"learners": {"tpu": {"topology": "4x4"}}},
+                                "at '/learners/tpu/topology': value must be one of '1x1', '2x2', '2x4'"),
+    "malformed topology": ({"learners": {"tpu": {"topology": "2by4"}}}, "/learners/tpu/topology"),
+    "pool name not a DNS label": ({"scavenging": {"pools": [{"name": "Spot_Pool", "spot": True}]}}, "/scavenging/pools/0/name"),
+    "no scavenging pool": ({"scavenging": {"pools": []}}, "/scavenging/pools"),
+    "spot grace beyond the 30 s notice": ({"scavenging": {"terminationGracePeriodSeconds": 60}},
+                                          "/scavenging/terminationGracePeriodSeconds"),
+    "bad quantity": ({"syncer": {"persistence": {"size": "10 GB"}}}, "/syncer/persistence/size"),
+    "resources without limits": ({"learners": {"resources": {"limits": None}}}, "at '/learners/resources': missing property 'limits'"),
+    "limits without memory": ({"syncer": {"resources": {"limits": {"memory": None}}}},
+                               "at '/syncer/resources/limits': missing property 'memory'"),
+    "bad grace": ({"syncer": {"grace": "sometimes"}}, "/syncer/grace"),
+    "bad restore": ({"restore": "yesterday"}, "/restore"),
+    "OTLP endpoint without a scheme": ({"otel": {"endpoint": "collector:4317"}}, "/otel/endpoint"),
+    "unknown sampler": ({"otel": {"sampler": "sometimes"}}, "/otel/sampler"),
+    "env var without a name": ({"otel": {"extraEnv": [{"value": "x"}]}}, "at '/otel/extraEnv/0': missing property 'name'"),
+    "bad scrape interval": ({"metrics": {"interval": "often"}}, "/metrics/interval"),
+    "bad image digest": ({"image": {"digest": "latest"}}, "/image/digest"),
+    "bad pull policy": ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    "name override too long": ({"fullnameOverride": "x" * 41}, "/fullnameOverride"),
+    "bad toleration": ({"learners": {"tolerations": [{"key": "k", "operator": "Maybe"}]}}, "/learners/tolerations/0/operator"),
+    "network peer with unknown field": ({"networkPolicy": {"adminFrom": [{"podSelectr": {}}]}},
+                                        "additional properties 'podSelectr'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_schema_rejects(chart, case):
+    values, where = BAD[case]
+    with pytest.raises(helm.HelmValuesError) as error:
+        chart.render(merge(AUTH, values))
+    assert where in str(error.value)
+
+
+def test_schema_requires_credentials(chart):
+    with pytest.raises(helm.HelmValuesError) as error:
+        chart.render({})
+    assert "/auth" in str(error.value)
+    with pytest.raises(helm.HelmValuesError) as error:
+        chart.render({"auth": {"secret": "s", "joinToken": "not-an-hmac", "adminToken": "a"}})
+    assert "/auth/joinToken" in str(error.value)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_and_the_good_values_of_the_bad_cases_pass(chart, name):
+    """The cases above fail for their one bad value: the same keys with good values pass."""
+    chart.validate(merge(preset(name), AUTH))
+    chart.validate(merge(AUTH, {
+        "syncer": {"shards": 4, "outerMomentum": 0.0, "blockSize": 32, "grace": 0.5, "persistence": {"size": "10Gi"}},
+        "learners": {"tpu": {"accelerator": "tpu-v6e-slice", "topology": "2x2"}, "resources": GOOD_RESOURCES,
+                     "tolerations": [{"key": "k", "operator": "Exists"}]},
+        "scavenging": {"pools": [{"name": "spot-pool", "spot": True}], "terminationGracePeriodSeconds": 30},
+        "restore": 12, "otel": {"endpoint": "https://collector:4317", "sampler": "always_on",
+                                "extraEnv": [{"name": "A", "value": "x"}]},
+        "metrics": {"interval": "15s"}, "image": {"digest": "sha256:" + "0" * 64, "pullPolicy": "Always"},
+        "fullnameOverride": "x" * 40, "networkPolicy": {"adminFrom": [{"podSelector": {}}]},
+    }))
+
+
+# --- what the schema cannot say: checked in the templates ---------------------------------
+
+TEMPLATE_ERRORS = {
+    "width not divisible by heads": ({"run": {"model": {"width": 130, "heads": 4}}}, "must be divisible by run.model.heads"),
+    "a pool listed twice": ({"scavenging": {"pools": [{"name": "spot"}, {"name": "spot"}]}}, 'pool "spot" is listed twice'),
+    "restore without a snapshot volume": ({"restore": "latest", "snapshots": {"enabled": False}}, "restore needs snapshots.enabled"),
+}
+
+
+@pytest.mark.parametrize("case", TEMPLATE_ERRORS, ids=list(TEMPLATE_ERRORS))
+def test_template_rejects(chart, case):
+    values, message = TEMPLATE_ERRORS[case]
+    with pytest.raises(helm.HelmError) as error:
+        chart.render(merge(AUTH, values))
+    assert message in str(error.value)
+
+
+def test_schema_covers_every_default_key():
+    """Every key of values.yaml is described by the schema (additionalProperties is
+    false all the way down, so an undescribed key would fail validation of the defaults)."""
+    chart = helm.Chart.load(CHART)
+    schema = chart.schema
+
+    def walk(values, node, path):
+        node = resolve(node)
+        if isinstance(values, dict) and node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path or '/'} accepts unknown keys"
+            for key, value in values.items():
+                assert key in node["properties"], f"{path}/{key} is not in the schema"
+                walk(value, node["properties"][key], f"{path}/{key}")
+
+    def resolve(node):
+        while "$ref" in node:
+            node = schema["definitions"][node["$ref"].rsplit("/", 1)[1]]
+        return node
+
+    walk(chart.values, schema, "")
