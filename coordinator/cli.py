@@ -64,7 +64,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
     from coordinator.server import run_coordinator
-    from diloco.cli import _run_config, _secret
+    from diloco.cli import _run_config, _secret, _start_telemetry
 
     run = _run_config(args)
     data_dir = Path(args.data_dir)
@@ -99,11 +99,16 @@ def _coordinator(args: argparse.Namespace) -> int:
     if cfg.launcher == "kubernetes" and not cfg.kubernetes.pod_templates:
         raise InvalidArgument("--launcher kubernetes needs --pod-template [POOL=]PATH")
     port_file = Path(args.port_file) if args.port_file else None
-    return asyncio.run(run_coordinator(run, cfg, _secret(args), _admin_token(args, data_dir), port_file))
+    secret, admin_token = _secret(args), _admin_token(args, data_dir)
+    telemetry = _start_telemetry(args, "coordinator")
+    try:
+        return asyncio.run(run_coordinator(run, cfg, secret, admin_token, port_file))
+    finally:
+        telemetry.shutdown()
 
 
 def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
-    from diloco.cli import _add_run_config
+    from diloco.cli import _add_run_config, _add_telemetry
 
     p = commands.add_parser(
         "coordinator",
@@ -143,6 +148,7 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     k8s.add_argument("--learner-container", default="learner", help="learner container's name in the template")
     k8s.add_argument("--join-token-path", default="/var/run/diloco/join-token", help="join token file inside learner pods")
     k8s.add_argument("--kube-config", default="auto", help="in-cluster, auto or a kubeconfig path (default auto)")
+    _add_telemetry(p)
     _add_run_config(p)
     p.set_defaults(func=_coordinator)
 

@@ -76,7 +76,7 @@ class CoordinatorServer:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.runtime = CoordinatorRuntime(cfg, RunInfo(run.plan().plan_hash, run.to_json()), self._send_marker, clock)
         topology = convert.topology_to_proto(run, cfg.shards, self.runtime.topology_epoch)
-        self.server = grpc.aio.server(
+        self.server = rpc.server(
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
@@ -121,7 +121,7 @@ class CoordinatorServer:
         channel = self._channels.get(address)
         if channel is None:
             options = rpc.channel_options(_MAX_MESSAGE_BYTES, "diloco.v1.Syncer")
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=options)
+            channel = self._channels[address] = rpc.insecure_channel(address, options)
         metadata = (
             (auth.LEARNER_METADATA, auth.COORDINATOR_ID),
             (auth.CREDENTIAL_METADATA, auth.sign(self._secret, auth.COORDINATOR_ID)),

@@ -11,6 +11,7 @@ import grpc
 
 from coordinator import convert
 from coordinator.runtime import CoordinatorRuntime
+from coordinator.telemetry import CoordinatorTelemetry
 from diloco import auth, rpc
 from diloco.errors import DilocoError, InvalidArgument, PermissionDenied
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -26,6 +27,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._secret = secret
         self._admin_token = admin_token
         self._topology = topology
+        self._telemetry = CoordinatorTelemetry()
 
     def _caller(self, context, claimed: str | None = None, field: str = "learner_id") -> str:
         """The credential's id; when the request names an id (``claimed``), it must be it."""
@@ -51,6 +53,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             auth.check_join(self._secret, _metadata(context).get(auth.JOIN_METADATA))
             learner = self.runtime.join(request.pool, request.address, request.launch_id, request.plan_hash)
+            self._telemetry.membership("joined", request.pool)
             return coordinator_pb2.JoinReply(
                 learner_id=learner.id,
                 credential=auth.sign(self._secret, learner.id),
@@ -65,6 +68,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             self._caller(context, request.learner_id)
             _, directives = self.runtime.heartbeat(request.learner_id, convert.stats_from_proto(request))
+            self._telemetry.heartbeat(request.learner_id, request.version_lag, request.tokens_per_s)
             return coordinator_pb2.HeartbeatReply(
                 directives=[_directive(d) for d in directives],
                 lease_s=self.runtime.cfg.lease_s,
@@ -78,6 +82,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             self._caller(context, request.learner_id)
             self.runtime.leave(request.learner_id, request.reason)
+            self._telemetry.membership("left")
             self._clock(request.clock)
             return coordinator_pb2.LeaveReply()
         except DilocoError as error:

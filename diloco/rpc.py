@@ -1,5 +1,7 @@
 """gRPC plumbing shared by every service: the error -> status table, standard services
-(health, reflection), channel options with deadlines and retries.
+(health, reflection), channel options with deadlines and retries, and the servers and
+channels every process opens, instrumented with OpenTelemetry (trace context travels in
+the call metadata; with no tracer provider installed the interceptors' spans are no-ops).
 
 This is the kernel's service layer; core modules never import it.
 """
@@ -17,6 +19,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, client_interceptor
+from opentelemetry.instrumentation.grpc.filters import service_prefix
+from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
 from diloco import errors
 
@@ -66,6 +71,27 @@ async def mark_serving(health_servicer, service_names: Iterable[str], serving: b
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:
         await health_servicer.set(name, status)
+
+
+# Only the project's own services are traced: health probes and reflection would bury the
+# spans that matter (a Kubernetes probe every few seconds per pod).
+_TRACED = service_prefix("diloco.")
+
+
+def server(options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Server:
+    """A grpc.aio server whose handlers continue the caller's trace."""
+    return grpc.aio.server(options=list(options), interceptors=[aio_server_interceptor(filter_=_TRACED)])
+
+
+def insecure_channel(address: str, options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A grpc.aio channel whose calls are client spans and carry the current trace context
+    (every call kind, streams included: the aio interceptors cover all four)."""
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=aio_client_interceptors(filter_=_TRACED))
+
+
+def blocking_channel(address: str, options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
+    """The blocking counterpart of ``insecure_channel`` (the admin CLI)."""
+    return intercept_channel(grpc.insecure_channel(address, options=list(options)), client_interceptor(filter_=_TRACED))
 
 
 def channel_options(max_message_bytes: int, service: str) -> list[tuple[str, object]]:

@@ -7,6 +7,7 @@ deadline; UNAVAILABLE is retried by the channel's retry policy, nothing else is.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,13 @@ class PushResult:
     target_version: int
     update: DecodedUpdate
     bytes_up: int
+    frame_s: float = 0.0
+    """Framing (zstd) the payload, when ``push`` did it."""
+    send_s: float = 0.0
+    """Writing the request stream."""
+    wait_s: float = 0.0
+    """From the last write to the update's last chunk: the ack, the round, the download."""
+    decode_s: float = 0.0
 
 
 def credentials_metadata(learner_id: str, credential: str) -> tuple[tuple[str, str], ...]:
@@ -71,7 +79,7 @@ def credentials_metadata(learner_id: str, credential: str) -> tuple[tuple[str, s
 
 
 def open_channel(address: str, max_message_bytes: int = 8 * 1024 * 1024) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=rpc.channel_options(max_message_bytes, "diloco.v1.Syncer"))
+    return rpc.insecure_channel(address, rpc.channel_options(max_message_bytes, "diloco.v1.Syncer"))
 
 
 async def write_all(call, requests) -> None:
@@ -137,14 +145,17 @@ class SyncerClient:
         """Stream one push; returns once the round it joined has closed and the update
         arrived. ``on_ack(outcome, target_version)`` is called when the shard acknowledges.
         ``chunks``: the payloads already framed (``frame``), to skip framing here."""
+        started = time.perf_counter()
         if chunks is None:
             chunks = await asyncio.to_thread(lambda: list(frame([e.payload for e in encoded])))
         bytes_up = sum(len(c) for c in chunks)
+        framed = time.perf_counter()
 
         requests = [syncer_pb2.PushRequest(header=push_meta_to_proto(meta))]
         requests += [syncer_pb2.PushRequest(chunk=common_pb2.Chunk(data=data)) for data in chunks]
         call = self.stub.PushFragment(metadata=self.metadata, timeout=self.timeout_s)
         await write_all(call, requests)
+        sent = received = time.perf_counter()
         outcome, target, update = None, 0, None
         async for message, update_chunks in _updates(call):
             if update_chunks is None:
@@ -152,10 +163,14 @@ class SyncerClient:
                 if on_ack is not None:
                     on_ack(outcome, target)
             else:
+                received = time.perf_counter()
                 update = await asyncio.to_thread(_decode_update, message, update_chunks)
         if outcome is None or update is None:
             raise InvalidArgument("push stream ended without an ack and an update")
-        return PushResult(outcome, target, update, bytes_up)
+        return PushResult(
+            outcome, target, update, bytes_up, frame_s=framed - started, send_s=sent - framed,
+            wait_s=received - sent, decode_s=time.perf_counter() - received,
+        )
 
     async def bootstrap(self, fragments: Sequence[int] = ()) -> list[DecodedUpdate]:
         call = self.stub.Bootstrap(

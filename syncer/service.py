@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from opentelemetry.trace import Status, StatusCode
 
 from diloco import auth, rpc
 from diloco.codec import frame, unframe
@@ -17,6 +18,7 @@ from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
 from syncer import convert
 from syncer.core.shard import FragmentUpdate, PushPayload, Segment, inspect_payload
 from syncer.runtime import ShardRuntime
+from syncer.telemetry import push_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +84,13 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         for segment in update.segments:
             for data in await self._chunks_of(update.fragment, segment):
                 self.runtime.counters.bytes_sent += len(data)
+                self.runtime.telemetry.bytes_sent(len(data))
                 yield wrap(chunk=common_pb2.Chunk(data=data))
 
     async def PushFragment(self, request_iterator, context):
         requests = request_iterator.__aiter__()
         reading = True
+        span = self.runtime.telemetry.start_push()  # a child of the RPC's span: the learner's trace
         try:
             learner_id = self._authenticate(context)
             try:
@@ -98,6 +102,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             meta = convert.push_meta_from_proto(first.header)
             if meta.learner_id != learner_id:
                 raise PermissionDenied(f"credential is for {learner_id!r}, the push claims {meta.learner_id!r}")
+            span.set_attributes(push_attributes(meta))
             self.runtime.core.check_header(meta)
             chunks, wire_bytes = [], 0
             limit = meta.payload_bytes + _CHUNK_SLACK_BYTES * (1 + meta.payload_bytes // MAX_CHUNK_BYTES)
@@ -115,17 +120,23 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             payload = await asyncio.to_thread(_inspect, meta.specs, chunks)
             # The handler lives until the round closes; only the unframed payload may stay.
             del chunks
-            ack, waiter = self.runtime.push(meta, payload, wire_bytes)
+            ack, waiter = self.runtime.push(meta, payload, wire_bytes, span.get_span_context())
+            span.set_attributes({"diloco.push.outcome": ack.outcome, "diloco.target_version": ack.target_version,
+                                 "diloco.bytes_up": wire_bytes})
             reply = convert.ack_to_proto(ack, self.runtime.core.clock)
             reply.ack.snapshot_epoch = self.runtime.snapshot_epoch
             yield reply
             update = await waiter
+            span.add_event("round closed", {"diloco.version": update.version, "diloco.close_reason": update.close_reason})
             async for message in self._update_messages(update, syncer_pb2.PushReply):
                 yield message
         except DilocoError as error:
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
             if reading:
                 await _drain(requests, self.runtime.core.cfg.max_push_bytes)
             await rpc.abort_with(context, error)
+        finally:
+            span.end()
 
     async def Bootstrap(self, request, context):
         try:

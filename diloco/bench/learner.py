@@ -11,6 +11,14 @@ The learner gets ``threads`` torch threads in both configurations (default: all 
 but one, which is left to the shard process — in a deployment the shards run on their
 own CPU hosts; with every core given to torch, the shard and the streamer thread
 preempt torch's parallel regions and the comparison measures oversubscription instead).
+
+``tracing=True`` compares OpenTelemetry on and off instead, syncing on in both: each run
+is a fresh learner process (a process installs its providers once), "on" with the SDK
+and the real OTLP/gRPC exporters (traces and metrics) sending to a receiver in this
+process, "off" with no OTEL_* variables (the API's no-op, the default). Runs alternate
+(off, on, off, on, ...) and the better run of each configuration counts; the ratio of
+medians and tokens per CPU-second of the learner process (what tokens/s would be on
+dedicated cores, far steadier on a busy machine) are reported beside it.
 """
 
 from __future__ import annotations
@@ -51,9 +59,77 @@ def _start_shard(tmp: Path, run: RunConfig) -> tuple[subprocess.Popen, str]:
     return proc, port_file.read_text().strip()
 
 
-def run(steps: int = 120, overlap_steps: int = 2, threads: int | None = None) -> dict:
+def _traced_learner(run_json: str, cfg: LearnerConfig, address: str, env: dict[str, str], threads: int) -> dict:
+    """One learner in a fresh process (see ``run(tracing=True)``); telemetry from ``env``."""
+    from diloco import telemetry
+
+    torch.set_num_threads(threads)
+    handle = telemetry.start("learner", env, learner_id="L0")
+    try:
+        learner = Learner(RunConfig.from_json(run_json), cfg, "L0", auth.sign(_SECRET, "L0"), {0: address})
+        cpu_started = time.process_time()
+        summary = learner.train()
+        cpu_s = time.process_time() - cpu_started
+    finally:
+        handle.shutdown(timeout_s=10)
+    return {"tokens_per_s": summary.tokens_per_s, "tokens_per_cpu_s": summary.tokens / cpu_s,
+            "pushes_acked": summary.pushes_acked, "pushes_dropped": summary.pushes_dropped,
+            "traced": bool(handle.tracer_provider)}
+
+
+def _median(runs: list[dict], key: str) -> float:
+    values = sorted(r[key] for r in runs)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def _run_tracing(run_cfg: RunConfig, cfg: LearnerConfig, address: str, threads: int, runs: int) -> dict:
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from diloco.bench.otlp import OtlpReceiver
+
+    results: dict[bool, list[dict]] = {True: [], False: []}
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+        for traced in (False, True) * runs:
+            with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+                result = pool.submit(_traced_learner, run_cfg.to_json(), cfg, address, env if traced else {}, threads)
+                results[traced].append(result.result())
+        spans = receiver.spans()
+    if not all(r["traced"] for r in results[True]) or any(r["traced"] for r in results[False]):
+        raise InvalidArgument("the traced runs did not install the SDK, or the untraced ones did")
+    on = max(r["tokens_per_s"] for r in results[True])
+    off = max(r["tokens_per_s"] for r in results[False])
+    cpu_on = max(r["tokens_per_cpu_s"] for r in results[True])
+    cpu_off = max(r["tokens_per_cpu_s"] for r in results[False])
+    return {
+        "tokens_per_s_tracing_off": round(off, 1),
+        "tokens_per_s_tracing_on": round(on, 1),
+        "ratio": round(on / off, 3),
+        "ratio_of_medians": round(_median(results[True], "tokens_per_s") / _median(results[False], "tokens_per_s"), 3),
+        "runs_off": [round(r["tokens_per_s"], 1) for r in results[False]],
+        "runs_on": [round(r["tokens_per_s"], 1) for r in results[True]],
+        # Tokens per CPU-second of the learner process (all its threads, exporters included):
+        # what tokens/s would be on dedicated cores; far less sensitive to a busy machine.
+        "tokens_per_cpu_s_tracing_off": round(cpu_off, 1),
+        "tokens_per_cpu_s_tracing_on": round(cpu_on, 1),
+        "cpu_ratio": round(cpu_on / cpu_off, 3),
+        "cpu_ratio_of_medians": round(_median(results[True], "tokens_per_cpu_s") / _median(results[False], "tokens_per_cpu_s"), 3),
+        "cpu_runs_off": [round(r["tokens_per_cpu_s"], 1) for r in results[False]],
+        "cpu_runs_on": [round(r["tokens_per_cpu_s"], 1) for r in results[True]],
+        "spans_received": len(spans),
+        "sync_spans_received": sum(s.name == "sync fragment" for s in spans),
+        "pushes_acked_on": sum(r["pushes_acked"] for r in results[True]),
+        "pushes_dropped_on": sum(r["pushes_dropped"] for r in results[True]),
+    }
+
+
+def run(steps: int = 120, overlap_steps: int = 2, threads: int | None = None, tracing: bool = False, runs: int = 2) -> dict:
     if steps < 10 or overlap_steps < 2:
         raise InvalidArgument("need at least 10 steps and tau >= 2")
+    if runs < 1:
+        raise InvalidArgument("need at least 1 run per configuration")
     threads = threads or max((os.cpu_count() or 2) - 1, 1)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -62,6 +138,9 @@ def run(steps: int = 120, overlap_steps: int = 2, threads: int | None = None) ->
     with tempfile.TemporaryDirectory() as tmp:
         shard, address = _start_shard(Path(tmp), run_cfg)
         try:
+            if tracing:
+                traced = _run_tracing(run_cfg, cfg, address, threads, runs)
+                return {**traced, "steps": steps, "overlap_steps": overlap_steps, "threads": threads}
             results = {True: [], False: []}
             for sync in (False, True, False, True):
                 learner = Learner(run_cfg, cfg, "L0", auth.sign(_SECRET, "L0"), {0: address}, sync=sync)

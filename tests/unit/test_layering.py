@@ -5,8 +5,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "diloco.v1", "opentelemetry")
-# The kernel's own service-side modules, allowed to touch grpc/protos.
-KERNEL_SERVICE_MODULES = {"rpc.py", "convert.py", "cli.py"}
+# The kernel's own service-side modules, allowed to touch grpc/protos (telemetry.py: the
+# OpenTelemetry providers every process installs; core code never imports it).
+KERNEL_SERVICE_MODULES = {"rpc.py", "convert.py", "cli.py", "telemetry.py"}
 
 
 def core_modules():

@@ -1,0 +1,36 @@
+"""The coordinator's metrics, through the OpenTelemetry API (no-ops unless the process
+installed providers, see ``diloco.telemetry``). Its spans are the RPCs' own (the server
+interceptor in ``diloco.rpc``).
+
+Per learner, from its heartbeats: ``diloco.coordinator.learner.version_lag`` and
+``diloco.coordinator.learner.tokens_per_second``; membership changes:
+``diloco.coordinator.membership`` (event: joined, left).
+"""
+
+from __future__ import annotations
+
+from opentelemetry import metrics
+
+from diloco.telemetry import LEARNER_ID, POOL
+
+SCOPE = "diloco.coordinator"
+
+
+class CoordinatorTelemetry:
+    def __init__(self, meter: metrics.Meter | None = None) -> None:
+        meter = meter or metrics.get_meter(SCOPE)
+        self._version_lag = meter.create_gauge(
+            "diloco.coordinator.learner.version_lag", "{version}", "a learner's version lag, from its heartbeats"
+        )
+        self._tokens_per_s = meter.create_gauge(
+            "diloco.coordinator.learner.tokens_per_second", "{token}/s", "a learner's throughput, from its heartbeats"
+        )
+        self._membership = meter.create_counter("diloco.coordinator.membership", "{event}", "joins and leaves")
+
+    def heartbeat(self, learner_id: str, version_lag: int, tokens_per_s: float) -> None:
+        attributes = {LEARNER_ID: learner_id}
+        self._version_lag.set(version_lag, attributes)
+        self._tokens_per_s.set(tokens_per_s, attributes)
+
+    def membership(self, event: str, pool: str = "") -> None:
+        self._membership.add(1, {"diloco.event": event, POOL: pool})

@@ -1,0 +1,111 @@
+"""OpenTelemetry configuration from the OTEL_* environment: what is exported when, the
+resource, the Prometheus flag (and its message when the extra is missing)."""
+
+import sys
+import urllib.request
+
+import pytest
+from opentelemetry import metrics, trace
+
+from diloco import cli, telemetry
+from diloco.errors import InvalidArgument
+
+
+@pytest.mark.parametrize(
+    "env, traces, metric_exporters",
+    [
+        ({}, (), ()),
+        ({"OTEL_SERVICE_NAME": "x", "OTEL_RESOURCE_ATTRIBUTES": "a=b"}, (), ()),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, ("otlp",), ("otlp",)),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317"}, ("otlp",), ()),
+        ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://collector:4317"}, (), ("otlp",)),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_METRICS_EXPORTER": "none"}, ("otlp",), ()),
+        ({"OTEL_TRACES_EXPORTER": "console"}, ("console",), ()),
+        ({"OTEL_TRACES_EXPORTER": "otlp,console", "OTEL_METRICS_EXPORTER": "prometheus"}, ("otlp", "console"), ("prometheus",)),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}, (), ()),
+    ],
+)
+def test_nothing_is_exported_unless_the_environment_names_an_exporter(env, traces, metric_exporters):
+    plan = telemetry.export_plan(env)
+    assert (plan.traces, plan.metrics) == (traces, metric_exporters), plan.reason
+
+
+def test_unsupported_exporters_and_protocols_are_refused_with_the_fix():
+    with pytest.raises(InvalidArgument, match="supported are otlp, console"):
+        telemetry.export_plan({"OTEL_TRACES_EXPORTER": "zipkin"})
+    with pytest.raises(InvalidArgument, match="OTLP over gRPC only"):
+        telemetry.export_plan({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+
+
+def test_resource_names_the_service_per_role_and_carries_the_diloco_ids():
+    learner = telemetry.resource_attributes("learner", {}, learner_id="L3", pool="spot")
+    assert learner["service.name"] == "diloco-learner"
+    assert (learner["diloco.learner.id"], learner["diloco.pool"]) == ("L3", "spot")
+    shard = telemetry.resource_attributes("syncer", {"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,team=ml%20infra"},
+                                          shard_id=2)
+    assert shard["service.name"] == "diloco-syncer" and shard["diloco.shard.id"] == 2
+    assert (shard["deployment.environment"], shard["team"]) == ("prod", "ml infra")
+    assert telemetry.resource_attributes("coordinator", {})["service.name"] == "diloco-coordinator"
+    # OTEL_SERVICE_NAME wins over the attribute, which wins over the role's default.
+    env = {"OTEL_SERVICE_NAME": "trainer", "OTEL_RESOURCE_ATTRIBUTES": "service.name=ignored"}
+    assert telemetry.resource_attributes("syncer", env)["service.name"] == "trainer"
+    assert telemetry.resource_attributes("syncer", {"OTEL_RESOURCE_ATTRIBUTES": "service.name=s"})["service.name"] == "s"
+    with pytest.raises(InvalidArgument, match="not key=value"):
+        telemetry.resource_attributes("syncer", {"OTEL_RESOURCE_ATTRIBUTES": "novalue"})
+
+
+def test_start_with_nothing_configured_installs_nothing():
+    tracer_provider, meter_provider = trace.get_tracer_provider(), metrics.get_meter_provider()
+    handle = telemetry.start("learner", {}, learner_id="L0")
+    assert handle.tracer_provider is None and handle.meter_provider is None
+    assert trace.get_tracer_provider() is tracer_provider and metrics.get_meter_provider() is meter_provider
+    handle.shutdown()
+
+
+def test_start_builds_providers_from_the_mapping_it_is_given():
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_BSP_SCHEDULE_DELAY": "50",
+           "OTEL_METRIC_EXPORT_INTERVAL": "60000"}
+    handle = telemetry.start("syncer", env, shard_id=1, install=False)
+    try:
+        assert handle.tracer_provider.resource.attributes["service.name"] == "diloco-syncer"
+        assert handle.tracer_provider.resource.attributes["diloco.shard.id"] == 1
+        assert handle.meter_provider is not None
+    finally:
+        handle.shutdown(timeout_s=10)  # nothing was recorded: nothing to send to the dead endpoint
+    with pytest.raises(InvalidArgument, match="OTEL_BSP_SCHEDULE_DELAY"):
+        telemetry.start("syncer", {**env, "OTEL_BSP_SCHEDULE_DELAY": "soon"}, install=False)
+
+
+def test_prometheus_address():
+    assert telemetry.prometheus_address("9464") == ("0.0.0.0", 9464)
+    assert telemetry.prometheus_address("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert telemetry.prometheus_address("[::1]:9000") == ("::1", 9000)
+    for bad in ("http", "1:2:x", "70000"):
+        with pytest.raises(InvalidArgument):
+            telemetry.prometheus_address(bad)
+
+
+def test_prometheus_endpoint_serves_the_metrics_with_the_resource():
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    handle = telemetry.start("syncer", {}, shard_id=0, prometheus=("127.0.0.1", 0), install=False)
+    try:
+        assert handle.tracer_provider is None  # the flag turns on metrics only
+        from syncer.telemetry import ShardTelemetry
+
+        shard = ShardTelemetry(0, meter=handle.meter_provider.get_meter("test"))
+        shard.push_received("accepted", 0, 1234)
+        with urllib.request.urlopen(f"http://127.0.0.1:{handle.prometheus_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        handle.shutdown()
+    assert "diloco_wire_bytes" in text and 'diloco_direction="up"' in text
+    assert 'service_name="diloco-syncer"' in text
+
+
+def test_prometheus_flag_without_the_extra_fails_with_a_message_not_a_traceback(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.prometheus", None)  # import raises ImportError
+    (tmp_path / "secret").write_text("s")
+    code = cli.main(["syncer", "--prometheus", "0", "--secret-file", str(tmp_path / "secret"), "--learners", "L0"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "diloco[metrics]" in err and "Traceback" not in err
