@@ -1,0 +1,212 @@
+"""One torchft replica, or the torchft Lighthouse, as a process (started by
+``diloco.baseline.torchft_peer``). Needs the optional extra ``diloco[peers]``.
+
+A replica is one replica group of one process: its own TCPStore, a torchft ``Manager``
+(gloo, CPU) that asks the Lighthouse for a quorum, and torchft's Streaming DiLoCo
+(``torchft.local_sgd.DiLoCo``) wrapped around the learners' inner loop: the same model,
+AdamW, schedule, clipping and data shard as learner L<id> of ``diloco local``. The model
+is cut into P fragments of whole tensors (torchft syncs ``nn.Module`` fragments); one
+fragment is all-reduced every H/P inner steps, so each is synced every H steps, with
+``fragment_sync_delay`` = tau steps of overlap (capped below H/P, as torchft requires).
+
+Usage:
+``python -m diloco.baseline.torchft_replica lighthouse --run-dir DIR``
+``python -m diloco.baseline.torchft_replica replica --run-dir DIR --replica I --attempt A
+--lighthouse ADDR --store-port P --start-step S``
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from diloco.baseline.common import JsonlWriter, ring_allreduce_bytes
+from diloco.baseline.torchft_peer import TorchftConfig
+from diloco.model import GPT
+from diloco.snapshots import atomic_write, atomic_write_json
+from learner.core.schedule import inner_lr
+from learner.data import load_corpus
+
+logger = logging.getLogger(__name__)
+
+
+def lighthouse(run_dir: Path) -> None:
+    """Serve the Lighthouse on 127.0.0.1 until killed; its address goes to a file."""
+    from torchft.coordination import LighthouseServer
+
+    cfg = TorchftConfig.from_json((run_dir / "config.json").read_text())
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=cfg.join_timeout_ms,
+                              quorum_tick_ms=100, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+    atomic_write(run_dir / "lighthouse", server.address().encode())
+    while True:
+        time.sleep(3600)
+
+
+def fragment_modules(model: nn.Module, fragments: int) -> list[nn.Module]:
+    """Whole tensors into ``fragments`` modules, largest first into the lightest (LPT, as
+    diloco's plan does, without splitting tensors). The modules hold the model's own
+    Parameter objects, so torchft's in-place updates are the model's."""
+    bins: list[tuple[int, nn.Module]] = [(0, nn.Module()) for _ in range(fragments)]
+    for name, param in sorted(model.named_parameters(), key=lambda np: (-np[1].numel(), np[0])):
+        i = min(range(fragments), key=lambda j: (bins[j][0], j))
+        load, module = bins[i]
+        module.register_parameter(name.replace(".", "__"), param)
+        bins[i] = (load + param.numel(), module)
+    return [module for _, module in bins]
+
+
+def _tensor_bytes(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store_port: int, start_step: int) -> None:
+    from torch.distributed import TCPStore
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    cfg = TorchftConfig.from_json((run_dir / "config.json").read_text())
+    inner = cfg.inner(index)
+    torch.set_num_threads(cfg.threads_per_worker)
+    torch.manual_seed(inner.seed)
+    model = GPT(cfg.run.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
+    corpus = load_corpus(None, inner.data_shard, inner.data_shards)
+    fragments = fragment_modules(model, cfg.fragments)
+    outer = [
+        torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+        for f in fragments
+    ]
+    timeline = JsonlWriter(run_dir / "timeline" / f"replica{index}-attempt{attempt}.jsonl")
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        # A heal: this replica adopts a peer's model and AdamW state (its own steps since
+        # its last sync are dropped). Received besides: the fragments' global copies and
+        # outer-optimizer state (momentum buffers when momentum > 0).
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        received = _tensor_bytes(state) + model_bytes * (2 if cfg.outer_momentum > 0 else 1)
+        timeline.write(kind="heal", t=time.time(), bytes=received)
+
+    timeout = timedelta(seconds=cfg.timeout_s)
+    own_store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+        min_replica_size=1, use_async_quorum=False, store_addr="127.0.0.1", store_port=own_store.port,
+        rank=0, world_size=1, lighthouse_addr=lighthouse_addr, replica_id=f"replica{index}", hostname="127.0.0.1",
+        timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout,
+        init_sync=False,  # every replica starts from the same seeded model
+    )
+    fragment_delay = min(cfg.run.overlap_steps, cfg.run.sync_every_steps // cfg.fragments - 1)
+    diloco = DiLoCo(manager, fragments, optimizer, outer, sync_every=cfg.run.sync_every_steps,
+                    backup_device=torch.device("cpu"), pin_memory=False, fragment_sync_delay=fragment_delay,
+                    fragment_update_alpha=cfg.run.merge_alpha)
+    fragment_bytes = [sum(p.numel() * 4 for p in f.parameters()) for f in fragments]
+    for p, frag in enumerate(diloco._fragments):  # noqa: SLF001 - observe each sync and its outcome
+        frag.prepare_sync = _observed_prepare(frag.prepare_sync, p, timeline)
+        frag.perform_sync = _observed(frag.perform_sync, p, manager, fragment_bytes[p], timeline)
+
+    if attempt == 0:
+        # The first launch starts together (as diloco local's learners and the DP workers
+        # do); a replacement joins whenever it is up.
+        supervisor = TCPStore("127.0.0.1", store_port, None, False, timeout=timedelta(seconds=cfg.startup_timeout_s))
+        supervisor.add("ready", 1)
+        supervisor.wait(["go"])
+    timeline.write(kind="ready", t=time.time(), step=start_step, attempt=attempt, fragment_delay=fragment_delay)
+    slow = cfg.slow_factor(index)
+    context = cfg.run.model.context
+    parent = os.getppid()
+    with diloco:
+        for step in range(start_step, cfg.steps):
+            if os.getppid() != parent:
+                raise SystemExit(f"replica {index}: the supervisor is gone; stopping")
+            t0 = time.time()
+            lr = inner_lr(step, inner.lr, inner.warmup_steps, inner.steps, inner.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = corpus.train.batch(step, inner.batch_size, context, inner.seed)
+            _, loss = model(x, y)
+            optimizer.zero_grad()
+            loss.backward()
+            if slow > 1.0:
+                time.sleep((slow - 1.0) * (time.time() - t0))  # a simulated slower accelerator
+            if inner.grad_clip:
+                nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
+            optimizer.step()  # torchft's hooks prepare / perform the due fragment sync here
+            timeline.write(kind="step", step=step + 1, t0=t0, t1=time.time(), loss=round(loss.item(), 5))
+    final = model.state_dict()
+    names = {id(p): name for name, p in model.named_parameters()}
+    for frag_module, frag in zip(fragments, diloco._fragments):  # noqa: SLF001 - the global copies
+        for local_name, param in frag_module.named_parameters():
+            final[names[id(param)]] = frag.original_parameters[local_name].clone()
+    buffer = io.BytesIO()
+    torch.save(final, buffer)
+    atomic_write(run_dir / f"global-replica{index}.pt", buffer.getvalue())
+    atomic_write_json(run_dir / f"global-replica{index}.json", {"manager_step": manager.current_step()})
+    timeline.write(kind="done", t=time.time(), manager_step=manager.current_step())
+    timeline.close()
+    manager.shutdown(wait=False)
+
+
+def _observed_prepare(prepare_sync, fragment: int, timeline: JsonlWriter):
+    def prepare() -> None:
+        prepare_sync()  # the pseudo-gradient is taken here; later steps on it are overwritten
+        timeline.write(kind="prepare", t=time.time(), fragment=fragment)
+
+    return prepare
+
+
+def _observed(perform_sync, fragment: int, manager, fragment_bytes: int, timeline: JsonlWriter):
+    def perform() -> bool:
+        committed = perform_sync()
+        members = manager.num_participants()
+        sent = ring_allreduce_bytes(fragment_bytes, members) // max(members, 1)
+        timeline.write(kind="sync", t=time.time(), fragment=fragment, committed=bool(committed),
+                       participants=members, bytes=sent, manager_step=manager.current_step())
+        return committed
+
+    return perform
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diloco.baseline.torchft_replica")
+    roles = parser.add_subparsers(dest="role", required=True)
+    lh = roles.add_parser("lighthouse")
+    lh.add_argument("--run-dir", type=Path, required=True)
+    rp = roles.add_parser("replica")
+    rp.add_argument("--run-dir", type=Path, required=True)
+    rp.add_argument("--replica", type=int, required=True)
+    rp.add_argument("--attempt", type=int, required=True)
+    rp.add_argument("--lighthouse", required=True)
+    rp.add_argument("--store-port", type=int, required=True)
+    rp.add_argument("--start-step", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.role == "lighthouse":
+        lighthouse(args.run_dir)
+    else:
+        replica(args.run_dir, args.replica, args.attempt, args.lighthouse, args.store_port, args.start_step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The baselines' pure parts: fault plans, wire-byte counts, the metrics computed from a
+recorded timeline, config validation and the CLI's answers to bad input."""
+
+import math
+
+import pytest
+
+from diloco import cli
+from diloco.baseline import torchft_peer
+from diloco.baseline.common import SUMMARY_KEYS, KillPlan, parse_slow_workers, ring_allreduce_bytes, summary
+from diloco.baseline.dp import Attempt, DPConfig, dp_metrics
+from diloco.baseline.torchft_peer import TorchftConfig, ft_metrics
+from diloco.config import RunConfig
+from diloco.errors import InvalidArgument
+
+
+def test_slow_workers_parse_repeated_and_comma_separated_specs():
+    assert parse_slow_workers(["1:1.5", "2:2,0:1.2"]) == ((0, 1.2), (1, 1.5), (2, 2.0))
+    assert parse_slow_workers(None) == ()
+    for bad in ("1", "a:2", "1:0.5", "1:nan"):
+        with pytest.raises(InvalidArgument, match="slow worker"):
+            parse_slow_workers([bad])
+
+
+def test_kill_plan_is_fixed_by_its_seed_and_has_the_requested_mean():
+    def plan(seed):
+        kills = KillPlan(30.0, seed)
+        kills.start(100.0)
+        out = []
+        while len(out) < 2000:
+            t = kills.next_at
+            out.append((t, kills.fire(3)))
+        return out
+
+    a, b = plan(7), plan(7)
+    assert a == b and a != plan(8)
+    assert a[0][0] > 100.0
+    gaps = [t1 - t0 for (t0, _), (t1, _) in zip(a, a[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(30.0, rel=0.1)
+    assert {v for _, v in a} == {0, 1, 2}
+    idle = KillPlan(0.0, 1)
+    idle.start(0.0)
+    assert not idle.enabled and not idle.due(1e9)
+
+
+def test_ring_allreduce_sends_two_buffers_per_extra_member():
+    assert ring_allreduce_bytes(1000, 1) == 0
+    assert ring_allreduce_bytes(1000, 2) == 2000
+    assert ring_allreduce_bytes(1000, 3) == 4000  # each of 3 sends 2*(2/3) buffers
+
+
+def test_summary_has_exactly_the_compare_keys():
+    values = dict.fromkeys(SUMMARY_KEYS, 1.0)
+    assert list(summary(**values)) == list(SUMMARY_KEYS)
+    with pytest.raises(ValueError):
+        summary(**{**values, "extra": 1})
+
+
+def _attempt(number, ready, start_step, steps, t_first, dt=1.0):
+    a = Attempt(number)
+    a.add({"kind": "ready", "t": ready, "step": start_step})
+    for i in range(steps):
+        t0 = t_first + i * dt
+        a.add({"kind": "step", "step": start_step + i + 1, "t0": t0, "t1": t0 + dt})
+    return a
+
+
+def test_dp_metrics_without_faults():
+    m = dp_metrics([_attempt(0, 0.0, 0, 10, 0.0)], workers=3, buffer_bytes=400, tokens_per_step=3 * 16 * 32)
+    assert m["goodput"] == pytest.approx(1.0)
+    assert (m["uptime"], m["global_stall_s"], m["steps_lost"]) == (1.0, 0.0, 0)
+    # 2(M-1) buffers per step over M*B*T tokens per step.
+    assert m["bytes_per_1k_tokens"] == pytest.approx(1000 * 2 * 2 * 400 / (3 * 16 * 32))
+
+
+def test_dp_metrics_roll_back_steps_after_the_checkpoint_and_count_the_restart_as_stall():
+    # Attempt 0 does steps 1..7 (t 0..7), is killed; attempt 1 is ready at t=17 from the
+    # checkpoint at step 5 and does steps 6..10 (t 17..22).
+    first = _attempt(0, 0.0, 0, 7, 0.0)
+    second = _attempt(1, 17.0, 5, 5, 17.0)
+    m = dp_metrics([first, second], workers=2, buffer_bytes=100, tokens_per_step=10)
+    assert m["steps_computed"] == 12 and m["steps_lost"] == 2
+    assert m["window_s"] == pytest.approx(22.0)
+    assert m["goodput"] == pytest.approx(10 / 22)  # ten surviving 1 s steps in 22 s
+    assert m["period_s"] == pytest.approx(4.0)
+    assert m["global_stall_s"] == pytest.approx(11.0 - 4.0)  # advances at 7 and 18: 11 s, 4 s expected
+    assert m["uptime"] == pytest.approx(1 - 7 / 22, abs=1e-4)  # uptime() rounds to 4 digits
+    assert m["bytes_per_1k_tokens"] == pytest.approx(1000 * 2 * 100 / 10)
+
+
+def test_dp_metrics_need_a_finished_step():
+    with pytest.raises(ValueError):
+        dp_metrics([Attempt(0)], workers=2, buffer_bytes=1, tokens_per_step=1)
+
+
+def test_ft_metrics_count_only_work_that_a_committed_sync_carried():
+    def steps(first, n):
+        return [{"kind": "step", "step": first + i, "t0": first + i - 1.0, "t1": first + i} for i in range(n)]
+
+    # P = 2 fragments, H = 4: fragment 0 prepared after step 1, synced after step 2 (committed);
+    # fragment 1 prepared after step 3, synced after step 4 (failed); then a heal.
+    records = [{"kind": "ready", "t": 0.0, "step": 0}]
+    records += steps(1, 1) + [{"kind": "prepare", "t": 1.0, "fragment": 0}]
+    records += steps(2, 1) + [{"kind": "sync", "t": 2.0, "fragment": 0, "committed": True, "bytes": 10}]
+    records += steps(3, 1) + [{"kind": "prepare", "t": 3.0, "fragment": 1}]
+    records += steps(4, 1) + [{"kind": "sync", "t": 4.0, "fragment": 1, "committed": False, "bytes": 10}]
+    records += [{"kind": "heal", "t": 4.5, "bytes": 100}]
+    m = ft_metrics([records], fragments=2, sync_every_steps=4, tokens_per_step=50)
+    # Fragment 0 carried step 1's work (1 s, half the model): 0.5 worker-seconds.
+    assert m["useful_worker_s"] == pytest.approx(0.5)
+    assert m["useful_worker_s_with_overlap"] == pytest.approx(1.0)
+    assert (m["commits"], m["failed_commits"], m["heals"]) == (1, 1, 1)
+    assert m["bytes_total"] == 120 and m["tokens_computed"] == 200
+    assert m["period_s"] == pytest.approx(4 / 2 * 1.0 * 4)
+
+
+def test_configs_reject_bad_values_and_round_trip_through_json(tmp_path):
+    for bad in (dict(workers=0), dict(steps=0), dict(kill_every_s=-1.0), dict(kill_every_s=math.inf),
+                dict(slow_workers=((3, 2.0),)), dict(workers=1, kill_every_s=5.0), dict(kill_at_steps=(150,))):
+        with pytest.raises(InvalidArgument):
+            DPConfig(**bad)
+    cfg = DPConfig(workers=2, steps=20, slow_workers=((1, 1.5),), kill_at_steps=(5,), out=tmp_path)
+    assert DPConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.inner(1).data_shard == 1 and cfg.inner(1).lr == 3e-3 and cfg.slow_factor(1) == 1.5
+    with pytest.raises(InvalidArgument, match="multiple of the fragments"):
+        TorchftConfig(run=RunConfig(fragments=4, sync_every_steps=6))
+    ft = TorchftConfig(workers=2, outer_momentum=0.9)
+    assert TorchftConfig.from_json(ft.to_json()) == ft
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["baseline", "dp", "--workers", "0"], "workers must be >= 1"),
+    (["baseline", "dp", "--slow-worker", "7:2"], "slow worker 7 does not exist"),
+    (["baseline", "dp", "--slow-worker", "fast"], "ID:FACTOR"),
+    (["baseline", "dp", "--kill-every", "-3"], "kill every"),
+    (["baseline", "dp", "--checkpoint-every", "0"], "checkpoint every steps must be >= 1"),
+    (["baseline", "torchft", "--sync-every", "6"], "multiple of the fragments"),
+])
+def test_bad_flags_are_clear_errors_without_traceback(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_torchft_missing_says_how_to_install(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torchft_peer, "torchft_available", lambda: False)
+    assert cli.main(["baseline", "torchft", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "torchft is not installed: pip install 'diloco[peers]'" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_ft_metrics_count_a_replacement_only_once_it_has_healed_onto_the_run_model():
+    def cycle(t, committed=True):
+        return [{"kind": "step", "step": t, "t0": t - 1.0, "t1": float(t)},
+                {"kind": "prepare", "t": float(t), "fragment": 0},
+                {"kind": "sync", "t": float(t), "fragment": 0, "committed": committed, "bytes": 0}]
+
+    alone = [{"kind": "ready", "t": 0.0, "step": 0, "attempt": 1}] + cycle(1) + cycle(2)
+    healed = [{"kind": "ready", "t": 0.0, "step": 0, "attempt": 1}] + cycle(1)
+    healed += [{"kind": "heal", "t": 1.5, "bytes": 0}] + cycle(2) + cycle(3)
+    m = ft_metrics([alone], fragments=1, sync_every_steps=1, tokens_per_step=1)
+    assert (m["useful_worker_s"], m["commits"], m["off_model_commits"]) == (0.0, 0, 2)
+    m = ft_metrics([healed], fragments=1, sync_every_steps=1, tokens_per_step=1)
+    assert (m["useful_worker_s"], m["commits"], m["off_model_commits"]) == (2.0, 2, 1)
