@@ -42,7 +42,9 @@ def _bench_syncer(args: argparse.Namespace) -> int:
 def _bench_learner(args: argparse.Namespace) -> int:
     from diloco.bench import learner
 
-    _print_result(learner.run(steps=args.steps, overlap_steps=args.overlap, threads=args.threads), args.json)
+    result = learner.run(steps=args.steps, overlap_steps=args.overlap, threads=args.threads, tracing=args.tracing,
+                         runs=args.runs)
+    _print_result(result, args.json)
     return 0
 
 
@@ -79,6 +81,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     lrn.add_argument("--steps", type=int, default=120, help="inner steps per run (default 120)")
     lrn.add_argument("--overlap", type=int, default=2, help="tau, inner steps of overlap (default 2)")
     lrn.add_argument("--threads", type=int, help="torch threads of the learner (default: all cores but one)")
+    lrn.add_argument("--tracing", action="store_true",
+                     help="compare OpenTelemetry on (SDK + OTLP exporters) vs off instead, syncing on in both")
+    lrn.add_argument("--runs", type=int, default=2, help="with --tracing: runs per configuration, interleaved (default 2)")
     lrn.add_argument("--json", action="store_true", help="print one JSON object")
     lrn.set_defaults(func=_bench_learner)
 
@@ -110,9 +115,12 @@ def _add_run_config(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--context", type=int, default=128, help="tokens per sequence (default 128)")
     group.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
     group.add_argument("--fragments", type=int, default=4, help="P: fragments the model is cut into (default 4)")
-    group.add_argument("--sync-every", type=int, default=4, help="H: inner steps between two sends of a fragment (default 16)")
+    group.add_argument("--sync-every", type=int, default=4, help="H: inner steps between two sends of a fragment (default 4)")
     group.add_argument("--overlap", type=int, default=2, help="tau: inner steps before a reply is needed (default 2)")
     group.add_argument("--alpha", type=float, default=0.0, help="merge alpha when applying a reply (default 0: overwrite)")
+    group.add_argument("--reply-rule", choices=["rebase", "mix"], default="rebase",
+                       help="apply a reply by rebasing the progress made since the push onto it (default), "
+                            "or by mixing with --alpha (DESIGN's rule)")
     group.add_argument("--synthetic-params", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -137,6 +145,7 @@ def _run_config(args: argparse.Namespace):
         sync_every_steps=args.sync_every,
         overlap_steps=args.overlap,
         merge_alpha=args.alpha,
+        reply_rule=args.reply_rule,
         synthetic_params=args.synthetic_params,
     )
 
@@ -166,6 +175,33 @@ def _grace(value: str) -> tuple[str, float]:
     if not (seconds >= 0 and seconds != float("inf")):
         raise argparse.ArgumentTypeError(f"grace seconds must be finite and >= 0, got {value!r}")
     return "fixed", seconds
+
+
+def _prometheus(value: str) -> tuple[str, int]:
+    from diloco.errors import InvalidArgument
+    from diloco.telemetry import prometheus_address
+
+    try:
+        return prometheus_address(value)
+    except InvalidArgument as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _add_telemetry(parser: argparse.ArgumentParser) -> None:
+    """Traces and OTLP metrics follow the standard OTEL_* environment variables (README,
+    "Tracing and metrics"); only the Prometheus endpoint has a flag."""
+    parser.add_argument(
+        "--prometheus", type=_prometheus, metavar="[HOST:]PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST default 0.0.0.0; needs the diloco[metrics] "
+             "extra). Traces and OTLP export follow the OTEL_* environment variables",
+    )
+
+
+def _start_telemetry(args: argparse.Namespace, role: str, **ids):
+    """OpenTelemetry from this process's environment (nothing unless OTEL_* says so)."""
+    from diloco import telemetry
+
+    return telemetry.start(role, os.environ, prometheus=args.prometheus, **ids)
 
 
 def _syncer(args: argparse.Namespace) -> int:
@@ -207,8 +243,13 @@ def _syncer(args: argparse.Namespace) -> int:
         coordinator=args.coordinator,
         snapshot_dir=Path(args.snapshot_dir) if args.snapshot_dir else None,
         restore=args.restore,
+        push_log=args.push_log,
     )
-    return asyncio.run(run_shard(run, cfg, server_cfg, Path(args.port_file) if args.port_file else None))
+    telemetry = _start_telemetry(args, "syncer", shard_id=args.shard_id)
+    try:
+        return asyncio.run(run_shard(run, cfg, server_cfg, Path(args.port_file) if args.port_file else None))
+    finally:
+        telemetry.shutdown()
 
 
 def _add_syncer(commands: argparse._SubParsersAction) -> None:
@@ -223,6 +264,8 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--data-dir", help="directory for the event tape (default: keep no tape)")
+    p.add_argument("--push-log", action="store_true",
+                   help="also log every accepted push's payload in DATA_DIR (for diloco replay; costs disk ~ bytes pushed)")
     p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
     p.add_argument("--learners", help="static live learners, e.g. L0,L1 (when there is no coordinator)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="follow this coordinator's membership stream")
@@ -240,20 +283,35 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-push-mib", type=int, default=512, help="largest accepted push, MiB (default 512)")
     p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory (for --restore latest or an id)")
     p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of the seeded model")
+    _add_telemetry(p)
     _add_run_config(p)
     p.set_defaults(func=_syncer)
 
 
 def _learner(args: argparse.Namespace) -> int:
+    import time
+
+    started = time.time()
     from diloco.errors import InvalidArgument, NotFound
     from learner.config import LearnerConfig
     from learner.server import joined_membership, run_learner, static_membership
 
+    if args.prometheus:
+        from diloco.telemetry import require_prometheus
+
+        require_prometheus()  # before joining: fail with the fix, not after taking a slot
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidArgument(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     cfg = LearnerConfig(
         device=args.device, batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
         eval_every_steps=args.eval_every, eval_batches=args.eval_batches, seed=args.data_seed,
         data_shard=args.data_shard, data_shards=args.data_shards, delta_codec=args.delta_codec,
-        block_size=args.block_size, step_delay_s=args.step_delay_s, push_timeout_s=args.push_timeout_s,
+        block_size=args.block_size, step_delay_s=args.step_delay_s, slow_factor=args.slow_factor,
+        wire_delay_ms=args.wire_delay_ms, push_timeout_s=args.push_timeout_s,
         max_inflight_pushes=args.max_inflight, heartbeat_interval_s=args.heartbeat_s,
     )
     if args.coordinator:
@@ -271,7 +329,15 @@ def _learner(args: argparse.Namespace) -> int:
     summary_path = Path(args.summary) if args.summary else None
     if args.summary_dir:
         summary_path = Path(args.summary_dir) / f"{member.learner_id}.json"
-    run_learner(cfg, member, args.data, args.coordinator, summary_path, assign_data_shard=bool(args.coordinator))
+    # Started once the learner's id is known (it is a resource attribute): the Join call
+    # itself is not traced.
+    telemetry = _start_telemetry(args, "learner", learner_id=member.learner_id,
+                                 pool=args.pool if args.coordinator else None)
+    try:
+        run_learner(cfg, member, args.data, args.coordinator, summary_path, assign_data_shard=bool(args.coordinator),
+                    events_dir=Path(args.events_dir) if args.events_dir else None, started_t=started)
+    finally:
+        telemetry.shutdown()
     return 0
 
 
@@ -304,24 +370,39 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
     t.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="delta encoding (default int4)")
     t.add_argument("--block-size", type=int, default=64, help="int4 block size; must match the shards' (default 64)")
     t.add_argument("--step-delay-s", type=float, default=0.0, help="extra seconds per step: a simulated slow learner")
+    t.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
+    t.add_argument("--slow-factor", type=float, default=1.0, help="steps take FACTOR x their compute time: a slower chip")
+    t.add_argument("--wire-delay-ms", type=float, default=0.0, help="delay added to each push and each reply: a slow network")
     t.add_argument("--push-timeout-s", type=float, default=120.0, help="deadline of one push (default 120 s)")
     t.add_argument("--max-inflight", type=int, default=16, help="pushes in flight before new ones are dropped")
     t.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval (default 1 s)")
     t.add_argument("--summary", help="write the JSON summary here at exit")
     t.add_argument("--summary-dir", help="write the JSON summary to DIR/<learner id>.json at exit")
+    t.add_argument("--events-dir", help="write the event tape (states, evaluations) to DIR/<learner id>.events.jsonl")
+    _add_telemetry(p)
     _add_run_config(p)
     p.set_defaults(func=_learner)
 
 
 def _local(args: argparse.Namespace) -> int:
+    from diloco.chaos import ChaosConfig, parse_scavenge, parse_slow
     from diloco.local import LocalConfig, run_local
 
     grace_mode, grace_s = args.grace
     cfg = LocalConfig(
         run=_run_config(args), learners=args.learners, shards=args.shards, quorum=args.quorum,
-        grace=grace_mode if grace_mode != "fixed" else str(grace_s), steps=args.steps, batch_size=args.batch_size,
-        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        out=Path(args.out) if args.out else None,
+        grace=grace_mode if grace_mode != "fixed" else str(grace_s), steps=args.steps, tokens=args.tokens,
+        batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        merge=args.merge, delta_codec=args.delta_codec, out=Path(args.out) if args.out else None,
+        chaos=ChaosConfig(
+            kill_every_s=args.kill_learner_every, max_kills=args.max_kills, restart_shard_at_s=args.restart_shard_at,
+            scavenge=parse_scavenge(args.scavenge) if args.scavenge else None, seed=args.chaos_seed,
+        ),
+        slow_learners=tuple(parse_slow(x) for x in args.slow_learner or ()),
+        delay_ms=args.delay_ms,
+        child_env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint,
+                   "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
+        learner_threads=args.learner_threads,
     )
     summary = run_local(cfg)
     print(json.dumps(summary, indent=1))
@@ -338,14 +419,171 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--shards", type=int, default=2, help="S: syncer shards (default 2)")
     p.add_argument("--quorum", type=int, default=1, help="K: minimum pushes per round (default 1)")
     p.add_argument("--grace", type=_grace, default=("auto", 0.0), help="auto (default), off, or SECONDS")
-    p.add_argument("--steps", type=int, default=150, help="inner steps per learner (default 150)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, default=150, help="inner steps per learner (default 150)")
+    budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
     p.add_argument("--outer-lr", type=float, default=1.0, help="shards' outer learning rate (default 1.0, see README)")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="shards' outer Nesterov momentum (default 0)")
+    p.add_argument("--merge", choices=["rda", "mean"], default="rda", help="shards' merge (default rda)")
+    p.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="learners' delta encoding (default int4)")
     p.add_argument("--out", help="run directory (default ./runs/<timestamp>)")
+    p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
+    p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
+    chaos = p.add_argument_group("chaos")
+    chaos.add_argument("--kill-learner-every", type=float, metavar="SECONDS",
+                       help="SIGKILL a random learner every SECONDS on average (Poisson; times count from the launch of the learners); a replacement is launched")
+    chaos.add_argument("--max-kills", type=int, metavar="N", help="stop killing after N kills (default: no limit)")
+    chaos.add_argument("--slow-learner", action="append", metavar="ID:FACTOR",
+                       help="learner ID (launch order, L0..) takes FACTOR x as long per step (repeatable)")
+    chaos.add_argument("--delay-ms", type=float, default=0.0, help="delay added to every push and reply (default 0)")
+    chaos.add_argument("--restart-shard-at", type=float, metavar="SECONDS",
+                       help="snapshot, SIGKILL shard 0 and restart it from the snapshot at SECONDS")
+    chaos.add_argument("--scavenge", metavar="N@SECONDS", help="add N learners through AddLearners at SECONDS")
+    chaos.add_argument("--chaos-seed", type=int, default=0, help="seed of the kill schedule and victims (default 0)")
     _add_run_config(p)
     p.set_defaults(func=_local)
 
+
+def _timeline(args: argparse.Namespace) -> int:
+    from diloco.timeline import draw_timeline
+
+    print(draw_timeline(Path(args.run_dir), Path(args.out) if args.out else None))
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from diloco.replay import replay
+
+    results = replay(Path(args.run_dir), Path(args.snapshot_dir) if args.snapshot_dir else None)
+    worst = max(r.max_abs_diff for r in results)
+    if args.json:
+        print(json.dumps({"max_abs_diff": worst, "shards": [r.__dict__ for r in results]}))
+    else:
+        for r in results:
+            origin = f"snapshot {r.restored_from}" if r.restored_from is not None else "the seeded model"
+            print(f"shard {r.shard_id}: replayed {r.rounds} rounds from {origin}; "
+                  f"fragments at versions {r.fragments}; max |diff| {r.max_abs_diff:.3g}")
+        print(f"max absolute difference from the run's final global parameters: {worst:.3g}")
+    return 0 if worst == 0 or not args.check else 1
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from diloco import compare
+
+    scenarios = tuple(args.scenario or compare.SCENARIOS)
+    cfg = compare.CompareConfig(
+        run=_run_config(args), workers=args.workers, steps=args.steps, batch_size=args.batch_size, seed=args.seed_faults,
+        systems=tuple(x for x in args.systems.split(",") if x), out=Path(args.out),
+    )
+    emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
+    compare.run(cfg, scenarios, args.ablations, on_result=emit)
+    if not args.json:
+        print((cfg.out / "results.md").read_text())
+    return 0
+
+
+def _add_compare(commands: argparse._SubParsersAction) -> None:
+    from diloco.compare import SCENARIOS, SYSTEMS
+
+    p = commands.add_parser(
+        "compare",
+        help="Decoupled DiLoCo vs synchronous DP vs torchft, scenario by scenario (real runs); markdown, JSON, plots",
+        description="Run the same workload under each system for each scenario and write OUT/results.md, "
+                    "OUT/results.json and OUT/compare.png.",
+    )
+    p.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only this scenario (repeatable; default all)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
+    p.add_argument("--ablations", action="store_true", help="also run the Decoupled ablations on nofault and hetero")
+    p.add_argument("--workers", type=int, default=4, help="M: learners / DP workers / torchft replicas (default 4)")
+    p.add_argument("--steps", type=int, default=120, help="inner steps per worker (default 120)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step per worker (default 16)")
+    p.add_argument("--seed-faults", type=int, default=0, help="seed of the fault schedules (default 0)")
+    p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per scenario as it finishes")
+    _add_run_config(p)
+    p.set_defaults(func=_compare)
+
+
+def _add_run_tools(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("timeline", help="redraw a diloco local run's busy/idle timeline from its tapes")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", help="PNG to write (default RUN_DIR/timeline.png)")
+    p.set_defaults(func=_timeline)
+    p = commands.add_parser("replay", help="re-run a diloco local run's rounds from its tapes; compare with its final model")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--snapshot-dir", help="where the run's snapshots are (default RUN_DIR/coordinator/snapshots)")
+    p.add_argument("--check", action="store_true", help="exit 1 unless the replay matches bit for bit")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_replay)
+
+
+def _add_baseline(commands: argparse._SubParsersAction) -> None:
+    """``diloco baseline dp|torchft``: the systems Decoupled DiLoCo is compared against."""
+
+    def baseline(args: argparse.Namespace) -> int:
+        from diloco.baseline.common import parse_slow_workers
+
+        common = dict(
+            run=_run_config(args), workers=args.workers, steps=args.steps, batch_size=args.batch_size,
+            kill_every_s=args.kill_every, slow_workers=parse_slow_workers(args.slow_worker),
+            kill_at_steps=tuple(args.kill_at_step or ()), fault_seed=args.fault_seed,
+            threads_per_worker=args.threads_per_worker, out=Path(args.out) if args.out else None,
+        )
+        if args.baseline == "dp":
+            from diloco.baseline.dp import DPConfig, run_dp
+
+            result = run_dp(DPConfig(**common, checkpoint_every_steps=args.checkpoint_every))
+        else:
+            from diloco.baseline.torchft_peer import TorchftConfig, run_torchft
+
+            # torchft's Streaming DiLoCo mixes a synced fragment in with alpha: its own rule.
+            from dataclasses import replace
+
+            common["run"] = replace(common["run"], reply_rule="mix")
+            result = run_torchft(TorchftConfig(**common, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum))
+        _print_result(result, args.json)
+        return 0
+
+    parser = commands.add_parser(
+        "baseline",
+        help="the baselines on the same workload as diloco local: synchronous data-parallel, torchft",
+        description="Run a baseline on diloco local's model, data, token budget and worker count; write a run "
+                    "directory with summary.json (wall_s, tokens, eval_loss_*, goodput, uptime, global_stall_s, "
+                    "bytes_per_1k_tokens, restarts, steps).",
+    )
+    kinds = parser.add_subparsers(dest="baseline", required=True, metavar="BASELINE")
+    dp = kinds.add_parser(
+        "dp", help="synchronous data-parallel: one gradient all-reduce per step (gloo), elastic restart from checkpoints",
+        description="Synchronous data-parallel over gloo on 127.0.0.1. A dead worker stalls every worker until the "
+                    "supervisor restarts all of them from the last checkpoint.",
+    )
+    ft = kinds.add_parser(
+        "torchft", help="torchft's Streaming DiLoCo (needs the optional extra: pip install 'diloco[peers]')",
+        description="The same workload under torchft's Streaming DiLoCo (Lighthouse on 127.0.0.1, gloo, CPU). "
+                    "A killed replica is restarted alone and heals from a peer.",
+    )
+    for p, who in ((dp, "workers"), (ft, "replicas")):
+        p.add_argument("--workers", type=int, default=3, help=f"M: {who}, one process each (default 3)")
+        p.add_argument("--steps", type=int, default=150, help="steps per worker (default 150, as diloco local)")
+        p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step (default 16)")
+        p.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
+                       help=f"SIGKILL a random one of the {who} every SECONDS on average (exponential; default 0: never)")
+        p.add_argument("--kill-at-step", type=int, action="append", metavar="STEP",
+                       help="deterministic fault: SIGKILL a random one once step STEP is done (repeatable)")
+        p.add_argument("--slow-worker", action="append", metavar="ID:FACTOR",
+                       help="that worker's steps take FACTOR x as long (repeatable, or comma-separated)")
+        p.add_argument("--fault-seed", type=int, default=0, help="seed of the kill plan (default 0)")
+        p.add_argument("--threads-per-worker", type=int, default=1,
+                       help="torch threads of each process (default 1, as torchrun sets)")
+        p.add_argument("--out", help="run directory (default ./runs/<baseline>-<timestamp>)")
+        p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+        _add_run_config(p)
+        p.set_defaults(func=baseline)
+    dp.add_argument("--checkpoint-every", type=int, default=25, metavar="STEPS",
+                    help="steps between two checkpoints (default 25)")
+    ft.add_argument("--outer-lr", type=float, default=1.0, help="outer SGD learning rate (default 1.0, as diloco local)")
+    ft.add_argument("--outer-momentum", type=float, default=0.0, help="outer Nesterov momentum (default 0, as diloco local)")
 
 def _tape_show(args: argparse.Namespace) -> int:
     from diloco.tape import read_tape
@@ -402,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_local(commands)
+    _add_run_tools(commands)
+    _add_compare(commands)
+    _add_baseline(commands)
     _add_bench(commands)
     _add_syncer(commands)
     _add_learner(commands)

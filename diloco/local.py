@@ -22,12 +22,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from diloco import auth
+from diloco.chaos import SCAVENGED_POOL, ChaosConfig, ChaosMonkey, learner_pid
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument, Unavailable
 from diloco.tape import read_tape
@@ -45,21 +47,61 @@ class LocalConfig:
     """auto, off, or seconds."""
     steps: int = 150
     """Inner steps per learner."""
+    tokens: int | None = None
+    """Token budget of the whole run: learners are sized for it and drained once the
+    learners together have trained it (replacements and scavenged learners included)."""
     outer_lr: float = 1.0
     """The local defaults average the merged deltas without outer momentum: at this short a
     sync period, with ~1.5 of 3 learners per round, momentum 0.9 re-applies overlapping
     progress and the run barely learns (measured, 3 learners x 150 steps: final eval
     7.17 bits/byte with lr 0.7 / momentum 0.9, 3.61 with lr 1.0 / momentum 0)."""
     outer_momentum: float = 0.0
+    merge: str = "rda"
+    """The shards' merge: rda (default) or mean (ablations)."""
+    delta_codec: str = "int4"
+    """The learners' delta encoding: int4 (default) or fp32 (ablations)."""
     batch_size: int = 16
     out: Path | None = None
     startup_timeout_s: float = 120.0
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    slow_learners: tuple[tuple[int, float], ...] = ()
+    """(launch index, factor): that learner's steps take factor x their compute time."""
+    delay_ms: float = 0.0
+    """Added by every learner to each push and each reply."""
+    child_env: Mapping[str, str] | None = None
+    """Environment of every process (None: this one's). The CLI puts ``--otlp-endpoint``
+    there as OTEL_EXPORTER_OTLP_ENDPOINT."""
+    learner_threads: int | None = None
+    """torch threads per learner (None: the cores shared out among learners, at least 1)."""
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.shards < 1 or self.steps < 1 or self.quorum < 1:
             raise InvalidArgument("learners, shards, steps and quorum must all be >= 1")
+        if self.tokens is not None and self.tokens < 1:
+            raise InvalidArgument(f"--tokens must be >= 1, got {self.tokens}")
+        if self.delay_ms < 0:
+            raise InvalidArgument(f"--delay-ms must be >= 0, got {self.delay_ms}")
+        for index, _ in self.slow_learners:
+            if index >= self.learners:
+                raise InvalidArgument(f"--slow-learner L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
         if self.shards > self.run.fragments:
             raise InvalidArgument(f"{self.shards} shards for {self.run.fragments} fragments: some shard would own none")
+
+
+    @property
+    def threads_per_learner(self) -> int:
+        return self.learner_threads or max((os.cpu_count() or 1) // self.learners, 1)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.run.model.context
+
+    @property
+    def learner_steps(self) -> int:
+        """Inner steps each learner is launched with."""
+        if self.tokens is None:
+            return self.steps
+        return max(math.ceil(self.tokens / (self.learners * self.tokens_per_step)), 1)
 
 
 def _free_port() -> int:
@@ -81,35 +123,46 @@ class Cluster:
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
         log = open(self.dir / "logs" / f"{role}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "--log-level", "INFO", *args],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(self.cfg.child_env) if self.cfg.child_env is not None else None)
+        log.close()
         self.procs.append((role, proc))
         return proc
 
     def _endpoint(self, role: str, address: str, pid: int) -> None:
-        self.endpoints.append({"role": role, "address": address, "pid": pid})
+        self.endpoints = [e for e in self.endpoints if e["role"] != role] + [{"role": role, "address": address, "pid": pid}]
         tmp = self.dir / "endpoints.json.tmp"
         tmp.write_text(json.dumps(self.endpoints, indent=1))
         os.replace(tmp, self.dir / "endpoints.json")
 
+    def _shard_args(self, m: int) -> list[str]:
+        address = self.shards[m]
+        return [
+            "syncer", "--shard-id", str(m), "--shards", str(self.cfg.shards), "--port", address.rsplit(":", 1)[1],
+            "--data-dir", str(self.dir / f"shard{m}"), "--push-log", "--coordinator", self.coordinator,
+            "--quorum", str(self.cfg.quorum), "--grace", self.cfg.grace,
+            "--outer-lr", str(self.cfg.outer_lr), "--outer-momentum", str(self.cfg.outer_momentum),
+            "--merge", self.cfg.merge, "--snapshot-dir", str(self.dir / "coordinator" / "snapshots"), *self.common,
+        ]
+
     def start(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
-        run_file = self.dir / "run.json"
-        common = ["--secret-file", str(self.dir / "secret"), "--run-config", str(run_file)]
-        learner_cmd = (f"{sys.executable} -m diloco.cli --log-level INFO learner --steps {self.cfg.steps} "
-                       f"--eval-every {max(self.cfg.steps // 6, 1)} "
-                       f"--batch-size {self.cfg.batch_size} --summary-dir {self.dir / 'learners'}")
+        self.common = ["--secret-file", str(self.dir / "secret"), "--run-config", str(self.dir / "run.json")]
+        learner_cmd = (f"{sys.executable} -m diloco.cli --log-level INFO learner --steps {self.cfg.learner_steps} "
+                       f"--eval-every {max(self.cfg.learner_steps // 6, 1)} --batch-size {self.cfg.batch_size} "
+                       f"--summary-dir {self.dir / 'learners'} --events-dir {self.dir / 'learners'} "
+                       f"--delta-codec {self.cfg.delta_codec} --threads {self.cfg.threads_per_learner}")
+        if self.cfg.delay_ms:
+            learner_cmd += f" --wire-delay-ms {self.cfg.delay_ms}"
         coord = self._spawn("coordinator", [
             "coordinator", "--port", self.coordinator.rsplit(":", 1)[1], "--data-dir", str(self.dir / "coordinator"),
-            "--shards", ",".join(self.shards), "--learner-command", learner_cmd, *common,
+            "--shards", ",".join(self.shards), "--learner-command", learner_cmd,
+            "--pools", f"default,{SCAVENGED_POOL}", *self.common,
         ])
+        self.shard_procs = []
         for m, address in enumerate(self.shards):
-            shard = self._spawn(f"shard{m}", [
-                "syncer", "--shard-id", str(m), "--shards", str(self.cfg.shards), "--port", address.rsplit(":", 1)[1],
-                "--data-dir", str(self.dir / f"shard{m}"), "--coordinator", self.coordinator,
-                "--quorum", str(self.cfg.quorum), "--grace", self.cfg.grace,
-                "--outer-lr", str(self.cfg.outer_lr), "--outer-momentum", str(self.cfg.outer_momentum),
-                "--snapshot-dir", str(self.dir / "coordinator" / "snapshots"), *common,
-            ])
+            shard = self._spawn(f"shard{m}", self._shard_args(m))
+            self.shard_procs.append(shard)
             self._wait_serving(address, f"shard {m}", shard)
             self._endpoint(f"shard{m}", address, shard.pid)
         self._wait_serving(self.coordinator, "the coordinator", coord)
@@ -118,6 +171,28 @@ class Cluster:
         _wait(lambda: token_file.exists(), self.cfg.startup_timeout_s, "the admin token")
         (self.dir / "admin-token").write_text(token_file.read_text())
         os.chmod(self.dir / "admin-token", 0o600)
+
+    def restart_shard(self, m: int, admin, log) -> None:
+        """Snapshot the run, SIGKILL shard ``m``, start it again from the snapshot."""
+        snapshot_id = admin.start_snapshot()
+
+        def complete() -> bool:
+            state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")
+            if state == "failed":
+                raise Unavailable(f"snapshot {snapshot_id} failed: not restarting shard {m}")
+            return state == "complete"
+
+        _wait(complete, 60, f"snapshot {snapshot_id}")
+        old = self.shard_procs[m]
+        killed = time.time()
+        os.killpg(old.pid, signal.SIGKILL)
+        old.wait(timeout=10)
+        new = self._spawn(f"shard{m}", [*self._shard_args(m), "--restore", str(snapshot_id)])
+        self.shard_procs[m] = new
+        self._wait_serving(self.shards[m], f"shard {m}", new)
+        self._endpoint(f"shard{m}", self.shards[m], new.pid)
+        log("restart_shard", t=killed, shard=m, snapshot=snapshot_id, old_pid=old.pid, pid=new.pid,
+            down_s=round(time.time() - killed, 3))
 
     def _wait_serving(self, address: str, what: str, proc: subprocess.Popen) -> None:
         def serving() -> bool:
@@ -167,22 +242,35 @@ def _shard_status(addresses: list[str]) -> list:
     return asyncio.run(all_())
 
 
-def _progress_table(members: list[dict], statuses: list, started: float):
+def learner_events(run_dir: Path) -> dict[str, list[dict]]:
+    """Each learner's event tape (``learners/<id>.events.jsonl``)."""
+    events = {}
+    for path in sorted((run_dir / "learners").glob("*.events.jsonl")):
+        events[path.name.removesuffix(".events.jsonl")] = list(read_tape(path))
+    return events
+
+
+def _progress_table(members: list[dict], statuses: list, events: dict[str, list[dict]], goodput: float | None,
+                    started: float):
     from rich.table import Table
 
     table = Table(title=f"diloco local — {time.monotonic() - started:5.0f} s", title_justify="left")
-    for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps"):
-        table.add_column(column, justify="right" if column.startswith(("tokens", "inner")) else "left")
+    for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", "eval bits/byte"):
+        table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right")
     for m in members:
+        evals = [e["bpb"] for e in events.get(m["id"], []) if e["kind"] == "eval"]
         table.add_row(m["id"], m["state"], m.get("pool", ""), f"{m.get('tokens', 0):,}",
-                      f"{m.get('tokens_per_s', 0):,.0f}", f"{m.get('inner_steps', 0):,}")
+                      f"{m.get('tokens_per_s', 0):,.0f}", f"{m.get('inner_steps', 0):,}",
+                      f"{evals[-1]:.3f}" if evals else "")
     ok = [s for s in statuses if not isinstance(s, BaseException)]
     versions = [f.version for s in ok for f in s.fragments]
     table.caption = (
         f"global tokens {sum(m.get('tokens', 0) for m in members):,} · outer versions "
         f"{min(versions, default=0)}–{max(versions, default=0)} · rounds {sum(s.rounds_closed for s in ok)} · "
+        f"step goodput {'–' if goodput is None else f'{goodput:.2f}'} · "
         f"pushes {sum(s.pushes_received for s in ok)} · wire ↑{sum(s.bytes_received for s in ok) / 1e6:.1f} MB "
         f"↓{sum(s.bytes_sent for s in ok) / 1e6:.1f} MB"
+        + (f" · {len(ok)}/{len(statuses)} shards up" if len(ok) < len(statuses) else "")
     )
     return table
 
@@ -190,7 +278,8 @@ def _progress_table(members: list[dict], statuses: list, started: float):
 # --- results -------------------------------------------------------------------------
 
 
-def _fetch_model(cluster: Cluster, secret: str, run: RunConfig) -> dict[str, torch.Tensor]:
+def _fetch_model(cluster: Cluster, secret: str, run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+    """The global model and each fragment's version, fetched with Bootstrap."""
     from syncer.client import SyncerClient, open_channel
 
     plan = run.plan()
@@ -203,10 +292,12 @@ def _fetch_model(cluster: Cluster, secret: str, run: RunConfig) -> dict[str, tor
                 updates += await SyncerClient(channel, "C", auth.sign(secret, "C"), timeout_s=30).bootstrap()
         return updates
 
+    versions = {}
     for update in asyncio.run(fetch()):
+        versions[update.fragment] = update.version
         for view, value in zip(plan.gather(update.fragment, state), update.segments[-1].tensors):
             view.copy_(value)
-    return state
+    return state, versions
 
 
 def _eval_bpb(run: RunConfig, state: dict[str, torch.Tensor] | None, batches: int = 8) -> float:
@@ -225,28 +316,53 @@ def _eval_bpb(run: RunConfig, state: dict[str, torch.Tensor] | None, batches: in
     return sum(losses) / len(losses) / math.log(2)
 
 
-def tape_stats(run_dir: Path, fragments: int, learner_steps: int) -> dict:
-    """Rounds, participants and grace from the shards' tapes; goodput (README): the share
-    of learner fragment-steps whose delta was merged with weight > 0."""
-    rounds, merged = [], set()
-    pushes = []
+def tape_stats(run_dir: Path, fragments: int, steps: dict[str, int]) -> dict:
+    """Rounds, participants and grace from the shards' tapes, and goodput (README): the
+    share of the learners' inner-step time whose deltas reached the global model, i.e.
+    per learner the fragment-steps of its pushes merged with weight > 0 over its inner
+    steps x P, weighted by its step time. ``steps``: inner steps each learner trained."""
+    rounds, merged, pushes = [], set(), []
     for tape in sorted(run_dir.glob("shard*/tape-S*.jsonl")):
+        life = 0  # a restarted shard starts a new life; versions repeat after a restore
         for r in read_tape(tape):
-            if r["kind"] == "round":
+            if r["kind"] == "start":
+                life += 1
+            elif r["kind"] == "round":
                 rounds.append(r)
-                merged |= {(p, r["fragment"], r["version"]) for p, w in zip(r["participants"], r["weights"]) if w > 0}
+                merged |= {(tape, life, p, r["fragment"], r["version"])
+                           for p, w in zip(r["participants"], r["weights"]) if w > 0}
             elif r["kind"] == "push" and r["outcome"] != "duplicate":
-                pushes.append(r)
-    merged_steps = sum(p["steps"] for p in pushes if (p["learner"], p["fragment"], p["target_version"]) in merged)
-    total = learner_steps * fragments
-    closes = sorted(r["t"] for r in rounds)
+                pushes.append((tape, life, r))
+    merged_steps: dict[str, int] = {}
+    step_s: dict[str, float] = {}
+    for tape, life, p in pushes:
+        step_s[p["learner"]] = p["step_time_s"]
+        if (tape, life, p["learner"], p["fragment"], p["target_version"]) in merged:
+            merged_steps[p["learner"]] = merged_steps.get(p["learner"], 0) + p["steps"]
+    typical = sorted(step_s.values())[len(step_s) // 2] if step_s else 1.0
+    useful = total = 0.0
+    for learner, n in steps.items():
+        t = step_s.get(learner) or typical
+        total += n * fragments * t
+        useful += min(merged_steps.get(learner, 0), n * fragments) * t
     return {
         "rounds": len(rounds),
         "mean_participants": round(sum(len(r["participants"]) for r in rounds) / len(rounds), 3) if rounds else 0.0,
         "mean_grace_s": round(sum(r["grace_s"] for r in rounds) / len(rounds), 4) if rounds else 0.0,
-        "goodput": round(min(merged_steps / total, 1.0), 4) if total else 0.0,
-        "round_closes": closes,
+        "step_goodput": round(useful / total, 4) if total else 0.0,
+        "useful_s": useful / fragments,
+        "round_closes": sorted(r["t"] for r in rounds),
+        "step_s": typical,
     }
+
+
+def slot_seconds(slot_starts: list[float], end: float, scavenged: list[tuple[float, int]]) -> float:
+    """Learner-slot time of the training window, the denominator of goodput. Each of the
+    learners launched at the start holds a slot from its first inner step (the first
+    start-up is excluded, as DP's is) to the end of training; a killed learner's slot
+    keeps counting through its replacement's start-up; an early finisher's slot idles
+    until the end. Each scavenged learner holds a slot from the moment it was asked for."""
+    return sum(max(end - t, 0.0) for t in slot_starts) + sum(count * max(end - t, 0.0) for t, count in scavenged)
 
 
 def uptime(closes: list[float], start: float, end: float, period_s: float) -> tuple[float, float]:
@@ -260,24 +376,26 @@ def uptime(closes: list[float], start: float, end: float, period_s: float) -> tu
     return round(1.0 - stall / (end - start), 4), round(stall, 3)
 
 
-def plot_eval(run_dir: Path, learner_summaries: list[dict], final_bpb: float, tokens: int) -> None:
+def plot_eval(run_dir: Path, events: dict[str, list[dict]], final_bpb: float, tokens: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for s in learner_summaries:
-        history = s.get("eval_history") or []
-        ax.plot([h[1] for h in history], [h[2] for h in history], marker="o", ms=3, label=s["learner_id"])
-    end = max((s["tokens"] for s in learner_summaries), default=0)
+    end = 0
+    for learner, records in sorted(events.items(), key=lambda kv: int(kv[0].lstrip("L") or 0)):
+        evals = [r for r in records if r["kind"] == "eval"]
+        if evals:
+            ax.plot([e["tokens"] for e in evals], [e["bpb"] for e in evals], marker="o", ms=3, label=learner)
+            end = max(end, evals[-1]["tokens"])
     ax.scatter([end], [final_bpb], color="black", zorder=3,
                label=f"final global model ({tokens:,} tokens from all learners)")
     ax.set_xlabel("tokens seen by each learner")
     ax.set_ylabel("eval loss (bits per byte)")
     ax.set_title("diloco local: eval loss vs tokens")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     fig.savefig(run_dir / "eval_loss.png", dpi=120)
     plt.close(fig)
@@ -286,11 +404,34 @@ def plot_eval(run_dir: Path, learner_summaries: list[dict], final_bpb: float, to
 # --- the command ---------------------------------------------------------------------
 
 
+def _launch(admin, cfg: LocalConfig) -> None:
+    slow = dict(cfg.slow_learners)
+    for index in range(cfg.learners):
+        overrides = {"slow_factor": str(slow[index])} if index in slow else {}
+        failed = [r for r in admin.add_learners(1, overrides=overrides) if not r["ok"]]
+        if failed:
+            raise Unavailable(f"could not launch learners: {failed}")
+
+
+def _finished(cfg: LocalConfig, members: list[dict], monkey: ChaosMonkey | None) -> bool:
+    """Every learner launched has joined and is gone. A chaos action in progress (a kill
+    whose replacement is being launched) means not yet."""
+    if monkey is not None and not monkey.acting.acquire(blocking=False):
+        return False
+    try:
+        expected = cfg.learners + (monkey.launched if monkey is not None else 0)
+        return len(members) >= expected and all(m["state"] in ("left", "failed") for m in members)
+    finally:
+        if monkey is not None:
+            monkey.acting.release()
+
+
 def run_local(cfg: LocalConfig) -> dict:
     from rich.console import Console
     from rich.live import Live
 
     from coordinator.client import AdminClient
+    from diloco.timeline import draw_timeline
 
     run_dir = cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -299,37 +440,58 @@ def run_local(cfg: LocalConfig) -> dict:
     (run_dir / "secret").write_text(secret)
     os.chmod(run_dir / "secret", 0o600)
     (run_dir / "run.json").write_text(cfg.run.to_json())
-    (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json())}, indent=1))
+    resolved = {**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json()), "learner_steps": cfg.learner_steps}
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, default=str))
     console = Console(stderr=True)
-    console.print(f"[bold]diloco local[/]: {cfg.learners} learners, {cfg.shards} shards, run directory {run_dir}")
+    budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{cfg.steps} inner steps each"
+    console.print(f"[bold]diloco local[/]: {cfg.learners} learners, {cfg.shards} shards, {budget}, run directory {run_dir}")
     eval_start = _eval_bpb(cfg.run, None)
     cluster = Cluster(cfg, run_dir)
     started_wall, started = time.time(), time.monotonic()
-    admin = None
+    admin = monkey = None
     interrupted = False
+    draining: set[str] = set()
     try:
         cluster.start()
-        admin = AdminClient(cluster.coordinator, (run_dir / "admin-token").read_text().strip(), timeout_s=10)
-        results = admin.add_learners(cfg.learners)
-        failed = [r for r in results if not r["ok"]]
-        if failed:
-            raise Unavailable(f"could not launch learners: {failed}")
+        token = (run_dir / "admin-token").read_text().strip()
+        admin = AdminClient(cluster.coordinator, token, timeout_s=10)
+        _launch(admin, cfg)
+        if cfg.chaos.active:  # its clock starts now that the learners are launched
+            chaos_admin = AdminClient(cluster.coordinator, token, timeout_s=10)
+            monkey = ChaosMonkey(cfg.chaos, chaos_admin, lambda m: cluster.restart_shard(m, chaos_admin, monkey.record),
+                                 cfg.learner_steps, run_dir / "chaos.jsonl", time.monotonic())
+            monkey.start()
+        last_stats, goodput = 0.0, None
         with Live(console=console, refresh_per_second=2) as live:
             while True:
                 members = admin.members(include_gone=True)
-                live.update(_progress_table(members, _shard_status(cluster.shards), started))
-                done = len(members) >= cfg.learners and all(m["state"] in ("left", "failed") for m in members)
-                if done:
+                events = learner_events(run_dir)
+                if time.monotonic() - last_stats > 5:
+                    steps = {m["id"]: m["inner_steps"] for m in members}
+                    goodput, last_stats = tape_stats(run_dir, cfg.run.fragments, steps)["step_goodput"], time.monotonic()
+                live.update(_progress_table(members, _shard_status(cluster.shards), events, goodput, started))
+                if cfg.tokens is not None and sum(m["tokens"] for m in members) >= cfg.tokens:
+                    # The budget is spent: drain everyone (and anyone who joins late).
+                    if monkey is not None:
+                        monkey.halt()
+                    todo = [m["id"] for m in members if m["state"] in ("active", "joining") and m["id"] not in draining]
+                    if todo:
+                        admin.remove_learners(todo, drain=True)
+                        draining |= set(todo)
+                if _finished(cfg, members, monkey):
                     break
                 time.sleep(1.0)
     except KeyboardInterrupt:
         interrupted = True
         console.print("interrupted: stopping every process")
     finally:
-        state = None
+        if monkey is not None:
+            monkey.halt()
+            monkey.join(timeout=60)
+        state, versions = None, {}
         try:
             if cluster.procs:
-                state = _fetch_model(cluster, secret, cfg.run)
+                state, versions = _fetch_model(cluster, secret, cfg.run)
         except Exception as error:  # the cluster may already be gone after Ctrl-C
             logger.warning("could not fetch the final model: %s", error)
         members = admin.members(include_gone=True) if admin is not None and not interrupted else []
@@ -337,33 +499,57 @@ def run_local(cfg: LocalConfig) -> dict:
             admin.close()
         cluster.stop()
     wall_s = time.monotonic() - started
-    summaries = [json.loads(p.read_text()) for p in sorted((run_dir / "learners").glob("*.json"))]
+    summaries = {s["learner_id"]: s for s in (json.loads(p.read_text()) for p in sorted((run_dir / "learners").glob("*.json")))}
+    events = learner_events(run_dir)
     if state is not None:
         torch.save(state, run_dir / "model.pt")
     eval_final = _eval_bpb(cfg.run, state) if state is not None else float("nan")
-    tokens = sum(s["tokens"] for s in summaries)
-    steps = sum(s["inner_steps"] for s in summaries)
+    # Inner steps per learner: its summary, or for a killed one its last heartbeat.
+    steps = {m["id"]: m["inner_steps"] for m in members}
+    steps.update({i: s["inner_steps"] for i, s in summaries.items()})
+    tokens = sum(s["tokens"] for s in summaries.values()) + sum(
+        m["tokens"] for m in members if m["id"] not in summaries)
     stats = tape_stats(run_dir, cfg.run.fragments, steps)
-    step_time = sum(s["train_s"] for s in summaries) / max(steps, 1)
-    period = cfg.run.sync_every_steps / cfg.run.fragments * step_time * 4
-    up, stall = uptime(stats.pop("round_closes"), started_wall + (wall_s - max((s["wall_s"] for s in summaries), default=0)), started_wall + wall_s, period)
+    # Uptime over the training window: from the first learner computing to the last one done.
+    computing = [e["t"] for r in events.values() for e in r if e["kind"] == "state" and e["state"] == "computing"]
+    done = [e["t"] for r in events.values() for e in r if e["kind"] == "state" and e["state"] in ("draining", "left")]
+    period = cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"] * 4
+    window = (min(computing, default=started_wall), max(done, default=started_wall + wall_s))
+    up, stall = uptime(stats.pop("round_closes"), *window, period)
+    chaos = [json.loads(line) for line in (run_dir / "chaos.jsonl").read_text().splitlines()] if (run_dir / "chaos.jsonl").exists() else []
+    pools = {m["id"]: m["pool"] for m in members}
+    first_steps = sorted(min(e["t"] for e in r if e["kind"] == "state" and e["state"] == "computing")
+                         for i, r in events.items()
+                         if pools.get(i) != SCAVENGED_POOL and any(e.get("state") == "computing" for e in r))
+    slots = slot_seconds(first_steps[: cfg.learners], window[1],
+                         [(c["t"], len(c["launched"])) for c in chaos if c["kind"] == "scavenge"])
     summary = {
         "tokens": tokens,
         "wall_s": round(wall_s, 2),
         "eval_loss_start": round(eval_start, 4),
         "eval_loss_final": round(eval_final, 4),
-        "goodput": stats.pop("goodput"),
+        "goodput": round(min(stats.pop("useful_s") / slots, 1.0), 4) if slots else 0.0,
+        "step_goodput": stats.pop("step_goodput"),
         "uptime": up,
         "global_stall_s": stall,
-        "bytes_up": sum(s["bytes_up"] for s in summaries),
-        "bytes_down": sum(s["bytes_down"] for s in summaries),
-        **stats,
+        "bytes_up": sum(s["bytes_up"] for s in summaries.values()),
+        "bytes_down": sum(s["bytes_down"] for s in summaries.values()),
+        **{k: v for k, v in stats.items() if k != "step_s"},
         "learners_joined": len(members) if members else len(summaries),
         "learners_failed": sum(1 for m in members if m["state"] == "failed"),
+        "learners_killed": sum(1 for c in chaos if c["kind"] == "kill"),
+        "learners_scavenged": sum(len(c["launched"]) for c in chaos if c["kind"] == "scavenge"),
+        "shard_restarts": sum(1 for c in chaos if c["kind"] == "restart_shard"),
+        "learners": [{"id": m["id"], "pool": m["pool"], "state": m["state"], "inner_steps": steps.get(m["id"], 0),
+                      "tokens": summaries[m["id"]]["tokens"] if m["id"] in summaries else m["tokens"]} for m in members],
+        "final_versions": {str(f): v for f, v in sorted(versions.items())},
+        "started_unix": round(started_wall, 3),
         "interrupted": interrupted,
         "run_dir": str(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if summaries and state is not None:
-        plot_eval(run_dir, summaries, eval_final, tokens)
+    if events and state is not None:
+        plot_eval(run_dir, events, eval_final, tokens)
+    if events:
+        draw_timeline(run_dir)
     return summary

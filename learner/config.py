@@ -38,6 +38,10 @@ class LearnerConfig:
     block_size: int = 64
     step_delay_s: float = 0.0
     """Extra seconds per inner step: simulates a slower accelerator (chaos, benchmarks)."""
+    slow_factor: float = 1.0
+    """Each inner step takes this many times its compute time (chaos: a slower chip)."""
+    wire_delay_ms: float = 0.0
+    """Added to each push before sending and to each reply before use (chaos: a slow network)."""
     push_timeout_s: float = 120.0
     """Deadline of one push RPC (upload + waiting for the round to close)."""
     max_inflight_pushes: int = 16
@@ -58,7 +62,9 @@ class LearnerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgument(f"{name} must be a positive number, got {value}")
-        for name in ("weight_decay", "grad_clip", "step_delay_s", "min_lr_ratio"):
+        if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):
+            raise InvalidArgument(f"slow factor must be a finite number >= 1, got {self.slow_factor}")
+        for name in ("weight_decay", "grad_clip", "step_delay_s", "min_lr_ratio", "wire_delay_ms"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")

@@ -8,10 +8,12 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from diloco.config import RunConfig
+from diloco.tape import TapeWriter
 from learner.config import LearnerConfig
 from learner.membership import Heartbeats, Membership, join
 from learner.worker import Learner, Summary, write_summary
@@ -31,7 +33,11 @@ def run_learner(
     coordinator: str | None = None,
     summary_path: Path | None = None,
     assign_data_shard: bool = False,
+    events_dir: Path | None = None,
+    started_t: float | None = None,
 ) -> Summary:
+    """``events_dir``: write the learner's event tape (state changes, evaluations) to
+    ``<dir>/<id>.events.jsonl``; ``started_t``: when the process started (wall clock)."""
     if assign_data_shard:
         cfg = replace(cfg, data_shard=learner_number(member.learner_id) % cfg.data_shards)
     # Heartbeats start before the learner is built: loading data and bootstrapping can take
@@ -45,7 +51,8 @@ def run_learner(
                 return {}
             s = holder["learner"].summary
             return {"tokens": s.tokens, "inner_steps": s.inner_steps,
-                    "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0}
+                    "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0,
+                    "version_lag": holder["learner"].version_lag()}
 
         def stop_learner(reason: str) -> None:
             logger.warning("%s: leaving: %s", member.learner_id, reason)
@@ -59,7 +66,14 @@ def run_learner(
 
         heartbeats = Heartbeats(coordinator, member, cfg.heartbeat_interval_s, stats, stop_learner, on_snapshot)
         heartbeats.start()
+    events = None
+    if events_dir is not None:
+        events = TapeWriter(Path(events_dir) / f"{member.learner_id}.events.jsonl", fsync_every=1)
+        events.append("state", started_t or time.time(), state="starting", pid=os.getpid(),
+                      slow_factor=cfg.slow_factor, steps=cfg.steps)
+        events.append("state", time.time(), state="bootstrapping")
     learner = Learner(member.run, cfg, member.learner_id, member.credential, member.shards, data=data)
+    learner.events = events
     holder["learner"] = learner
     if early_stop.is_set():
         learner.stop.set()
@@ -77,6 +91,9 @@ def run_learner(
     finally:
         if heartbeats is not None:
             heartbeats.stop_and_leave("finished" if not learner.stop.is_set() else "stopped")
+        learner.event("state", state="left", step=learner.summary.inner_steps)
+        if events is not None:
+            events.close()
     logger.info("%s done: %d inner steps, %d tokens, eval %.3f -> %.3f bits/byte", member.learner_id,
                 summary.inner_steps, summary.tokens, summary.eval_bpb_start or 0, summary.eval_bpb_final or 0)
     if summary_path is not None:

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from opentelemetry import context as otel_context
 
 from diloco.codec import EncodedTensor
 from learner.core.sync import Reply
+from learner.telemetry import SyncTrace
 from syncer.client import DecodedUpdate, SyncerClient, open_channel
 from syncer.core.shard import PushMeta
 
@@ -36,6 +38,8 @@ class PushJob:
     anchor: list[torch.Tensor]
     """The anchor the delta was taken against: the update chain applies to it."""
     sent_step: int
+    sync: SyncTrace | None = None
+    """The push's trace, ended here when the push is dropped or fails."""
 
 
 @dataclass
@@ -58,8 +62,10 @@ class Streamer:
         timeout_s: float = 120.0,
         max_inflight: int = 16,
         fragments_of: dict[int, list[int]] | None = None,
+        wire_delay_s: float = 0.0,
     ) -> None:
         self.shards = dict(shards)
+        self.wire_delay_s = wire_delay_s
         self.fragments_of = fragments_of or {}
         self.learner_id, self.credential, self.timeout_s = learner_id, credential, timeout_s
         self.max_inflight = max_inflight
@@ -81,6 +87,8 @@ class Streamer:
         with self._lock:
             if self._inflight >= self.max_inflight or job.shard in self._down:
                 self.stats.pushes_dropped += 1
+                if job.sync is not None:
+                    job.sync.dropped("shard_down" if job.shard in self._down else "inflight_limit")
                 return False
             self._inflight += 1
             self.stats.pushes_sent += 1
@@ -118,11 +126,28 @@ class Streamer:
 
     async def _push(self, job: PushJob) -> None:
         started = time.monotonic()
+        # The job carries its trace from the training thread; made current in this task
+        # only, the RPC's span (and the shard's, through the metadata) become its children.
+        token = otel_context.attach(job.sync.context) if job.sync is not None else None
+        replied = False
         try:
-            result = await self._client(job.shard).push(job.meta, job.encoded)
+            if self.wire_delay_s:
+                await asyncio.sleep(self.wire_delay_s)  # chaos: a slower network, each way
+            result = await self._client(job.shard).push(
+                job.meta, job.encoded, on_ack=job.sync.acked if job.sync is not None else None
+            )
+            if self.wire_delay_s:
+                await asyncio.sleep(self.wire_delay_s)
+            applying = time.perf_counter()
             values = await asyncio.to_thread(result.update.apply_to, job.anchor)
             staleness = max(result.update.version - job.meta.base_version - 1, 0)
+            if job.sync is not None:
+                for name, seconds in (("frame", result.frame_s), ("send", result.send_s), ("wait", result.wait_s),
+                                      ("decode", result.decode_s), ("apply", time.perf_counter() - applying)):
+                    job.sync.phase(name, seconds)
+                job.sync.replied(result.update.version, staleness, result.bytes_up, result.update.wire_bytes)
             self.replies.put(Reply(job.meta.fragment, result.update.version, values, job.sent_step, staleness))
+            replied = True
             with self._lock:
                 self.stats.pushes_acked += 1
                 self.stats.bytes_up += result.bytes_up
@@ -133,12 +158,20 @@ class Streamer:
                 self.stats.pushes_dropped += 1
             logger.warning("push of fragment %d to shard %d failed: %s %s", job.meta.fragment, job.shard,
                            error.code().name, error.details())
+            if job.sync is not None:
+                job.sync.failed(error.code().name, error.details() or "")
             # Unreachable, or it lost our versions (restarted without its state): re-sync.
             if error.code() in (
                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION
             ):
                 self._mark_down(job.shard)
         finally:
+            if job.sync is not None and not replied:  # ended before the worker hears of it
+                job.sync.failed("ERROR", "the push ended without an update")  # no-op if already ended
+            if not replied:  # the worker may send this fragment again
+                self.replies.put(Reply(job.meta.fragment, -1, [], job.sent_step, 0, failed=True))
+            if token is not None:
+                otel_context.detach(token)
             with self._lock:
                 self._inflight -= 1
 

@@ -22,12 +22,14 @@ from diloco.codec import encode
 from diloco.config import RunConfig
 from diloco.model import GPT
 from diloco.snapshots import atomic_write
+from diloco.tape import TapeWriter
 from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, inner_lr, send_offsets
-from learner.core.sync import FragmentSync, SyncBook, delta, merge_into
+from learner.core.sync import FragmentSync, Reply, SyncBook, delta, merge_into, rebase_into
 from learner.data import load_corpus
 from learner.device import Device
 from learner.streamer import PushJob, Streamer
+from learner.telemetry import LearnerTelemetry, SyncTrace
 from syncer.core.shard import PushMeta
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class Summary:
     pushes_dropped: int = 0
     replies_applied: int = 0
     replies_late: int = 0
+    sends_deferred: int = 0
+    """Sends skipped because the fragment's previous push still awaited its reply."""
     bytes_up: int = 0
     bytes_down: int = 0
     mean_staleness: float = 0.0
@@ -94,17 +98,29 @@ class Learner:
         self.summary = Summary(learner_id)
         self._staleness: list[int] = []
         self.book = SyncBook({}, run.overlap_steps)
+        self.telemetry = LearnerTelemetry(learner_id)
+        # Each push's trace until its reply is merged (or superseded), by (fragment, send step).
+        self._syncs: dict[tuple[int, int], SyncTrace] = {}
         self.streamer = None
         if sync:
             owned = {s: [f.id for f in self.plan.owned_by(s, self.num_shards)] for s in shards}
-            self.streamer = Streamer(shards, learner_id, credential, cfg.push_timeout_s, cfg.max_inflight_pushes, owned)
+            self.streamer = Streamer(shards, learner_id, credential, cfg.push_timeout_s, cfg.max_inflight_pushes, owned,
+                                     wire_delay_s=cfg.wire_delay_ms / 1000)
+        # The learner's own event tape (state changes, evaluations) for diloco timeline.
+        self.events: TapeWriter | None = None
 
     # --- the loop --------------------------------------------------------------------
 
+    def event(self, kind: str, **fields) -> None:
+        if self.events is not None:
+            self.events.append(kind, time.time(), **fields)
+
     def train(self) -> Summary:
+        self.event("state", state="bootstrapping")
         if self.streamer is not None:
             self._bootstrap()
         self._evaluate(0)
+        self.event("state", state="computing", step=0)
         started = time.monotonic()
         for step in range(self.cfg.steps):
             if self.stop.is_set():
@@ -119,9 +135,13 @@ class Learner:
                 self._evaluate(step + 1)
             self.summary.wall_s = time.monotonic() - started
         self.summary.train_s = self.summary.wall_s
+        self.event("state", state="draining", step=self.summary.inner_steps)
         if self.streamer is not None:
             self.streamer.close(timeout_s=min(self.cfg.push_timeout_s, 30.0))
             self._apply_due(None)
+            for sync in self._syncs.values():
+                sync.unfinished()
+            self._syncs.clear()
         if not self.summary.eval_history or self.summary.eval_history[-1][0] != self.summary.inner_steps:
             self._evaluate(self.summary.inner_steps)
         return self._finish(time.monotonic() - started)
@@ -146,6 +166,7 @@ class Learner:
         lr = inner_lr(step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.steps, self.cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        started = time.perf_counter()
         x, y = self.corpus.train.batch(step, self.cfg.batch_size, self.run.model.context, self.cfg.seed)
         _, loss = self.model(x.to(self.device.torch), y.to(self.device.torch))
         self.optimizer.zero_grad(set_to_none=True)
@@ -154,12 +175,16 @@ class Learner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.device.step_done()
-        if self.cfg.step_delay_s:
-            time.sleep(self.cfg.step_delay_s)  # simulated slow accelerator, not synchronisation
+        # Simulated slow accelerator (chaos, benchmarks), not synchronisation.
+        delay = self.cfg.step_delay_s + (self.cfg.slow_factor - 1.0) * (time.perf_counter() - started)
+        if delay > 0:
+            time.sleep(delay)
         tokens = x.numel()
         self.summary.inner_steps += 1
         self.summary.tokens += tokens
         self.book.count_step(tokens)
+        s = self.summary
+        self.telemetry.step(tokens, self.plan.num_fragments, s.tokens / s.wall_s if s.wall_s else 0.0)
 
     def _send_due(self, step: int) -> None:
         if self.streamer is None:
@@ -167,8 +192,13 @@ class Learner:
         for fragment_id in fragments_due(step, self.offsets, self.run.sync_every_steps):
             started = time.perf_counter()
             state = self.book.fragments[fragment_id]
-            pieces = self.plan.fragments[fragment_id].pieces
             host = [self.device.to_host(t) for t in self.plan.gather(fragment_id, self.params)]
+            keep = [t.detach().clone() for t in host] if self.run.reply_rule == "rebase" else None
+            if not self.book.sending(fragment_id, step, keep):
+                continue  # its previous push is still out; the next send carries both
+            shard = self.plan.fragments[fragment_id].owner(self.num_shards)
+            sync = self.telemetry.start_sync(fragment_id, shard, state.base_version, step)
+            pieces = self.plan.fragments[fragment_id].pieces
             encoded = [
                 encode(piece.name, d, encoding=self.cfg.delta_codec, block_size=self.cfg.block_size)
                 for piece, d in zip(pieces, delta(state.anchor, host))
@@ -179,8 +209,11 @@ class Learner:
                 self.summary.wall_s / max(self.summary.inner_steps, 1), self.clock, tuple(e.spec for e in encoded),
                 snapshot_epoch=self.snapshot_epoch,
             )
-            shard = self.plan.fragments[fragment_id].owner(self.num_shards)
-            self.streamer.submit(PushJob(shard, meta, encoded, state.anchor, step))
+            sync.phase("encode", time.perf_counter() - started)
+            if self.streamer.submit(PushJob(shard, meta, encoded, state.anchor, step, sync)):
+                self._syncs[(fragment_id, step)] = sync
+            else:
+                self.book.receive(Reply(fragment_id, -1, [], step, 0, failed=True))
             self.summary.blocked_s += time.perf_counter() - started
 
     def _apply_due(self, step: int | None) -> None:
@@ -189,14 +222,36 @@ class Learner:
             return
         while True:
             try:
-                self.book.receive(self.streamer.replies.get_nowait())
+                reply = self.streamer.replies.get_nowait()
             except queue.Empty:
                 break
+            self.book.receive(reply)
+            if (sync := self._syncs.get((reply.fragment, reply.sent_step))) is not None:
+                sync.received = True
         due = self.book.due(step if step is not None else 1 << 62)
         for reply in due:
-            merge_into(self.plan.gather(reply.fragment, self.params), reply.values, self.run.merge_alpha)
-            self.book.applied_reply(reply)
+            started = time.perf_counter()
+            views = self.plan.gather(reply.fragment, self.params)
+            sent = self.book.rebase_from(reply) if self.run.reply_rule == "rebase" else None
+            if sent is not None:
+                rebase_into(views, reply.values, sent)
+            else:
+                merge_into(views, reply.values, self.run.merge_alpha)
+            self.book.applied_reply(reply, rebased=sent is not None)
             self._staleness.append(reply.staleness)
+            if (sync := self._syncs.pop((reply.fragment, reply.sent_step), None)) is not None:
+                sync.applied(time.perf_counter() - started, reply.staleness)
+        self._retire_syncs()
+
+    def _retire_syncs(self) -> None:
+        """Forget traces that ended in the streamer (dropped, failed); end those whose reply
+        the book dropped for a newer one."""
+        waiting = {(r.fragment, r.sent_step) for r in self.book.waiting}
+        for key, sync in list(self._syncs.items()):
+            if sync.received and key not in waiting:
+                sync.superseded()
+            if sync.ended:
+                del self._syncs[key]
 
     def _record_snapshots(self) -> None:
         """Record local state for each new marker: model, AdamW, the data cursor (the step),
@@ -244,6 +299,7 @@ class Learner:
             self.summary.eval_bpb_start = bpb
         self.summary.eval_bpb_final = bpb
         self.summary.eval_history.append((step, self.summary.tokens, round(bpb, 5)))
+        self.event("eval", step=step, tokens=self.summary.tokens, bpb=round(bpb, 5))
         logger.info("%s step %d tokens %d eval %.4f bits/byte", self.learner_id, step, self.summary.tokens, bpb)
         return bpb
 
@@ -257,9 +313,13 @@ class Learner:
             s.bytes_up, s.bytes_down = st.bytes_up, st.bytes_down
             if st.latency_s:
                 s.sync_latency_s_p50 = sorted(st.latency_s)[len(st.latency_s) // 2]
-        s.replies_applied, s.replies_late = self.book.applied, self.book.late
+        s.replies_applied, s.replies_late, s.sends_deferred = self.book.applied, self.book.late, self.book.deferred
         s.mean_staleness = sum(self._staleness) / len(self._staleness) if self._staleness else 0.0
         return s
+
+    def version_lag(self) -> int:
+        """Staleness of the last merged reply: versions the global had moved past its push's base."""
+        return self._staleness[-1] if self._staleness else 0
 
     def anchors(self) -> dict[int, list[torch.Tensor]]:
         return {f: s.anchor for f, s in self.book.fragments.items()}

@@ -12,16 +12,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from opentelemetry.trace import SpanContext
 
 from diloco.clock import VectorClock
 from diloco.errors import DilocoError, FailedPrecondition
 from diloco.tape import TapeWriter
 from syncer import snapshot as snapshot_files
+from syncer.pushlog import PushLogWriter
 from syncer.core import snapshot
 from syncer.core.rounds import Close
 from syncer.core.shard import DUPLICATE, Ack, PushMeta, PushPayload, RoundJob, ShardCore, Segment, compute_round
+from syncer.telemetry import ShardTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,10 @@ class MarkerResult:
 SnapshotReporter = Callable[[MarkerResult], Awaitable[None]]
 
 
+def _push_key(pending) -> tuple[str, int, int]:
+    return pending.meta.learner_id, pending.meta.fragment, pending.meta.seq
+
+
 @dataclass
 class _Waiter:
     target_version: int
@@ -59,12 +67,19 @@ class ShardRuntime:
         self,
         core: ShardCore,
         tape: TapeWriter | None = None,
+        push_log: PushLogWriter | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        telemetry: ShardTelemetry | None = None,
     ) -> None:
         self.core = core
         self.tape = tape
+        self.push_log = push_log
         self.counters = Counters()
+        self.telemetry = telemetry or ShardTelemetry(core.cfg.shard_id)
+        # The span of each push waiting in a round, by (learner, fragment, seq): the
+        # round's span links to those it merged.
+        self._push_spans: dict[tuple[str, int, int], SpanContext] = {}
         self._monotonic = monotonic
         self._wall = wall
         self._waiters: dict[int, list[_Waiter]] = {f: [] for f in core.fragments}
@@ -84,7 +99,10 @@ class ShardRuntime:
         self._markers: dict[int, asyncio.Future] = {}
         self._snapshot_tasks: set[asyncio.Task] = set()
         self._recorded: dict[int, tuple[MarkerResult, Path]] = {}
-        self._record("start", shard=core.cfg.shard_id, fragments=sorted(core.fragments), plan=core.plan.plan_hash)
+        self._record(
+            "start", shard=core.cfg.shard_id, fragments=sorted(core.fragments), plan=core.plan.plan_hash,
+            config=asdict(core.cfg),
+        )
 
     def now(self) -> float:
         return self._monotonic()
@@ -95,9 +113,12 @@ class ShardRuntime:
 
     # --- pushes ----------------------------------------------------------------------
 
-    def push(self, meta: PushMeta, payload: PushPayload, wire_bytes: int) -> tuple[Ack, asyncio.Future]:
+    def push(
+        self, meta: PushMeta, payload: PushPayload, wire_bytes: int, span: SpanContext | None = None
+    ) -> tuple[Ack, asyncio.Future]:
         """Accept a decoded push; returns its ack and a future resolved with the update
-        once the round it joined has closed."""
+        once the round it joined has closed. ``span``: the push's span, linked from the
+        round that merges it."""
         from diloco.errors import Unavailable
 
         if not self.accepting:
@@ -109,6 +130,9 @@ class ShardRuntime:
             self.counters.duplicates += 1
         else:
             self.counters.pushes += 1
+            if span is not None and span.is_valid:
+                self._push_spans[(meta.learner_id, meta.fragment, meta.seq)] = span
+        self.telemetry.push_received(ack.outcome, meta.fragment, wire_bytes)
         self._record(
             "push",
             learner=meta.learner_id,
@@ -122,6 +146,8 @@ class ShardRuntime:
             outcome=ack.outcome,
             target_version=ack.target_version,
         )
+        if self.push_log is not None and ack.outcome != DUPLICATE:
+            self.push_log.append(meta, payload, wire_bytes)
         if self.recorder is not None:
             decision = self.recorder.observe(meta, payload, ack.outcome)
             logger.debug("snapshot %d: push from %s: %s", self.recorder.snapshot_id, meta.learner_id, decision.reason)
@@ -163,6 +189,7 @@ class ShardRuntime:
         self.core.finish_round(job, update, self._monotonic())
         self._idle[job.fragment.id].set()
         self.counters.rounds += 1
+        self._trace_round(job, merge_s)
         participants = [p.meta.learner_id for p in job.pushes]
         logger.info(
             "fragment %d -> version %d: %d learners, %s (merge %.1f ms)",
@@ -173,7 +200,7 @@ class ShardRuntime:
             fragment=job.fragment.id,
             version=job.version,
             participants=participants,
-            weights=[round(w, 6) for w in job.weights],
+            weights=list(job.weights),  # exact: replay re-applies them
             quorum_s=round(job.quorum_s, 6),
             grace_s=round(job.grace_s, 6),
             merge_s=round(merge_s, 6),
@@ -183,6 +210,17 @@ class ShardRuntime:
         )
         self._resolve(job.fragment.id)
         self._evaluate(job.fragment.id)
+
+    def _trace_round(self, job: RoundJob, merge_s: float) -> None:
+        links = [self._push_spans.pop(key) for key in map(_push_key, job.pushes) if key in self._push_spans]
+        # Pushes superseded by a newer one from the same learner were never merged: forget them.
+        state = self.core.fragments[job.fragment.id]
+        waiting = {_push_key(p) for p in (*state.open.values(), *state.next.values())}
+        for key in [k for k in self._push_spans if k[1] == job.fragment.id and k not in waiting]:
+            del self._push_spans[key]
+        now_wall, now = self._wall(), self._monotonic()
+        opened_ns = int((now_wall - (now - job.opened_at)) * 1e9)
+        self.telemetry.round_closed(job, merge_s, links, opened_ns, int(now_wall * 1e9))
 
     def _resolve(self, fragment_id: int) -> None:
         state = self.core.fragments[fragment_id]
@@ -353,3 +391,5 @@ class ShardRuntime:
         self._record("stop", rounds=self.counters.rounds, pushes=self.counters.pushes)
         if self.tape is not None:
             self.tape.close()
+        if self.push_log is not None:
+            self.push_log.close()

@@ -20,6 +20,7 @@ from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, syncer_
 from syncer import snapshot
 from syncer.config import SyncerConfig
 from syncer.core.shard import ShardCore
+from syncer.pushlog import PushLogWriter, log_name
 from syncer.runtime import MarkerResult, ShardRuntime
 from syncer.service import SyncerServicer
 
@@ -52,17 +53,19 @@ class ShardServerConfig:
     report_timeout_s: float = 30.0
     max_message_bytes: int = 8 * 1024 * 1024
     tape_fsync_every: int = 64
+    push_log: bool = False
+    """Also log every accepted push's payload (``diloco replay`` re-runs the rounds from it)."""
     shutdown_grace_s: float = 10.0
 
 
-def build_runtime(run: RunConfig, cfg: SyncerConfig, tape: TapeWriter | None) -> ShardRuntime:
+def build_core(run: RunConfig, cfg: SyncerConfig) -> ShardCore:
+    """A shard's core at version 0: its fragments of the seeded model."""
     plan = run.plan()
     state = run.initial_state()
     owned = plan.owned_by(cfg.shard_id, cfg.num_shards)
     if not owned:
         logger.warning("shard %d of %d owns no fragment (P=%d)", cfg.shard_id, cfg.num_shards, plan.num_fragments)
-    initial = {f.id: plan.gather(f.id, state) for f in owned}
-    return ShardRuntime(ShardCore(cfg, plan, initial), tape)
+    return ShardCore(cfg, plan, {f.id: plan.gather(f.id, state) for f in owned})
 
 
 class ShardServer:
@@ -71,13 +74,16 @@ class ShardServer:
         tape = None
         if server_cfg.data_dir is not None:
             tape = TapeWriter(Path(server_cfg.data_dir) / f"tape-S{cfg.shard_id}.jsonl", server_cfg.tape_fsync_every)
-        self.runtime = build_runtime(run, cfg, tape)
+        push_log = None
+        if server_cfg.data_dir is not None and server_cfg.push_log:
+            push_log = PushLogWriter(Path(server_cfg.data_dir) / log_name(cfg.shard_id))
+        self.runtime = ShardRuntime(build_core(run, cfg), tape, push_log)
         if server_cfg.restore:
             self.runtime.restore(*snapshot.load_for_restore(server_cfg.restore, server_cfg.snapshot_dir, cfg.shard_id))
         if server_cfg.static_learners:
             self.runtime.core.set_membership(set(server_cfg.static_learners), set())
         self.runtime.on_snapshot_recorded = self._report_snapshot
-        self.server = grpc.aio.server(
+        self.server = rpc.server(
             options=[
                 ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
                 ("grpc.max_send_message_length", server_cfg.max_message_bytes),
@@ -134,7 +140,7 @@ class ShardServer:
             files=[common_pb2.SnapshotFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in result.files],
         )
         options = rpc.channel_options(self.server_cfg.max_message_bytes, "diloco.v1.Coordinator")
-        async with grpc.aio.insecure_channel(self.server_cfg.coordinator, options=options) as channel:
+        async with rpc.insecure_channel(self.server_cfg.coordinator, options) as channel:
             try:
                 await coordinator_pb2_grpc.CoordinatorStub(channel).ReportSnapshot(
                     request, metadata=self._credentials(), timeout=self.server_cfg.report_timeout_s
@@ -150,7 +156,7 @@ class ShardServer:
         backoff = 0.2
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.server_cfg.coordinator) as channel:
+                async with rpc.insecure_channel(self.server_cfg.coordinator) as channel:
                     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                     stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher=name), metadata=metadata)
                     async for event in stream:

@@ -9,6 +9,17 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class Sent:
+    """A push of the fragment waiting for its reply (at most one per fragment)."""
+
+    step: int
+    params: list[torch.Tensor] | None
+    """The fragment's parameters when it was sent (host copies; kept for the rebase rule)."""
+    tokens: int
+    steps: int
+
+
 @dataclass
 class FragmentSync:
     anchor: list[torch.Tensor]
@@ -17,6 +28,7 @@ class FragmentSync:
     tokens: int = 0
     """Tokens and inner steps since this fragment was last received."""
     steps: int = 0
+    sent: Sent | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,8 @@ class Reply:
     """Inner step the push was sent at (-1 for a re-sync after a shard came back)."""
     staleness: int
     """Versions the global moved beyond the push's base, besides the push's own round."""
+    failed: bool = False
+    """The push was dropped or failed: no values; the fragment may be sent again."""
 
 
 @dataclass
@@ -40,14 +54,35 @@ class SyncBook:
     applied: int = 0
     late: int = 0
     stale_dropped: int = 0
+    deferred: int = 0
 
     def count_step(self, tokens: int) -> None:
         for f in self.fragments.values():
             f.tokens += tokens
             f.steps += 1
 
+    def sending(self, fragment: int, step: int, params: list[torch.Tensor] | None) -> bool:
+        """Record a send; False (send nothing) while the fragment's previous push awaits
+        its reply: the next send carries both, as deltas are cumulative since the anchor,
+        and no progress is counted twice."""
+        f = self.fragments[fragment]
+        if f.sent is not None:
+            self.deferred += 1
+            return False
+        f.sent = Sent(step, params, f.tokens, f.steps)
+        return True
+
     def receive(self, reply: Reply) -> None:
+        if reply.failed:
+            self._settle(reply)
+            return
         self.waiting.append(reply)
+
+    def _settle(self, reply: Reply) -> None:
+        """The push ``reply`` answers is done with: the fragment may be sent again."""
+        f = self.fragments[reply.fragment]
+        if reply.sent_step < 0 or (f.sent is not None and f.sent.step == reply.sent_step):
+            f.sent = None
 
     def due(self, step: int) -> list[Reply]:
         """Replies to apply before inner step ``step``: each at its send step + tau, or as
@@ -68,6 +103,7 @@ class SyncBook:
                 continue
             if reply.version <= self.fragments[reply.fragment].base_version:
                 self.stale_dropped += 1
+                self._settle(reply)
                 continue
             best = ready.get(reply.fragment)
             if best is None or reply.version > best.version:
@@ -85,15 +121,40 @@ class SyncBook:
                 self.late += 1
         return sorted(ready.values(), key=lambda r: r.fragment)
 
-    def applied_reply(self, reply: Reply) -> None:
+    def rebase_from(self, reply: Reply) -> list[torch.Tensor] | None:
+        """The parameters the reply's push was taken from, when the rebase rule can apply
+        it (not to a re-sync, which replaces the fragment)."""
+        sent = self.fragments[reply.fragment].sent
+        if reply.sent_step >= 0 and sent is not None and sent.step == reply.sent_step and sent.params is not None:
+            return sent.params
+        return None
+
+    def applied_reply(self, reply: Reply, rebased: bool = False) -> None:
+        """The reply is in the parameters. Rebased, the progress made since the push stays
+        and is still to be sent; otherwise it was overwritten."""
         f = self.fragments[reply.fragment]
-        f.anchor, f.base_version, f.tokens, f.steps = reply.values, reply.version, 0, 0
+        sent = f.sent
+        f.anchor, f.base_version = reply.values, reply.version
+        if rebased and sent is not None:
+            f.tokens, f.steps = f.tokens - sent.tokens, f.steps - sent.steps
+        else:
+            f.tokens, f.steps = 0, 0
+        self._settle(reply)
         self.applied += 1
 
 
 def delta(anchor: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The outer gradient: anchor - params (positive where training moved params down)."""
     return [a - p for a, p in zip(anchor, params)]
+
+
+@torch.no_grad()
+def rebase_into(params: list[torch.Tensor], values: list[torch.Tensor], sent: list[torch.Tensor]) -> None:
+    """params <- global + (params - sent): the new global fragment plus the progress made
+    since the push was taken from ``sent``. Nothing a learner trained is overwritten."""
+    for p, g, s in zip(params, values, sent):
+        # g + (p - s), not p + (g - s): with no progress since the push it is g, bit for bit.
+        p.copy_(g.to(p.device, p.dtype) + (p - s.to(p.device, p.dtype)))
 
 
 @torch.no_grad()

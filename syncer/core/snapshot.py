@@ -93,20 +93,29 @@ def _encoded_in(raw: dict) -> EncodedTensor:
     return EncodedTensor(TensorSpec(**spec), raw["payload"].numpy().tobytes())
 
 
-def push_out(meta: PushMeta, payload: PushPayload, wire_bytes: int = 0) -> dict:
+def meta_out(meta: PushMeta) -> dict:
+    """A push header as plain data (JSON-safe)."""
     fields = dataclasses.asdict(meta)
     fields["clock"] = dict(meta.clock.entries)
-    fields["specs"] = [_encoded_out(t)["spec"] for t in payload.tensors]
-    return {"meta": fields, "payloads": [_tensor_of(t.payload) for t in payload.tensors], "wire_bytes": wire_bytes}
+    fields["specs"] = [{**dataclasses.asdict(s), "shape": list(s.shape)} for s in meta.specs]
+    return fields
+
+
+def meta_in(raw: dict) -> PushMeta:
+    fields = dict(raw)
+    specs = tuple(TensorSpec(**{**s, "shape": tuple(s["shape"])}) for s in fields.pop("specs"))
+    return PushMeta(**{**fields, "clock": VectorClock(fields["clock"]), "specs": specs})
+
+
+def push_out(meta: PushMeta, payload: PushPayload, wire_bytes: int = 0) -> dict:
+    return {"meta": meta_out(meta), "payloads": [_tensor_of(t.payload) for t in payload.tensors], "wire_bytes": wire_bytes}
 
 
 def push_in(raw: dict) -> tuple[PushMeta, PushPayload, int]:
     """Rebuild a recorded push; its payload is validated again (checksums, scales)."""
-    fields = dict(raw["meta"])
-    specs = tuple(TensorSpec(**{**s, "shape": tuple(s["shape"])}) for s in fields.pop("specs"))
-    meta = PushMeta(**{**fields, "clock": VectorClock(fields["clock"]), "specs": specs})
+    meta = meta_in(raw["meta"])
     payload = b"".join(t.numpy().tobytes() for t in raw["payloads"])
-    return meta, inspect_payload(specs, payload), int(raw["wire_bytes"])
+    return meta, inspect_payload(meta.specs, payload), int(raw["wire_bytes"])
 
 
 def capture(core: ShardCore, snapshot_id: int) -> dict:

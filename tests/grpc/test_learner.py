@@ -52,8 +52,8 @@ def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
                     assert state.version == 3
                     mine = learner.anchors()[fragment_id]
                     assert all(torch.equal(a, b) for a, b in zip(mine, state.params))
-            # alpha = 0: fragment 3's reply came after the last inner step, so the model
-            # itself holds the global values of that fragment, bit for bit.
+            # Fragment 3's reply came after the last inner step: nothing to rebase (and with
+            # alpha = 0 nothing to mix), so the model holds the global values, bit for bit.
             owner = servers[learner.plan.fragments[3].owner(2)][0].runtime.core.fragments[3]
             live = learner.plan.gather(3, learner.params)
             assert all(torch.equal(a.detach(), b) for a, b in zip(live, owner.params))

@@ -6,7 +6,7 @@ import torch
 from diloco.errors import FailedPrecondition, InvalidArgument
 from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, inner_lr, send_offsets
-from learner.core.sync import FragmentSync, Reply, SyncBook, delta, merge_into
+from learner.core.sync import FragmentSync, Reply, SyncBook, delta, merge_into, rebase_into
 from learner.device import Device
 
 
@@ -87,6 +87,44 @@ def test_resync_applies_immediately_whatever_its_version():
     b.receive(reply(0, 0, sent_step=-1))  # the restarted shard's state, version 0
     assert [(r.fragment, r.version) for r in b.due(0)] == [(0, 0)]
     assert b.due(20) == [] and b.stale_dropped == 1
+
+
+def test_one_push_in_flight_per_fragment_until_replied_or_failed():
+    b = book()
+    assert b.sending(0, 4, None)
+    assert not b.sending(0, 8, None) and b.deferred == 1  # still waiting: the next send carries both
+    assert b.sending(1, 5, None)  # other fragments are independent
+    b.receive(Reply(0, -1, [], 4, 0, failed=True))  # dropped or failed: may send again
+    assert b.sending(0, 12, None)
+    b.receive(reply(0, 2, sent_step=12))  # stale (base is 3): dropped, and the fragment is free
+    assert b.due(20) == [] and b.sending(0, 16, None)
+    b.receive(reply(0, 4, sent_step=16))
+    (r,) = b.due(18)
+    b.applied_reply(r)
+    assert b.fragments[0].sent is None and b.sending(0, 20, None)
+
+
+def test_rebase_keeps_the_progress_made_since_the_push():
+    b = book()
+    params = [torch.tensor([0.0, 0.0])]
+    for _ in range(3):
+        b.count_step(10)
+        params[0] -= 1.0
+    assert b.sending(0, 3, [params[0].clone()])  # pushed at -3: the delta covers 3 steps
+    for _ in range(2):
+        b.count_step(10)
+        params[0] -= 1.0  # 2 more steps before the reply: now at -5
+    b.receive(Reply(0, 4, [torch.tensor([10.0, 20.0])], 3, 0))
+    (r,) = b.due(5)
+    sent = b.rebase_from(r)
+    rebase_into(params, r.values, sent)
+    b.applied_reply(r, rebased=True)
+    assert torch.equal(params[0], torch.tensor([8.0, 18.0]))  # global + the 2 newer steps
+    f = b.fragments[0]
+    assert (f.base_version, f.tokens, f.steps) == (4, 20, 2)  # those 2 steps are still to send
+    assert torch.equal(delta(f.anchor, params)[0], torch.tensor([2.0, 2.0]))
+    # A re-sync replaces the fragment: nothing to rebase.
+    assert b.rebase_from(Reply(0, 0, [torch.zeros(2)], -1, 0)) is None
 
 
 @pytest.mark.parametrize(

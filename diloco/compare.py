@@ -1,0 +1,310 @@
+"""``diloco compare``: the same workload under Decoupled DiLoCo (``diloco local``),
+synchronous data-parallel (``diloco baseline dp``) and torchft's Streaming DiLoCo
+(``diloco baseline torchft``, when installed), scenario by scenario, each a real run.
+
+Every system gets the same model, data, workers and token budget (workers x steps x
+batch x context) and the same fault seed. Scenarios:
+
+- ``nofault``: nothing happens.
+- ``mtbf30``: a random worker is SIGKILLed every 30 s on average and replaced (Decoupled:
+  AddLearners; DP: the whole job restarts from its last checkpoint; torchft: the
+  replica is restarted and heals from a peer).
+- ``hetero``: half the workers take 1.5 x as long per step.
+- ``scavenge``: Decoupled gets +100 % learners half-way through its nofault run time
+  (AddLearners into the scavenged pool) under the same token budget; DP and torchft
+  cannot grow a running job here and are not run.
+- ``shard-restart``: a syncer shard is killed and restored from a snapshot half-way;
+  the baselines have no such component and are not run.
+
+Ablations (``--ablations``) rerun Decoupled on ``nofault`` and ``hetero`` with one
+setting changed at a time: quorum K = all / K = 1 without grace / K = 1 + grace (the
+default), merge rda / mean, alpha 0 / 0.5 (with the mix rule), int4 / fp32 deltas,
+and the reply rule rebase (default) / mix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from diloco.chaos import ChaosConfig
+from diloco.config import RunConfig
+from diloco.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+SCENARIOS = ("nofault", "mtbf30", "hetero", "scavenge", "shard-restart")
+SYSTEMS = ("decoupled", "dp", "torchft")
+METRICS = ("wall_s", "tokens", "eval_loss_final", "goodput", "uptime", "global_stall_s", "bytes_per_1k_tokens")
+ABLATIONS = {
+    "K=1+grace (default)": {},
+    "K=all": {"quorum": "all", "grace": "off"},
+    "K=1, no grace": {"grace": "off"},
+    "merge mean": {"merge": "mean"},
+    "alpha 0.5 (mix)": {"alpha": 0.5, "reply_rule": "mix"},
+    "fp32 deltas": {"delta_codec": "fp32"},
+    "reply rule mix": {"reply_rule": "mix"},
+}
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    workers: int = 4
+    """M: learners / DP workers / torchft replicas (4, so that half of them can be slow)."""
+    steps: int = 120
+    batch_size: int = 16
+    seed: int = 0
+    mtbf_s: float = 30.0
+    slow_factor: float = 1.5
+    systems: tuple[str, ...] = SYSTEMS
+    out: Path = Path("runs/compare")
+
+    def __post_init__(self) -> None:
+        if self.workers < 2 or self.steps < 1 or self.batch_size < 1:
+            raise InvalidArgument("compare needs >= 2 workers, >= 1 step and a batch size >= 1")
+        unknown = set(self.systems) - set(SYSTEMS)
+        if unknown:
+            raise InvalidArgument(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+
+    @property
+    def slow(self) -> tuple[tuple[int, float], ...]:
+        return tuple((i, self.slow_factor) for i in range(self.workers // 2))
+
+    @property
+    def tokens(self) -> int:
+        return self.workers * self.steps * self.batch_size * self.run.model.context
+
+
+def _local_cfg(cfg: CompareConfig, out: Path, **changes):
+    from diloco.local import LocalConfig
+
+    local = LocalConfig(run=cfg.run, learners=cfg.workers, steps=cfg.steps, batch_size=cfg.batch_size, out=out)
+    return replace(local, **changes)
+
+
+def _decoupled(cfg: CompareConfig, scenario: str, out: Path, reference_wall_s: float | None) -> dict:
+    from diloco.local import run_local
+
+    if scenario == "nofault":
+        local = _local_cfg(cfg, out)
+    elif scenario == "mtbf30":
+        local = _local_cfg(cfg, out, chaos=ChaosConfig(kill_every_s=cfg.mtbf_s, seed=cfg.seed))
+    elif scenario == "hetero":
+        local = _local_cfg(cfg, out, slow_learners=cfg.slow)
+    elif scenario == "scavenge":
+        half = (reference_wall_s or 60.0) / 2
+        local = _local_cfg(cfg, out, tokens=cfg.tokens, chaos=ChaosConfig(scavenge=(cfg.workers, half), seed=cfg.seed))
+    elif scenario == "shard-restart":
+        half = (reference_wall_s or 60.0) / 2
+        local = _local_cfg(cfg, out, chaos=ChaosConfig(restart_shard_at_s=half, seed=cfg.seed))
+    else:
+        raise InvalidArgument(f"unknown scenario {scenario!r}")
+    return _decoupled_metrics(run_local(local))
+
+
+def _decoupled_metrics(summary: dict) -> dict:
+    wire = summary["bytes_up"] + summary["bytes_down"]
+    return {
+        **{k: summary[k] for k in METRICS if k in summary},
+        "bytes_per_1k_tokens": round(1000 * wire / summary["tokens"], 2) if summary["tokens"] else None,
+        "eval_loss_start": summary["eval_loss_start"],
+        "step_goodput": summary["step_goodput"],
+        "learners_killed": summary["learners_killed"],
+        "run_dir": summary["run_dir"],
+    }
+
+
+def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict:
+    if scenario in ("scavenge", "shard-restart"):
+        return {"skipped": f"{system} has no way to {'grow a running job' if scenario == 'scavenge' else 'restart a shard'} here"}
+    faults = {"kill_every_s": cfg.mtbf_s, "fault_seed": cfg.seed} if scenario == "mtbf30" else {}
+    slow = {"slow_workers": cfg.slow} if scenario == "hetero" else {}
+    common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, batch_size=cfg.batch_size, out=out, **faults, **slow)
+    if system == "dp":
+        from diloco.baseline.dp import DPConfig, run_dp
+
+        result = run_dp(DPConfig(**common), show_progress=True)
+    else:
+        from diloco.baseline.torchft_peer import TorchftConfig, run_torchft, torchft_available
+
+        if not torchft_available():
+            return {"skipped": "torchft is not installed: pip install 'diloco[peers]'"}
+        # torchft's Streaming DiLoCo applies a reply by mixing with alpha (its own algorithm).
+        result = run_torchft(TorchftConfig(**{**common, "run": replace(cfg.run, reply_rule="mix")}), show_progress=True)
+    return {**{k: result[k] for k in METRICS}, "eval_loss_start": result["eval_loss_start"],
+            "restarts": result.get("restarts"), "run_dir": str(out)}
+
+
+def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | None = None) -> dict:
+    """One scenario for every system: ``{"scenario": NAME, "systems": {...}}``."""
+    if scenario not in SCENARIOS:
+        raise InvalidArgument(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
+    base = cfg.out / scenario
+    systems = {}
+    for system in cfg.systems:
+        out = base / system
+        if out.exists() and any(out.iterdir()):
+            raise InvalidArgument(f"{out} already holds a run; give a new --out directory")
+        started = time.monotonic()
+        if system == "decoupled":
+            systems[system] = _decoupled(cfg, scenario, out, reference_wall_s)
+        else:
+            systems[system] = _baseline(cfg, system, scenario, out)
+        logger.info("%s / %s done in %.0f s", scenario, system, time.monotonic() - started)
+    result = {"scenario": scenario, "systems": systems}
+    (base / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ("nofault", "hetero")) -> dict:
+    """Decoupled only, one setting changed at a time."""
+    from diloco.local import run_local
+
+    results: dict[str, dict] = {}
+    for scenario in scenarios:
+        for name, change in ABLATIONS.items():
+            out = cfg.out / "ablations" / scenario / name.replace(" ", "_").replace(",", "").replace("=", "")
+            change = dict(change)
+            run = cfg.run
+            if "alpha" in change:
+                run = replace(run, merge_alpha=change.pop("alpha"))
+            if "reply_rule" in change:
+                run = replace(run, reply_rule=change.pop("reply_rule"))
+            if change.get("quorum") == "all":
+                change["quorum"] = cfg.workers
+            local = _local_cfg(replace(cfg, run=run), out, **change)
+            if scenario == "hetero":
+                local = replace(local, slow_learners=cfg.slow)
+            results.setdefault(scenario, {})[name] = _decoupled_metrics(run_local(local))
+    (cfg.out / "ablations" / "result.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+# --- reporting ------------------------------------------------------------------------
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def markdown_table(results: list[dict]) -> str:
+    lines = ["| scenario | system | " + " | ".join(METRICS) + " |", "|---|---|" + "---:|" * len(METRICS)]
+    for r in results:
+        for system, m in r["systems"].items():
+            if "skipped" in m:
+                lines.append(f"| {r['scenario']} | {system} | " + f"not run: {m['skipped']} |" + " |" * (len(METRICS) - 1))
+            else:
+                lines.append(f"| {r['scenario']} | {system} | " + " | ".join(_fmt(m.get(k)) for k in METRICS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ablation_table(results: dict) -> str:
+    keys = ("eval_loss_final", "goodput", "step_goodput", "uptime", "wall_s", "bytes_per_1k_tokens")
+    lines = ["| scenario | variant | " + " | ".join(keys) + " |", "|---|---|" + "---:|" * len(keys)]
+    for scenario, variants in results.items():
+        for name, m in variants.items():
+            lines.append(f"| {scenario} | {name} | " + " | ".join(_fmt(m.get(k)) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def targets(results: list[dict], ablations: dict | None) -> list[tuple[str, bool | None, str]]:
+    """(target, met, what was measured) for every target the issue sets that these
+    results can judge; met is None when a run it needs is missing."""
+    by = {r["scenario"]: r["systems"] for r in results}
+
+    def get(scenario, system, key):
+        m = by.get(scenario, {}).get(system, {})
+        return m.get(key)
+
+    out = []
+    up, good, dp_up = get("mtbf30", "decoupled", "uptime"), get("mtbf30", "decoupled", "goodput"), get("mtbf30", "dp", "uptime")
+    if up is not None:
+        out.append(("mtbf30: Decoupled uptime 1.0 and goodput >= 0.9, DP uptime < 1",
+                    up == 1.0 and good >= 0.9 and (dp_up is not None and dp_up < 1),
+                    f"Decoupled uptime {up}, goodput {good}; DP uptime {dp_up}"))
+    dec, dp = get("nofault", "decoupled", "eval_loss_final"), get("nofault", "dp", "eval_loss_final")
+    if dec is not None and dp is not None:
+        out.append(("nofault: Decoupled eval loss within 3 % of DP's", dec <= dp * 1.03,
+                    f"{dec} vs {dp} bits/byte ({100 * (dec / dp - 1):+.1f} %)"))
+    dec_b, dp_b = get("nofault", "decoupled", "bytes_per_1k_tokens"), get("nofault", "dp", "bytes_per_1k_tokens")
+    if dec_b and dp_b:
+        out.append(("bytes on the wire per token >= 50x lower than DP's", dp_b / dec_b >= 50,
+                    f"{dec_b:,.0f} vs {dp_b:,.0f} bytes per 1k tokens ({dp_b / dec_b:.0f}x)"))
+    sc, nf = get("scavenge", "decoupled", "wall_s"), get("nofault", "decoupled", "wall_s")
+    if sc is not None and nf is not None:
+        out.append(("scavenge: wall time to the same tokens shrinks", sc < nf, f"{sc} s vs {nf} s without scavenging"))
+    het = (ablations or {}).get("hetero", {})
+    if "K=all" in het and "K=1+grace (default)" in het:
+        a, g = het["K=all"], het["K=1+grace (default)"]
+        out.append(("hetero: K=1+grace within 2 % of K=all's loss, with higher goodput",
+                    g["eval_loss_final"] <= a["eval_loss_final"] * 1.02 and g["goodput"] > a["goodput"],
+                    f"loss {g['eval_loss_final']} vs {a['eval_loss_final']}, goodput {g['goodput']} vs {a['goodput']}"))
+    return out
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("eval_loss_final", "goodput", "uptime", "wall_s")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.6))
+    scenarios = [r["scenario"] for r in results]
+    systems = [s for s in SYSTEMS if any(s in r["systems"] for r in results)]
+    width = 0.8 / max(len(systems), 1)
+    for ax, key in zip(axes, keys):
+        for i, system in enumerate(systems):
+            values = [r["systems"].get(system, {}).get(key) for r in results]
+            xs = [j + i * width for j, v in enumerate(values) if v is not None]
+            ax.bar(xs, [v for v in values if v is not None], width, label=system)
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(scenarios))], scenarios, rotation=30, fontsize=8)
+        ax.set_title(key)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(cfg: CompareConfig, results: list[dict], ablations: dict | None) -> Path:
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# diloco compare: {cfg.workers} workers x {cfg.steps} steps x {cfg.batch_size} x "
+             f"{cfg.run.model.context} tokens = {cfg.tokens:,} tokens per system\n", markdown_table(results)]
+    if ablations:
+        lines += ["\n## Ablations (Decoupled)\n", ablation_table(ablations)]
+    checks = targets(results, ablations)
+    if checks:
+        lines.append("\n## Targets\n")
+        lines += [f"- {'MET' if ok else 'MISSED'}: {name} — {measured}" for name, ok, measured in checks]
+    report = cfg.out / "results.md"
+    report.write_text("\n".join(lines) + "\n")
+    (cfg.out / "results.json").write_text(json.dumps({"results": results, "ablations": ablations,
+                                                      "targets": [list(c) for c in checks]}, indent=1))
+    if results:
+        plot(results, cfg.out / "compare.png")
+    return report
+
+
+def run(cfg: CompareConfig, scenarios: tuple[str, ...], ablations: bool, on_result=None) -> tuple[list[dict], dict | None]:
+    results, reference = [], None
+    for scenario in scenarios:
+        result = run_scenario(cfg, scenario, reference)
+        if scenario == "nofault" and "decoupled" in result["systems"]:
+            reference = result["systems"]["decoupled"]["wall_s"]
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+        write_report(cfg, results, None)
+    found = run_ablations(cfg) if ablations else None
+    write_report(cfg, results, found)
+    return results, found
+

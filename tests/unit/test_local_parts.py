@@ -1,0 +1,59 @@
+"""The pure parts of diloco local: chaos flag parsing, goodput's slot time, uptime, and
+the timeline's state spans."""
+
+import pytest
+
+from diloco.chaos import ChaosConfig, learner_pid, parse_scavenge, parse_slow
+from diloco.errors import InvalidArgument
+from diloco.local import LocalConfig, slot_seconds, uptime
+from diloco.timeline import learner_intervals
+
+
+def test_chaos_flags_parse_and_reject_nonsense():
+    assert parse_scavenge("3@40") == (3, 40.0)
+    assert parse_slow("L1:1.5") == (1, 1.5) and parse_slow("2:3") == (2, 3.0)
+    for bad in ("3", "x@1", "3@"):
+        with pytest.raises(InvalidArgument, match="N@SECONDS"):
+            parse_scavenge(bad)
+    for bad in ("L1", "L1:x", "L1:0.5", "L-1:2"):
+        with pytest.raises(InvalidArgument, match="--slow-learner"):
+            parse_slow(bad)
+    with pytest.raises(InvalidArgument, match="kill-learner-every"):
+        ChaosConfig(kill_every_s=0)
+    with pytest.raises(InvalidArgument, match="scavenge"):
+        ChaosConfig(scavenge=(0, 5.0))
+    assert not ChaosConfig().active and ChaosConfig(restart_shard_at_s=3).active
+    with pytest.raises(InvalidArgument, match="only 3 learners"):
+        LocalConfig(slow_learners=((3, 1.5),))
+    with pytest.raises(InvalidArgument, match="--tokens"):
+        LocalConfig(tokens=0)
+
+
+def test_learner_pid_comes_from_the_address_it_reported():
+    assert learner_pid({"address": "host-1:4242"}) == 4242
+    assert learner_pid({"address": "nonsense"}) is None and learner_pid({}) is None
+
+
+def test_token_budget_sizes_the_learners():
+    cfg = LocalConfig(learners=3, batch_size=16, tokens=3 * 16 * 128 * 10 + 1)
+    assert cfg.learner_steps == 11 and LocalConfig(steps=7).learner_steps == 7
+
+
+def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():
+    assert slot_seconds([0.0, 2.0], 10.0, []) == 18.0
+    assert slot_seconds([0.0], 10.0, [(4.0, 2), (12.0, 1)]) == 10.0 + 12.0
+
+
+def test_uptime_counts_only_time_beyond_the_expected_period():
+    assert uptime([1, 2, 3, 4], 0, 5, 1.5) == (1.0, 0.0)
+    up, stall = uptime([1, 6], 0, 7, 1.0)  # a 5 s gap: 4 s beyond the period
+    assert stall == 4.0 and up == pytest.approx(1 - 4 / 7, abs=1e-4)
+
+
+def test_timeline_spans_from_state_changes_and_death():
+    events = [{"kind": "state", "t": 0, "state": "starting"}, {"kind": "state", "t": 1, "state": "bootstrapping"},
+              {"kind": "eval", "t": 1.5}, {"kind": "state", "t": 2, "state": "computing"}]
+    assert learner_intervals(events, end=10, death=6) == [
+        (0, 1, "starting"), (1, 2, "bootstrapping"), (2, 6, "computing"), (6, 10, "dead")]
+    left = events + [{"kind": "state", "t": 8, "state": "draining"}, {"kind": "state", "t": 9, "state": "left"}]
+    assert learner_intervals(left, end=10, death=None)[-1] == (8, 9, "draining")
