@@ -228,6 +228,7 @@ def _syncer(args: argparse.Namespace) -> int:
             staleness_lambda=args.staleness_lambda,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
+            scale_by=args.scale_by,
             block_size=args.block_size,
             scale_dtype=args.scale_dtype,
             update_chain_length=args.chain,
@@ -277,6 +278,8 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--staleness-lambda", type=float, default=0.0, help="staleness discount lambda (default 0: off)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (default 0.9)")
+    p.add_argument("--scale-by", choices=["live", "round"], default="live",
+                   help="scale the outer lr by the round's share of live learners (default) or not (round)")
     p.add_argument("--block-size", type=int, default=64, help="int4 block size (default 64)")
     p.add_argument("--scale-dtype", choices=["float16", "float32"], default="float16", help="int4 scale dtype")
     p.add_argument("--chain", type=int, default=4, help="int4 updates kept per fragment (default 4)")
@@ -393,7 +396,7 @@ def _local(args: argparse.Namespace) -> int:
         run=_run_config(args), learners=args.learners, shards=args.shards, quorum=args.quorum,
         grace=grace_mode if grace_mode != "fixed" else str(grace_s), steps=args.steps, tokens=args.tokens,
         batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        merge=args.merge, delta_codec=args.delta_codec, out=Path(args.out) if args.out else None,
+        merge=args.merge, scale_by=args.scale_by, delta_codec=args.delta_codec, out=Path(args.out) if args.out else None,
         chaos=ChaosConfig(
             kill_every_s=args.kill_learner_every, max_kills=args.max_kills, restart_shard_at_s=args.restart_shard_at,
             scavenge=parse_scavenge(args.scavenge) if args.scavenge else None, seed=args.chaos_seed,
@@ -426,6 +429,8 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--outer-lr", type=float, default=1.0, help="shards' outer learning rate (default 1.0, see README)")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="shards' outer Nesterov momentum (default 0)")
     p.add_argument("--merge", choices=["rda", "mean"], default="rda", help="shards' merge (default rda)")
+    p.add_argument("--scale-by", choices=["live", "round"], default="live",
+                   help="shards scale the outer lr by the round's share of live learners (default) or not")
     p.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="learners' delta encoding (default int4)")
     p.add_argument("--out", help="run directory (default ./runs/<timestamp>)")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
@@ -498,7 +503,8 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=4, help="M: learners / DP workers / torchft replicas (default 4)")
     p.add_argument("--steps", type=int, default=120, help="inner steps per worker (default 120)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step per worker (default 16)")
-    p.add_argument("--seed-faults", type=int, default=0, help="seed of the fault schedules (default 0)")
+    p.add_argument("--seed-faults", type=int, default=3,
+                   help="seed of the fault schedules (default 3: its first kill falls 8 s in, inside a one-minute run)")
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario as it finishes")
     _add_run_config(p)

@@ -58,6 +58,8 @@ class LocalConfig:
     outer_momentum: float = 0.0
     merge: str = "rda"
     """The shards' merge: rda (default) or mean (ablations)."""
+    scale_by: str = "live"
+    """The shards' outer lr scaling: live (default) or round (ablations)."""
     delta_codec: str = "int4"
     """The learners' delta encoding: int4 (default) or fp32 (ablations)."""
     batch_size: int = 16
@@ -142,7 +144,7 @@ class Cluster:
             "--data-dir", str(self.dir / f"shard{m}"), "--push-log", "--coordinator", self.coordinator,
             "--quorum", str(self.cfg.quorum), "--grace", self.cfg.grace,
             "--outer-lr", str(self.cfg.outer_lr), "--outer-momentum", str(self.cfg.outer_momentum),
-            "--merge", self.cfg.merge, "--snapshot-dir", str(self.dir / "coordinator" / "snapshots"), *self.common,
+            "--merge", self.cfg.merge, "--scale-by", self.cfg.scale_by, "--snapshot-dir", str(self.dir / "coordinator" / "snapshots"), *self.common,
         ]
 
     def start(self) -> None:

@@ -4,7 +4,7 @@ compare the result with the run's final global model.
 What is replayed: each shard's life since its last start (a restarted shard appends a
 new ``start`` record, then a ``restore`` one when it came back from a snapshot). The
 tape says which pushes made each round (participants, their exact weights, the close
-reason); the push log holds those pushes' int4 payloads. Each round is rebuilt in a
+reason, share of the live learners); the push log holds those pushes' int4 payloads. Each round is rebuilt in a
 fresh ``ShardCore`` with the same configuration and run through the same
 ``compute_round`` the shard ran, in tape order. The learners are not re-run: the tape and
 push log are the complete input of the global model, which is what replay checks.
@@ -114,7 +114,7 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
             job = core.begin_round(r["fragment"], Close(r["reason"], r["grace_s"]), 0.0)
             if job.version != r["version"]:
                 raise FailedPrecondition(f"tape {tape}: fragment {r['fragment']} is at {job.version - 1}, the tape closes {r['version']}")
-            job = replace(job, weights=tuple(r["weights"]))
+            job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0))
             core.finish_round(job, compute_round(job, cfg), 0.0)
             rounds += 1
             capture(r["fragment"])

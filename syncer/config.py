@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from diloco.errors import InvalidArgument
 
 GRACE_MODES = ("auto", "fixed", "off")
+SCALE_MODES = ("live", "round")
 MERGE_MODES = ("rda", "mean")
 
 
@@ -58,6 +59,11 @@ class MergeConfig:
     """Staleness discount 1 / (1 + lambda * (version - base_version)); 0 disables it."""
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    scale_by: str = "live"
+    """live: the outer lr is scaled by the round's share of the live learners
+    (merged pushes / live learners), so a round merging 1 of M learners moves the global
+    model by 1/M of that learner's progress, as averaging all M would; round: the merged
+    deltas count in full whatever their number (DESIGN's rule)."""
     block_size: int = 64
     """int4 block size of the downlink updates (and the expected block size of pushes)."""
     scale_dtype: str = "float16"
@@ -71,6 +77,8 @@ class MergeConfig:
             raise InvalidArgument(f"staleness lambda must be >= 0, got {self.staleness_lambda}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise InvalidArgument(f"outer lr must be > 0, got {self.outer_lr}")
+        if self.scale_by not in SCALE_MODES:
+            raise InvalidArgument(f"scale by must be one of {SCALE_MODES}, got {self.scale_by!r}")
         if not 0 <= self.outer_momentum < 1:
             raise InvalidArgument(f"outer momentum must be in [0, 1), got {self.outer_momentum}")
         if self.block_size < 2 or self.block_size % 2:

@@ -201,6 +201,7 @@ class ShardRuntime:
             version=job.version,
             participants=participants,
             weights=list(job.weights),  # exact: replay re-applies them
+            participation=job.participation,
             quorum_s=round(job.quorum_s, 6),
             grace_s=round(job.grace_s, 6),
             merge_s=round(merge_s, 6),

@@ -159,6 +159,9 @@ class RoundJob:
     quorum_s: float
     opened_at: float
     closed_at: float
+    participation: float = 1.0
+    """Pushes merged with weight > 0 over the live learners (at most 1): the outer lr's
+    factor when ``MergeConfig.scale_by`` is live."""
 
 
 def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
@@ -186,9 +189,10 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
             # Nothing with weight arrived (every pusher failed): no step, momentum untouched.
             delta.zero_()
             momentum = torch.zeros_like(delta)
+        lr = m.outer_lr * (job.participation if m.scale_by == "live" else 1.0)
         packed, scales = outer_step_(
             delta, momentum, job.residual[index].view(-1), job.params[index].view(-1),
-            scale, m.outer_lr, m.outer_momentum, m.block_size, m.scale_dtype,
+            scale, lr, m.outer_momentum, m.block_size, m.scale_dtype,
         )
         encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
     return Segment(job.version, "delta", tuple(encoded))
@@ -345,6 +349,8 @@ class ShardCore:
             for p in pushes
         ]
         weights = token_weights(contributions, self.cfg.merge.staleness_lambda)
+        merged = sum(1 for w in weights if w > 0)
+        live = len((self.live - self.failed) | {p.meta.learner_id for p, w in zip(pushes, weights) if w > 0})
         opened = state.opened_at if state.opened_at is not None else now
         quorum_s = (state.quorum_at - opened) if state.quorum_at is not None else now - opened
         job = RoundJob(
@@ -360,6 +366,7 @@ class ShardCore:
             quorum_s=max(quorum_s, 0.0),
             opened_at=opened,
             closed_at=now,
+            participation=merged / live if live else 1.0,
         )
         state.applying = True
         state.open = {}

@@ -10,6 +10,7 @@ from diloco.codec import decode, encode
 from diloco.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from diloco.fragments import plan_fragments
 from syncer.config import MergeConfig, RoundConfig, SyncerConfig
+from syncer.core.rounds import Close
 from syncer.core.shard import (
     ACCEPTED,
     ACCEPTED_NEXT_ROUND,
@@ -254,3 +255,20 @@ def test_nonfinite_payload_rejected_without_state_change():
     with pytest.raises(InvalidArgument, match="non-finite"):
         shard.accept(meta, bad, 10, 0.0)
     assert not shard.fragments[0].open and shard.clock == clock
+
+
+def test_outer_lr_scales_with_the_rounds_share_of_live_learners():
+    """One push of three live learners moves the global model a third as far as the same
+    push counted in full (scale_by round), before int4 rounding of the update."""
+    moved = {}
+    for scale_by in ("live", "round"):
+        shard, initial = make_shard(outer_lr=1.0, outer_momentum=0.0, scale_by=scale_by)
+        shard.set_membership({"L0", "L1", "L2"}, set())
+        Learner("L0", shard, initial, seed=1).push(0, now=1.0)
+        job = shard.begin_round(0, Close("test", 0.0), 1.0)
+        assert job.participation == pytest.approx(1 / 3)
+        before = [t.clone() for t in job.params]
+        shard.finish_round(job, compute_round(job, shard.cfg), 1.1)
+        moved[scale_by] = torch.cat([(a - b).flatten() for a, b in zip(shard.fragments[0].params, before)])
+    ratio = moved["live"].norm() / moved["round"].norm()
+    assert ratio == pytest.approx(1 / 3, rel=0.02)
