@@ -428,6 +428,10 @@ def _finished(cfg: LocalConfig, members: list[dict], monkey: ChaosMonkey | None)
             monkey.acting.release()
 
 
+def _missing(cfg: LocalConfig, members: list[dict], monkey: ChaosMonkey | None) -> int:
+    return cfg.learners + (monkey.launched if monkey is not None else 0) - len(members)
+
+
 def run_local(cfg: LocalConfig) -> dict:
     from rich.console import Console
     from rich.live import Live
@@ -463,7 +467,7 @@ def run_local(cfg: LocalConfig) -> dict:
             monkey = ChaosMonkey(cfg.chaos, chaos_admin, lambda m: cluster.restart_shard(m, chaos_admin, monkey.record),
                                  cfg.learner_steps, run_dir / "chaos.jsonl", time.monotonic())
             monkey.start()
-        last_stats, goodput = 0.0, None
+        last_stats, goodput, idle_since = 0.0, None, None
         with Live(console=console, refresh_per_second=2) as live:
             while True:
                 members = admin.members(include_gone=True)
@@ -482,6 +486,16 @@ def run_local(cfg: LocalConfig) -> dict:
                         draining |= set(todo)
                 if _finished(cfg, members, monkey):
                     break
+                # A launch that never joins (the learner died while starting) must not hang
+                # the run: once every member is gone, wait for late joiners only so long.
+                if members and all(m["state"] in ("left", "failed") for m in members):
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > cfg.startup_timeout_s:
+                        logger.warning("%d launched learners never joined; see %s", _missing(cfg, members, monkey),
+                                       run_dir / "coordinator" / "learners")
+                        break
+                else:
+                    idle_since = None
                 time.sleep(1.0)
     except KeyboardInterrupt:
         interrupted = True
