@@ -36,6 +36,11 @@ from diloco.tape import read_tape
 
 logger = logging.getLogger(__name__)
 
+MIN_UPTIME_PERIOD_S = 1.0
+"""Floor of uptime's expected period between two advances of the global model."""
+TOKEN_BUDGET_SLACK = 1.5
+"""On a token budget, learners are launched for this many times their share of it."""
+
 
 @dataclass(frozen=True)
 class LocalConfig:
@@ -48,8 +53,8 @@ class LocalConfig:
     steps: int = 150
     """Inner steps per learner."""
     tokens: int | None = None
-    """Token budget of the whole run: learners are sized for it and drained once the
-    learners together have trained it (replacements and scavenged learners included)."""
+    """Token budget of the whole run: learners are launched for 1.5x their share and
+    drained once they together have trained it (replacements and scavenged included)."""
     outer_lr: float = 1.0
     """The local defaults average the merged deltas without outer momentum: at this short a
     sync period, with ~1.5 of 3 learners per round, momentum 0.9 re-applies overlapping
@@ -100,10 +105,13 @@ class LocalConfig:
 
     @property
     def learner_steps(self) -> int:
-        """Inner steps each learner is launched with."""
+        """Inner steps each learner is launched with. On a token budget, 1.5x its share:
+        the learners keep training while a replacement or a scavenged learner starts (or
+        a slow one lags), and all of them are drained once the budget is trained."""
         if self.tokens is None:
             return self.steps
-        return max(math.ceil(self.tokens / (self.learners * self.tokens_per_step)), 1)
+        share = self.tokens / (self.learners * self.tokens_per_step)
+        return max(math.ceil(TOKEN_BUDGET_SLACK * share), 1)
 
 
 def _free_port() -> int:
@@ -529,7 +537,9 @@ def run_local(cfg: LocalConfig) -> dict:
     # Uptime over the training window: from the first learner computing to the last one done.
     computing = [e["t"] for r in events.values() for e in r if e["kind"] == "state" and e["state"] == "computing"]
     done = [e["t"] for r in events.values() for e in r if e["kind"] == "state" and e["state"] in ("draining", "left")]
-    period = cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"] * 4
+    # At least a second: below that, OS scheduling jitter of a loaded machine (not the
+    # system) decides (a tiny test model steps in ~15 ms, a 0.12 s period).
+    period = max(cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"] * 4, MIN_UPTIME_PERIOD_S)
     window = (min(computing, default=started_wall), max(done, default=started_wall + wall_s))
     up, stall = uptime(stats.pop("round_closes"), *window, period)
     chaos = [json.loads(line) for line in (run_dir / "chaos.jsonl").read_text().splitlines()] if (run_dir / "chaos.jsonl").exists() else []

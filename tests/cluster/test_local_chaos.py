@@ -13,6 +13,7 @@ from diloco.tape import read_tape
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(480)]
 
+BUDGET = 3 * 1000 * 8 * 32
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--fragments", "4", "--sync-every", "8"]
 
 
@@ -24,8 +25,9 @@ def diloco(*args, timeout=300):
 def chaos_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("chaos") / "run"
     # Seed 1: the kill falls 2.9 s after the launch (or as soon as a learner is active),
-    # the scavenged learner is asked for at 1 s; 600 tiny steps outlast both.
-    proc = diloco("local", "--learners", "3", "--shards", "2", "--steps", "600", "--batch-size", "8",
+    # the scavenged learner is asked for at 1 s. On a token budget the survivors keep
+    # training while the replacement starts, and everyone is drained at the budget.
+    proc = diloco("local", "--learners", "3", "--shards", "2", "--tokens", str(BUDGET), "--batch-size", "8",
                   "--kill-learner-every", "20", "--max-kills", "1", "--chaos-seed", "1", "--scavenge", "1@1",
                   "--out", str(out), *TINY, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,6 +52,7 @@ def test_killed_learner_is_replaced_and_scavenged_learner_contributes(chaos_run)
             if r["kind"] == "round":
                 merged |= {p for p, w in zip(r["participants"], r["weights"]) if w > 0}
     assert set(scavenged) <= merged, f"scavenged {scavenged} never merged"
+    assert summary["tokens"] >= BUDGET
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 0.5
     assert summary["global_stall_s"] == 0 and summary["uptime"] == 1.0, summary
 
