@@ -465,6 +465,7 @@ def run_local(cfg: LocalConfig) -> dict:
     admin = monkey = None
     interrupted = False
     draining: set[str] = set()
+    drained_at = None
     try:
         cluster.start()
         token = (run_dir / "admin-token").read_text().strip()
@@ -492,6 +493,7 @@ def run_local(cfg: LocalConfig) -> dict:
                     if todo:
                         admin.remove_learners(todo, drain=True)
                         draining |= set(todo)
+                        drained_at = drained_at or time.time()
                 if _finished(cfg, members, monkey):
                     break
                 # A launch that never joins (the learner died while starting) must not hang
@@ -540,7 +542,10 @@ def run_local(cfg: LocalConfig) -> dict:
     # At least a second: below that, OS scheduling jitter of a loaded machine (not the
     # system) decides (a tiny test model steps in ~15 ms, a 0.12 s period).
     period = max(cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"] * 4, MIN_UPTIME_PERIOD_S)
-    window = (min(computing, default=started_wall), max(done, default=started_wall + wall_s))
+    # Training ends with the last learner's last step, or when the budget drained them all
+    # (a learner still starting then leaves later without having trained: no stall).
+    end = max(done, default=started_wall + wall_s)
+    window = (min(computing, default=started_wall), min(end, drained_at) if drained_at else end)
     up, stall = uptime(stats.pop("round_closes"), *window, period)
     chaos = [json.loads(line) for line in (run_dir / "chaos.jsonl").read_text().splitlines()] if (run_dir / "chaos.jsonl").exists() else []
     pools = {m["id"]: m["pool"] for m in members}
