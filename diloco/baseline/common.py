@@ -73,6 +73,38 @@ def learner_inner(batch_size: int, steps: int, worker: int):
     return replace(base, batch_size=batch_size, steps=steps, data_shard=worker % base.data_shards)
 
 
+class WorkloadConfig:
+    """What both baselines' config dataclasses share (fields ``run``, ``batch_size``,
+    ``steps``, ``slow_workers``, ``kill_at_steps``, ``out``): a worker's inner-loop
+    config, its slow factor, and the JSON round trip the supervisor hands its workers."""
+
+    def inner(self, worker: int):
+        """Worker ``worker``'s inner-loop config (``learner_inner``)."""
+        return learner_inner(self.batch_size, self.steps, worker)
+
+    def slow_factor(self, worker: int) -> float:
+        return dict(self.slow_workers).get(worker, 1.0)
+
+    def to_json(self) -> str:
+        from dataclasses import asdict
+
+        raw = asdict(self)
+        raw["run"] = json.loads(self.run.to_json())
+        raw["out"] = str(self.out) if self.out is not None else None
+        return json.dumps(raw, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str):
+        from diloco.config import RunConfig
+
+        raw = json.loads(text)
+        raw["run"] = RunConfig.from_json(json.dumps(raw["run"]))
+        raw["slow_workers"] = tuple((int(w), float(f)) for w, f in raw.get("slow_workers", ()))
+        raw["kill_at_steps"] = tuple(raw.get("kill_at_steps", ()))
+        raw["out"] = Path(raw["out"]) if raw.get("out") else None
+        return cls(**raw)
+
+
 def ring_allreduce_bytes(buffer_bytes: int, members: int) -> int:
     """Bytes all members together send for one ring all-reduce of ``buffer_bytes``: each
     sends 2(n-1)/n of the buffer (reduce-scatter then all-gather), 2(n-1) buffers in all."""

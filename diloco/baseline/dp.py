@@ -27,11 +27,11 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diloco.baseline.common import (
-    PERIOD_SLACK, JsonlTail, JsonlWriter, KillPlan, check_slow_workers, kill, learner_inner, median,
+    PERIOD_SLACK, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median,
     ring_allreduce_bytes, spawn, summary,
 )
 from diloco.config import RunConfig
@@ -44,7 +44,7 @@ WORKER_MODULE = "diloco.baseline.dp_worker"
 
 
 @dataclass(frozen=True)
-class DPConfig:
+class DPConfig(WorkloadConfig):
     run: RunConfig = field(default_factory=RunConfig)
     """The model (and its init seed); fragments and the sync schedule are unused by DP."""
     workers: int = 3
@@ -94,28 +94,6 @@ class DPConfig:
         if self.kill_at_steps and (self.workers < 2 or not all(0 < s < self.steps for s in self.kill_at_steps)):
             raise InvalidArgument(f"kill at steps needs >= 2 workers and steps in [1, {self.steps - 1}], got "
                                   f"{list(self.kill_at_steps)}")
-
-    def inner(self, rank: int):
-        """Worker ``rank``'s inner-loop config (``common.learner_inner``)."""
-        return learner_inner(self.batch_size, self.steps, rank)
-
-    def slow_factor(self, rank: int) -> float:
-        return dict(self.slow_workers).get(rank, 1.0)
-
-    def to_json(self) -> str:
-        raw = asdict(self)
-        raw["run"] = json.loads(self.run.to_json())
-        raw["out"] = str(self.out) if self.out is not None else None
-        return json.dumps(raw, indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> DPConfig:
-        raw = json.loads(text)
-        raw["run"] = RunConfig.from_json(json.dumps(raw["run"]))
-        raw["slow_workers"] = tuple((int(w), float(f)) for w, f in raw.get("slow_workers", ()))
-        raw["kill_at_steps"] = tuple(raw.get("kill_at_steps", ()))
-        raw["out"] = Path(raw["out"]) if raw.get("out") else None
-        return cls(**raw)
 
 
 # --- metrics (pure: from the recorded timeline) -----------------------------------------

@@ -27,11 +27,11 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diloco.baseline.common import (
-    PERIOD_SLACK, JsonlTail, JsonlWriter, KillPlan, check_slow_workers, kill, learner_inner, median, spawn, summary,
+    PERIOD_SLACK, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median, spawn, summary,
 )
 from diloco.config import RunConfig
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -48,7 +48,7 @@ def torchft_available() -> bool:
 
 
 @dataclass(frozen=True)
-class TorchftConfig:
+class TorchftConfig(WorkloadConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(reply_rule="mix"))
     """Model, fragments P, sync period H, overlap tau and merge alpha, as diloco local."""
     workers: int = 3
@@ -106,27 +106,6 @@ class TorchftConfig:
     @property
     def fragments(self) -> int:
         return self.run.fragments
-
-    def inner(self, replica: int):
-        return learner_inner(self.batch_size, self.steps, replica)
-
-    def slow_factor(self, replica: int) -> float:
-        return dict(self.slow_workers).get(replica, 1.0)
-
-    def to_json(self) -> str:
-        raw = asdict(self)
-        raw["run"] = json.loads(self.run.to_json())
-        raw["out"] = str(self.out) if self.out is not None else None
-        return json.dumps(raw, indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> TorchftConfig:
-        raw = json.loads(text)
-        raw["run"] = RunConfig.from_json(json.dumps(raw["run"]))
-        raw["slow_workers"] = tuple((int(w), float(f)) for w, f in raw.get("slow_workers", ()))
-        raw["kill_at_steps"] = tuple(raw.get("kill_at_steps", ()))
-        raw["out"] = Path(raw["out"]) if raw.get("out") else None
-        return cls(**raw)
 
 
 # --- metrics (pure: from the replicas' timelines) ---------------------------------------
