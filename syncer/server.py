@@ -16,17 +16,16 @@ from diloco import auth, rpc
 from diloco.config import RunConfig
 from diloco.errors import Unavailable
 from diloco.tape import TapeWriter
-from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, syncer_pb2_grpc
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from syncer import snapshot
 from syncer.config import SyncerConfig
 from syncer.core.shard import ShardCore
 from syncer.pushlog import PushLogWriter, log_name
 from syncer.runtime import MarkerResult, ShardRuntime
-from syncer.service import SyncerServicer
+from syncer.service import SERVICE_NAME, SyncerServicer, add_to_server
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = "diloco.v1.Syncer"
 _MEMBERSHIP_EVENTS = {
     common_pb2.LEARNER_STATE_ACTIVE: "joined",
     common_pb2.LEARNER_STATE_JOINING: "joined",
@@ -89,7 +88,8 @@ class ShardServer:
                 ("grpc.max_send_message_length", server_cfg.max_message_bytes),
             ]
         )
-        syncer_pb2_grpc.add_SyncerServicer_to_server(SyncerServicer(self.runtime, server_cfg.secret), self.server)
+        self.servicer = SyncerServicer(self.runtime, server_cfg.secret)
+        add_to_server(self.servicer, self.server)
         self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
         self.port = 0
         self._watch: asyncio.Task | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,7 +12,7 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from diloco import auth, rpc
-from diloco.codec import frame, unframe
+from diloco.codec import Unframer, frame
 from diloco.errors import DilocoError, InvalidArgument, PermissionDenied
 from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
 from syncer import convert
@@ -22,19 +22,14 @@ from syncer.telemetry import push_attributes
 
 logger = logging.getLogger(__name__)
 
+SERVICE_NAME = "diloco.v1.Syncer"
 MAX_CHUNK_BYTES = 1 << 20
 # zstd frames of incompressible data are a little larger than their payload.
 _CHUNK_SLACK_BYTES = 64 * 1024
-# Framed update segments kept for reuse: every waiter of a round gets the same chunks.
-_FRAME_CACHE_SEGMENTS = 16
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-
-
-def _inspect(specs, chunks: list[bytes]) -> PushPayload:
-    return inspect_payload(specs, unframe(chunks, sum(s.byte_length for s in specs)))
 
 
 async def _drain(requests, limit_bytes: int, timeout_s: float = 5.0) -> None:
@@ -55,11 +50,35 @@ async def _drain(requests, limit_bytes: int, timeout_s: float = 5.0) -> None:
         pass
 
 
+def _serialize(message) -> bytes:
+    """Replies may be serialized ahead of time: update chunks are serialized once for
+    every learner that gets them instead of once per reply."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_to_server(servicer: syncer_pb2_grpc.SyncerServicer, server: grpc.aio.Server) -> None:
+    """Register the Syncer service as the generated code does, with ``_serialize`` for
+    every reply."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    class Collect:
+        def add_generic_rpc_handlers(self, generic_handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, method_handlers) -> None:
+            handlers.update(method_handlers)
+
+    syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, Collect())
+    handlers = {name: h._replace(response_serializer=_serialize) for name, h in handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
     def __init__(self, runtime: ShardRuntime, secret: str) -> None:
         self.runtime = runtime
         self._secret = secret
-        self._frames: OrderedDict[tuple[int, int, str], list[bytes]] = OrderedDict()
+        self._framing: dict[tuple[int, type], asyncio.Future] = {}
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
         meta = _metadata(context)
@@ -67,25 +86,62 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         auth.verify(self._secret, learner_id, meta.get(auth.CREDENTIAL_METADATA))
         return learner_id
 
-    async def _chunks_of(self, fragment: int, segment: Segment) -> list[bytes]:
-        key = (fragment, segment.version, segment.kind)
-        chunks = self._frames.get(key)
-        if chunks is None:
-            chunks = await asyncio.to_thread(lambda: list(frame([t.payload for t in segment.tensors])))
-            self._frames[key] = chunks
-            while len(self._frames) > _FRAME_CACHE_SEGMENTS:
-                self._frames.popitem(last=False)
-        return chunks
+    async def _chunk_messages(self, segment: Segment, wrap) -> list[tuple[bytes, int]]:
+        """A segment's chunk messages (``wrap(chunk=...)``), framed and serialized once in a
+        worker thread however many replies carry them (every waiter of a round wakes at
+        once), as (message bytes, chunk bytes). Kept exactly as long as the segment: in
+        the fragment's update chain, or in a reply still being sent."""
+        key = (id(segment), wrap)
+        framing = self._framing.get(key)
+        if framing is None:
+
+            def build() -> list[tuple[bytes, int]]:
+                chunks = frame([t.payload for t in segment.tensors])
+                return [(wrap(chunk=common_pb2.Chunk(data=c)).SerializeToString(), len(c)) for c in chunks]
+
+            framing = asyncio.ensure_future(asyncio.to_thread(build))
+            self._framing[key] = framing
+            weakref.finalize(segment, self._framing.pop, key, None)
+        return await framing
 
     async def _update_messages(self, update: FragmentUpdate, wrap) -> AsyncIterator:
         header = convert.update_to_proto(update, self.runtime.core.clock)
         header.snapshot_epoch = self.runtime.snapshot_epoch
         yield wrap(update=header)
         for segment in update.segments:
-            for data in await self._chunks_of(update.fragment, segment):
-                self.runtime.counters.bytes_sent += len(data)
-                self.runtime.telemetry.bytes_sent(len(data))
-                yield wrap(chunk=common_pb2.Chunk(data=data))
+            for message, size in await self._chunk_messages(segment, wrap):
+                self.runtime.counters.bytes_sent += size
+                self.runtime.telemetry.bytes_sent(size)
+                yield message
+
+    async def _receive(self, requests, meta) -> tuple[PushPayload, int]:
+        """Read a push's chunks and unframe each one in a worker thread while the next one
+        arrives; a chunk is dropped once inflated, so a push never holds more than its
+        payload and a chunk or two. Then validate the payload (``inspect_payload``)."""
+        unframer = Unframer(meta.payload_bytes)
+        limit = meta.payload_bytes + _CHUNK_SLACK_BYTES * (1 + meta.payload_bytes // MAX_CHUNK_BYTES)
+        wire_bytes, inflating = 0, None
+        try:
+            async for request in requests:
+                if request.WhichOneof("kind") != "chunk":
+                    raise InvalidArgument("only chunks may follow the push header")
+                data = request.chunk.data
+                if len(data) > MAX_CHUNK_BYTES + _CHUNK_SLACK_BYTES:
+                    raise InvalidArgument(f"chunk of {len(data)} bytes exceeds the 1 MiB chunk limit")
+                wire_bytes += len(data)
+                if wire_bytes > limit:
+                    raise InvalidArgument(f"push carries more data than its header announces ({meta.payload_bytes} bytes)")
+                if inflating is not None:
+                    await inflating
+                inflating = asyncio.ensure_future(asyncio.to_thread(unframer.add, data))
+            if inflating is not None:
+                await inflating
+        finally:
+            if inflating is not None and not inflating.done():
+                # Rejected mid-stream: let the worker finish with the buffer before it goes.
+                await asyncio.gather(inflating, return_exceptions=True)
+        payload = await asyncio.to_thread(lambda: inspect_payload(meta.specs, unframer.result()))
+        return payload, wire_bytes
 
     async def PushFragment(self, request_iterator, context):
         requests = request_iterator.__aiter__()
@@ -104,22 +160,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 raise PermissionDenied(f"credential is for {learner_id!r}, the push claims {meta.learner_id!r}")
             span.set_attributes(push_attributes(meta))
             self.runtime.core.check_header(meta)
-            chunks, wire_bytes = [], 0
-            limit = meta.payload_bytes + _CHUNK_SLACK_BYTES * (1 + meta.payload_bytes // MAX_CHUNK_BYTES)
-            async for request in requests:
-                if request.WhichOneof("kind") != "chunk":
-                    raise InvalidArgument("only chunks may follow the push header")
-                size = len(request.chunk.data)
-                if size > MAX_CHUNK_BYTES + _CHUNK_SLACK_BYTES:
-                    raise InvalidArgument(f"chunk of {size} bytes exceeds the 1 MiB chunk limit")
-                wire_bytes += size
-                if wire_bytes > limit:
-                    raise InvalidArgument(f"push carries more data than its header announces ({meta.payload_bytes} bytes)")
-                chunks.append(request.chunk.data)
+            payload, wire_bytes = await self._receive(requests, meta)
             reading = False
-            payload = await asyncio.to_thread(_inspect, meta.specs, chunks)
-            # The handler lives until the round closes; only the unframed payload may stay.
-            del chunks
             ack, waiter = self.runtime.push(meta, payload, wire_bytes, span.get_span_context())
             span.set_attributes({"diloco.push.outcome": ack.outcome, "diloco.target_version": ack.target_version,
                                  "diloco.bytes_up": wire_bytes})

@@ -9,6 +9,7 @@ see ``int4`` for how the fast C kernel and the torch reference are kept identica
 from diloco.codec.framing import (
     DEFAULT_LEVEL,
     DEFAULT_MAX_CHUNK_BYTES,
+    Unframer,
     chunk_payload_bytes,
     frame,
     unframe,
@@ -44,6 +45,7 @@ __all__ = [
     "SCALE_DTYPES",
     "EncodedTensor",
     "TensorSpec",
+    "Unframer",
     "accumulate",
     "check_payload",
     "checksum",

@@ -126,34 +126,60 @@ def frame(
         yield from _compress_batch(cctx, batch, threads, max_chunk_bytes)
 
 
-def unframe(
-    chunks: Iterable[BytesLike], expected_bytes: int, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-) -> bytes:
-    """The payload bytes of a stream of chunks, which must add up to ``expected_bytes``.
+class Unframer:
+    """Unframes a stream of chunks one chunk at a time into one preallocated buffer of
+    ``expected_bytes``: a receiver can inflate each chunk as it arrives and let it go,
+    instead of holding the whole compressed stream, its inflated parts and their join.
 
     Every frame header is checked before the frame is inflated: a content size that is
     missing, zero, larger than a chunk or past ``expected_bytes`` is refused, so a bad
     header cannot make the receiver allocate without bound. zstd verifies each frame's
-    checksum. Any failure raises CodecError; nothing partial is returned.
+    checksum. Any failure raises CodecError; ``result`` refuses a short stream, so nothing
+    partial is ever returned.
     """
-    if expected_bytes < 0:
-        raise CodecError(f"expected byte length must be >= 0, got {expected_bytes}")
-    dctx = zstandard.ZstdDecompressor()
-    parts: list[bytes] = []
-    total = 0
-    for index, chunk in enumerate(chunks):
-        size = _checked_size(index, chunk, total, expected_bytes, max_chunk_bytes)
+
+    def __init__(self, expected_bytes: int, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+        if expected_bytes < 0:
+            raise CodecError(f"expected byte length must be >= 0, got {expected_bytes}")
+        self.expected_bytes = expected_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self._buffer = bytearray(expected_bytes)
+        self._view = memoryview(self._buffer)
+        self._dctx = zstandard.ZstdDecompressor()
+        self._chunks = 0
+        self.received = 0
+        """Payload bytes unframed so far."""
+
+    def add(self, chunk: BytesLike) -> None:
+        index = self._chunks
+        size = _checked_size(index, chunk, self.received, self.expected_bytes, self.max_chunk_bytes)
         try:
-            data = dctx.decompress(chunk, allow_extra_data=False)
+            data = self._dctx.decompress(chunk, allow_extra_data=False)
         except zstandard.ZstdError as exc:
             raise CodecError(f"chunk {index}: corrupt zstd frame ({exc})") from None
         if len(data) != size:
             raise CodecError(f"chunk {index}: frame declared {size} bytes but held {len(data)}")
-        parts.append(data)
-        total += size
-    if total != expected_bytes:
-        raise CodecError(f"stream ended after {total} of the expected {expected_bytes} bytes")
-    return b"".join(parts)
+        self._view[self.received : self.received + size] = data
+        self.received += size
+        self._chunks += 1
+
+    def result(self) -> bytearray:
+        """The payload; raises unless the chunks added up to exactly ``expected_bytes``."""
+        if self.received != self.expected_bytes:
+            raise CodecError(f"stream ended after {self.received} of the expected {self.expected_bytes} bytes")
+        self._view.release()
+        return self._buffer
+
+
+def unframe(
+    chunks: Iterable[BytesLike], expected_bytes: int, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+) -> bytearray:
+    """The payload bytes of a stream of chunks, which must add up to ``expected_bytes``
+    (see ``Unframer`` for the checks)."""
+    unframer = Unframer(expected_bytes, max_chunk_bytes=max_chunk_bytes)
+    for chunk in chunks:
+        unframer.add(chunk)
+    return unframer.result()
 
 
 def _checked_size(index: int, chunk: BytesLike, total: int, expected_bytes: int, max_chunk_bytes: int) -> int:

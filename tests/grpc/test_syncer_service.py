@@ -13,6 +13,7 @@ from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
 from syncer.client import write_all
+from syncer.config import MergeConfig
 from syncer.convert import push_meta_to_proto
 from syncer.core.shard import PushMeta
 from tests.grpc.conftest import TINY, client_for, run, running_shard
@@ -76,6 +77,39 @@ def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path)
         assert [r["version"] for r in rounds] == [1, 2, 3]
         assert all(sorted(r["participants"]) == ["L0", "L1", "L2"] for r in rounds)
         assert all(abs(sum(r["weights"]) - 1) < 1e-5 for r in rounds)
+
+    run(scenario())
+
+
+def test_a_rounds_update_is_framed_once_for_every_waiter_and_dropped_with_the_chain(tmp_path, monkeypatch):
+    import syncer.service
+
+    framed = []
+
+    real_frame = syncer.service.frame
+
+    def counting_frame(payloads, **kw):
+        framed.append(1)
+        return real_frame(payloads, **kw)
+
+    monkeypatch.setattr(syncer.service, "frame", counting_frame)
+
+    async def scenario():
+        names = tuple(f"L{i}" for i in range(4))
+        async with running_shard(tmp_path, learners=names, quorum=4, merge=MergeConfig(update_chain_length=2)) as (
+            server, address
+        ):
+            learners = [FakeLearner.of(server, name, seed=i) for i, name in enumerate(names)]
+            for _ in range(3):
+                async def one(learner):
+                    async with client_for(address, learner.name) as client:
+                        return await learner.push(client)
+                await asyncio.gather(*(one(l) for l in learners))
+            servicer_cache = server.servicer._framing
+            # Four learners got each round's update; it was framed once per round, and only
+            # the segments still in the chain of 2 keep their frames.
+            assert len(framed) == 3
+            assert len(servicer_cache) == 2
 
     run(scenario())
 

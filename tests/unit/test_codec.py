@@ -26,6 +26,7 @@ from diloco.codec import (
     frame,
     quantize_int4,
     quantize_int4_reference,
+    Unframer,
     unframe,
 )
 from diloco.codec import int4
@@ -518,6 +519,26 @@ def test_a_corrupted_chunk_raises_and_never_returns_wrong_bytes(framed, data):
         assert f"chunk {index}" in str(exc) or "stream" in str(exc)
     else:  # e.g. a window-size byte: harmless, and the data must then be intact
         assert result == payload
+
+
+def test_unframer_takes_one_chunk_at_a_time_and_refuses_a_short_stream(framed):
+    payload, chunks = framed
+    unframer = Unframer(len(payload), max_chunk_bytes=8192)
+    for i, chunk in enumerate(chunks):
+        unframer.add(chunk)
+        assert unframer.received == sum(zstandard.frame_content_size(c) for c in chunks[: i + 1])
+        if i < len(chunks) - 1:
+            with pytest.raises(CodecError, match=f"stream ended after {unframer.received} of"):
+                unframer.result()
+    assert unframer.result() == payload
+    # A bad chunk leaves what was received so far as it was, and still no result.
+    partial = Unframer(len(payload), max_chunk_bytes=8192)
+    partial.add(chunks[0])
+    with pytest.raises(CodecError, match="chunk 1: not a zstd frame"):
+        partial.add(b"garbage")
+    assert partial.received == zstandard.frame_content_size(chunks[0])
+    with pytest.raises(CodecError, match="expected byte length must be >= 0"):
+        Unframer(-1)
 
 
 def test_unframe_rejects_missing_extra_and_foreign_chunks(framed):
