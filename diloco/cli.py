@@ -127,7 +127,7 @@ def _add_run_config(parser: argparse.ArgumentParser) -> None:
 def _run_config(args: argparse.Namespace):
     from diloco.config import RunConfig
     from diloco.errors import InvalidArgument, NotFound
-    from diloco.model import ModelConfig
+    from diloco.config import ModelConfig
 
     if args.run_config:
         try:

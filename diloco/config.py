@@ -1,21 +1,48 @@
 """The run configuration every process of a run shares: which model, how it is cut into
 fragments, and the sync schedule. The coordinator hands it to learners as JSON in the
-topology; shards get it on their command line."""
+topology; shards get it on their command line.
+
+Importable without torch: shapes and initial weights of the real model import
+``diloco.model`` (and so torch) when asked for."""
 
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import asdict, dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from diloco.errors import InvalidArgument
 from diloco.fragments import FragmentPlan, plan_fragments
-from diloco.model import ModelConfig, initial_state, named_shapes
+
+if TYPE_CHECKING:
+    import torch
 
 _SYNTHETIC_ROW = 1024
 REPLY_RULES = ("mix", "rebase")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    width: int = 128
+    """Residual stream width (d_model)."""
+    depth: int = 2
+    """Transformer blocks."""
+    heads: int = 4
+    context: int = 128
+    """Tokens (bytes) per training sequence."""
+    seed: int = 0
+    """Initialisation seed, shared by every learner and shard of a run."""
+
+    def __post_init__(self) -> None:
+        for name in ("width", "depth", "heads", "context"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"model {name} must be >= 1, got {getattr(self, name)}")
+        if self.width % self.heads:
+            raise InvalidArgument(f"model width {self.width} must be divisible by heads {self.heads}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -56,13 +83,19 @@ class RunConfig:
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         if self.synthetic_params:
             return [("synthetic.weight", (self.synthetic_params // _SYNTHETIC_ROW, _SYNTHETIC_ROW))]
+        from diloco.model import named_shapes
+
         return named_shapes(self.model)
 
     def initial_state(self) -> dict[str, torch.Tensor]:
+        import torch
+
         if self.synthetic_params:
             (name, shape), = self.named_shapes()
             g = torch.Generator().manual_seed(self.model.seed)
             return {name: torch.randn(shape, generator=g) * 0.02}
+        from diloco.model import initial_state
+
         return initial_state(self.model)
 
     def plan(self) -> FragmentPlan:

@@ -18,10 +18,13 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from diloco.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 # Cut thresholds tried for balance: fair/1, fair/2, fair/3 (the last guarantees the bound).
 _MAX_SPLIT_DIVISOR = 3
@@ -55,9 +58,10 @@ class Piece:
     def name(self) -> str:
         return self.tensor if self.whole else f"{self.tensor}[{self.row_start}:{self.row_stop}]"
 
-    def view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This piece of ``tensor`` as a view (writes go through to the tensor)."""
-        if tensor.dim() == 0:
+    def view(self, tensor: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        """This piece of ``tensor`` (a torch tensor or numpy array) as a view (writes go
+        through to the tensor)."""
+        if tensor.ndim == 0:
             return tensor
         return tensor[self.row_start : self.row_stop]
 
@@ -91,7 +95,7 @@ class FragmentPlan:
     def owned_by(self, shard_id: int, num_shards: int) -> list[Fragment]:
         return [f for f in self.fragments if f.owner(num_shards) == shard_id]
 
-    def gather(self, fragment_id: int, state: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    def gather(self, fragment_id: int, state: Mapping[str, torch.Tensor | np.ndarray]) -> list[torch.Tensor | np.ndarray]:
         """Views of the fragment's pieces in ``state`` (a state dict or named parameters)."""
         return [p.view(state[p.tensor]) for p in self.fragments[fragment_id].pieces]
 

@@ -3,44 +3,23 @@ transformer over bytes (vocabulary 256), in plain PyTorch.
 
 It lives in the shared kernel because shards need it too: the fragment plan comes from
 its (name, shape) list, and a shard starts its fragments from the same seeded
-initialisation as the learners, so no learner has to upload a starting point.
+initialisation as the learners, so no learner has to upload a starting point (a shard
+process, which never loads torch, gets both from ``syncer.initial``). ``ModelConfig`` is
+in ``diloco.config``, importable without torch.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from diloco.config import ModelConfig
 from diloco.errors import InvalidArgument
 
 VOCAB_SIZE = 256
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    width: int = 128
-    """Residual stream width (d_model)."""
-    depth: int = 2
-    """Transformer blocks."""
-    heads: int = 4
-    context: int = 128
-    """Tokens (bytes) per training sequence."""
-    seed: int = 0
-    """Initialisation seed, shared by every learner and shard of a run."""
-
-    def __post_init__(self) -> None:
-        for name in ("width", "depth", "heads", "context"):
-            if getattr(self, name) < 1:
-                raise InvalidArgument(f"model {name} must be >= 1, got {getattr(self, name)}")
-        if self.width % self.heads:
-            raise InvalidArgument(f"model width {self.width} must be divisible by heads {self.heads}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Block(nn.Module):

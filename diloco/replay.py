@@ -77,7 +77,7 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
 
     def capture(fragment_id: int) -> None:
         if final_versions.get(fragment_id) == core.fragments[fragment_id].version:
-            compared[fragment_id] = [t.clone() for t in core.fragments[fragment_id].params]
+            compared[fragment_id] = [torch.from_numpy(t.copy()) for t in core.fragments[fragment_id].params]
 
     for fragment_id in core.fragments:
         capture(fragment_id)

@@ -1,20 +1,24 @@
 """A shard's snapshot files: writing what ``syncer.core.snapshot`` recorded, and finding,
 verifying and loading them on restore.
 
-Two files per shard in the snapshot's directory: ``S<m>-state.pt`` (the state at the
-cut) and ``S<m>-channel.pt`` (the pushes in flight at the cut). Both are ``torch.save``
-of plain data, read back with ``weights_only=True``; the manifest holds their SHA-256.
+Two files per shard in the snapshot's directory: ``S<m>-state.npz`` (the state at the
+cut) and ``S<m>-channel.npz`` (the pushes in flight at the cut). Each is a numpy ``.npz``
+archive: the recorded tree as JSON (entry ``tree``), every array in it replaced by
+``{"__array__": i}`` and stored as entry ``a<i>``. Loading never unpickles (numpy's
+``allow_pickle=False``) and needs no torch; the manifest holds the files' SHA-256.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.snapshots import atomic_write, files_of, find_manifest, read_manifest
@@ -33,18 +37,56 @@ class WrittenFile:
 
 
 def state_name(shard_id: int) -> str:
-    return f"S{shard_id}-state.pt"
+    return f"S{shard_id}-state.npz"
 
 
 def channel_name(shard_id: int) -> str:
-    return f"S{shard_id}-channel.pt"
+    return f"S{shard_id}-channel.npz"
+
+
+_ARRAY = "__array__"
+
+
+def dumps(value: dict) -> bytes:
+    """The ``.npz`` bytes of a tree of dicts, lists, JSON scalars and numpy arrays."""
+    arrays: list[np.ndarray] = []
+
+    def strip(node):
+        if isinstance(node, np.ndarray):
+            arrays.append(node)
+            return {_ARRAY: len(arrays) - 1}
+        if isinstance(node, dict):
+            return {key: strip(item) for key, item in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [strip(item) for item in node]
+        return node
+
+    tree = json.dumps(strip(value)).encode()
+    buffer = io.BytesIO()
+    np.savez(buffer, tree=np.frombuffer(tree, dtype=np.uint8), **{f"a{i}": a for i, a in enumerate(arrays)})
+    return buffer.getvalue()
+
+
+def loads(source) -> dict:
+    """The tree ``dumps`` wrote, from a path or a binary file object."""
+    with np.load(source, allow_pickle=False) as archive:
+        tree = json.loads(archive["tree"].tobytes())
+
+        def fill(node):
+            if isinstance(node, dict):
+                if set(node) == {_ARRAY}:
+                    return archive[f"a{node[_ARRAY]}"]
+                return {key: fill(item) for key, item in node.items()}
+            if isinstance(node, list):
+                return [fill(item) for item in node]
+            return node
+
+        return fill(tree)
 
 
 def write(directory: Path, name: str, value: dict) -> WrittenFile:
     """Serialise, write atomically, checksum. Heavy: call it off the event loop."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    data = buffer.getvalue()
+    data = dumps(value)
     try:
         atomic_write(Path(directory) / name, data)
     except OSError as error:
@@ -59,8 +101,8 @@ def write_channel(directory: Path, shard_id: int, snapshot_id: int, pushes: list
 
 def _load(path: Path) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many kinds for a bad file; all mean the same here
+        return loads(path)
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as error:
         raise InvalidArgument(f"cannot load snapshot file {path}: {error}") from None
 
 

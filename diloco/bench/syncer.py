@@ -9,6 +9,10 @@ memcpy measured in the same run.
   counted); per round, wire bytes of all pushes / time from release to the last ack (the
   ack comes after the shard received, unframed, checksummed and decoded the push). The
   median over rounds is reported. ingress_ratio = ingress / raw TCP.
+- grpc_noop_mbps: the same clients, the same chunks, the same measurement, against a
+  bare ``grpc.aio`` server process that does nothing with what it receives (raw bytes,
+  no protos, no work): what Python gRPC itself moves here. ingress_vs_grpc = ingress /
+  grpc_noop, the share of that ceiling the shard reaches.
 - merge_ms: in this process, ``compute_round`` for one round of ``learners`` deltas
   (merge + outer step + quantized update), best of 5; memcpy_ms: ``learners`` copies of
   the fragment (``dst.copy_(src)`` from ``learners`` distinct fp32 sources, as the merge
@@ -102,6 +106,87 @@ def _client(index: int, address: str, secret: str, params: int, rounds: int, bar
     results.put((index, asyncio.run(main())))
 
 
+_NOOP_METHOD = "/bench.Noop/Push"
+
+
+def _noop_server(port_queue) -> None:
+    import grpc
+
+    async def push(requests, context):
+        async for _ in requests:
+            pass
+        yield b"ok"
+
+    async def main():
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 << 20)])
+        handler = grpc.stream_stream_rpc_method_handler(push)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Noop", {"Push": handler}),))
+        port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _noop_client(index: int, port: int, params: int, rounds: int, barrier, results) -> None:
+    import grpc
+
+    from diloco.codec import encode, frame
+    from diloco.config import RunConfig
+
+    plan = RunConfig(synthetic_params=params, fragments=1).plan()
+    g = torch.Generator().manual_seed(index)
+    chunks = list(frame([encode(p.name, torch.randn(p.shape, generator=g) * 1e-3).payload for p in plan.fragments[0].pieces]))
+
+    async def main():
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 8 << 20)])
+        push, timings = channel.stream_stream(_NOOP_METHOD), []
+        for _ in range(rounds):
+            await asyncio.to_thread(barrier.wait)
+            start = time.monotonic()
+            async for _ in push(iter(chunks)):
+                break
+            timings.append((start, time.monotonic(), sum(map(len, chunks))))
+        await channel.close()
+        return timings
+
+    results.put((index, asyncio.run(main())))
+
+
+def _run_clients(ctx, target, args, learners: int) -> dict:
+    barrier, results = ctx.Barrier(learners), ctx.Queue()
+    clients = [ctx.Process(target=target, args=(i, *args, barrier, results)) for i in range(learners)]
+    for c in clients:
+        c.start()
+    timings = dict(results.get(timeout=600) for _ in clients)
+    for c in clients:
+        c.join(timeout=30)
+    return timings
+
+
+def _median_round_mbps(timings: dict, rounds: int, end: int, size: int) -> float:
+    """Median over rounds of (wire bytes of all pushes) / (release to the last ``end``)."""
+    per_round = []
+    for r in range(rounds):
+        rows = [t[r] for t in timings.values()]
+        start = min(row[0] for row in rows)
+        per_round.append(sum(row[size] for row in rows) / (max(row[end] for row in rows) - start) / 1e6)
+    return statistics.median(per_round)
+
+
+def grpc_noop_mbps(params: int, learners: int, rounds: int) -> float:
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_noop_server, args=(ports,))
+    server.start()
+    try:
+        timings = _run_clients(ctx, _noop_client, (ports.get(timeout=60), params, rounds), learners)
+    finally:
+        server.terminate()
+        server.join(timeout=30)
+    return _median_round_mbps(timings, rounds, end=1, size=2)
+
+
 def _peak_rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -155,6 +240,7 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 10) -> d
     if params <= 0 or params % 1024 or learners <= 0 or rounds <= 0:
         raise InvalidArgument("params must be a positive multiple of 1024; learners and rounds positive")
     tcp = tcp_loopback_mbps()
+    noop = grpc_noop_mbps(params, learners, rounds)
     merge_ms, memcpy_ms = _merge_and_memcpy_ms(params, learners)
 
     secret = "bench-secret"
@@ -174,34 +260,21 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 10) -> d
                     raise InvalidArgument("the benchmark shard did not start")
                 time.sleep(0.05)
             address = port_file.read_text().strip()
-            ctx = mp.get_context("spawn")
-            barrier, results = ctx.Barrier(learners), ctx.Queue()
-            clients = [
-                ctx.Process(target=_client, args=(i, address, secret, params, rounds, barrier, results))
-                for i in range(learners)
-            ]
-            for c in clients:
-                c.start()
-            timings = dict(results.get(timeout=600) for _ in clients)
-            for c in clients:
-                c.join(timeout=30)
+            timings = _run_clients(mp.get_context("spawn"), _client, (address, secret, params, rounds), learners)
             peak_rss = _peak_rss_bytes(shard.pid)
         finally:
             shard.terminate()
             shard.wait(timeout=30)
 
-    per_round = []
-    for r in range(rounds):
-        rows = [timings[i][r] for i in range(learners)]
-        start = min(row[0] for row in rows)
-        per_round.append(sum(row[3] for row in rows) / (max(row[1] for row in rows) - start) / 1e6)
+    ingress = _median_round_mbps(timings, rounds, end=1, size=3)
     first = min(timings[i][0][0] for i in range(learners))
     last = max(timings[i][-1][2] for i in range(learners))
-    ingress = statistics.median(per_round)
     return {
         "tcp_loopback_mbps": round(tcp, 1),
+        "grpc_noop_mbps": round(noop, 1),
         "ingress_mbps": round(ingress, 1),
         "ingress_ratio": round(ingress / tcp, 3),
+        "ingress_vs_grpc": round(ingress / noop, 3),
         "merge_ms": round(merge_ms, 2),
         "memcpy_ms": round(memcpy_ms, 2),
         "merge_ratio": round(merge_ms / memcpy_ms, 2),

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 
-import torch
 import zstandard
 
+from diloco.codec.threads import math_threads
 from diloco.errors import CodecError
 
 logger = logging.getLogger(__name__)
@@ -111,10 +111,10 @@ def frame(
     ``max_chunk_bytes`` holding at most ``max_chunk_bytes`` of payload.
 
     Lazy: compresses 2 * ``threads`` chunks at a time (default: torch's intra-op thread
-    count), so a sender can stream the first chunks while it frames the rest.
+    count where torch is loaded, else the CPUs), so a sender can stream the first chunks while it frames the rest.
     """
     slice_bytes = chunk_payload_bytes(max_chunk_bytes)
-    threads = max(1, threads if threads is not None else torch.get_num_threads())
+    threads = max(1, threads if threads is not None else math_threads())
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     batch: list[BytesLike] = []
     for piece in _slices(payloads, slice_bytes):

@@ -12,6 +12,10 @@ all-zero block has scale 0 and q = 0. Two values per byte: element 2i in the low
 Dequantization is ``float32(q) * float32(scale)``, one IEEE multiply, on every path: the
 learner and the shard must reach bit-identical parameters from the same bytes, whichever
 of them has the C kernel. The tests hold the kernel to the reference bit for bit.
+
+The kernel paths take numpy arrays and never import torch, so a syncer shard runs without
+it; the torch-facing API (``quantize_int4``, ``dequantize_int4``, decoding for learners)
+and the reference implementation import torch when called.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ import functools
 import logging
 import math
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from diloco.codec.threads import math_threads
 from diloco.errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +48,8 @@ if sys.byteorder != "little":
     _kernel = None
     _KERNEL_MISSING_REASON = "big-endian host"
 
-SCALE_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
+SCALE_DTYPES = ("float16", "float32")
 _SCALE_BYTES = {"float16": 2, "float32": 4}
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.uint8: np.uint8}
 _STATUS_NONFINITE = 1
 _STATUS_SCALE_OVERFLOW = 2
 QMAX = 7
@@ -71,8 +78,7 @@ def _use_kernel() -> bool:
 
 
 def _threads() -> int:
-    # torch's intra-op setting is the process's one knob for "how many cores may math use".
-    return max(1, torch.get_num_threads())
+    return math_threads()
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -101,34 +107,45 @@ def check_params(block_size: int, scale_dtype: str, name: str | None = None) -> 
         )
 
 
-def flat_float32(x: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """A contiguous 1-D float32 CPU view or copy of ``x`` (parameters may be bf16 or on an
-    accelerator; the wire is float32)."""
+def as_numpy(x) -> np.ndarray:
+    """A numpy view of a numpy array or a CPU torch tensor (no copy)."""
+    return x if isinstance(x, np.ndarray) else x.numpy()
+
+
+def flat_float32(x, name: str | None = None) -> np.ndarray:
+    """A contiguous 1-D float32 numpy view or copy of a torch tensor (parameters may be
+    bf16 or on an accelerator) or a numpy array; the wire is float32."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind != "f":
+            raise CodecError(f"{_describe(name)}: expected a floating point array, got {x.dtype}")
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if not x.is_floating_point():
         raise CodecError(f"{_describe(name)}: expected a floating point tensor, got {x.dtype}")
-    return x.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+    import torch
+
+    return x.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1).numpy()
 
 
-def raise_if_nonfinite(x: torch.Tensor, name: str | None) -> None:
+def raise_if_nonfinite(x: np.ndarray, name: str | None) -> None:
     """Names the first offending element: a NaN in an outer gradient means training
     diverged, and the index tells the user where to look."""
-    bad = ~torch.isfinite(x)
-    if bool(bad.any()):
-        index = int(bad.nonzero()[0, 0])
+    finite = np.isfinite(x)
+    if not finite.all():
+        index = int(np.argmin(finite))
         raise CodecError(
             f"{_describe(name)}: element {index} is {float(x[index])}; only finite values can be encoded"
         )
 
 
 def _raise_for_status(
-    status: int, bad_block: int, x: torch.Tensor, block_size: int, scale_dtype: str, name: str | None
+    status: int, bad_block: int, x: np.ndarray, block_size: int, scale_dtype: str, name: str | None
 ) -> None:
     if status == _STATUS_NONFINITE:
         raise_if_nonfinite(x, name)
         raise CodecError(f"{_describe(name)}: block {bad_block} holds a non-finite value")
     if status == _STATUS_SCALE_OVERFLOW:
         block = x[bad_block * block_size : (bad_block + 1) * block_size]
-        absmax = float(block.abs().max())
+        absmax = float(np.abs(block).max())
         raise CodecError(
             f"{_describe(name)}: block {bad_block} has |x| up to {absmax:.6g}, so its scale "
             f"{absmax / QMAX:.6g} overflows {scale_dtype} (max 65504); use scale_dtype='float32'"
@@ -136,21 +153,25 @@ def _raise_for_status(
     raise CodecError(f"{_describe(name)}: int4 kernel failed with status {status}")
 
 
-def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor backed by numpy's allocator.
+def empty_tensor(numel: int, dtype: str):
+    """An uninitialised CPU torch tensor backed by numpy's allocator.
 
     numpy asks Linux for transparent huge pages on large arrays (madvise) and torch's
     allocator does not: first-touching a fresh 64 MiB torch tensor costs ~40 ms of page
     faults, more than dequantizing into it; from numpy it is ~4x cheaper.
     """
-    return torch.from_numpy(np.empty(numel, dtype=_NUMPY_DTYPES[dtype]))
+    import torch
+
+    return torch.from_numpy(np.empty(numel, dtype=dtype))
 
 
-def _uniforms(numel: int, generator: torch.Generator | None) -> torch.Tensor | None:
+def _uniforms(numel: int, generator) -> np.ndarray | None:
     if generator is None:
         return None
+    import torch
+
     # Same stream as torch.rand(numel, generator=generator).
-    return torch.rand(numel, generator=generator, dtype=torch.float32, out=empty(numel, torch.float32))
+    return torch.rand(numel, generator=generator, dtype=torch.float32, out=empty_tensor(numel, "float32")).numpy()
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,21 +194,14 @@ def quantize_int4(
     """
     check_params(block_size, scale_dtype, name)
     flat = flat_float32(x, name)
-    numel = flat.numel()
+    numel = flat.size
     u = _uniforms(numel, generator)
     if not _use_kernel():
         return quantize_int4_reference(flat, block_size, scale_dtype, u, name=name)
-    packed = empty(packed_nbytes(numel), torch.uint8)
-    scales = empty(num_blocks(numel, block_size), SCALE_DTYPES[scale_dtype])
+    packed = empty_tensor(packed_nbytes(numel), "uint8")
+    scales = empty_tensor(num_blocks(numel, block_size), scale_dtype)
     status, bad_block, _ = _kernel.quantize(
-        flat.numpy(),
-        numel,
-        block_size,
-        _SCALE_BYTES[scale_dtype],
-        None if u is None else u.numpy(),
-        _threads(),
-        packed.numpy(),
-        scales.numpy(),
+        flat, numel, block_size, _SCALE_BYTES[scale_dtype], u, _threads(), packed.numpy(), scales.numpy()
     )
     if status:
         _raise_for_status(status, bad_block, flat, block_size, scale_dtype, name)
@@ -208,6 +222,8 @@ def dequantize_int4(
     ``decode`` for bytes from the network. ``out`` (contiguous float32, numel elements)
     avoids a fresh allocation, whose page faults cost as much as the work itself.
     """
+    import torch
+
     scale_dtype = _scale_dtype_of(scales)
     check_params(block_size, scale_dtype)
     if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(numel):
@@ -225,11 +241,12 @@ def dequantize_int4(
     return _dequantize(packed.numpy(), scales.numpy(), numel, block_size, scale_dtype, out)
 
 
-def _scale_dtype_of(scales: torch.Tensor) -> str:
-    for key, dtype in SCALE_DTYPES.items():
-        if scales.dtype == dtype:
-            return key
-    raise CodecError(f"scales must be float16 or float32, got {scales.dtype}")
+def _scale_dtype_of(scales) -> str:
+    """"float16" or "float32" for a numpy array or torch tensor of scales."""
+    name = str(scales.dtype).removeprefix("torch.")
+    if name not in SCALE_DTYPES:
+        raise CodecError(f"scales must be float16 or float32, got {scales.dtype}")
+    return name
 
 
 def _dequantize(
@@ -240,9 +257,11 @@ def _dequantize(
     scale_dtype: str,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Shared by dequantize_int4 and decode; buffers are already length-checked."""
+    """Shared by dequantize_int4 and decode (learners); buffers are already length-checked."""
+    import torch
+
     if out is None:
-        out = empty(numel, torch.float32)
+        out = empty_tensor(numel, "float32")
     elif out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != numel:
         raise CodecError(f"out must be a contiguous float32 CPU tensor of {numel} elements")
     out = out.view(-1)
@@ -259,20 +278,18 @@ def _dequantize(
 
 
 def quantize_to_payload(
-    flat: torch.Tensor,
+    flat: np.ndarray,
     block_size: int,
     scale_dtype: str,
     generator: torch.Generator | None,
     name: str | None,
 ) -> bytes:
     """The wire payload (packed nibbles then little-endian scales) of a flat float32
-    tensor. The kernel writes straight into the bytes object: no copy on the hot path."""
-    numel = flat.numel()
+    array. The kernel writes straight into the bytes object: no copy on the hot path."""
+    numel = flat.size
     u = _uniforms(numel, generator)
     if _use_kernel():
-        status, bad_block, payload = _kernel.quantize(
-            flat.numpy(), numel, block_size, _SCALE_BYTES[scale_dtype], None if u is None else u.numpy(), _threads()
-        )
+        status, bad_block, payload = _kernel.quantize(flat, numel, block_size, _SCALE_BYTES[scale_dtype], u, _threads())
         if status:
             _raise_for_status(status, bad_block, flat, block_size, scale_dtype, name)
         return payload
@@ -287,6 +304,8 @@ def quantize_to_payload(
 
 def block_scales_reference(absmax: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     """Per-block scales in ``scale_dtype`` (inf where a float16 scale overflows)."""
+    import torch
+
     t = absmax / QMAX
     if scale_dtype == "float32":
         # One float up when absmax / t still rounds above 7 (also lifts a t that
@@ -314,10 +333,13 @@ def quantize_int4_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch-ops quantization; ``uniforms`` (float32 in [0, 1), one per element) selects
     stochastic rounding."""
+    import torch
+
     check_params(block_size, scale_dtype, name)
-    flat = flat_float32(x, name)
+    values = flat_float32(x, name)
+    raise_if_nonfinite(values, name)
+    flat = torch.from_numpy(values)
     numel = flat.numel()
-    raise_if_nonfinite(flat, name)
     nblocks = num_blocks(numel, block_size)
     pad = nblocks * block_size - numel
     blocks = torch.nn.functional.pad(flat, (0, pad)).view(nblocks, block_size)
@@ -326,7 +348,7 @@ def quantize_int4_reference(
     overflow = torch.isinf(scales)
     if bool(overflow.any()):
         _raise_for_status(
-            _STATUS_SCALE_OVERFLOW, int(overflow.nonzero()[0, 0]), flat, block_size, scale_dtype, name
+            _STATUS_SCALE_OVERFLOW, int(overflow.nonzero()[0, 0]), values, block_size, scale_dtype, name
         )
     s = scales.float()
     s = torch.where(s == 0, torch.ones_like(s), s)
@@ -334,7 +356,7 @@ def quantize_int4_reference(
     if uniforms is None:
         q = torch.round(y)
     else:
-        u = torch.nn.functional.pad(uniforms.reshape(-1).float(), (0, pad)).view(nblocks, block_size)
+        u = torch.nn.functional.pad(torch.as_tensor(uniforms).reshape(-1).float(), (0, pad)).view(nblocks, block_size)
         # y >= -7 and u >= 0 keep the floor >= -7; y = 7 plus u near 1 rounds to 8.
         q = torch.floor(y + u).clamp_(max=QMAX)
     q = q.to(torch.int16).view(-1)
@@ -348,6 +370,8 @@ def dequantize_int4_reference(
     packed: torch.Tensor, scales: torch.Tensor, numel: int, block_size: int
 ) -> torch.Tensor:
     """Torch-ops dequantization: float32(q) * float32(scale)."""
+    import torch
+
     p = packed.reshape(-1).to(torch.int16)
     lo = ((p & 15) ^ 8) - 8
     hi = ((p >> 4) ^ 8) - 8
@@ -360,22 +384,21 @@ def dequantize_int4_reference(
 
 def axpy_many_int4(
     inputs: list[tuple[memoryview, memoryview]], alphas: list[float], numel: int, block_size: int, scale_dtype: str,
-    out: torch.Tensor, overwrite: bool = False,
+    out: np.ndarray, overwrite: bool = False,
 ) -> float:
-    """``out (+)= sum_k alphas[k] * dequant(q_k)`` in one pass over ``out`` (the shard's
-    merge); returns the squared norm of the resulting ``out``. ``inputs`` are (packed,
-    scales) byte views that passed ``decode``'s checks."""
-    flat = out.view(-1)
+    """``out (+)= sum_k alphas[k] * dequant(q_k)`` in one pass over ``out`` (flat float32;
+    the shard's merge); returns the squared norm of the resulting ``out``. ``inputs`` are
+    (packed, scales) byte views that passed ``decode``'s checks."""
     if numel and _use_kernel():
         return float(_kernel.axpy_many(
             [p for p, _ in inputs], [s for _, s in inputs], [float(a) for a in alphas],
-            numel, block_size, _SCALE_BYTES[scale_dtype], flat.numpy(), _threads(), overwrite,
+            numel, block_size, _SCALE_BYTES[scale_dtype], out, _threads(), overwrite,
         ))
     if overwrite:
-        flat.zero_()
+        out.fill(0)
     for (packed, scales), alpha in zip(inputs, alphas):
-        flat.add_(_dequantize(packed, scales, numel, block_size, scale_dtype, None), alpha=alpha)
-    return float(flat.double().square().sum())
+        out += np.float32(alpha) * _dequantize(packed, scales, numel, block_size, scale_dtype, None).numpy()
+    return float(np.dot(out.astype(np.float64), out.astype(np.float64)))
 
 
 def sumsq_int4(
@@ -391,20 +414,21 @@ def sumsq_int4(
 
 
 def fused_outer_step(
-    delta: torch.Tensor, momentum: torch.Tensor, residual: torch.Tensor, params: torch.Tensor,
+    delta: np.ndarray, momentum: np.ndarray, residual: np.ndarray, params: np.ndarray,
     block_size: int, scale_dtype: str, c: float, lr: float, mu: float,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[np.ndarray, np.ndarray] | None:
     """The shard's Nesterov step with int4 error feedback in one pass (see ``_int4.c``):
-    momentum, residual and params (flat float32, updated in place) and the int4 update
-    (packed, scales) that was added to params. None when the C kernel is unavailable or
-    the block size does not suit it: the caller then runs the same math in torch ops."""
+    momentum, residual and params (flat float32 arrays, updated in place) and the int4
+    update (packed, scales) that was added to params. None when the C kernel is
+    unavailable or the block size does not suit it: the caller then runs the same math in
+    torch ops."""
     if not _use_kernel() or block_size % 2 or block_size > 1024:
         return None
-    numel = params.numel()
-    packed = empty(packed_nbytes(numel), torch.uint8)
-    scales = empty(num_blocks(numel, block_size), SCALE_DTYPES[scale_dtype])
+    numel = params.size
+    packed = np.empty(packed_nbytes(numel), np.uint8)
+    scales = np.empty(num_blocks(numel, block_size), scale_dtype)
     status = _kernel.outer_step(
-        delta.numpy(), momentum.numpy(), residual.numpy(), params.numpy(), packed.numpy(), scales.numpy(),
+        delta, momentum, residual, params, packed, scales,
         numel, block_size, _SCALE_BYTES[scale_dtype], c, lr, mu, _threads(),
     )
     if status:

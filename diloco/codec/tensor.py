@@ -5,6 +5,10 @@ Nothing is pickled and nothing is trusted: ``decode`` rebuilds the expected byte
 from the spec's shape, block size and scale dtype, checks it against the spec and the
 payload, verifies the CRC-32C and the scales, and only then produces a tensor. Any
 mismatch raises CodecError naming the tensor and the field; no partial tensor escapes.
+
+Encoding takes torch tensors or numpy arrays; checking, measuring and accumulating work
+on bytes and numpy arrays without importing torch (a syncer shard never loads it);
+``decode`` produces torch tensors for learners.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import google_crc32c
 import numpy as np
-import torch
 
 from diloco.codec import int4
 from diloco.errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +82,15 @@ def expected_byte_length(shape: tuple[int, ...], encoding: str, block_size: int,
 
 def encode(
     name: str,
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | np.ndarray,
     *,
     encoding: str = "int4",
     block_size: int = 64,
     scale_dtype: str = "float16",
     generator: torch.Generator | None = None,
 ) -> EncodedTensor:
-    """Encode ``tensor`` (any floating dtype, any device; sent as float32).
+    """Encode ``tensor`` (a torch tensor of any floating dtype on any device, or a numpy
+    array; sent as float32).
 
     int4 quantizes (stochastically when ``generator`` is given); fp32 sends raw
     little-endian floats, for ablations and for learners too far behind for a chain of
@@ -91,7 +100,7 @@ def encode(
     shape = tuple(int(d) for d in tensor.shape)
     if encoding == "fp32":
         int4.raise_if_nonfinite(flat, name)
-        payload = flat.numpy().astype("<f4", copy=False).tobytes()
+        payload = flat.astype("<f4", copy=False).tobytes()
         block_size, scale_dtype = 0, ""
     elif encoding == "int4":
         int4.check_params(block_size, scale_dtype, name)
@@ -114,12 +123,13 @@ def encode(
 def encode_quantized(
     name: str,
     shape: tuple[int, ...],
-    packed: torch.Tensor,
-    scales: torch.Tensor,
+    packed: torch.Tensor | np.ndarray,
+    scales: torch.Tensor | np.ndarray,
     block_size: int,
     scale_dtype: str | None = None,
 ) -> EncodedTensor:
-    """Wrap the output of ``quantize_int4`` without quantizing again.
+    """Wrap the output of ``quantize_int4`` (tensors) or of the shard's outer step (numpy
+    arrays) without quantizing again.
 
     The shard quantizes an update once, applies exactly its dequantization and sends
     these very bytes; quantizing twice would double the cost, and with stochastic
@@ -131,12 +141,13 @@ def encode_quantized(
     scale_dtype = actual_scale_dtype
     numel = math.prod(shape)
     int4.check_params(block_size, scale_dtype, name)
-    if packed.dtype != torch.uint8 or packed.numel() != int4.packed_nbytes(numel):
+    packed = np.ascontiguousarray(_cpu_numpy(packed)).reshape(-1)
+    scales = np.ascontiguousarray(_cpu_numpy(scales), dtype=np.dtype(scale_dtype).newbyteorder("<")).reshape(-1)
+    if packed.dtype != np.uint8 or packed.size != int4.packed_nbytes(numel):
         raise CodecError(f"tensor {name!r}: packed nibbles do not match shape {tuple(shape)}")
-    if scales.numel() != int4.num_blocks(numel, block_size):
-        raise CodecError(f"tensor {name!r}: {scales.numel()} scales do not match shape {tuple(shape)}")
-    scale_bytes = scales.detach().cpu().contiguous().numpy().astype(np.dtype(scale_dtype).newbyteorder("<"))
-    payload = packed.detach().cpu().contiguous().numpy().tobytes() + scale_bytes.tobytes()
+    if scales.size != int4.num_blocks(numel, block_size):
+        raise CodecError(f"tensor {name!r}: {scales.size} scales do not match shape {tuple(shape)}")
+    payload = b"".join((packed.data, scales.view(np.uint8).data))
     spec = TensorSpec(
         name=name,
         shape=tuple(int(d) for d in shape),
@@ -234,13 +245,18 @@ def norm_of(spec: TensorSpec, payload: bytes | bytearray | memoryview) -> float:
     return math.sqrt(int4.sumsq_int4(view[:split], view[split:], spec.numel, spec.block_size, spec.scale_dtype))
 
 
-def accumulate(items: Sequence[tuple[EncodedTensor, float]], out: torch.Tensor, overwrite: bool = False) -> float:
+def accumulate(
+    items: Sequence[tuple[EncodedTensor, float]], out: np.ndarray | torch.Tensor, overwrite: bool = False
+) -> float:
     """``out (+)= sum alpha * decoded`` over (tensor, alpha) pairs of one shape, straight
-    from the encoded bytes: int4 inputs in one fused pass over ``out``. Returns the squared
-    norm of the resulting ``out``. Every payload must have passed ``check_payload``."""
-    flat = out.view(-1)
-    numel = flat.numel()
-    _check_out(out, numel, "accumulator")
+    from the encoded bytes: int4 inputs in one fused pass over ``out`` (contiguous float32:
+    a numpy array or a CPU tensor, written in place). Returns the squared norm of the
+    resulting ``out``. Every payload must have passed ``check_payload``."""
+    base = int4.as_numpy(out)
+    numel = base.size
+    if base.dtype != np.float32 or not base.flags.c_contiguous:
+        raise CodecError(f"tensor 'accumulator': out must be a contiguous float32 CPU tensor of {numel} elements")
+    flat = base.reshape(-1)
     groups: dict[tuple[int, str], list[tuple[EncodedTensor, float]]] = {}
     fp32 = []
     for tensor, alpha in items:
@@ -251,18 +267,21 @@ def accumulate(items: Sequence[tuple[EncodedTensor, float]], out: torch.Tensor, 
         else:
             groups.setdefault((tensor.spec.block_size, tensor.spec.scale_dtype), []).append((tensor, alpha))
     if overwrite and (fp32 or not groups):
-        flat.zero_()
+        flat.fill(0)
         overwrite = False
     for tensor, alpha in fp32:
-        flat.add_(torch.from_numpy(np.frombuffer(_bytes(tensor.payload), dtype="<f4").copy()), alpha=alpha)
+        flat += np.float32(alpha) * np.frombuffer(_bytes(tensor.payload), dtype="<f4")
     sumsq = None
     split = int4.packed_nbytes(numel)
     for (block_size, scale_dtype), group in groups.items():
         inputs = [(_bytes(t.payload)[:split], _bytes(t.payload)[split:]) for t, _ in group]
-        sumsq = int4.axpy_many_int4(inputs, [a for _, a in group], numel, block_size, scale_dtype, out, overwrite)
+        sumsq = int4.axpy_many_int4(inputs, [a for _, a in group], numel, block_size, scale_dtype, flat, overwrite)
         overwrite = False
     # The int4 groups run last, so the last one measured the final ``out``.
-    return sumsq if sumsq is not None else float(flat.double().square().sum())
+    if sumsq is not None:
+        return sumsq
+    wide = flat.astype(np.float64)
+    return float(np.dot(wide, wide))
 
 
 def _bytes(payload: bytes | bytearray | memoryview) -> memoryview:
@@ -283,6 +302,8 @@ def decode(
     ``out`` (contiguous float32, spec.numel elements) is written only after every check
     has passed, so a failed decode never leaves half a tensor behind.
     """
+    import torch
+
     view = check_payload(spec, payload, block_size=block_size, scale_dtype=scale_dtype)
     numel = spec.numel
     if out is not None:
@@ -295,7 +316,13 @@ def decode(
     return values.view(spec.shape)
 
 
+def _cpu_numpy(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.detach().cpu().numpy()
+
+
 def _check_out(out: torch.Tensor, numel: int, name: str) -> None:
+    import torch
+
     if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != numel:
         raise CodecError(f"tensor {name!r}: out must be a contiguous float32 CPU tensor of {numel} elements")
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 # The weighted sum of unit vectors has norm in [0, sum(w)]; below this fraction of sum(w)
 # the mean direction is rounding noise (the deltas cancel out) and must not be normalised.
@@ -46,11 +46,11 @@ def token_weights(contributions: Sequence[Contribution], staleness_lambda: float
 
 
 def merge_piece(
-    add: Callable[[list[tuple[int, float]], torch.Tensor], float],
+    add: Callable[[list[tuple[int, float]], np.ndarray], float],
     norms: Sequence[float],
     weights: Sequence[float],
     rda: bool,
-    out: torch.Tensor,
+    out: np.ndarray,
 ) -> float:
     """Write the merged delta of one piece into ``out`` (flat fp32), up to the returned
     factor: the merge is ``factor * out`` (the caller folds the factor into its next pass

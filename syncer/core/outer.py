@@ -1,12 +1,20 @@
 """The outer optimizer and the int4 downlink with error feedback, in place on flat fp32
-tensors (the shard's state is the only copy; no per-round allocation of the model)."""
+arrays (the shard's state is the only copy; no per-round allocation of the model).
+
+The C kernel runs the step on numpy arrays; without it (or for a block size it does not
+take) the same math runs in torch ops, imported only then."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from diloco.codec import dequantize_int4, quantize_int4
 from diloco.codec.int4 import fused_outer_step
+
+if TYPE_CHECKING:
+    import torch
 
 
 def nesterov_(momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float) -> torch.Tensor:
@@ -34,15 +42,19 @@ def apply_quantized_(
 
 
 def outer_step_(
-    delta: torch.Tensor, momentum: torch.Tensor, residual: torch.Tensor, params: torch.Tensor,
+    delta: np.ndarray, momentum: np.ndarray, residual: np.ndarray, params: np.ndarray,
     scale: float, lr: float, mu: float, block_size: int, scale_dtype: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[np.ndarray, np.ndarray] | tuple[torch.Tensor, torch.Tensor]:
     """``nesterov_`` on ``scale * delta`` followed by ``apply_quantized_``, fused into one
     pass by the C kernel when it is built (the same math, up to float rounding order).
-    All tensors flat float32; ``delta`` may be overwritten. Returns q as (packed, scales)."""
+    All arrays flat float32, updated in place; ``delta`` may be overwritten. Returns q as
+    (packed, scales)."""
     fused = fused_outer_step(delta, momentum, residual, params, block_size, scale_dtype, scale, lr, mu)
     if fused is not None:
         return fused
+    import torch
+
+    delta, momentum, residual, params = (torch.from_numpy(a) for a in (delta, momentum, residual, params))
     if scale != 1.0:
         delta.mul_(scale)
     step = nesterov_(momentum, delta, lr, mu)

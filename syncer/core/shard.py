@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from diloco.clock import VectorClock
 from diloco.codec import (
@@ -124,9 +124,9 @@ class FragmentUpdate:
 @dataclass
 class FragmentState:
     fragment: Fragment
-    params: list[torch.Tensor]
-    momentum: list[torch.Tensor]
-    residual: list[torch.Tensor]
+    params: list[np.ndarray]
+    momentum: list[np.ndarray]
+    residual: list[np.ndarray]
     chain: deque[Segment]
     version: int = 0
     open: dict[str, Pending] = field(default_factory=dict)
@@ -151,9 +151,9 @@ class RoundJob:
     version: int
     pushes: tuple[Pending, ...]
     weights: tuple[float, ...]
-    params: tuple[torch.Tensor, ...]
-    momentum: tuple[torch.Tensor, ...]
-    residual: tuple[torch.Tensor, ...]
+    params: tuple[np.ndarray, ...]
+    momentum: tuple[np.ndarray, ...]
+    residual: tuple[np.ndarray, ...]
     reason: str
     grace_s: float
     quorum_s: float
@@ -174,34 +174,44 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
     m = cfg.merge
     encoded = []
     for index, piece in enumerate(job.fragment.pieces):
-        delta = torch.empty(piece.numel, dtype=torch.float32)
+        delta = np.empty(piece.numel, dtype=np.float32)
         scale = 1.0
         if sum(job.weights) > 0:
             tensors = [p.payload.tensors[index] for p in job.pushes]
 
-            def add(terms: list[tuple[int, float]], out: torch.Tensor) -> float:
+            def add(terms: list[tuple[int, float]], out: np.ndarray) -> float:
                 return accumulate([(tensors[i], alpha) for i, alpha in terms], out, overwrite=True)
 
             norms = [p.payload.norms[index] for p in job.pushes]
             scale = merge_piece(add, norms, job.weights, m.merge == "rda" and not piece.embedding, delta)
-            momentum = job.momentum[index].view(-1)
+            momentum = job.momentum[index].reshape(-1)
         else:
             # Nothing with weight arrived (every pusher failed): no step, momentum untouched.
-            delta.zero_()
-            momentum = torch.zeros_like(delta)
+            delta.fill(0)
+            momentum = np.zeros_like(delta)
         lr = m.outer_lr * (job.participation if m.scale_by == "live" else 1.0)
         packed, scales = outer_step_(
-            delta, momentum, job.residual[index].view(-1), job.params[index].view(-1),
+            delta, momentum, job.residual[index].reshape(-1), job.params[index].reshape(-1),
             scale, lr, m.outer_momentum, m.block_size, m.scale_dtype,
         )
         encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
     return Segment(job.version, "delta", tuple(encoded))
 
 
+def _owned_copy(values) -> np.ndarray:
+    """A float32 C-contiguous copy the shard owns, of a numpy array or a CPU tensor."""
+    if not isinstance(values, np.ndarray):
+        values = values.detach().cpu().numpy()
+    return np.array(values, dtype=np.float32, order="C", copy=True)
+
+
 class ShardCore:
     def __init__(
-        self, cfg: SyncerConfig, plan: FragmentPlan, initial: Mapping[int, Sequence[torch.Tensor]]
+        self, cfg: SyncerConfig, plan: FragmentPlan, initial: Mapping[int, Sequence[np.ndarray]]
     ) -> None:
+        """``initial``: each owned fragment's pieces (numpy arrays, or CPU tensors, which
+        are copied into numpy arrays: the shard's state is numpy, and torch never has to be
+        loaded in a shard process)."""
         self.cfg = cfg
         self.plan = plan
         self.process = f"S{cfg.shard_id}"
@@ -214,15 +224,15 @@ class ShardCore:
         for fragment in plan.owned_by(cfg.shard_id, cfg.num_shards):
             if fragment.id not in initial:
                 raise InvalidArgument(f"no initial parameters for fragment {fragment.id}")
-            params = [t.detach().to(torch.float32).contiguous().clone() for t in initial[fragment.id]]
+            params = [_owned_copy(t) for t in initial[fragment.id]]
             shapes = [tuple(t.shape) for t in params]
             if shapes != [p.shape for p in fragment.pieces]:
                 raise InvalidArgument(f"initial parameters of fragment {fragment.id} have shapes {shapes}")
             self.fragments[fragment.id] = FragmentState(
                 fragment=fragment,
                 params=params,
-                momentum=[torch.zeros_like(p) for p in params],
-                residual=[torch.zeros_like(p) for p in params],
+                momentum=[np.zeros_like(p) for p in params],
+                residual=[np.zeros_like(p) for p in params],
                 chain=deque(maxlen=cfg.merge.update_chain_length),
             )
 

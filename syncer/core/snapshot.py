@@ -10,8 +10,8 @@ closes at its first push stamped with epoch >= n (the marker has reached it) or 
 it leaves. ``restore`` puts a recorded state back into a fresh ``ShardCore``; the
 runtime then accepts the channel pushes, once each.
 
-Everything here is plain tensors, numbers, strings, lists and dicts, so the files load
-with ``torch.load(weights_only=True)``: nothing is unpickled.
+Everything here is plain numpy arrays, numbers, strings, lists and dicts (see
+``syncer.snapshot`` for the file format: nothing is pickled).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from diloco.clock import VectorClock
 from diloco.codec import EncodedTensor, TensorSpec
@@ -77,20 +77,20 @@ class ChannelRecorder:
 # --- plain-data encoding -------------------------------------------------------------
 
 
-def _tensor_of(payload) -> torch.Tensor:
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+def _array_of(payload) -> np.ndarray:
+    return np.frombuffer(payload, dtype=np.uint8).copy()
 
 
 def _encoded_out(t: EncodedTensor) -> dict:
     spec = dataclasses.asdict(t.spec)
     spec["shape"] = list(spec["shape"])
-    return {"spec": spec, "payload": _tensor_of(t.payload)}
+    return {"spec": spec, "payload": _array_of(t.payload)}
 
 
 def _encoded_in(raw: dict) -> EncodedTensor:
     spec = dict(raw["spec"])
     spec["shape"] = tuple(spec["shape"])
-    return EncodedTensor(TensorSpec(**spec), raw["payload"].numpy().tobytes())
+    return EncodedTensor(TensorSpec(**spec), raw["payload"].tobytes())
 
 
 def meta_out(meta: PushMeta) -> dict:
@@ -108,13 +108,13 @@ def meta_in(raw: dict) -> PushMeta:
 
 
 def push_out(meta: PushMeta, payload: PushPayload, wire_bytes: int = 0) -> dict:
-    return {"meta": meta_out(meta), "payloads": [_tensor_of(t.payload) for t in payload.tensors], "wire_bytes": wire_bytes}
+    return {"meta": meta_out(meta), "payloads": [_array_of(t.payload) for t in payload.tensors], "wire_bytes": wire_bytes}
 
 
 def push_in(raw: dict) -> tuple[PushMeta, PushPayload, int]:
     """Rebuild a recorded push; its payload is validated again (checksums, scales)."""
     meta = meta_in(raw["meta"])
-    payload = b"".join(t.numpy().tobytes() for t in raw["payloads"])
+    payload = b"".join(t.tobytes() for t in raw["payloads"])
     return meta, inspect_payload(meta.specs, payload), int(raw["wire_bytes"])
 
 
@@ -129,9 +129,9 @@ def capture(core: ShardCore, snapshot_id: int) -> dict:
             {
                 "id": fragment_id,
                 "version": state.version,
-                "params": [t.clone() for t in state.params],
-                "momentum": [t.clone() for t in state.momentum],
-                "residual": [t.clone() for t in state.residual],
+                "params": [t.copy() for t in state.params],
+                "momentum": [t.copy() for t in state.momentum],
+                "residual": [t.copy() for t in state.residual],
                 "chain": [
                     {"version": s.version, "kind": s.kind, "tensors": [_encoded_out(t) for t in s.tensors]}
                     for s in state.chain
@@ -181,7 +181,7 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
             if [tuple(t.shape) for t in raw[name]] != [tuple(t.shape) for t in tensors]:
                 raise FailedPrecondition(f"fragment {fragment_id}: recorded {name} shapes do not match the plan")
             for dst, src in zip(tensors, raw[name]):
-                dst.copy_(src)
+                np.copyto(dst, src)
         target.version = int(raw["version"])
         target.chain = deque(
             (Segment(s["version"], s["kind"], tuple(_encoded_in(t) for t in s["tensors"])) for s in raw["chain"]),

@@ -1,11 +1,12 @@
-"""`diloco syncer` as a real process: it serves, and SIGTERM answers waiting pushes,
-flushes the tape and exits 0."""
+"""`diloco syncer` as a real process: it serves without loading torch, and SIGTERM
+answers waiting pushes, flushes the tape and exits 0."""
 
 import asyncio
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -38,11 +39,14 @@ def test_sigterm_answers_waiting_pushes_flushes_tape_and_exits_0(tmp_path):
         async def scenario():
             run = RunConfig(model=ModelConfig(width=16, depth=1, heads=2, context=16), fragments=2)
             plan = run.plan()
-            learner = FakeLearner("L0", plan, plan.gather(0, run.initial_state()))
+            learner = FakeLearner("L0", plan, [t.numpy() for t in plan.gather(0, run.initial_state())])
             async with client_for(address, "L0") as client:
                 acked = asyncio.Event()
                 push = asyncio.ensure_future(learner.push_with_ack(client, acked))
                 await asyncio.wait_for(acked.wait(), 30)  # in the round, waiting for L1
+                # The shard took the push in (unframed, checked, measured) without torch.
+                maps = Path(f"/proc/{proc.pid}/maps").read_text()
+                assert "libtorch" not in maps and "libc10" not in maps
                 proc.send_signal(signal.SIGTERM)
                 return await asyncio.wait_for(push, 30)
 

@@ -51,12 +51,12 @@ def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
                 for fragment_id, state in server.runtime.core.fragments.items():
                     assert state.version == 3
                     mine = learner.anchors()[fragment_id]
-                    assert all(torch.equal(a, b) for a, b in zip(mine, state.params))
+                    assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(mine, state.params))
             # Fragment 3's reply came after the last inner step: nothing to rebase (and with
             # alpha = 0 nothing to mix), so the model holds the global values, bit for bit.
             owner = servers[learner.plan.fragments[3].owner(2)][0].runtime.core.fragments[3]
             live = learner.plan.gather(3, learner.params)
-            assert all(torch.equal(a.detach(), b) for a, b in zip(live, owner.params))
+            assert all(torch.equal(a.detach(), torch.from_numpy(b)) for a, b in zip(live, owner.params))
             assert summary.blocked_s < 0.5 * summary.wall_s
 
     run(scenario())
@@ -101,7 +101,7 @@ def test_shard_outage_drops_pushes_keeps_training_and_resyncs(tmp_path):
         # After the re-sync the learner follows the new shard again, bit for bit.
         for fragment_id, state in second.runtime.core.fragments.items():
             assert state.version >= 1
-            assert all(torch.equal(a, b) for a, b in zip(learner.anchors()[fragment_id], state.params))
+            assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(learner.anchors()[fragment_id], state.params))
 
     run(scenario())
 

@@ -23,7 +23,8 @@ class FakeLearner:
     def __init__(self, name, plan, params, fragment=0, seed=0):
         self.name, self.fragment = name, fragment
         self.pieces = plan.fragments[fragment].pieces
-        self.anchor = [t.clone() for t in params]
+        # The shard's parameters are numpy arrays; a learner's anchor is torch tensors.
+        self.anchor = [torch.from_numpy(t.copy()) for t in params]
         self.version = 0
         self.clock = VectorClock()
         self.g = torch.Generator().manual_seed(seed)
@@ -72,7 +73,7 @@ def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path)
                 assert results[0].update.participants == 3
             shard_params = server.runtime.core.fragments[0].params
             for learner in learners:
-                assert all(torch.equal(a, b) for a, b in zip(learner.anchor, shard_params))
+                assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(learner.anchor, shard_params))
         rounds = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "round"]
         assert [r["version"] for r in rounds] == [1, 2, 3]
         assert all(sorted(r["participants"]) == ["L0", "L1", "L2"] for r in rounds)
@@ -163,7 +164,8 @@ def test_bootstrap_streams_full_fragments(tmp_path):
             assert sorted(u.fragment for u in updates) == sorted(core.fragments)
             for u in updates:
                 assert [s.kind for s in u.segments] == ["full"]
-                assert all(torch.equal(a, b) for a, b in zip(u.segments[0].tensors, core.fragments[u.fragment].params))
+                shard_params = core.fragments[u.fragment].params
+                assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(u.segments[0].tensors, shard_params))
 
     run(scenario())
 

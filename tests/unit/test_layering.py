@@ -1,6 +1,8 @@
 """Architectural rule: core modules and the shared kernel never import grpc or protos."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +55,16 @@ def test_only_cli_reads_environment():
             if "os.environ" in path.read_text() or "getenv(" in path.read_text():
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
+
+
+def test_a_shard_process_does_not_import_torch():
+    """The syncer is CPU-only numpy and C: importing torch would cost a shard about 220 MB
+    of memory and two seconds of start-up (its initial fragments come from a helper
+    process, ``syncer.initial``)."""
+    code = (
+        "import sys, diloco.cli, syncer.server, syncer.service, syncer.initial, syncer.core.snapshot\n"
+        "diloco.cli.build_parser()\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -107,7 +107,13 @@ def test_fused_outer_step_matches_the_torch_ops():
     state = [torch.randn(n, generator=g) * s for s in (1e-3, 1e-4, 1.0)]  # momentum, residual, params
     delta = torch.randn(n, generator=g) * 1e-2
     fused_state = [t.clone() for t in state]
-    packed, scales = outer.outer_step_(delta.clone(), *fused_state, 1.7, 0.7, 0.9, 64, "float16")
+    # outer_step_ takes flat float32 numpy arrays and updates them in place; the numpy
+    # views share memory with the tensors, so fused_state sees the update.
+    packed, scales = outer.outer_step_(
+        delta.clone().numpy(), *(t.numpy() for t in fused_state), 1.7, 0.7, 0.9, 64, "float16"
+    )
+    # numpy from the C kernel, torch tensors from the torch fallback.
+    packed, scales = torch.as_tensor(packed), torch.as_tensor(scales)
     m, r, p = state
     step = outer.nesterov_(m, delta.clone().mul_(1.7), 0.7, 0.9)
     ref_packed, ref_scales = outer.apply_quantized_(p, r, step, 64, "float16")

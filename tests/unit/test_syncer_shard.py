@@ -94,7 +94,7 @@ def test_round_closes_and_downlink_is_bit_identical():
     assert state.version == 6
     for learner in learners:
         for mine, theirs in zip(learner.anchor[0], state.params):
-            assert torch.equal(mine, theirs)
+            assert torch.equal(mine, torch.from_numpy(theirs))
 
 
 def test_duplicate_push_is_acknowledged_not_applied():
@@ -135,7 +135,7 @@ def test_old_learner_gets_full_fragment():
     fresh.version[0] = 0
     fresh.apply(stale)
     for mine, theirs in zip(fresh.anchor[0], shard.fragments[0].params):
-        assert torch.equal(mine, theirs)
+        assert torch.equal(mine, torch.from_numpy(theirs))
     assert shard.update_for(0, 4).segments == ()
     with pytest.raises(FailedPrecondition, match="future"):
         shard.update_for(0, 5)
@@ -178,12 +178,16 @@ def test_error_feedback_keeps_params_plus_residual_on_the_true_trajectory():
             step = torch.empty(piece.numel)
             delta = decode(t.spec, t.payload).view(-1)
             step.mul_(merge_piece(lambda terms, acc: float(acc.copy_(delta).mul_(terms[0][1]).double().square().sum()), [payload.norms[i]], [1.0], not piece.embedding, step))
-            ref_state.params[i].view(-1).sub_(nesterov_(ref_state.momentum[i].view(-1), step, 0.7, 0.9))
+            # The shard's state is numpy; torch.from_numpy views update it in place.
+            ref_params = torch.from_numpy(ref_state.params[i]).view(-1)
+            ref_momentum = torch.from_numpy(ref_state.momentum[i]).view(-1)
+            ref_params.sub_(nesterov_(ref_momentum, step, 0.7, 0.9))
     state = shard.fragments[0]
     for i in range(len(state.params)):
+        params, residual = torch.from_numpy(state.params[i]), torch.from_numpy(state.residual[i])
         # Quantized trajectory + carried residual == unquantized trajectory (to fp32 rounding).
-        torch.testing.assert_close(state.params[i] + state.residual[i], reference.fragments[0].params[i], atol=1e-6, rtol=0)
-        assert state.residual[i].abs().max() > 0  # the quantization really dropped something
+        torch.testing.assert_close(params + residual, torch.from_numpy(reference.fragments[0].params[i]), atol=1e-6, rtol=0)
+        assert residual.abs().max() > 0  # the quantization really dropped something
 
 
 def header_case(shard, initial, mutate):
@@ -267,8 +271,10 @@ def test_outer_lr_scales_with_the_rounds_share_of_live_learners():
         Learner("L0", shard, initial, seed=1).push(0, now=1.0)
         job = shard.begin_round(0, Close("test", 0.0), 1.0)
         assert job.participation == pytest.approx(1 / 3)
-        before = [t.clone() for t in job.params]
+        before = [torch.from_numpy(t.copy()) for t in job.params]
         shard.finish_round(job, compute_round(job, shard.cfg), 1.1)
-        moved[scale_by] = torch.cat([(a - b).flatten() for a, b in zip(shard.fragments[0].params, before)])
+        moved[scale_by] = torch.cat(
+            [(torch.from_numpy(a) - b).flatten() for a, b in zip(shard.fragments[0].params, before)]
+        )
     ratio = moved["live"].norm() / moved["round"].norm()
     assert ratio == pytest.approx(1 / 3, rel=0.02)
