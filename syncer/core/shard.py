@@ -140,6 +140,9 @@ class FragmentState:
     last_reason: str = ""
     last_participants: int = 0
     full_cache: Segment | None = None
+    merge_buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))
+    """The round's fp32 merge buffer, as large as the fragment's largest piece, kept across
+    rounds: a fresh one per round cost a page fault per 4 KiB, a fifth of the shard's CPU."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class RoundJob:
     params: tuple[np.ndarray, ...]
     momentum: tuple[np.ndarray, ...]
     residual: tuple[np.ndarray, ...]
+    merge_buffer: np.ndarray
     reason: str
     grace_s: float
     quorum_s: float
@@ -168,13 +172,13 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
     """Merge, outer Nesterov step and int4 downlink update, in place on the fragment's
     state (the runtime keeps every reader away while the fragment is ``applying``).
 
-    Memory: the state (params, momentum, residual: 12 bytes/param) plus one merge buffer
-    for one piece at a time; deltas are accumulated straight from their int4 bytes. Returns the update segment: the int4 encoding
+    Memory: the state (params, momentum, residual: 12 bytes/param) plus the fragment's
+    merge buffer, one piece at a time; deltas are accumulated straight from their int4 bytes. Returns the update segment: the int4 encoding
     of exactly what was added to the parameters."""
     m = cfg.merge
     encoded = []
     for index, piece in enumerate(job.fragment.pieces):
-        delta = np.empty(piece.numel, dtype=np.float32)
+        delta = job.merge_buffer[: piece.numel]
         scale = 1.0
         if sum(job.weights) > 0:
             tensors = [p.payload.tensors[index] for p in job.pushes]
@@ -234,6 +238,7 @@ class ShardCore:
                 momentum=[np.zeros_like(p) for p in params],
                 residual=[np.zeros_like(p) for p in params],
                 chain=deque(maxlen=cfg.merge.update_chain_length),
+                merge_buffer=np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32),
             )
 
     # --- validation -------------------------------------------------------------------
@@ -371,6 +376,7 @@ class ShardCore:
             params=tuple(state.params),
             momentum=tuple(state.momentum),
             residual=tuple(state.residual),
+            merge_buffer=state.merge_buffer,
             reason=decision.reason,
             grace_s=decision.grace_s,
             quorum_s=max(quorum_s, 0.0),
