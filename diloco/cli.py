@@ -74,7 +74,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     sync = kinds.add_parser("syncer", help="one shard's ingress vs raw loopback TCP, merge time vs memcpy, memory")
     sync.add_argument("--params", type=int, default=4 * 1024 * 1024, help="parameters of the shard's fragment (default 4Mi)")
     sync.add_argument("--learners", type=int, default=8, help="client processes pushing (default 8)")
-    sync.add_argument("--rounds", type=int, default=10, help="rounds to measure (default 10)")
+    sync.add_argument("--rounds", type=int, default=30, help="rounds to measure, after one warm-up round (default 30)")
     sync.add_argument("--json", action="store_true", help="print one JSON object")
     sync.set_defaults(func=_bench_syncer)
     lrn = kinds.add_parser("learner", help="a learner's tokens/s with syncing on vs off, side by side")

@@ -6,7 +6,7 @@ memcpy measured in the same run.
 - ingress_mbps: a real shard process (``diloco syncer``) owning one fragment of
   ``params`` parameters; ``learners`` client processes released together by a barrier
   each push one real int4 delta (pre-encoded and pre-framed, so client CPU is not
-  counted); per round, wire bytes of all pushes / time from release to the last ack (the
+  counted), after one untimed warm-up push each; per round, wire bytes of all pushes / time from release to the last ack (the
   ack comes after the shard received, unframed, checksummed and decoded the push). The
   median over rounds is reported. ingress_ratio = ingress / raw TCP.
 - grpc_noop_mbps: the same clients, the same chunks, the same measurement, against a
@@ -19,12 +19,18 @@ memcpy measured in the same run.
   reads ``learners`` distinct deltas), best of 5; merge_ratio = merge_ms / memcpy_ms.
 - rounds_per_s: full rounds (push, merge, update back to every learner) per second.
 - rss: the shard process's peak resident memory (VmHWM) after the run.
+- shard_cpu_ms_per_round: the shard process's CPU time (user + system) over the measured
+  rounds, per round: ingress, merge, framing and the replies to every learner.
+  shard_mb_per_cpu_s = wire MB pushed per shard CPU-second: how much push traffic one
+  core could absorb if the shard had it to itself (here it shares 2 cores with the
+  learners).
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import subprocess
@@ -73,7 +79,7 @@ def tcp_loopback_mbps() -> float:
     return received / seconds / 1e6
 
 
-def _client(index: int, address: str, secret: str, params: int, rounds: int, barrier, results) -> None:
+def _client(index: int, address: str, secret: str, params: int, rounds: int, barrier, warm, results) -> None:
     from diloco import auth
     from diloco.clock import VectorClock
     from diloco.codec import encode, frame
@@ -91,15 +97,18 @@ def _client(index: int, address: str, secret: str, params: int, rounds: int, bar
         channel = open_channel(address)
         client = SyncerClient(channel, name, auth.sign(secret, name), timeout_s=120)
         version, clock, timings = 0, VectorClock(), []
-        for _ in range(rounds):
+        for r in range(1 + rounds):
             clock = clock.tick(name)
             meta = PushMeta(name, 0, version, 4096, 8, 0.1, clock, tuple(e.spec for e in encoded))
             acked = []
             await asyncio.to_thread(barrier.wait)
             start = time.monotonic()
             result = await client.push(meta, encoded, on_ack=lambda *_: acked.append(time.monotonic()), chunks=chunks)
-            timings.append((start, acked[0], time.monotonic(), result.bytes_up, result.update.wire_bytes))
             version = result.update.version
+            if r == 0:
+                await asyncio.to_thread(warm.wait)
+                continue
+            timings.append((start, acked[0], time.monotonic(), result.bytes_up, result.update.wire_bytes))
         await channel.close()
         return timings
 
@@ -128,7 +137,7 @@ def _noop_server(port_queue) -> None:
     asyncio.run(main())
 
 
-def _noop_client(index: int, port: int, params: int, rounds: int, barrier, results) -> None:
+def _noop_client(index: int, port: int, params: int, rounds: int, barrier, warm, results) -> None:
     import grpc
 
     from diloco.codec import encode, frame
@@ -141,11 +150,14 @@ def _noop_client(index: int, port: int, params: int, rounds: int, barrier, resul
     async def main():
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 8 << 20)])
         push, timings = channel.stream_stream(_NOOP_METHOD), []
-        for _ in range(rounds):
+        for r in range(1 + rounds):
             await asyncio.to_thread(barrier.wait)
             start = time.monotonic()
             async for _ in push(iter(chunks)):
                 break
+            if r == 0:
+                await asyncio.to_thread(warm.wait)
+                continue
             timings.append((start, time.monotonic(), sum(map(len, chunks))))
         await channel.close()
         return timings
@@ -153,11 +165,16 @@ def _noop_client(index: int, port: int, params: int, rounds: int, barrier, resul
     results.put((index, asyncio.run(main())))
 
 
-def _run_clients(ctx, target, args, learners: int) -> dict:
-    barrier, results = ctx.Barrier(learners), ctx.Queue()
-    clients = [ctx.Process(target=target, args=(i, *args, barrier, results)) for i in range(learners)]
+def _run_clients(ctx, target, args, learners: int, warmed=lambda: None) -> dict:
+    """Start ``learners`` client processes; each makes one untimed warm-up push (channel
+    set-up, first allocations), then ``rounds`` timed ones released together. ``warmed``
+    runs once every warm-up push is done."""
+    barrier, warm, results = ctx.Barrier(learners), ctx.Barrier(learners + 1), ctx.Queue()
+    clients = [ctx.Process(target=target, args=(i, *args, barrier, warm, results)) for i in range(learners)]
     for c in clients:
         c.start()
+    warm.wait(timeout=600)
+    warmed()
     timings = dict(results.get(timeout=600) for _ in clients)
     for c in clients:
         c.join(timeout=30)
@@ -185,6 +202,11 @@ def grpc_noop_mbps(params: int, learners: int, rounds: int) -> float:
         server.terminate()
         server.join(timeout=30)
     return _median_round_mbps(timings, rounds, end=1, size=2)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _peak_rss_bytes(pid: int) -> int:
@@ -236,7 +258,7 @@ def _merge_and_memcpy_ms(params: int, learners: int) -> tuple[float, float]:
     return best_merge * 1e3, best_copy * 1e3
 
 
-def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 10) -> dict:
+def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> dict:
     if params <= 0 or params % 1024 or learners <= 0 or rounds <= 0:
         raise InvalidArgument("params must be a positive multiple of 1024; learners and rounds positive")
     tcp = tcp_loopback_mbps()
@@ -260,13 +282,19 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 10) -> d
                     raise InvalidArgument("the benchmark shard did not start")
                 time.sleep(0.05)
             address = port_file.read_text().strip()
-            timings = _run_clients(mp.get_context("spawn"), _client, (address, secret, params, rounds), learners)
+            cpu: list[float] = []
+            timings = _run_clients(
+                mp.get_context("spawn"), _client, (address, secret, params, rounds), learners,
+                warmed=lambda: cpu.append(_cpu_seconds(shard.pid)),
+            )
+            shard_cpu_s = _cpu_seconds(shard.pid) - cpu[0]
             peak_rss = _peak_rss_bytes(shard.pid)
         finally:
             shard.terminate()
             shard.wait(timeout=30)
 
     ingress = _median_round_mbps(timings, rounds, end=1, size=3)
+    pushed = sum(row[3] for t in timings.values() for row in t)
     first = min(timings[i][0][0] for i in range(learners))
     last = max(timings[i][-1][2] for i in range(learners))
     return {
@@ -279,6 +307,8 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 10) -> d
         "memcpy_ms": round(memcpy_ms, 2),
         "merge_ratio": round(merge_ms / memcpy_ms, 2),
         "rounds_per_s": round(rounds / (last - first), 2),
+        "shard_cpu_ms_per_round": round(shard_cpu_s / rounds * 1e3, 1),
+        "shard_mb_per_cpu_s": round(pushed / shard_cpu_s / 1e6, 1),
         "rss_peak_mb": round(peak_rss / 1e6, 1),
         "rss_bytes_per_param": round(peak_rss / params, 1),
         "rss_budget_mb": round((20 * params + 300e6) / 1e6, 1),
