@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import zstandard
 
 from diloco.codec.threads import math_threads
@@ -143,8 +144,9 @@ class Unframer:
             raise CodecError(f"expected byte length must be >= 0, got {expected_bytes}")
         self.expected_bytes = expected_bytes
         self.max_chunk_bytes = max_chunk_bytes
-        self._buffer = bytearray(expected_bytes)
-        self._view = memoryview(self._buffer)
+        # Uninitialised: memory is touched only as chunks arrive, so a header announcing a
+        # large payload costs nothing until its bytes do.
+        self._view = memoryview(np.empty(expected_bytes, dtype=np.uint8))
         self._dctx = zstandard.ZstdDecompressor()
         self._chunks = 0
         self.received = 0
@@ -163,17 +165,17 @@ class Unframer:
         self.received += size
         self._chunks += 1
 
-    def result(self) -> bytearray:
-        """The payload; raises unless the chunks added up to exactly ``expected_bytes``."""
+    def result(self) -> memoryview:
+        """The payload (a byte view); raises unless the chunks added up to exactly
+        ``expected_bytes``."""
         if self.received != self.expected_bytes:
             raise CodecError(f"stream ended after {self.received} of the expected {self.expected_bytes} bytes")
-        self._view.release()
-        return self._buffer
+        return self._view
 
 
 def unframe(
     chunks: Iterable[BytesLike], expected_bytes: int, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-) -> bytearray:
+) -> memoryview:
     """The payload bytes of a stream of chunks, which must add up to ``expected_bytes``
     (see ``Unframer`` for the checks)."""
     unframer = Unframer(expected_bytes, max_chunk_bytes=max_chunk_bytes)

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -539,6 +540,26 @@ def test_unframer_takes_one_chunk_at_a_time_and_refuses_a_short_stream(framed):
     assert partial.received == zstandard.frame_content_size(chunks[0])
     with pytest.raises(CodecError, match="expected byte length must be >= 0"):
         Unframer(-1)
+
+
+def test_unframer_touches_no_memory_before_chunks_arrive(framed):
+    """A header may announce up to the push limit; the receiver must not commit that much
+    memory before the bytes come (an authenticated but broken client could otherwise
+    make a shard allocate 512 MiB per stream it opens)."""
+
+    def resident() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+    before = resident()
+    unframer = Unframer(512 << 20)
+    assert resident() - before < 16 << 20
+    payload, chunks = framed
+    small = Unframer(len(payload), max_chunk_bytes=8192)
+    for chunk in chunks:
+        small.add(chunk)
+    assert small.result() == payload
+    del unframer
 
 
 def test_unframe_rejects_missing_extra_and_foreign_chunks(framed):
