@@ -73,10 +73,19 @@ def learner_inner(batch_size: int, steps: int, worker: int):
     return replace(base, batch_size=batch_size, steps=steps, data_shard=worker % base.data_shards)
 
 
+@dataclass(frozen=True)
 class WorkloadConfig:
-    """What both baselines' config dataclasses share (fields ``run``, ``batch_size``,
-    ``steps``, ``slow_workers``, ``kill_at_steps``, ``out``): a worker's inner-loop
-    config, its slow factor, and the JSON round trip the supervisor hands its workers."""
+    """What both baselines' config dataclasses share: ``threads_per_worker``, and, for
+    their own fields ``run``, ``batch_size``, ``steps``, ``slow_workers``,
+    ``kill_at_steps`` and ``out``, a worker's inner-loop config, its slow factor, and the
+    JSON round trip the supervisor hands its workers."""
+
+    threads_per_worker: int = 1
+    """torch intra-op threads of each worker process. 1, as torchrun sets OMP_NUM_THREADS
+    for its workers: on a machine with fewer cores than workers, more threads make every
+    lock-step collective wait for descheduled spinning threads (measured here, 3 workers
+    on 2 cores: 0.7 s per step with 1 thread, 5 s with torch's default of 2)."""
+
 
     def inner(self, worker: int):
         """Worker ``worker``'s inner-loop config (``learner_inner``)."""

@@ -65,11 +65,6 @@ class DPConfig(WorkloadConfig):
     steps (the first time it gets there)."""
     fault_seed: int = 0
     """Seeds the kill times and victims."""
-    threads_per_worker: int = 1
-    """torch intra-op threads of each worker process. 1, as torchrun sets OMP_NUM_THREADS
-    for its workers: on a machine with fewer cores than workers, more threads make every
-    lock-step collective wait for descheduled spinning threads (measured here, 3 workers
-    on 2 cores: 0.7 s per step with 1 thread, 5 s with torch's default of 2)."""
     collective_timeout_s: float = 60.0
     """Gloo timeout of the all-reduce and the rendezvous: the longest a hang can last."""
     startup_timeout_s: float = 180.0

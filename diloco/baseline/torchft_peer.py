@@ -64,11 +64,6 @@ class TorchftConfig(WorkloadConfig):
     slow_workers: tuple[tuple[int, float], ...] = ()
     """(replica id, factor): that replica's compute takes factor x as long."""
     fault_seed: int = 0
-    threads_per_worker: int = 1
-    """torch intra-op threads of each worker process. 1, as torchrun sets OMP_NUM_THREADS
-    for its workers: on a machine with fewer cores than workers, more threads make every
-    lock-step collective wait for descheduled spinning threads (measured here, 3 workers
-    on 2 cores: 0.7 s per step with 1 thread, 5 s with torch's default of 2)."""
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     timeout_s: float = 30.0
