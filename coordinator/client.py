@@ -122,6 +122,12 @@ class LearnerSession:
     async def topology(self) -> common_pb2.Topology:
         return await self._call("GetTopology", self.stub.GetTopology, coordinator_pb2.GetTopologyRequest(), self.metadata)
 
+    async def register_model(self, manifest_json: str) -> common_pb2.Topology:
+        request = coordinator_pb2.RegisterModelRequest(learner_id=self.learner_id, manifest_json=manifest_json, clock=self._send())
+        reply = await self._call("RegisterModel", self.stub.RegisterModel, request, self.metadata)
+        self._received(reply.clock)
+        return reply.topology
+
     async def report_snapshot(self, snapshot_id: int, files: Sequence[tuple[str, int, str]] = ()) -> None:
         """``files``: (path relative to the snapshot directory, size in bytes, hex SHA-256)."""
         request = coordinator_pb2.ReportSnapshotRequest(
@@ -171,6 +177,13 @@ class AdminClient:
     def snapshots(self) -> list[dict]:
         reply = self._call("ListSnapshots", self.stub.ListSnapshots, coordinator_pb2.ListSnapshotsRequest())
         return [snapshot_dict(s) for s in reply.snapshots]
+
+    def export_model(self, timeout_s: float = 600.0) -> list[coordinator_pb2.ExportModelReply]:
+        """The global model as relayed from the shards (``diloco.export`` assembles it)."""
+        try:
+            return list(self.stub.ExportModel(coordinator_pb2.ExportModelRequest(), metadata=self.metadata, timeout=timeout_s))
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, f"ExportModel at {self.address}") from None
 
     def close(self) -> None:
         self.channel.close()

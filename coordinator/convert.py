@@ -8,6 +8,7 @@ from diloco.clock import VectorClock
 from diloco.config import RunConfig
 from diloco.convert import clock_from_proto, clock_to_proto, plan_to_proto
 from diloco.errors import InvalidArgument
+from diloco.fragments import FragmentPlan
 from diloco.v1 import common_pb2, coordinator_pb2
 
 __all__ = ["clock_from_proto", "clock_to_proto"]
@@ -87,16 +88,20 @@ def snapshot_to_proto(snapshot: Snapshot) -> coordinator_pb2.SnapshotInfo:
     )
 
 
-def topology_to_proto(run: RunConfig, shards: tuple[str, ...], epoch: int) -> common_pb2.Topology:
+def topology_to_proto(
+    run: RunConfig, shards: tuple[str, ...], epoch: int, plan: FragmentPlan | None = None, manifest_json: str = ""
+) -> common_pb2.Topology:
     """Without shards (a coordinator used for membership only) the plan is laid out
-    for one shard and the shard list is empty."""
-    plan = run.plan()
+    for one shard and the shard list is empty. Before the first learner registered its
+    model there is no plan: the shards are listed without their fragments."""
     num_shards = max(1, len(shards))
     return common_pb2.Topology(
-        plan=plan_to_proto(plan, num_shards),
+        plan=plan_to_proto(plan, num_shards) if plan is not None else None,
+        manifest_json=manifest_json,
         shards=[
             common_pb2.ShardInfo(
-                shard_id=m, address=address, fragments=[f.id for f in plan.owned_by(m, num_shards)]
+                shard_id=m, address=address,
+                fragments=[f.id for f in plan.owned_by(m, num_shards)] if plan is not None else [],
             )
             for m, address in enumerate(shards)
         ],

@@ -22,7 +22,10 @@ from coordinator.core.snapshots import COMPLETE, Snapshot, SnapshotFile, Snapsho
 from coordinator.launcher import Launcher, LaunchResult, override_args
 from diloco import auth
 from diloco.clock import VectorClock
+from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition
+from diloco.fragments import FragmentPlan
+from diloco.manifest import Manifest
 from diloco.snapshots import MANIFEST, atomic_write_json, find_manifest, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -46,12 +49,26 @@ class Directive:
     directory: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass
 class RunInfo:
-    """What the coordinator knows of the run, for manifests and checks."""
+    """What the coordinator knows of the run, for manifests and checks. The model manifest
+    (and so the plan) is fixed by the first learner that registers its model."""
 
-    plan_hash: str
-    run_config_json: str
+    run: RunConfig
+    manifest_json: str = ""
+    plan: FragmentPlan | None = None
+
+    @property
+    def plan_hash(self) -> str:
+        return self.plan.plan_hash if self.plan is not None else ""
+
+    @property
+    def run_config_json(self) -> str:
+        return self.run.to_json()
+
+    def adopt(self, manifest_json: str) -> None:
+        self.plan = Manifest.from_json(manifest_json).plan(self.run.fragments)
+        self.manifest_json = manifest_json
 
 
 class CoordinatorRuntime:
@@ -92,6 +109,8 @@ class CoordinatorRuntime:
         now = self._now()
         state = read_state(self.state_path)
         if state is not None:
+            if state.get("manifest"):
+                self.run.adopt(state["manifest"])
             self.membership = Membership.from_state(self.cfg, self.run.plan_hash, state.get("membership", {}))
             self.snapshots = Snapshots.from_state(
                 self.cfg.snapshot_timeout_s, str(self.cfg.snapshots_path), state.get("snapshots", {}), now
@@ -109,6 +128,9 @@ class CoordinatorRuntime:
         if self.cfg.restore is not None:
             manifest_path = find_manifest(self.cfg.snapshots_path, self.cfg.restore)
             manifest = read_manifest(manifest_path)
+            if not self.run.manifest_json and manifest.get("run", {}).get("manifest"):
+                self.run.adopt(manifest["run"]["manifest"])
+                self.membership.plan_hash = self.run.plan_hash
             if manifest.get("run", {}).get("plan_hash") != self.run.plan_hash:
                 raise FailedPrecondition(f"snapshot {manifest['snapshot_id']} was taken with another fragment plan")
             self.restored_from = int(manifest["snapshot_id"])
@@ -127,6 +149,7 @@ class CoordinatorRuntime:
                 "clock": dict(self.vector_clock.entries),
                 "topology": {"shards": list(self.cfg.shards), "epoch": self.topology_epoch},
                 "restored_from": self.restored_from,
+                "manifest": self.run.manifest_json,
             },
         )
 
@@ -174,7 +197,8 @@ class CoordinatorRuntime:
             logger.warning("snapshot %d failed: %s", snapshot.id, snapshot.detail)
             return
         path = Path(snapshot.directory) / MANIFEST
-        run = {"plan_hash": self.run.plan_hash, "shards": list(self.cfg.shards), "run_config": self.run.run_config_json}
+        run = {"plan_hash": self.run.plan_hash, "shards": list(self.cfg.shards), "run_config": self.run.run_config_json,
+               "manifest": self.run.manifest_json}
         atomic_write_json(path, manifest_of(snapshot, dict(self.vector_clock.entries), run))
         self.snapshots.completed(snapshot.id, str(path))
         logger.info("snapshot %d complete: %s", snapshot.id, path)
@@ -206,6 +230,22 @@ class CoordinatorRuntime:
             return self.membership.join(pool, address, launch_id, plan_hash, self._now())
         finally:
             self._settle()
+
+    def register_model(self, learner_id: str, manifest_json: str) -> None:
+        """The learner's model manifest: the first fixes the run's model and plan; one that
+        differs is refused, naming the first tensor that differs, and the learner leaves."""
+        manifest = Manifest.from_json(manifest_json)
+        self.membership.learner(learner_id)
+        if not self.run.manifest_json:
+            self.run.adopt(manifest_json)
+            self.membership.plan_hash = self.run.plan_hash
+            logger.info("the run's model is %s's: %d tensors, plan %s", learner_id, len(manifest.entries), self.run.plan_hash[:12])
+            self._settle(save=True)
+            return
+        difference = manifest.first_difference(Manifest.from_json(self.run.manifest_json))
+        if difference is not None:
+            self.leave(learner_id, f"its model differs from the run's: {difference}")
+            raise FailedPrecondition(f"{learner_id}'s model differs from the run's: {difference}")
 
     def heartbeat(self, learner_id: str, stats: HeartbeatStats) -> tuple[Learner, list[Directive]]:
         try:

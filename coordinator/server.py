@@ -74,8 +74,7 @@ class CoordinatorServer:
         self.cfg = cfg
         self._secret = secret
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        self.runtime = CoordinatorRuntime(cfg, RunInfo(run.plan().plan_hash, run.to_json()), self._send_marker, clock)
-        topology = convert.topology_to_proto(run, cfg.shards, self.runtime.topology_epoch)
+        self.runtime = CoordinatorRuntime(cfg, RunInfo(run), self._send_marker, clock)
         self.server = rpc.server(
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -83,7 +82,7 @@ class CoordinatorServer:
             ]
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(self.runtime, secret, admin_token, topology), self.server
+            CoordinatorServicer(self.runtime, secret, admin_token, self._bootstrap), self.server
         )
         self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
         self._launcher_factory = launcher_factory
@@ -115,17 +114,29 @@ class CoordinatorServer:
         for channel in self._channels.values():
             await channel.close()
 
-    async def _send_marker(
-        self, name: str, address: str, snapshot_id: int, directory: str, learners: list[str], clock: VectorClock
-    ) -> None:
+    def _shard_channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
             options = rpc.channel_options(_MAX_MESSAGE_BYTES, "diloco.v1.Syncer")
             channel = self._channels[address] = rpc.insecure_channel(address, options)
-        metadata = (
+        return channel
+
+    def _shard_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (
             (auth.LEARNER_METADATA, auth.COORDINATOR_ID),
             (auth.CREDENTIAL_METADATA, auth.sign(self._secret, auth.COORDINATOR_ID)),
         )
+
+    def _bootstrap(self, address: str, timeout_s: float):
+        """A shard's Bootstrap stream (every fragment it owns), as the coordinator."""
+        stub = syncer_pb2_grpc.SyncerStub(self._shard_channel(address))
+        return stub.Bootstrap(syncer_pb2.BootstrapRequest(), metadata=self._shard_metadata(), timeout=timeout_s)
+
+    async def _send_marker(
+        self, name: str, address: str, snapshot_id: int, directory: str, learners: list[str], clock: VectorClock
+    ) -> None:
+        channel = self._shard_channel(address)
+        metadata = self._shard_metadata()
         request = syncer_pb2.MarkerRequest(
             snapshot_id=snapshot_id, directory=directory, learners=learners, clock=convert.clock_to_proto(clock)
         )

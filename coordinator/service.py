@@ -13,8 +13,12 @@ from coordinator import convert
 from coordinator.runtime import CoordinatorRuntime
 from coordinator.telemetry import CoordinatorTelemetry
 from diloco import auth, rpc
-from diloco.errors import DilocoError, InvalidArgument, PermissionDenied
+from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+
+EXPORT_TIMEOUT_S = 600.0
+"""Deadline of the Bootstrap of one shard while exporting."""
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -22,11 +26,14 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, runtime: CoordinatorRuntime, secret: str, admin_token: str, topology: common_pb2.Topology) -> None:
+    def __init__(self, runtime: CoordinatorRuntime, secret: str, admin_token: str, bootstrap=None) -> None:
+        """``bootstrap(address, timeout_s)``: a shard's Bootstrap reply stream (ExportModel
+        relays it)."""
         self.runtime = runtime
         self._secret = secret
         self._admin_token = admin_token
-        self._topology = topology
+        self._bootstrap = bootstrap
+        self._topology: tuple[tuple, common_pb2.Topology] | None = None
         self._telemetry = CoordinatorTelemetry()
 
     def _caller(self, context, claimed: str | None = None, field: str = "learner_id") -> str:
@@ -92,6 +99,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             self._caller(context)
             return self._topology_now()
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def RegisterModel(self, request, context):
+        try:
+            self._caller(context, request.learner_id)
+            self.runtime.register_model(request.learner_id, request.manifest_json)
+            return coordinator_pb2.RegisterModelReply(topology=self._topology_now(), clock=self._clock(request.clock))
         except DilocoError as error:
             await rpc.abort_with(context, error)
 
@@ -165,11 +180,38 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except DilocoError as error:
             await rpc.abort_with(context, error)
 
+    async def ExportModel(self, request, context):
+        try:
+            self._admin(context)
+            run = self.runtime.run
+            if not run.manifest_json:
+                raise FailedPrecondition("no learner has registered a model yet: there is nothing to export")
+            if self._bootstrap is None or not self.runtime.cfg.shards:
+                raise FailedPrecondition("this coordinator knows no shards to export from")
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+            return
+        yield coordinator_pb2.ExportModelReply(header=coordinator_pb2.ExportHeader(
+            manifest_json=run.manifest_json, plan_hash=run.plan_hash, fragments=run.run.fragments))
+        for m, address in enumerate(self.runtime.cfg.shards):
+            try:
+                async for reply in self._bootstrap(address, EXPORT_TIMEOUT_S):
+                    kind = reply.WhichOneof("kind")
+                    if kind == "update":
+                        yield coordinator_pb2.ExportModelReply(update=reply.update)
+                    elif kind == "chunk":
+                        yield coordinator_pb2.ExportModelReply(chunk=reply.chunk)
+            except grpc.aio.AioRpcError as error:
+                await context.abort(error.code(), f"shard {m} at {address}: {error.details()}")
+
     def _topology_now(self) -> common_pb2.Topology:
-        topology = common_pb2.Topology()
-        topology.CopyFrom(self._topology)
-        topology.epoch = self.runtime.topology_epoch
-        return topology
+        run = self.runtime.run
+        key = (self.runtime.topology_epoch, run.plan_hash)
+        if self._topology is None or self._topology[0] != key:
+            topology = convert.topology_to_proto(run.run, self.runtime.cfg.shards, self.runtime.topology_epoch,
+                                                 run.plan, run.manifest_json)
+            self._topology = (key, topology)
+        return self._topology[1]
 
 
 def _directive(directive) -> coordinator_pb2.Directive:

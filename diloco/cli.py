@@ -18,6 +18,7 @@ from pathlib import Path
 from coordinator.cli import add_admin_parser, add_coordinator_parser
 from diloco import __version__
 from diloco.errors import DilocoError
+from diloco.task import DEFAULT_TASK
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +107,18 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_simulate)
 
 
+_GPT_OPTIONS = ("width", "depth", "heads", "context", "batch_size", "data")
+
+
 def _add_run_config(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("run (must match across every process of a run)")
     group.add_argument("--run-config", metavar="FILE", help="JSON run config (as written by diloco local); overrides the flags below")
-    group.add_argument("--width", type=int, default=128, help="model width (default 128)")
-    group.add_argument("--depth", type=int, default=2, help="transformer blocks (default 2)")
-    group.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    group.add_argument("--context", type=int, default=128, help="tokens per sequence (default 128)")
-    group.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
+    group.add_argument("--task", default=DEFAULT_TASK, metavar="FILE.py:FUNCTION",
+                       help="what to train: a function (FILE.py:FUNCTION or package.module:FUNCTION) taking a "
+                            f"diloco.TaskContext and returning a diloco.Task (default {DEFAULT_TASK}, the byte GPT)")
+    group.add_argument("--task-option", action="append", metavar="KEY=VALUE",
+                       help="an option for the task (TaskContext.options; repeatable)")
+    group.add_argument("--seed", type=int, default=0, help="the run's seed: model initialisation, data order (default 0)")
     group.add_argument("--fragments", type=int, default=4, help="P: fragments the model is cut into (default 4)")
     group.add_argument("--sync-every", type=int, default=4, help="H: inner steps between two sends of a fragment (default 4)")
     group.add_argument("--overlap", type=int, default=2, help="tau: inner steps before a reply is needed (default 2)")
@@ -121,13 +126,19 @@ def _add_run_config(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reply-rule", choices=["rebase", "mix"], default="rebase",
                        help="apply a reply by rebasing the progress made since the push onto it (default), "
                             "or by mixing with --alpha (DESIGN's rule)")
-    group.add_argument("--synthetic-params", type=int, default=0, help=argparse.SUPPRESS)
+    gpt = parser.add_argument_group("the built-in byte GPT task (shorthands for its --task-option values)")
+    gpt.add_argument("--width", type=int, help="model width (default 128)")
+    gpt.add_argument("--depth", type=int, help="transformer blocks (default 2)")
+    gpt.add_argument("--heads", type=int, help="attention heads (default 4)")
+    gpt.add_argument("--context", type=int, help="tokens per sequence (default 128)")
+    gpt.add_argument("--batch-size", type=int, help="sequences per inner step (default 16)")
+    gpt.add_argument("--data", help="a text file or a directory of them (default: the Python standard library's sources)")
 
 
 def _run_config(args: argparse.Namespace):
     from diloco.config import RunConfig
     from diloco.errors import InvalidArgument, NotFound
-    from diloco.config import ModelConfig
+    from diloco.task import parse_options
 
     if args.run_config:
         try:
@@ -135,18 +146,20 @@ def _run_config(args: argparse.Namespace):
         except OSError as error:
             raise NotFound(f"cannot read run config {args.run_config}: {error.strerror}") from None
         return RunConfig.from_json(text)
-    try:
-        model = ModelConfig(width=args.width, depth=args.depth, heads=args.heads, context=args.context, seed=args.seed)
-    except TypeError as error:  # pragma: no cover - argparse gives ints
-        raise InvalidArgument(str(error)) from None
+    shorthands = {k: str(getattr(args, k)) for k in _GPT_OPTIONS if getattr(args, k) is not None}
+    if shorthands and args.task != DEFAULT_TASK:
+        flags = ", ".join("--" + k.replace("_", "-") for k in shorthands)
+        raise InvalidArgument(f"{flags} set options of the built-in byte GPT task; give your task's options "
+                              "with --task-option KEY=VALUE")
     return RunConfig(
-        model=model,
+        task=args.task,
+        task_options={**shorthands, **parse_options(args.task_option or [])},
+        seed=args.seed,
         fragments=args.fragments,
         sync_every_steps=args.sync_every,
         overlap_steps=args.overlap,
         merge_alpha=args.alpha,
         reply_rule=args.reply_rule,
-        synthetic_params=args.synthetic_params,
     )
 
 
@@ -285,7 +298,7 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--chain", type=int, default=4, help="int4 updates kept per fragment (default 4)")
     p.add_argument("--max-push-mib", type=int, default=512, help="largest accepted push, MiB (default 512)")
     p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory (for --restore latest or an id)")
-    p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of the seeded model")
+    p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of waiting for a learner to give it one")
     _add_telemetry(p)
     _add_run_config(p)
     p.set_defaults(func=_syncer)
@@ -310,9 +323,8 @@ def _learner(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     cfg = LearnerConfig(
-        device=args.device, batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
-        eval_every_steps=args.eval_every, eval_batches=args.eval_batches, seed=args.data_seed,
-        data_shard=args.data_shard, data_shards=args.data_shards, delta_codec=args.delta_codec,
+        device=args.device, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+        eval_every_steps=args.eval_every, delta_codec=args.delta_codec,
         block_size=args.block_size, step_delay_s=args.step_delay_s, slow_factor=args.slow_factor,
         wire_delay_ms=args.wire_delay_ms, push_timeout_s=args.push_timeout_s,
         max_inflight_pushes=args.max_inflight, heartbeat_interval_s=args.heartbeat_s,
@@ -320,6 +332,11 @@ def _learner(args: argparse.Namespace) -> int:
     if args.coordinator:
         if not args.join_token_file:
             raise InvalidArgument("--coordinator needs --join-token-file")
+        given = [f"--{k.replace('_', '-')}" for k in _GPT_OPTIONS if getattr(args, k) is not None]
+        given += ["--task"] * (args.task != DEFAULT_TASK) + ["--task-option"] * bool(args.task_option)
+        if given or args.run_config:
+            raise InvalidArgument(f"{', '.join(given or ['--run-config'])}: a learner that joins a coordinator trains "
+                                  "the coordinator's run config; set the task and its options there")
         try:
             token = Path(args.join_token_file).read_text().strip()
         except OSError as error:
@@ -337,8 +354,9 @@ def _learner(args: argparse.Namespace) -> int:
     telemetry = _start_telemetry(args, "learner", learner_id=member.learner_id,
                                  pool=args.pool if args.coordinator else None)
     try:
-        run_learner(cfg, member, args.data, args.coordinator, summary_path, assign_data_shard=bool(args.coordinator),
-                    events_dir=Path(args.events_dir) if args.events_dir else None, started_t=started)
+        run_learner(cfg, member, args.coordinator, summary_path,
+                    events_dir=Path(args.events_dir) if args.events_dir else None, started_t=started,
+                    num_learners=args.num_learners)
     finally:
         telemetry.shutdown()
     return 0
@@ -347,8 +365,9 @@ def _learner(args: argparse.Namespace) -> int:
 def _add_learner(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "learner",
-        help="run one learner: inner AdamW, fragments streamed to the shards",
-        description="Run one learner. SIGTERM finishes in-flight pushes (bounded), leaves and exits 0.",
+        help="run one learner: the task's model trained with inner steps, fragments streamed to the shards",
+        description="Run one learner. SIGTERM finishes in-flight pushes (bounded), leaves and exits 0. "
+                    "With --coordinator the run's task comes from the coordinator's run config.",
     )
     join = p.add_argument_group("joining (coordinator) or a static topology")
     join.add_argument("--coordinator", metavar="HOST:PORT", help="join this coordinator (topology, id, credential)")
@@ -358,18 +377,14 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
     join.add_argument("--shards", help="static topology: shard addresses in shard-id order, comma-separated")
     join.add_argument("--learner-id", help="static topology: this learner's id, e.g. L0")
     join.add_argument("--secret-file", help="static topology: the run secret (default: $DILOCO_SECRET)")
+    join.add_argument("--num-learners", type=int, default=1, help="learners the run is planned for (TaskContext.num_learners; default 1)")
     t = p.add_argument_group("training")
     t.add_argument("--device", choices=["cpu", "cuda", "xla"], default="cpu", help="default cpu")
-    t.add_argument("--data", help="a text file or a directory of them (default: the Python standard library's sources)")
-    t.add_argument("--data-shard", type=int, default=0, help="this learner's data shard (static topology; default 0)")
-    t.add_argument("--data-shards", type=int, default=8, help="disjoint data shards (default 8)")
-    t.add_argument("--data-seed", type=int, default=0, help="data order seed (default 0)")
     t.add_argument("--steps", type=int, default=300, help="inner steps (default 300)")
-    t.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
-    t.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate (default 3e-3)")
+    t.add_argument("--lr", type=float, default=3e-3,
+                   help="peak inner AdamW learning rate (default 3e-3; a task's own optimizer keeps its lr, scaled by the schedule)")
     t.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default 20)")
     t.add_argument("--eval-every", type=int, default=50, help="inner steps between evaluations (default 50)")
-    t.add_argument("--eval-batches", type=int, default=4, help="eval batches (default 4)")
     t.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="delta encoding (default int4)")
     t.add_argument("--block-size", type=int, default=64, help="int4 block size; must match the shards' (default 64)")
     t.add_argument("--step-delay-s", type=float, default=0.0, help="extra seconds per step: a simulated slow learner")
@@ -395,7 +410,7 @@ def _local(args: argparse.Namespace) -> int:
     cfg = LocalConfig(
         run=_run_config(args), learners=args.learners, shards=args.shards, quorum=args.quorum,
         grace=grace_mode if grace_mode != "fixed" else str(grace_s), steps=args.steps, tokens=args.tokens,
-        batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         merge=args.merge, scale_by=args.scale_by, delta_codec=args.delta_codec, out=Path(args.out) if args.out else None,
         chaos=ChaosConfig(
             kill_every_s=args.kill_learner_every, max_kills=args.max_kills, restart_shard_at_s=args.restart_shard_at,
@@ -425,7 +440,6 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, default=150, help="inner steps per learner (default 150)")
     budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
     p.add_argument("--outer-lr", type=float, default=1.0, help="shards' outer learning rate (default 1.0, see README)")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="shards' outer Nesterov momentum (default 0)")
     p.add_argument("--merge", choices=["rda", "mean"], default="rda", help="shards' merge (default rda)")
@@ -466,7 +480,7 @@ def _replay(args: argparse.Namespace) -> int:
         print(json.dumps({"max_abs_diff": worst, "shards": [r.__dict__ for r in results]}))
     else:
         for r in results:
-            origin = f"snapshot {r.restored_from}" if r.restored_from is not None else "the seeded model"
+            origin = f"snapshot {r.restored_from}" if r.restored_from is not None else "its initial values"
             print(f"shard {r.shard_id}: replayed {r.rounds} rounds from {origin}; "
                   f"fragments at versions {r.fragments}; max |diff| {r.max_abs_diff:.3g}")
         print(f"max absolute difference from the run's final global parameters: {worst:.3g}")
@@ -478,7 +492,7 @@ def _compare(args: argparse.Namespace) -> int:
 
     scenarios = tuple(args.scenario or compare.SCENARIOS)
     cfg = compare.CompareConfig(
-        run=_run_config(args), workers=args.workers, steps=args.steps, batch_size=args.batch_size, seed=args.seed_faults,
+        run=_run_config(args), workers=args.workers, steps=args.steps, seed=args.seed_faults,
         systems=tuple(x for x in args.systems.split(",") if x), out=Path(args.out),
     )
     emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
@@ -494,15 +508,14 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "compare",
         help="Decoupled DiLoCo vs synchronous DP vs torchft, scenario by scenario (real runs); markdown, JSON, plots",
-        description="Run the same workload under each system for each scenario and write OUT/results.md, "
-                    "OUT/results.json and OUT/compare.png.",
+        description="Run the same task (--task) and workload under each system for each scenario and write "
+                    "OUT/results.md, OUT/results.json and OUT/compare.png.",
     )
     p.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only this scenario (repeatable; default all)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
     p.add_argument("--ablations", action="store_true", help="also run the Decoupled ablations on nofault and hetero")
     p.add_argument("--workers", type=int, default=4, help="M: learners / DP workers / torchft replicas (default 4)")
     p.add_argument("--steps", type=int, default=120, help="inner steps per worker (default 120)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step per worker (default 16)")
     p.add_argument("--seed-faults", type=int, default=3,
                    help="seed of the fault schedules (default 3: its first kill falls 8 s in, inside a one-minute run)")
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
@@ -531,7 +544,7 @@ def _add_baseline(commands: argparse._SubParsersAction) -> None:
         from diloco.baseline.common import parse_slow_workers
 
         common = dict(
-            run=_run_config(args), workers=args.workers, steps=args.steps, batch_size=args.batch_size,
+            run=_run_config(args), workers=args.workers, steps=args.steps,
             kill_every_s=args.kill_every, slow_workers=parse_slow_workers(args.slow_worker),
             kill_at_steps=tuple(args.kill_at_step or ()), fault_seed=args.fault_seed,
             threads_per_worker=args.threads_per_worker, out=Path(args.out) if args.out else None,
@@ -554,9 +567,9 @@ def _add_baseline(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "baseline",
         help="the baselines on the same workload as diloco local: synchronous data-parallel, torchft",
-        description="Run a baseline on diloco local's model, data, token budget and worker count; write a run "
-                    "directory with summary.json (wall_s, tokens, eval_loss_*, goodput, uptime, global_stall_s, "
-                    "bytes_per_1k_tokens, restarts, steps).",
+        description="Run a baseline on diloco local's task (--task: model, data, loss, eval), token budget and "
+                    "worker count; write a run directory with summary.json (wall_s, tokens, eval_unit, eval_loss_*, "
+                    "goodput, uptime, global_stall_s, bytes_per_1k_tokens, restarts, steps).",
     )
     kinds = parser.add_subparsers(dest="baseline", required=True, metavar="BASELINE")
     dp = kinds.add_parser(
@@ -572,7 +585,6 @@ def _add_baseline(commands: argparse._SubParsersAction) -> None:
     for p, who in ((dp, "workers"), (ft, "replicas")):
         p.add_argument("--workers", type=int, default=3, help=f"M: {who}, one process each (default 3)")
         p.add_argument("--steps", type=int, default=150, help="steps per worker (default 150, as diloco local)")
-        p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step (default 16)")
         p.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
                        help=f"SIGKILL a random one of the {who} every SECONDS on average (exponential; default 0: never)")
         p.add_argument("--kill-at-step", type=int, action="append", metavar="STEP",

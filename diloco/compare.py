@@ -2,8 +2,10 @@
 synchronous data-parallel (``diloco baseline dp``) and torchft's Streaming DiLoCo
 (``diloco baseline torchft``, when installed), scenario by scenario, each a real run.
 
-Every system gets the same model, data, workers and token budget (workers x steps x
-batch x context) and the same fault seed. Scenarios:
+Every system trains the run's task (``--task``; the byte GPT by default), worker i built
+as learner Li builds it, with the same workers and token budget (workers x steps x tokens
+per batch), and the same fault seed; every system reports the task's eval loss in its
+unit (``eval_unit``). Scenarios:
 
 - ``nofault``: nothing happens.
 - ``mtbf30``: a random worker is SIGKILLed every 30 s on average and replaced (Decoupled:
@@ -28,6 +30,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from diloco.chaos import ChaosConfig
@@ -57,7 +60,6 @@ class CompareConfig:
     workers: int = 4
     """M: learners / DP workers / torchft replicas (4, so that half of them can be slow)."""
     steps: int = 120
-    batch_size: int = 16
     seed: int = 3
     mtbf_s: float = 30.0
     slow_factor: float = 1.5
@@ -65,8 +67,8 @@ class CompareConfig:
     out: Path = Path("runs/compare")
 
     def __post_init__(self) -> None:
-        if self.workers < 2 or self.steps < 1 or self.batch_size < 1:
-            raise InvalidArgument("compare needs >= 2 workers, >= 1 step and a batch size >= 1")
+        if self.workers < 2 or self.steps < 1:
+            raise InvalidArgument("compare needs >= 2 workers and >= 1 step")
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
             raise InvalidArgument(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
@@ -75,15 +77,32 @@ class CompareConfig:
     def slow(self) -> tuple[tuple[int, float], ...]:
         return tuple((i, self.slow_factor) for i in range(self.workers // 2))
 
+    @cached_property
+    def workload(self) -> tuple[int, str]:
+        """(tokens of one worker's step, eval unit) of the run's task, built once as the
+        supervisors build it (``diloco.local.supervisor_task``)."""
+        from diloco.local import supervisor_task, tokens_per_step
+
+        task = supervisor_task(self.run, self.workers)
+        return tokens_per_step(self.run, task), task.eval_unit
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.workload[0]
+
+    @property
+    def eval_unit(self) -> str:
+        return self.workload[1]
+
     @property
     def tokens(self) -> int:
-        return self.workers * self.steps * self.batch_size * self.run.model.context
+        return self.workers * self.steps * self.tokens_per_step
 
 
 def _local_cfg(cfg: CompareConfig, out: Path, **changes):
     from diloco.local import LocalConfig
 
-    local = LocalConfig(run=cfg.run, learners=cfg.workers, steps=cfg.steps, batch_size=cfg.batch_size, out=out)
+    local = LocalConfig(run=cfg.run, learners=cfg.workers, steps=cfg.steps, out=out)
     return replace(local, **changes)
 
 
@@ -112,6 +131,7 @@ def _decoupled_metrics(summary: dict) -> dict:
     return {
         **{k: summary[k] for k in METRICS if k in summary},
         "bytes_per_1k_tokens": round(1000 * wire / summary["tokens"], 2) if summary["tokens"] else None,
+        "eval_unit": summary["eval_unit"],
         "eval_loss_start": summary["eval_loss_start"],
         "step_goodput": summary["step_goodput"],
         "learners_killed": summary["learners_killed"],
@@ -124,7 +144,7 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
         return {"skipped": f"{system} has no way to {'grow a running job' if scenario == 'scavenge' else 'restart a shard'} here"}
     faults = {"kill_every_s": cfg.mtbf_s, "fault_seed": cfg.seed} if scenario == "mtbf30" else {}
     slow = {"slow_workers": cfg.slow} if scenario == "hetero" else {}
-    common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, batch_size=cfg.batch_size, out=out, **faults, **slow)
+    common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, out=out, **faults, **slow)
     if system == "dp":
         from diloco.baseline.dp import DPConfig, run_dp
 
@@ -136,8 +156,8 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
             return {"skipped": "torchft is not installed: pip install 'diloco[peers]'"}
         # torchft's Streaming DiLoCo applies a reply by mixing with alpha (its own algorithm).
         result = run_torchft(TorchftConfig(**{**common, "run": replace(cfg.run, reply_rule="mix")}), show_progress=True)
-    return {**{k: result[k] for k in METRICS}, "eval_loss_start": result["eval_loss_start"],
-            "restarts": result.get("restarts"), "run_dir": str(out)}
+    return {**{k: result[k] for k in METRICS}, "eval_unit": result["eval_unit"],
+            "eval_loss_start": result["eval_loss_start"], "restarts": result.get("restarts"), "run_dir": str(out)}
 
 
 def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | None = None) -> dict:
@@ -233,8 +253,9 @@ def targets(results: list[dict], ablations: dict | None) -> list[tuple[str, bool
                     f"Decoupled uptime {up}, goodput {good}; DP uptime {dp_up}"))
     dec, dp = get("nofault", "decoupled", "eval_loss_final"), get("nofault", "dp", "eval_loss_final")
     if dec is not None and dp is not None:
+        unit = get("nofault", "decoupled", "eval_unit") or "loss"
         out.append(("nofault: Decoupled eval loss within 3 % of DP's", dec <= dp * 1.03,
-                    f"{dec} vs {dp} bits/byte ({100 * (dec / dp - 1):+.1f} %)"))
+                    f"{dec} vs {dp} {unit} ({100 * (dec / dp - 1):+.1f} %)"))
     dec_b, dp_b = get("nofault", "decoupled", "bytes_per_1k_tokens"), get("nofault", "dp", "bytes_per_1k_tokens")
     if dec_b and dp_b:
         out.append(("bytes on the wire per token >= 50x lower than DP's", dp_b / dec_b >= 50,
@@ -278,8 +299,9 @@ def plot(results: list[dict], path: Path) -> None:
 
 def write_report(cfg: CompareConfig, results: list[dict], ablations: dict | None) -> Path:
     cfg.out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# diloco compare: {cfg.workers} workers x {cfg.steps} steps x {cfg.batch_size} x "
-             f"{cfg.run.model.context} tokens = {cfg.tokens:,} tokens per system\n", markdown_table(results)]
+    lines = [f"# diloco compare: {cfg.workers} workers x {cfg.steps} steps x {cfg.tokens_per_step:,} tokens = "
+             f"{cfg.tokens:,} tokens per system\n",
+             f"Task `{cfg.run.task}`; eval loss in {cfg.eval_unit}.\n", markdown_table(results)]
     if ablations:
         lines += ["\n## Ablations (Decoupled)\n", ablation_table(ablations)]
     checks = targets(results, ablations)

@@ -65,6 +65,7 @@ def plan_to_proto(plan: FragmentPlan, num_shards: int) -> common_pb2.FragmentPla
                         row_stop=p.row_stop,
                         shape=list(p.shape),
                         embedding=p.embedding,
+                        buffer=p.buffer,
                     )
                     for p in f.pieces
                 ],

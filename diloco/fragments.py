@@ -45,6 +45,9 @@ class Piece:
     shape: tuple[int, ...]
     embedding: bool
     tensor_rows: int
+    buffer: bool = False
+    """A floating-point buffer (running statistics): merged as the plain weighted mean of
+    the learners' values, without RDA or outer momentum."""
 
     @property
     def numel(self) -> int:
@@ -106,19 +109,19 @@ def shard_of(fragment_id: int, num_shards: int) -> int:
     return fragment_id % num_shards
 
 
-def _split(name: str, shape: tuple[int, ...], embedding: bool, threshold: float) -> list[Piece]:
+def _split(name: str, shape: tuple[int, ...], embedding: bool, buffer: bool, threshold: float) -> list[Piece]:
     rows = shape[0] if shape else 1
     numel = math.prod(shape)
     row_numel = numel // rows if rows else 0
     if numel <= threshold or rows <= 1:
-        return [Piece(name, 0, rows, shape, embedding, rows)]
+        return [Piece(name, 0, rows, shape, embedding, rows, buffer)]
     rows_per_piece = max(1, int(threshold // row_numel)) if row_numel else rows
     count = math.ceil(rows / rows_per_piece)
     base, extra = divmod(rows, count)
     pieces, start = [], 0
     for i in range(count):
         stop = start + base + (1 if i < extra else 0)
-        pieces.append(Piece(name, start, stop, (stop - start, *shape[1:]), embedding, rows))
+        pieces.append(Piece(name, start, stop, (stop - start, *shape[1:]), embedding, rows, buffer))
         start = stop
     return pieces
 
@@ -142,6 +145,7 @@ def plan_fragments(
     params: Sequence[tuple[str, Sequence[int]]],
     num_fragments: int,
     is_embedding: Callable[[str], bool] = is_embedding_name,
+    is_buffer: Callable[[str], bool] = lambda name: False,
 ) -> FragmentPlan:
     """Balanced plan for ``params`` (ordered (name, shape) pairs) into ``num_fragments``."""
     if num_fragments <= 0:
@@ -149,16 +153,16 @@ def plan_fragments(
     names = [name for name, _ in params]
     if len(set(names)) != len(names):
         raise InvalidArgument("parameter names must be unique")
-    specs = [(name, tuple(int(d) for d in shape), is_embedding(name)) for name, shape in params]
+    specs = [(name, tuple(int(d) for d in shape), is_embedding(name), is_buffer(name)) for name, shape in params]
     specs = [s for s in specs if math.prod(s[1]) > 0]
     if not specs:
         raise InvalidArgument("the model has no parameters to fragment")
-    fair = sum(math.prod(shape) for _, shape, _ in specs) / num_fragments
+    fair = sum(math.prod(shape) for _, shape, _, _ in specs) / num_fragments
 
     best: list[list[Piece]] | None = None
     divisor = 1
     while True:
-        pieces = [p for name, shape, emb in specs for p in _split(name, shape, emb, fair / divisor)]
+        pieces = [p for name, shape, emb, buf in specs for p in _split(name, shape, emb, buf, fair / divisor)]
         if len(pieces) >= num_fragments:
             best = _pack(pieces, num_fragments)
             heaviest = max(sum(p.numel for p in b) for b in best)
@@ -172,7 +176,7 @@ def plan_fragments(
         raise InvalidArgument(
             f"the model cannot be cut into {num_fragments} non-empty fragments along dim 0; use fewer fragments"
         )
-    order = {name: i for i, (name, _, _) in enumerate(specs)}
+    order = {name: i for i, (name, *_) in enumerate(specs)}
     fragments = tuple(
         Fragment(i, tuple(sorted(b, key=lambda p: (order[p.tensor], p.row_start)))) for i, b in enumerate(best)
     )
@@ -181,7 +185,8 @@ def plan_fragments(
 
 def _hash(fragments: Sequence[Fragment]) -> str:
     canonical = [
-        [[p.tensor, p.row_start, p.row_stop, list(p.shape), p.embedding, p.tensor_rows] for p in f.pieces]
+        [[p.tensor, p.row_start, p.row_stop, list(p.shape), p.embedding, p.tensor_rows] + ([True] if p.buffer else [])
+         for p in f.pieces]
         for f in fragments
     ]
     return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()

@@ -6,7 +6,8 @@ coordinator's AddLearners RPC, and the final global model is fetched with Bootst
 Run directory: ``config.json``, ``endpoints.json`` (role, address, pid of every process,
 written as they come up), ``admin-token`` (0600; ``diloco admin --run-dir DIR`` drives
 the running cluster), ``logs/``, ``shard<m>/tape-S<m>.jsonl``, ``learners/<id>.json``,
-``model.pt`` (the final global model, a plain state dict), ``summary.json`` and
+``model.safetensors`` (the final global model under the keys of the task model's
+``state_dict()``, fetched with the coordinator's ExportModel), ``summary.json`` and
 ``eval_loss.png``.
 """
 
@@ -31,8 +32,10 @@ import torch
 from diloco import auth
 from diloco.chaos import SCAVENGED_POOL, ChaosConfig, ChaosMonkey, learner_pid
 from diloco.config import RunConfig
-from diloco.errors import InvalidArgument, Unavailable
+from diloco.errors import DilocoError, InvalidArgument, Unavailable
+from diloco.export import export_model
 from diloco.tape import read_tape
+from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,6 @@ class LocalConfig:
     """The shards' outer lr scaling: live (default) or round (ablations)."""
     delta_codec: str = "int4"
     """The learners' delta encoding: int4 (default) or fp32 (ablations)."""
-    batch_size: int = 16
     out: Path | None = None
     startup_timeout_s: float = 120.0
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
@@ -99,18 +101,13 @@ class LocalConfig:
     def threads_per_learner(self) -> int:
         return self.learner_threads or max((os.cpu_count() or 1) // self.learners, 1)
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.run.model.context
-
-    @property
-    def learner_steps(self) -> int:
+    def learner_steps(self, tokens_per_step: int) -> int:
         """Inner steps each learner is launched with. On a token budget, 1.5x its share:
         the learners keep training while a replacement or a scavenged learner starts (or
         a slow one lags), and all of them are drained once the budget is trained."""
         if self.tokens is None:
             return self.steps
-        share = self.tokens / (self.learners * self.tokens_per_step)
+        share = self.tokens / (self.learners * max(tokens_per_step, 1))
         return max(math.ceil(TOKEN_BUDGET_SLACK * share), 1)
 
 
@@ -123,8 +120,9 @@ def _free_port() -> int:
 class Cluster:
     """The processes of one local run; every one of them ends when the run does."""
 
-    def __init__(self, cfg: LocalConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: LocalConfig, run_dir: Path, learner_steps: int) -> None:
         self.cfg, self.dir = cfg, run_dir
+        self.learner_steps = learner_steps
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.endpoints: list[dict] = []
         self.coordinator = f"127.0.0.1:{_free_port()}"
@@ -158,8 +156,8 @@ class Cluster:
     def start(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.common = ["--secret-file", str(self.dir / "secret"), "--run-config", str(self.dir / "run.json")]
-        learner_cmd = (f"{sys.executable} -m diloco.cli --log-level INFO learner --steps {self.cfg.learner_steps} "
-                       f"--eval-every {max(self.cfg.learner_steps // 6, 1)} --batch-size {self.cfg.batch_size} "
+        learner_cmd = (f"{sys.executable} -m diloco.cli --log-level INFO learner --steps {self.learner_steps} "
+                       f"--eval-every {max(self.learner_steps // 6, 1)} --num-learners {self.cfg.learners} "
                        f"--summary-dir {self.dir / 'learners'} --events-dir {self.dir / 'learners'} "
                        f"--delta-codec {self.cfg.delta_codec} --threads {self.cfg.threads_per_learner}")
         if self.cfg.delay_ms:
@@ -261,14 +259,14 @@ def learner_events(run_dir: Path) -> dict[str, list[dict]]:
 
 
 def _progress_table(members: list[dict], statuses: list, events: dict[str, list[dict]], goodput: float | None,
-                    started: float):
+                    started: float, unit: str):
     from rich.table import Table
 
     table = Table(title=f"diloco local — {time.monotonic() - started:5.0f} s", title_justify="left")
-    for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", "eval bits/byte"):
+    for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", f"eval {unit}"):
         table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right")
     for m in members:
-        evals = [e["bpb"] for e in events.get(m["id"], []) if e["kind"] == "eval"]
+        evals = [e["loss"] for e in events.get(m["id"], []) if e["kind"] == "eval"]
         table.add_row(m["id"], m["state"], m.get("pool", ""), f"{m.get('tokens', 0):,}",
                       f"{m.get('tokens_per_s', 0):,.0f}", f"{m.get('inner_steps', 0):,}",
                       f"{evals[-1]:.3f}" if evals else "")
@@ -288,42 +286,27 @@ def _progress_table(members: list[dict], statuses: list, events: dict[str, list[
 # --- results -------------------------------------------------------------------------
 
 
-def _fetch_model(cluster: Cluster, secret: str, run: RunConfig) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
-    """The global model and each fragment's version, fetched with Bootstrap."""
-    from syncer.client import SyncerClient, open_channel
-
-    plan = run.plan()
-    state = {name: torch.empty(shape) for name, shape in run.named_shapes()}
-
-    async def fetch():
-        updates = []
-        for address in cluster.shards:
-            async with open_channel(address) as channel:
-                updates += await SyncerClient(channel, "C", auth.sign(secret, "C"), timeout_s=30).bootstrap()
-        return updates
-
-    versions = {}
-    for update in asyncio.run(fetch()):
-        versions[update.fragment] = update.version
-        for view, value in zip(plan.gather(update.fragment, state), update.segments[-1].tensors):
-            view.copy_(value)
-    return state, versions
+def supervisor_task(run: RunConfig, learners: int) -> Task:
+    """The run's task as the supervisor builds it: for the start and final evaluation
+    (with the learners' eval batches) and the tokens of one batch."""
+    return build_task(run.task, TaskContext(0, learners, run.seed, torch.device("cpu"), dict(run.task_options)))
 
 
-def _eval_bpb(run: RunConfig, state: dict[str, torch.Tensor] | None, batches: int = 8) -> float:
-    from diloco.model import GPT
-    from learner.data import load_corpus
-
-    model = GPT(run.model)
+def eval_task(run: RunConfig, task: Task, state: Mapping[str, torch.Tensor] | None = None) -> float:
+    """The task's eval loss of ``state`` (None: the task's own initial model)."""
     if state is not None:
-        model.load_state_dict(state)
-    corpus = load_corpus(None, 0, 8)
-    losses = []
-    with torch.no_grad():
-        for i in range(batches):
-            x, y = corpus.eval.batch(i, 16, run.model.context, seed=12345)
-            losses.append(float(model(x, y)[1]))
-    return sum(losses) / len(losses) / math.log(2)
+        task.model.load_state_dict(state)
+    value = evaluate(run.task, task)
+    return float("nan") if value is None else value
+
+
+def tokens_per_step(run: RunConfig, task: Task) -> int:
+    """Tokens one inner step trains on: the task's count of its first batch."""
+    try:
+        batch = next(iter(task.batches))
+    except StopIteration:
+        raise TaskError(f"task {run.task!r} yields no batches") from None
+    return checked_tokens(run.task, task.tokens(batch))
 
 
 def tape_stats(run_dir: Path, fragments: int, steps: dict[str, int]) -> dict:
@@ -386,7 +369,7 @@ def uptime(closes: list[float], start: float, end: float, period_s: float) -> tu
     return round(1.0 - stall / (end - start), 4), round(stall, 3)
 
 
-def plot_eval(run_dir: Path, events: dict[str, list[dict]], final_bpb: float, tokens: int) -> None:
+def plot_eval(run_dir: Path, events: dict[str, list[dict]], final: float, tokens: int, unit: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -397,12 +380,12 @@ def plot_eval(run_dir: Path, events: dict[str, list[dict]], final_bpb: float, to
     for learner, records in sorted(events.items(), key=lambda kv: int(kv[0].lstrip("L") or 0)):
         evals = [r for r in records if r["kind"] == "eval"]
         if evals:
-            ax.plot([e["tokens"] for e in evals], [e["bpb"] for e in evals], marker="o", ms=3, label=learner)
+            ax.plot([e["tokens"] for e in evals], [e["loss"] for e in evals], marker="o", ms=3, label=learner)
             end = max(end, evals[-1]["tokens"])
-    ax.scatter([end], [final_bpb], color="black", zorder=3,
+    ax.scatter([end], [final], color="black", zorder=3,
                label=f"final global model ({tokens:,} tokens from all learners)")
     ax.set_xlabel("tokens seen by each learner")
-    ax.set_ylabel("eval loss (bits per byte)")
+    ax.set_ylabel(f"eval loss ({unit})")
     ax.set_title("diloco local: eval loss vs tokens")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
@@ -454,13 +437,17 @@ def run_local(cfg: LocalConfig) -> dict:
     (run_dir / "secret").write_text(secret)
     os.chmod(run_dir / "secret", 0o600)
     (run_dir / "run.json").write_text(cfg.run.to_json())
-    resolved = {**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json()), "learner_steps": cfg.learner_steps}
+    task = supervisor_task(cfg.run, cfg.learners)
+    unit = task.eval_unit
+    learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))
+    resolved = {**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json()), "learner_steps": learner_steps}
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, default=str))
     console = Console(stderr=True)
     budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{cfg.steps} inner steps each"
-    console.print(f"[bold]diloco local[/]: {cfg.learners} learners, {cfg.shards} shards, {budget}, run directory {run_dir}")
-    eval_start = _eval_bpb(cfg.run, None)
-    cluster = Cluster(cfg, run_dir)
+    console.print(f"[bold]diloco local[/]: task {cfg.run.task}, {cfg.learners} learners, {cfg.shards} shards, {budget}, "
+                  f"run directory {run_dir}")
+    eval_start = eval_task(cfg.run, task)
+    cluster = Cluster(cfg, run_dir, learner_steps)
     started_wall, started = time.time(), time.monotonic()
     admin = monkey = None
     interrupted = False
@@ -474,7 +461,7 @@ def run_local(cfg: LocalConfig) -> dict:
         if cfg.chaos.active:  # its clock starts now that the learners are launched
             chaos_admin = AdminClient(cluster.coordinator, token, timeout_s=10)
             monkey = ChaosMonkey(cfg.chaos, chaos_admin, lambda m: cluster.restart_shard(m, chaos_admin, monkey.record),
-                                 cfg.learner_steps, run_dir / "chaos.jsonl", time.monotonic())
+                                 learner_steps, run_dir / "chaos.jsonl", time.monotonic())
             monkey.start()
         last_stats, goodput, idle_since = 0.0, None, None
         with Live(console=console, refresh_per_second=2) as live:
@@ -484,7 +471,7 @@ def run_local(cfg: LocalConfig) -> dict:
                 if time.monotonic() - last_stats > 5:
                     steps = {m["id"]: m["inner_steps"] for m in members}
                     goodput, last_stats = tape_stats(run_dir, cfg.run.fragments, steps)["step_goodput"], time.monotonic()
-                live.update(_progress_table(members, _shard_status(cluster.shards), events, goodput, started))
+                live.update(_progress_table(members, _shard_status(cluster.shards), events, goodput, started, unit))
                 if cfg.tokens is not None and sum(m["tokens"] for m in members) >= cfg.tokens:
                     # The budget is spent: drain everyone (and anyone who joins late).
                     if monkey is not None:
@@ -516,10 +503,11 @@ def run_local(cfg: LocalConfig) -> dict:
             monkey.join(timeout=60)
         state, versions = None, {}
         try:
-            if cluster.procs:
-                state, versions = _fetch_model(cluster, secret, cfg.run)
-        except Exception as error:  # the cluster may already be gone after Ctrl-C
-            logger.warning("could not fetch the final model: %s", error)
+            if admin is not None:
+                exported = export_model(AdminClient(cluster.coordinator, token, timeout_s=60), run_dir / "model.safetensors")
+                state, versions = exported.state, exported.versions
+        except DilocoError as error:  # the cluster may already be gone after Ctrl-C
+            logger.warning("could not export the final model: %s", error)
         members = admin.members(include_gone=True) if admin is not None and not interrupted else []
         if admin is not None:
             admin.close()
@@ -527,9 +515,7 @@ def run_local(cfg: LocalConfig) -> dict:
     wall_s = time.monotonic() - started
     summaries = {s["learner_id"]: s for s in (json.loads(p.read_text()) for p in sorted((run_dir / "learners").glob("*.json")))}
     events = learner_events(run_dir)
-    if state is not None:
-        torch.save(state, run_dir / "model.pt")
-    eval_final = _eval_bpb(cfg.run, state) if state is not None else float("nan")
+    eval_final = eval_task(cfg.run, task, state) if state is not None else float("nan")
     # Inner steps per learner: its summary, or for a killed one its last heartbeat.
     steps = {m["id"]: m["inner_steps"] for m in members}
     steps.update({i: s["inner_steps"] for i, s in summaries.items()})
@@ -557,6 +543,8 @@ def run_local(cfg: LocalConfig) -> dict:
     summary = {
         "tokens": tokens,
         "wall_s": round(wall_s, 2),
+        "task": cfg.run.task,
+        "eval_unit": unit,
         "eval_loss_start": round(eval_start, 4),
         "eval_loss_final": round(eval_final, 4),
         "goodput": round(min(stats.pop("useful_s") / slots, 1.0), 4) if slots else 0.0,
@@ -580,7 +568,7 @@ def run_local(cfg: LocalConfig) -> dict:
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if events and state is not None:
-        plot_eval(run_dir, events, eval_final, tokens)
+        plot_eval(run_dir, events, eval_final, tokens, unit)
     if events:
         draw_timeline(run_dir)
     return summary

@@ -9,9 +9,14 @@ fresh ``ShardCore`` with the same configuration and run through the same
 ``compute_round`` the shard ran, in tape order. The learners are not re-run: the tape and
 push log are the complete input of the global model, which is what replay checks.
 
-The comparison point is the version of each fragment that ``diloco local`` fetched into
-``model.pt`` (``summary.json``'s ``final_versions``); the shards may close a last round
-on shutdown after that.
+Each fragment starts from the values it was initialised with (``initial-F<f>.npz`` in the
+shard's data directory, written when the first learner offered them, and recorded on the
+tape), planned from the run's manifest (``manifest.json`` there).
+
+The comparison point is the version of each fragment that ``diloco local`` exported into
+``model.safetensors`` (``summary.json``'s ``final_versions``); the shards may close a
+last round on shutdown after that. Parameters a model holds in bf16 or fp16 are exported
+rounded, so only an fp32 model can match bit for bit.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound
+from diloco.manifest import Manifest
 from diloco.tape import read_tape
 
 logger = logging.getLogger(__name__)
@@ -63,13 +69,19 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
     from syncer.core import snapshot
     from syncer.core.rounds import Close
     from syncer.core.shard import DUPLICATE, Pending, compute_round
+    from syncer.core.shard import ShardCore
     from syncer.pushlog import read_push_log
-    from syncer.server import build_core
+    from syncer.runtime import MANIFEST_FILE, initial_name
 
     life = _last_life(list(read_tape(tape)), tape)
     cfg = _syncer_config(life[0]["config"])
-    core = build_core(run, cfg)
-    plan = core.plan
+    data_dir = tape.parent
+    if not (data_dir / MANIFEST_FILE).is_file():
+        raise NotFound(f"no {MANIFEST_FILE} in {data_dir}: shard {cfg.shard_id} never got a model")
+    manifest_json = (data_dir / MANIFEST_FILE).read_text()
+    plan = Manifest.from_json(manifest_json).plan(run.fragments)
+    core = ShardCore(cfg)
+    core.adopt_plan(plan, manifest_json)
     logged = {(m.learner_id, m.fragment, m.seq): (m, p, w) for m, p, w in read_push_log(push_log)}
     targeted: dict[tuple[str, int, int], tuple] = {}
     restored_from = None
@@ -83,7 +95,11 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
         capture(fragment_id)
     rounds = 0
     for r in life[1:]:
-        if r["kind"] == "restore":
+        if r["kind"] == "initialize":
+            initial = snapshot_files.loads(data_dir / initial_name(r["fragment"]))
+            core.add_fragment(r["fragment"], initial["pieces"])
+            capture(r["fragment"])
+        elif r["kind"] == "restore":
             snapshot_id, state, channel = snapshot_files.load_for_restore(str(r["snapshot"]), snapshot_dir, cfg.shard_id)
             snapshot.restore(core, state, 0.0)
             for meta, payload, wire_bytes in channel:
@@ -133,7 +149,7 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
 
 def replay(run_dir: Path, snapshot_dir: Path | None = None) -> list[ShardReplay]:
     run_dir = Path(run_dir)
-    for name in ("run.json", "model.pt", "summary.json"):
+    for name in ("run.json", "model.safetensors", "summary.json"):
         if not (run_dir / name).is_file():
             raise NotFound(f"{run_dir} is not a finished diloco local run directory: no {name}")
     run = RunConfig.from_json((run_dir / "run.json").read_text())
@@ -141,7 +157,9 @@ def replay(run_dir: Path, snapshot_dir: Path | None = None) -> list[ShardReplay]
     if "final_versions" not in summary:
         raise InvalidArgument(f"{run_dir / 'summary.json'} has no final_versions (written by an older diloco)")
     final_versions = {int(f): int(v) for f, v in summary["final_versions"].items()}
-    final = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True)
+    from safetensors.torch import load_file
+
+    final = {k: v.float() for k, v in load_file(str(run_dir / "model.safetensors")).items()}
     tapes = sorted(run_dir.glob("shard*/tape-S*.jsonl"))
     if not tapes:
         raise NotFound(f"no shard tapes under {run_dir}")

@@ -1,4 +1,4 @@
-"""Configuration of one learner worker."""
+"""Configuration of one learner: its inner loop (steps, default optimizer, schedule) and its syncing."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ DELTA_CODECS = ("int4", "fp32")
 class LearnerConfig:
     device: str = "cpu"
     """cpu | cuda | xla (torch_xla is imported only when chosen)."""
-    batch_size: int = 16
-    """Sequences per inner step."""
     steps: int = 300
     """Inner steps to train (the learner then leaves)."""
     lr: float = 3e-3
@@ -27,12 +25,6 @@ class LearnerConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_every_steps: int = 50
-    eval_batches: int = 4
-    seed: int = 0
-    """Data order and dropout-free determinism; the model init seed is the run's."""
-    data_shard: int = 0
-    """This learner's disjoint share of the corpus, in [0, data_shards)."""
-    data_shards: int = 8
     delta_codec: str = "int4"
     """Encoding of outgoing deltas: int4 (default) or fp32 (ablations)."""
     block_size: int = 64
@@ -53,11 +45,9 @@ class LearnerConfig:
             raise InvalidArgument(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.delta_codec not in DELTA_CODECS:
             raise InvalidArgument(f"delta codec must be one of {DELTA_CODECS}, got {self.delta_codec!r}")
-        for name in ("batch_size", "steps", "eval_every_steps", "eval_batches", "data_shards", "max_inflight_pushes"):
+        for name in ("steps", "eval_every_steps", "max_inflight_pushes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.data_shard < self.data_shards:
-            raise InvalidArgument(f"data shard must be in [0, {self.data_shards}), got {self.data_shard}")
         for name in ("lr", "push_timeout_s", "heartbeat_interval_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

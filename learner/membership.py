@@ -70,6 +70,22 @@ def join(address: str, join_token: str, pool: str, launch_id: str, host: str, ti
         raise Unavailable(f"cannot join the coordinator at {address}: {error.code().name}: {error.details()}") from None
 
 
+def register_model(address: str, member: Membership, manifest_json: str, timeout_s: float = 60.0) -> common_pb2.Topology:
+    """Register this learner's model manifest; returns the topology with the run's
+    manifest. A model that differs from the run's raises FailedPrecondition."""
+    from coordinator.client import LearnerSession
+
+    async def call() -> common_pb2.Topology:
+        session = LearnerSession(address, timeout_s)
+        session.learner_id, session.credential = member.learner_id, member.credential
+        try:
+            return await session.register_model(manifest_json)
+        finally:
+            await session.close()
+
+    return asyncio.run(call())
+
+
 class Heartbeats:
     """Heartbeat every ``interval_s`` from a thread; ``on_drain`` is called once when the
     coordinator asks this learner to leave."""

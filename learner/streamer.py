@@ -4,7 +4,10 @@ bootstrap, so the training loop never waits on the network.
 The training thread calls ``submit`` (never blocks: when too many pushes are in flight,
 or the owning shard is down, the push is dropped and counted) and drains ``replies``.
 A push that fails with UNAVAILABLE marks its shard down; a probe with backoff brings it
-back and re-syncs that shard's fragments with a full bootstrap.
+back and re-syncs that shard's fragments with a full bootstrap. A shard that comes back
+holding no model (restarted without ``--restore``) is first offered this learner's
+anchors, the newest global values it knows, so the run never falls back to an initial
+model; the first learner to offer wins, the others bootstrap from it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -78,6 +81,9 @@ class Streamer:
         self._clients: dict[int, SyncerClient] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._tasks: set[asyncio.Future] = set()
+        self.reoffer: tuple[str, str, Callable[[int], list[EncodedTensor]]] | None = None
+        """(manifest JSON, plan hash, fragment -> its anchor encoded fp32): what a shard
+        that came back empty is offered."""
         self._thread = threading.Thread(target=self._loop.run_forever, name="diloco-streamer", daemon=True)
         self._thread.start()
 
@@ -100,6 +106,26 @@ class Streamer:
     def bootstrap(self, fragments_by_shard: dict[int, list[int]], timeout_s: float = 120.0) -> list[DecodedUpdate]:
         """Full fragments from their shards; blocks (only used before training starts)."""
         return asyncio.run_coroutine_threadsafe(self._bootstrap(fragments_by_shard), self._loop).result(timeout_s)
+
+    def initialize(self, shard: int, manifest_json: str, plan_hash: str, fragments: list[int],
+                   encode: Callable[[int], list[EncodedTensor]], timeout_s: float = 300.0) -> list[int]:
+        """Offer our values (``encode(fragment)``, fp32) of the shard's fragments that have
+        none yet; returns those that took ours. Blocks (only used before training starts)."""
+
+        async def offer() -> list[int]:
+            client = self._client(shard)
+            status = await client.status()
+            have = {f.fragment for f in status.fragments}
+            taken = []
+            for fragment in fragments:
+                if fragment in have:
+                    continue
+                encoded = await asyncio.to_thread(encode, fragment)
+                if await client.initialize(fragment, manifest_json, plan_hash, encoded):
+                    taken.append(fragment)
+            return taken
+
+        return asyncio.run_coroutine_threadsafe(offer(), self._loop).result(timeout_s)
 
     def inflight(self) -> int:
         with self._lock:
@@ -188,7 +214,8 @@ class Streamer:
         while True:
             await asyncio.sleep(backoff)
             try:
-                await asyncio.wait_for(self._client(shard).status(), 2)
+                status = await asyncio.wait_for(self._client(shard).status(), 2)
+                await self._reoffer(shard, {f.fragment for f in status.fragments})
                 updates = await self._bootstrap({shard: self.fragments_of.get(shard, [])})
             except (grpc.aio.AioRpcError, asyncio.TimeoutError):
                 backoff = min(backoff * 2, 5.0)
@@ -201,6 +228,17 @@ class Streamer:
                 self.stats.resyncs += 1
             logger.info("shard %d is back: re-synced %d fragments", shard, len(updates))
             return
+
+    async def _reoffer(self, shard: int, held: set[int]) -> None:
+        if self.reoffer is None:
+            return
+        manifest_json, plan_hash, encode_anchor = self.reoffer
+        for fragment in self.fragments_of.get(shard, []):
+            if fragment in held:
+                continue
+            encoded = await asyncio.to_thread(encode_anchor, fragment)
+            if await self._client(shard).initialize(fragment, manifest_json, plan_hash, encoded):
+                logger.warning("shard %d came back without fragment %d: it restarts from our anchor", shard, fragment)
 
     async def _bootstrap(self, fragments_by_shard: dict[int, list[int]]) -> list[DecodedUpdate]:
         results = await asyncio.gather(

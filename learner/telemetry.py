@@ -10,7 +10,9 @@ RPC span, and through the call metadata the shard's ``push`` span, are its child
 Metrics: ``diloco.sync.latency`` (the same interval, for merged pushes),
 ``diloco.push.dropped``, ``diloco.wire.bytes``, ``diloco.learner.tokens``,
 ``diloco.learner.fragment_steps`` (goodput's denominator),
-``diloco.learner.tokens_per_second`` and ``diloco.learner.version_lag``.
+``diloco.learner.tokens_per_second``, ``diloco.learner.version_lag``, and the task's
+``diloco.learner.train_loss`` and ``diloco.learner.eval_loss`` (gauges, so the backend
+that shows sync latency draws the loss curve too).
 """
 
 from __future__ import annotations
@@ -127,6 +129,17 @@ class LearnerTelemetry:
             "diloco.learner.version_lag", "{version}",
             "versions the global fragment moved past a push's base, besides its own round, when its update was merged",
         )
+
+        self._train_loss = meter.create_gauge("diloco.learner.train_loss", "1", "the task's loss on the last training batch")
+        self._eval_loss = meter.create_gauge(
+            "diloco.learner.eval_loss", "1", "the task's mean loss over its eval batches (in its eval unit, e.g. bits/byte)"
+        )
+
+    def train_loss(self, value: float) -> None:
+        self._train_loss.set(value)
+
+    def eval_loss(self, value: float, unit: str) -> None:
+        self._eval_loss.set(value, {"diloco.eval_unit": unit})
 
     def start_sync(self, fragment: int, shard: int, base_version: int, step: int) -> SyncTrace:
         span = self.tracer.start_span(

@@ -16,7 +16,7 @@ import torch
 
 from diloco import auth, rpc
 from diloco.codec import EncodedTensor, decode, frame, unframe
-from diloco.convert import clock_from_proto, spec_from_proto
+from diloco.convert import clock_from_proto, spec_from_proto, spec_to_proto
 from diloco.errors import InvalidArgument
 from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
 from syncer.core.shard import PushMeta
@@ -177,6 +177,19 @@ class SyncerClient:
             syncer_pb2.BootstrapRequest(fragments=list(fragments)), metadata=self.metadata, timeout=self.timeout_s
         )
         return [await asyncio.to_thread(_decode_update, header, chunks) async for header, chunks in _updates(call)]
+
+    async def initialize(self, fragment: int, manifest_json: str, plan_hash: str, encoded: Sequence[EncodedTensor]) -> bool:
+        """Offer this learner's fp32 values of a fragment the shard holds none of; True if
+        they became its version 0, False if the fragment already had a value."""
+        chunks = await asyncio.to_thread(lambda: list(frame([e.payload for e in encoded])))
+        header = syncer_pb2.InitializeHeader(
+            learner_id=self.metadata[0][1], fragment=fragment, manifest_json=manifest_json, plan_hash=plan_hash,
+            tensors=[spec_to_proto(e.spec) for e in encoded],
+        )
+        requests = [syncer_pb2.InitializeRequest(header=header)]
+        requests += [syncer_pb2.InitializeRequest(chunk=common_pb2.Chunk(data=data)) for data in chunks]
+        reply = await self.stub.Initialize(iter(requests), metadata=self.metadata, timeout=self.timeout_s)
+        return reply.initialized
 
     async def status(self) -> syncer_pb2.StatusReply:
         return await self.stub.Status(syncer_pb2.StatusRequest(), timeout=self.timeout_s)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from diloco.clock import VectorClock
 from diloco.convert import clock_from_proto, clock_to_proto, spec_from_proto, spec_to_proto
+from diloco.codec import TensorSpec
 from diloco.errors import InvalidArgument
+from diloco.fragments import FragmentPlan
 from diloco.v1 import syncer_pb2
 from syncer.core.shard import ACCEPTED, ACCEPTED_NEXT_ROUND, DUPLICATE, Ack, FragmentUpdate, PushMeta
 
@@ -67,3 +69,19 @@ def update_to_proto(update: FragmentUpdate, clock: VectorClock) -> syncer_pb2.Fr
         close_reason=update.close_reason,
         participants=update.participants,
     )
+
+
+def initial_specs(msg: syncer_pb2.InitializeHeader, plan: FragmentPlan) -> list[TensorSpec]:
+    """The fp32 tensor headers of an Initialize, checked against the plan's fragment."""
+    if not 0 <= msg.fragment < plan.num_fragments:
+        raise InvalidArgument(f"fragment {msg.fragment} is not in the plan ({plan.num_fragments} fragments)")
+    pieces = plan.fragments[msg.fragment].pieces
+    specs = [spec_from_proto(t) for t in msg.tensors]
+    if len(specs) != len(pieces):
+        raise InvalidArgument(f"fragment {msg.fragment} has {len(pieces)} tensors, the request {len(specs)}")
+    for spec, piece in zip(specs, pieces):
+        if (spec.name, tuple(spec.shape)) != (piece.name, piece.shape):
+            raise InvalidArgument(f"expected tensor {piece.name!r} {list(piece.shape)}, got {spec.name!r} {list(spec.shape)}")
+        if (spec.encoding, spec.dtype, spec.byte_length) != ("fp32", "float32", 4 * piece.numel):
+            raise InvalidArgument(f"tensor {piece.name!r}: initial values are raw float32 ({4 * piece.numel} bytes)")
+    return specs

@@ -19,6 +19,9 @@ from opentelemetry.trace import SpanContext
 
 from diloco.clock import VectorClock
 from diloco.errors import DilocoError, FailedPrecondition
+from diloco.fragments import FragmentPlan
+from diloco.manifest import Manifest
+from diloco.snapshots import atomic_write
 from diloco.tape import TapeWriter
 from syncer import snapshot as snapshot_files
 from syncer.pushlog import PushLogWriter
@@ -28,6 +31,14 @@ from syncer.core.shard import DUPLICATE, Ack, PushMeta, PushPayload, RoundJob, S
 from syncer.telemetry import ShardTelemetry
 
 logger = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.json"
+"""In a shard's data directory: the run's model manifest, as the shard adopted it."""
+
+
+def initial_name(fragment_id: int) -> str:
+    """In a shard's data directory: a fragment's version-0 values (``syncer.snapshot`` format)."""
+    return f"initial-F{fragment_id}.npz"
 
 
 @dataclass
@@ -71,8 +82,15 @@ class ShardRuntime:
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         telemetry: ShardTelemetry | None = None,
+        num_fragments: int | None = None,
+        data_dir: Path | None = None,
     ) -> None:
+        """``num_fragments``: the run's P, to plan from a manifest a learner sends (None: the
+        core's plan, which must then be given). ``data_dir``: where the run's manifest and
+        each fragment's initial values are kept (``diloco replay`` starts from them)."""
         self.core = core
+        self.num_fragments = num_fragments if num_fragments is not None else core.plan.num_fragments
+        self.data_dir = data_dir
         self.tape = tape
         self.push_log = push_log
         self.counters = Counters()
@@ -82,13 +100,12 @@ class ShardRuntime:
         self._push_spans: dict[tuple[str, int, int], SpanContext] = {}
         self._monotonic = monotonic
         self._wall = wall
-        self._waiters: dict[int, list[_Waiter]] = {f: [] for f in core.fragments}
+        self._waiters: dict[int, list[_Waiter]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._rounds: set[asyncio.Task] = set()
         # Set while no round of the fragment is being applied: its tensors may be read.
-        self._idle: dict[int, asyncio.Event] = {f: asyncio.Event() for f in core.fragments}
-        for event in self._idle.values():
-            event.set()
+        self._idle: dict[int, asyncio.Event] = {}
+        self._track()
         self.accepting = True
         # Snapshots: rounds are held while the state is recorded; the newest marker's id
         # stamps every reply; the recorder collects the channel state.
@@ -100,9 +117,43 @@ class ShardRuntime:
         self._snapshot_tasks: set[asyncio.Task] = set()
         self._recorded: dict[int, tuple[MarkerResult, Path]] = {}
         self._record(
-            "start", shard=core.cfg.shard_id, fragments=sorted(core.fragments), plan=core.plan.plan_hash,
-            config=asdict(core.cfg),
+            "start", shard=core.cfg.shard_id, fragments=sorted(core.fragments),
+            plan=core.plan.plan_hash if core.plan is not None else "", config=asdict(core.cfg),
         )
+
+    def _track(self) -> None:
+        """Round bookkeeping for fragments that got their values since."""
+        for fragment_id in self.core.fragments:
+            if fragment_id not in self._idle:
+                self._waiters[fragment_id] = []
+                self._idle[fragment_id] = asyncio.Event()
+                self._idle[fragment_id].set()
+
+    # --- initial values --------------------------------------------------------------
+
+    def plan_from(self, manifest_json: str) -> FragmentPlan:
+        """The run's fragment plan from a manifest (parsed and bounded: it came over the wire)."""
+        core = self.core
+        if core.plan is not None and manifest_json == core.manifest_json:
+            return core.plan
+        return Manifest.from_json(manifest_json).plan(self.num_fragments)
+
+    def initialize(self, learner_id: str, manifest_json: str, plan: FragmentPlan, fragment_id: int, values) -> bool:
+        """A learner's values of a fragment that has none become its version 0 (True);
+        False when the fragment already has a value."""
+        core = self.core
+        first_plan = core.plan is None
+        core.adopt_plan(plan, manifest_json)
+        if first_plan and self.data_dir is not None:
+            atomic_write(self.data_dir / MANIFEST_FILE, manifest_json.encode())
+        if not core.add_fragment(fragment_id, values):
+            return False
+        self._track()
+        if self.data_dir is not None:
+            atomic_write(self.data_dir / initial_name(fragment_id), snapshot_files.dumps({"pieces": core.fragments[fragment_id].params}))
+        self._record("initialize", fragment=fragment_id, learner=learner_id, plan=plan.plan_hash)
+        logger.info("shard %d: fragment %d initialised from %s's values", core.cfg.shard_id, fragment_id, learner_id)
+        return True
 
     def now(self) -> float:
         return self._monotonic()
@@ -332,6 +383,7 @@ class ShardRuntime:
         """Load a recorded state, then accept the pushes that were in flight at the cut."""
         now = self._monotonic()
         snapshot.restore(self.core, state, now)
+        self._track()
         self.snapshot_epoch = snapshot_id
         outcomes = [self.core.accept(meta, payload, wire_bytes, now).outcome for meta, payload, wire_bytes in pushes]
         versions = {f: s.version for f, s in self.core.fragments.items()}

@@ -20,7 +20,6 @@ from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from syncer import snapshot
 from syncer.config import SyncerConfig
 from syncer.core.shard import ShardCore
-from syncer.initial import initial_fragments
 from syncer.pushlog import PushLogWriter, log_name
 from syncer.runtime import MarkerResult, ShardRuntime
 from syncer.service import SERVICE_NAME, SyncerServicer, add_to_server
@@ -58,16 +57,11 @@ class ShardServerConfig:
     shutdown_grace_s: float = 10.0
 
 
-def build_core(run: RunConfig, cfg: SyncerConfig) -> ShardCore:
-    """A shard's core at version 0: its fragments of the seeded model."""
-    plan, initial = initial_fragments(run, cfg.shard_id, cfg.num_shards)
-    if not initial:
-        logger.warning("shard %d of %d owns no fragment (P=%d)", cfg.shard_id, cfg.num_shards, plan.num_fragments)
-    return ShardCore(cfg, plan, initial)
-
-
 class ShardServer:
-    def __init__(self, run: RunConfig, cfg: SyncerConfig, server_cfg: ShardServerConfig) -> None:
+    def __init__(self, run: RunConfig, cfg: SyncerConfig, server_cfg: ShardServerConfig,
+                 core: ShardCore | None = None) -> None:
+        """``core``: a shard state to serve (tests, benchmarks); by default the shard starts
+        holding no model, and the first learner (or ``--restore``) gives it one."""
         self.cfg, self.server_cfg = cfg, server_cfg
         tape = None
         if server_cfg.data_dir is not None:
@@ -75,7 +69,8 @@ class ShardServer:
         push_log = None
         if server_cfg.data_dir is not None and server_cfg.push_log:
             push_log = PushLogWriter(Path(server_cfg.data_dir) / log_name(cfg.shard_id))
-        self.runtime = ShardRuntime(build_core(run, cfg), tape, push_log)
+        data_dir = Path(server_cfg.data_dir) if server_cfg.data_dir is not None else None
+        self.runtime = ShardRuntime(core or ShardCore(cfg), tape, push_log, num_fragments=run.fragments, data_dir=data_dir)
         if server_cfg.restore:
             self.runtime.restore(*snapshot.load_for_restore(server_cfg.restore, server_cfg.snapshot_dir, cfg.shard_id))
         if server_cfg.static_learners:

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 from opentelemetry.trace import Status, StatusCode
 
 from diloco import auth, rpc
 from diloco.codec import Unframer, frame
-from diloco.errors import DilocoError, InvalidArgument, PermissionDenied
+from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
 from syncer import convert
 from syncer.core.shard import FragmentUpdate, PushPayload, Segment, inspect_payload
@@ -114,12 +115,12 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 self.runtime.telemetry.bytes_sent(size)
                 yield message
 
-    async def _receive(self, requests, meta) -> tuple[PushPayload, int]:
+    async def _receive(self, requests, specs, payload_bytes: int) -> tuple[PushPayload, int]:
         """Read a push's chunks and unframe each one in a worker thread while the next one
         arrives; a chunk is dropped once inflated, so a push never holds more than its
         payload and a chunk or two. Then validate the payload (``inspect_payload``)."""
-        unframer = Unframer(meta.payload_bytes)
-        limit = meta.payload_bytes + _CHUNK_SLACK_BYTES * (1 + meta.payload_bytes // MAX_CHUNK_BYTES)
+        unframer = Unframer(payload_bytes)
+        limit = payload_bytes + _CHUNK_SLACK_BYTES * (1 + payload_bytes // MAX_CHUNK_BYTES)
         wire_bytes, inflating = 0, None
         try:
             async for request in requests:
@@ -130,7 +131,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                     raise InvalidArgument(f"chunk of {len(data)} bytes exceeds the 1 MiB chunk limit")
                 wire_bytes += len(data)
                 if wire_bytes > limit:
-                    raise InvalidArgument(f"push carries more data than its header announces ({meta.payload_bytes} bytes)")
+                    raise InvalidArgument(f"push carries more data than its header announces ({payload_bytes} bytes)")
                 if inflating is not None:
                     await inflating
                 inflating = asyncio.ensure_future(asyncio.to_thread(unframer.add, data))
@@ -140,7 +141,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             if inflating is not None and not inflating.done():
                 # Rejected mid-stream: let the worker finish with the buffer before it goes.
                 await asyncio.gather(inflating, return_exceptions=True)
-        payload = await asyncio.to_thread(lambda: inspect_payload(meta.specs, unframer.result()))
+        payload = await asyncio.to_thread(lambda: inspect_payload(specs, unframer.result()))
         return payload, wire_bytes
 
     async def PushFragment(self, request_iterator, context):
@@ -160,7 +161,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 raise PermissionDenied(f"credential is for {learner_id!r}, the push claims {meta.learner_id!r}")
             span.set_attributes(push_attributes(meta))
             self.runtime.core.check_header(meta)
-            payload, wire_bytes = await self._receive(requests, meta)
+            payload, wire_bytes = await self._receive(requests, meta.specs, meta.payload_bytes)
             reading = False
             ack, waiter = self.runtime.push(meta, payload, wire_bytes, span.get_span_context())
             span.set_attributes({"diloco.push.outcome": ack.outcome, "diloco.target_version": ack.target_version,
@@ -180,11 +181,56 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         finally:
             span.end()
 
+    async def Initialize(self, request_iterator, context):
+        requests = request_iterator.__aiter__()
+        reading = True
+        try:
+            learner_id = self._authenticate(context)
+            try:
+                first = await anext(requests)
+            except StopAsyncIteration:
+                raise InvalidArgument("empty initialize stream: it starts with its header") from None
+            if first.WhichOneof("kind") != "header":
+                raise InvalidArgument("an initialize stream starts with its header, not a chunk")
+            header = first.header
+            if header.learner_id != learner_id:
+                raise PermissionDenied(f"credential is for {learner_id!r}, the request claims {header.learner_id!r}")
+            plan = self.runtime.plan_from(header.manifest_json)
+            if plan.plan_hash != header.plan_hash:
+                raise InvalidArgument(f"plan hash {header.plan_hash[:12]!r} does not match the manifest's {plan.plan_hash[:12]}")
+            core = self.runtime.core
+            if core.plan is not None and core.plan.plan_hash != plan.plan_hash:
+                core.adopt_plan(plan, header.manifest_json)  # raises FailedPrecondition, naming both plans
+            specs = convert.initial_specs(header, plan)
+            owner = plan.fragments[header.fragment].owner(core.cfg.num_shards)
+            if owner != core.cfg.shard_id:
+                raise FailedPrecondition(f"fragment {header.fragment} is owned by shard {owner}, not shard {core.cfg.shard_id}")
+            payload_bytes = sum(spec.byte_length for spec in specs)
+            if payload_bytes > core.cfg.max_push_bytes * 8:
+                raise ResourceExhausted(f"initial values of {payload_bytes} bytes exceed the limit of {core.cfg.max_push_bytes * 8}")
+            if header.fragment in core.fragments:
+                await _drain(requests, payload_bytes)
+                reading = False
+                return syncer_pb2.InitializeReply(initialized=False, version=core.fragments[header.fragment].version,
+                                                  clock=convert.clock_to_proto(core.clock))
+            payload, _ = await self._receive(requests, specs, payload_bytes)
+            reading = False
+            values = [np.frombuffer(t.payload, dtype="<f4").reshape(t.spec.shape) for t in payload.tensors]
+            added = self.runtime.initialize(learner_id, header.manifest_json, plan, header.fragment, values)
+            return syncer_pb2.InitializeReply(initialized=added, version=core.fragments[header.fragment].version,
+                                              clock=convert.clock_to_proto(core.clock))
+        except DilocoError as error:
+            if reading:
+                await _drain(requests, self.runtime.core.cfg.max_push_bytes)
+            await rpc.abort_with(context, error)
+
     async def Bootstrap(self, request, context):
         try:
             self._authenticate(context)
             core = self.runtime.core
-            wanted = list(request.fragments) or sorted(core.fragments)
+            wanted = list(request.fragments) or [f.id for f in core.owned]
+            if not wanted:
+                core.state_of(0)  # no plan yet: says so
             for fragment_id in wanted:
                 core.state_of(fragment_id)
             for fragment_id in wanted:
@@ -234,5 +280,5 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             bytes_received=counters.bytes_received,
             bytes_sent=counters.bytes_sent,
             clock=convert.clock_to_proto(core.clock),
-            plan_hash=core.plan.plan_hash,
+            plan_hash=core.plan.plan_hash if core.plan is not None else "",
         )

@@ -144,7 +144,7 @@ class Membership:
         self.expire(now)
         pool = pool or self.cfg.default_pool
         self._check_pool(pool)
-        if plan_hash and plan_hash != self.plan_hash:
+        if plan_hash and self.plan_hash and plan_hash != self.plan_hash:
             raise FailedPrecondition(
                 f"fragment plan {plan_hash[:12]} differs from the run's {self.plan_hash[:12]}: check the model flags"
             )

@@ -23,15 +23,19 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diloco.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
 
 PERIOD_SLACK = 4.0
 """An advance may come up to this many times the expected interval late before the gap
 counts as a global stall."""
 
 SUMMARY_KEYS = (
-    "wall_s", "tokens", "eval_loss_start", "eval_loss_final", "goodput", "uptime", "global_stall_s",
+    "wall_s", "tokens", "eval_unit", "eval_loss_start", "eval_loss_final", "goodput", "uptime", "global_stall_s",
     "bytes_per_1k_tokens", "restarts", "steps",
 )
 """Exactly the keys of every baseline's summary.json, in this order."""
@@ -62,23 +66,97 @@ def check_slow_workers(slow: tuple[tuple[int, float], ...], workers: int) -> Non
             raise InvalidArgument(f"slow worker factor must be a finite number >= 1, got {factor}")
 
 
-def learner_inner(batch_size: int, steps: int, worker: int):
-    """Worker ``worker``'s inner-loop config: the AdamW, warmup, cosine schedule, clipping,
-    data seed and data shard of learner L<worker> in diloco local (LearnerConfig defaults)."""
-    from dataclasses import replace
-
+def learner_inner(steps: int):
+    """A worker's inner-loop config: the AdamW lr and weight decay, warmup, cosine schedule
+    and clipping of a learner in diloco local (``LearnerConfig`` defaults), for ``steps``
+    steps. Data, batch size and seed are the task's (``worker_task``)."""
     from learner.config import LearnerConfig
 
-    base = LearnerConfig()
-    return replace(base, batch_size=batch_size, steps=steps, data_shard=worker % base.data_shards)
+    return LearnerConfig(steps=steps)
+
+
+def worker_task(run, worker: int, workers: int):
+    """Worker ``worker``'s instance of the run's task, built exactly as learner L<worker>
+    of diloco local builds it (on the CPU): its model, its share of the data, its loss."""
+    import torch
+
+    from diloco.task import TaskContext, build_task
+
+    ctx = TaskContext(learner_index=worker, num_learners=workers, seed=run.seed, device=torch.device("cpu"),
+                      options=dict(run.task_options))
+    return build_task(run.task, ctx)
+
+
+TASK_ERROR_EXIT = 3
+"""Exit status of a worker whose task failed (``diloco.task.TaskError``): the supervisor
+stops the run with the error instead of restarting a worker that would fail again."""
+
+
+TASK_ERROR_PREFIX = "task error: "
+
+
+def task_error(log: Path) -> str:
+    """The task error a worker logged (``TASK_ERROR_PREFIX``), for the supervisor's message."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    found = [line.split(TASK_ERROR_PREFIX, 1)[1] for line in lines if TASK_ERROR_PREFIX in line]
+    return f"{found[-1] if found else 'a worker stopped on a task error'} (see {log})"
+
+
+def grad_dtype(spec: str, params) -> torch.dtype:
+    """The one floating dtype of the trainable parameters (a gradient buffer holds them all)."""
+    from diloco.task import TaskError
+
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise TaskError(f"task {spec!r}: the DP baseline all-reduces one gradient buffer and needs trainable "
+                        f"parameters of one floating dtype, got {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+def skip_batches(spec: str, batches, steps: int):
+    """``iter(batches)`` advanced past the ``steps`` batches a run restarted at step
+    ``steps`` has already trained on."""
+    from diloco.task import TaskError
+
+    it = iter(batches)
+    for done in range(steps):
+        try:
+            next(it)
+        except StopIteration:
+            raise TaskError(f"task {spec!r}: its batches ended after {done} batches; resuming needs {steps}") from None
+    return it
+
+
+def next_batch(spec: str, batches, step: int, steps: int):
+    """The batch of step ``step``, or a clear error if the task's batches ran out."""
+    from diloco.task import TaskError
+
+    try:
+        return next(batches)
+    except StopIteration:
+        raise TaskError(f"task {spec!r}: its batches ended after {step} batches; this run trains {steps} steps") \
+            from None
+
+
+def advance_schedule(schedule, steps: int) -> None:
+    """Put the inner lr schedule at step ``steps`` (a restarted or replacement worker)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": on purpose here
+        for _ in range(steps):
+            schedule.step()
 
 
 @dataclass(frozen=True)
 class WorkloadConfig:
     """What both baselines' config dataclasses share: ``threads_per_worker``, and, for
-    their own fields ``run``, ``batch_size``, ``steps``, ``slow_workers``,
-    ``kill_at_steps`` and ``out``, a worker's inner-loop config, its slow factor, and the
-    JSON round trip the supervisor hands its workers."""
+    their own fields ``run``, ``workers``, ``steps``, ``slow_workers``, ``kill_at_steps``
+    and ``out``, a worker's inner-loop config, task and slow factor, and the JSON round
+    trip the supervisor hands its workers."""
 
     threads_per_worker: int = 1
     """torch intra-op threads of each worker process. 1, as torchrun sets OMP_NUM_THREADS
@@ -86,10 +164,13 @@ class WorkloadConfig:
     lock-step collective wait for descheduled spinning threads (measured here, 3 workers
     on 2 cores: 0.7 s per step with 1 thread, 5 s with torch's default of 2)."""
 
+    def inner(self):
+        """The workers' inner-loop config (``learner_inner``)."""
+        return learner_inner(self.steps)
 
-    def inner(self, worker: int):
-        """Worker ``worker``'s inner-loop config (``learner_inner``)."""
-        return learner_inner(self.batch_size, self.steps, worker)
+    def task(self, worker: int):
+        """Worker ``worker``'s instance of the run's task (``worker_task``)."""
+        return worker_task(self.run, worker, self.workers)
 
     def slow_factor(self, worker: int) -> float:
         return dict(self.slow_workers).get(worker, 1.0)

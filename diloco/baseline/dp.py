@@ -1,12 +1,15 @@
 """``diloco baseline dp``: synchronous data-parallel on the same workload as ``diloco
 local``, with the failure behaviour real DP jobs have.
 
-M workers, each a separate OS process (``diloco.baseline.dp_worker``), train one model in
-lock step: every step each computes the gradient of its own batch (worker i reads data
-shard i, as learner Li does), one all-reduce averages them (torch.distributed gloo over
-127.0.0.1), and every worker applies the same AdamW step (the learners' inner optimizer
-and schedule, ``learner.config.LearnerConfig`` defaults). Rank 0 writes a checkpoint every
-``checkpoint_every_steps`` steps and a timeline of every step.
+M workers, each a separate OS process (``diloco.baseline.dp_worker``), train the run's
+task (``--task``) in lock step: every step each computes the gradient of its own batch
+(worker i builds the task as learner Li does, so it reads Li's share of the data), one
+all-reduce averages them (torch.distributed gloo over 127.0.0.1), and every worker applies
+the same inner optimizer step (the task's optimizer or the learners' AdamW, under their
+schedule: ``learner.runner.inner_optimizer`` with ``learner.config.LearnerConfig``
+defaults). Rank 0 writes a checkpoint every ``checkpoint_every_steps`` steps and a
+timeline of every step. The eval loss (start and final) is the task's, in its unit, as
+``diloco local`` reports it.
 
 Failures, like an elastic torchrun job: when any worker dies (``kill_every_s`` SIGKILLs a
 random one), the others block in the collective (or fail on the broken connection); the
@@ -31,12 +34,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diloco.baseline.common import (
-    PERIOD_SLACK, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median,
-    ring_allreduce_bytes, spawn, summary,
+    PERIOD_SLACK, TASK_ERROR_EXIT, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median,
+    ring_allreduce_bytes, spawn, summary, task_error,
 )
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument, Unavailable
 from diloco.snapshots import atomic_write_json
+from diloco.task import TaskError
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +50,12 @@ WORKER_MODULE = "diloco.baseline.dp_worker"
 @dataclass(frozen=True)
 class DPConfig(WorkloadConfig):
     run: RunConfig = field(default_factory=RunConfig)
-    """The model (and its init seed); fragments and the sync schedule are unused by DP."""
+    """The task, its options and the seed; fragments and the sync schedule are unused by DP."""
     workers: int = 3
     """M: worker processes, the same count as diloco local's learners."""
     steps: int = 150
-    """Optimizer steps of the job; each consumes workers x batch_size sequences, so the
-    token budget equals diloco local's learners x steps x batch x context."""
-    batch_size: int = 16
-    """Sequences per worker per step."""
+    """Optimizer steps of the job; each consumes one task batch per worker, so the token
+    budget equals diloco local's learners x steps x tokens per batch."""
     checkpoint_every_steps: int = 25
     """Rank 0 checkpoints after every this many steps (and after the last)."""
     kill_every_s: float = 0.0
@@ -73,7 +75,7 @@ class DPConfig(WorkloadConfig):
     out: Path | None = None
 
     def __post_init__(self) -> None:
-        for name in ("workers", "steps", "batch_size", "threads_per_worker", "checkpoint_every_steps"):
+        for name in ("workers", "steps", "threads_per_worker", "checkpoint_every_steps"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
@@ -135,7 +137,7 @@ def dp_metrics(attempts: list[Attempt], workers: int, buffer_bytes: int, tokens_
     - **bytes**: a ring all-reduce of the gradient buffer per finished step
       (``ring_allreduce_bytes``); ``bytes_per_1k_tokens`` = 1000 x bytes sent / tokens
       computed, both counting rolled-back steps, which makes it the protocol's cost
-      2(M-1) x buffer / (M x batch x context), the same with or without faults.
+      2(M-1) x buffer / (M x tokens per batch), the same with or without faults.
     """
     from diloco.local import uptime
 
@@ -274,6 +276,9 @@ class Supervisor:
             codes = [p.poll() for p in self.procs]
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
+                broken = [rank for rank, code in failed if code == TASK_ERROR_EXIT]
+                if broken:  # the task itself failed: a restart would fail the same way
+                    raise TaskError(task_error(self.dir / "logs" / f"worker{broken[0]}.log"))
                 rank, code = failed[0]
                 self.events.write(kind="failure", attempt=attempt.number, rank=rank, code=code, t=now)
                 if not killed_here and not attempt.steps:
@@ -329,19 +334,21 @@ def run_dp(cfg: DPConfig, show_progress: bool = True) -> dict:
     import torch
     from torch.distributed import TCPStore
 
-    from diloco.local import _eval_bpb
-    from diloco.model import GPT
+    from diloco.local import eval_task, supervisor_task, tokens_per_step
 
     run_dir = cfg.out or Path("runs") / time.strftime("dp-%Y%m%d-%H%M%S")
     if (run_dir / "checkpoint.pt").exists() or (run_dir / "summary.json").exists():
         raise InvalidArgument(f"{run_dir} already holds a run; give a new --out directory")
+    task = supervisor_task(cfg.run, cfg.workers)  # a broken task fails here, before the run directory
+    step_tokens = cfg.workers * tokens_per_step(cfg.run, task)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, out=run_dir)
     (run_dir / "config.json").write_text(cfg.to_json())
-    eval_start = _eval_bpb(cfg.run, None)
-    numel = sum(p.numel() for p in GPT(cfg.run.model, init=False).parameters())
-    buffer_bytes = (numel + 1) * 4  # fp32 gradients plus the loss, one buffer per step
-    tokens_per_step = cfg.workers * cfg.batch_size * cfg.run.model.context
+    eval_start = eval_task(cfg.run, task)
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    # The gradients plus the loss, one buffer per step (fp32 for the byte GPT).
+    buffer_bytes = (numel + 1) * params[0].element_size()
 
     # The rendezvous store lives here, like torchrun's agent's: it outlives every worker.
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -360,11 +367,12 @@ def run_dp(cfg: DPConfig, show_progress: bool = True) -> dict:
     wall_s = time.monotonic() - started
 
     state = torch.load(run_dir / "model.pt", weights_only=True)
-    eval_final = _eval_bpb(cfg.run, state)
-    metrics = dp_metrics(supervisor.attempts, cfg.workers, buffer_bytes, tokens_per_step)
+    eval_final = eval_task(cfg.run, task, state)
+    metrics = dp_metrics(supervisor.attempts, cfg.workers, buffer_bytes, step_tokens)
     result = summary(
         wall_s=wall_s,
-        tokens=cfg.steps * tokens_per_step,
+        tokens=cfg.steps * step_tokens,
+        eval_unit=task.eval_unit,
         eval_loss_start=eval_start,
         eval_loss_final=eval_final,
         goodput=metrics["goodput"],

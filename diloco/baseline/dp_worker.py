@@ -1,10 +1,12 @@
 """One data-parallel worker process (started by ``diloco.baseline.dp.Supervisor``).
 
-It loads the last checkpoint if there is one, joins the gloo group through the
-supervisor's store, and trains in lock step: forward and backward on its own batch, one
-all-reduce of a single flat buffer holding every gradient (the parameters' ``.grad`` are
-views into it, as DDP's bucket views are) plus the loss, clip, AdamW step. Rank 0 writes
-the timeline and the checkpoints.
+It builds the run's task as learner L<rank> would (``common.worker_task``), loads the
+last checkpoint if there is one (and skips the batches trained before it), joins the gloo
+group through the supervisor's store, and trains in lock step: the task's loss and
+backward on its own batch, one all-reduce of a single flat buffer holding every gradient
+(the parameters' ``.grad`` are views into it, as DDP's bucket views are) plus the loss,
+clip, inner optimizer step. A fresh start takes rank 0's initial parameters, as DDP does.
+Rank 0 writes the timeline and the checkpoints.
 
 Usage: ``python -m diloco.baseline.dp_worker --run-dir DIR --rank R --attempt A --store-port P``
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import math
 import os
 import sys
 import time
@@ -23,12 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from diloco.baseline.common import JsonlWriter
+from diloco.baseline.common import (
+    TASK_ERROR_EXIT, TASK_ERROR_PREFIX, JsonlWriter, advance_schedule, grad_dtype, next_batch, skip_batches,
+)
 from diloco.baseline.dp import DPConfig
-from diloco.model import GPT
 from diloco.snapshots import atomic_write
-from learner.core.schedule import inner_lr
-from learner.data import load_corpus
+from diloco.task import TaskError, checked_loss, checked_tokens
+from learner.runner import inner_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,17 @@ def _group(store_port: int, attempt: int, rank: int, world: int, timeout_s: floa
     return dist.ProcessGroupGloo(dist.PrefixStore(f"attempt-{attempt}", store), rank, world, options)
 
 
+@torch.no_grad()
+def _broadcast_model(group: dist.ProcessGroupGloo, model: torch.nn.Module) -> None:
+    """Every worker starts from rank 0's model, as DDP broadcasts it: a task whose
+    initialisation is not fixed by the seed still trains one model."""
+    for tensor in model.state_dict().values():
+        wire = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor.contiguous()
+        group.broadcast(wire, 0).wait()
+        if wire is not tensor:
+            tensor.copy_(wire)
+
+
 def _save(path: Path, value: object) -> None:
     buffer = io.BytesIO()
     torch.save(value, buffer)
@@ -52,19 +67,19 @@ def _save(path: Path, value: object) -> None:
 
 def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
     cfg = DPConfig.from_json((run_dir / "config.json").read_text())
-    inner = cfg.inner(rank)
+    inner = cfg.inner()
+    spec = cfg.run.task
     torch.set_num_threads(cfg.threads_per_worker)
-    torch.manual_seed(inner.seed)
-    model = GPT(cfg.run.model)
+    task = cfg.task(rank)
+    model = task.model
     params = [p for p in model.parameters() if p.requires_grad]
     # One buffer for every gradient and the loss: the step's single all-reduce.
-    flat = torch.zeros(sum(p.numel() for p in params) + 1)
+    flat = torch.zeros(sum(p.numel() for p in params) + 1, dtype=grad_dtype(spec, params))
     offset = 0
     for p in params:
         p.grad = flat[offset: offset + p.numel()].view_as(p)
         offset += p.numel()
-    optimizer = torch.optim.AdamW(params, lr=inner.lr, weight_decay=inner.weight_decay)
-    corpus = load_corpus(None, inner.data_shard, inner.data_shards)
+    optimizer, schedule = inner_optimizer(task, inner)
     start = 0
     checkpoint = run_dir / "checkpoint.pt"
     if checkpoint.exists():
@@ -72,39 +87,44 @@ def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
+        advance_schedule(schedule, start)
+    batches = skip_batches(spec, task.batches, start)
     group = _group(store_port, attempt, rank, cfg.workers, cfg.collective_timeout_s)
+    if start == 0:
+        _broadcast_model(group, model)
     group.barrier().wait()  # every worker loaded and connected: training starts now
     timeline = JsonlWriter(run_dir / "timeline" / f"attempt-{attempt}.jsonl") if rank == 0 else None
     if timeline is not None:
         timeline.write(kind="ready", step=start, t=time.time())
     logger.info("worker %d attempt %d training from step %d", rank, attempt, start)
     slow = cfg.slow_factor(rank)
-    context = cfg.run.model.context
     supervisor = os.getppid()
     for step in range(start, cfg.steps):
         if os.getppid() != supervisor:
             raise SystemExit(f"worker {rank}: the supervisor is gone; stopping")
         t0 = time.time()
-        lr = inner_lr(step, inner.lr, inner.warmup_steps, inner.steps, inner.min_lr_ratio)
-        for group_ in optimizer.param_groups:
-            group_["lr"] = lr
-        x, y = corpus.train.batch(step, inner.batch_size, context, inner.seed)
+        batch = next_batch(spec, batches, step, cfg.steps)
         optimizer.zero_grad(set_to_none=False)  # zeroes the views in place
-        _, loss = model(x, y)
+        loss = checked_loss(spec, task.loss(model, batch))
         loss.backward()
+        tokens = checked_tokens(spec, task.tokens(batch))
         if slow > 1.0:
             time.sleep((slow - 1.0) * (time.time() - t0))  # a simulated slower accelerator
         flat[-1] = loss.detach()
         group.allreduce([flat]).wait()
         flat.div_(cfg.workers)
+        mean_loss = float(flat[-1])
+        if not math.isfinite(mean_loss):
+            raise TaskError(f"task {spec!r}: the loss is {mean_loss} at step {step}")
         if inner.grad_clip:
             torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
         optimizer.step()
+        schedule.step()
         t1 = time.time()
         done = step + 1
         if timeline is None:
             continue
-        timeline.write(kind="step", step=done, t0=t0, t1=t1, loss=round(float(flat[-1]), 5))
+        timeline.write(kind="step", step=done, t0=t0, t1=t1, loss=round(mean_loss, 5), tokens=tokens)
         if done % cfg.checkpoint_every_steps == 0 or done == cfg.steps:
             c0 = time.time()
             _save(checkpoint, {"step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
@@ -124,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-port", type=int, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    train(args.run_dir, args.rank, args.attempt, args.store_port)
+    try:
+        train(args.run_dir, args.rank, args.attempt, args.store_port)
+    except TaskError as error:  # the task is broken: a restart would fail the same way
+        logger.error("%s%s", TASK_ERROR_PREFIX, error)
+        return TASK_ERROR_EXIT
     return 0
 
 

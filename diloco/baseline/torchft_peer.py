@@ -2,9 +2,11 @@
 closest published peer (torchft 0.2.0, CPU, gloo, its Lighthouse on 127.0.0.1). torchft is
 an optional extra (``pip install 'diloco[peers]'``); without it the command says so.
 
-M replicas (one process each, ``diloco.baseline.torchft_replica``) train with the
-learners' inner loop; torchft syncs one fragment every H/P steps by a fault-tolerant
-all-reduce of its pseudo-gradient among the replicas in the current quorum, then applies
+M replicas (one process each, ``diloco.baseline.torchft_replica``) train the run's task
+(replica i builds it as learner Li does; the task must initialise its model from the
+seed, as replicas do not sync before their first step) with the learners' inner loop;
+torchft syncs one fragment every H/P steps by a fault-tolerant all-reduce of its
+pseudo-gradient among the replicas in the current quorum, then applies
 the outer optimizer (the defaults are diloco local's: lr 1.0, no momentum, i.e. the
 average). Unlike Decoupled DiLoCo every sync is a barrier: a replica blocks until the
 quorum forms and the all-reduce completes, so a slow or dead replica delays the others.
@@ -31,11 +33,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from diloco.baseline.common import (
-    PERIOD_SLACK, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median, spawn, summary,
+    PERIOD_SLACK, TASK_ERROR_EXIT, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median,
+    spawn, summary, task_error,
 )
 from diloco.config import RunConfig
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.snapshots import atomic_write_json
+from diloco.task import TaskError
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +54,11 @@ def torchft_available() -> bool:
 @dataclass(frozen=True)
 class TorchftConfig(WorkloadConfig):
     run: RunConfig = field(default_factory=lambda: RunConfig(reply_rule="mix"))
-    """Model, fragments P, sync period H, overlap tau and merge alpha, as diloco local."""
+    """Task, seed, fragments P, sync period H, overlap tau and merge alpha, as diloco local."""
     workers: int = 3
     """M: replicas (replica groups of one process)."""
     steps: int = 150
     """Inner steps per replica slot (a replacement continues the dead one's budget)."""
-    batch_size: int = 16
     kill_every_s: float = 0.0
     """Mean seconds between SIGKILLs of a random replica (exponential gaps); 0: none."""
     kill_at_steps: tuple[int, ...] = ()
@@ -79,7 +82,7 @@ class TorchftConfig(WorkloadConfig):
     out: Path | None = None
 
     def __post_init__(self) -> None:
-        for name in ("workers", "steps", "batch_size", "threads_per_worker"):
+        for name in ("workers", "steps", "threads_per_worker"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
@@ -251,6 +254,8 @@ class Supervisor:
                     slot.done = True
                     continue
                 self.events.write(kind="failure", replica=slot.index, attempt=slot.attempt, code=code, t=now)
+                if code == TASK_ERROR_EXIT:  # the task itself failed: a restart would fail the same way
+                    raise TaskError(task_error(self.dir / "logs" / f"replica{slot.index}.log"))
                 if not slot.killed and not any(r["kind"] == "step" for r in slot.records[-1]):
                     raise Unavailable(f"replica {slot.index} exited with code {code} before training; "
                                       f"see {self.dir / 'logs' / f'replica{slot.index}.log'}")
@@ -351,16 +356,17 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     import torch
     from torch.distributed import TCPStore
 
-    from diloco.local import _eval_bpb
+    from diloco.local import eval_task, supervisor_task, tokens_per_step
 
     run_dir = cfg.out or Path("runs") / time.strftime("torchft-%Y%m%d-%H%M%S")
     if (run_dir / "summary.json").exists() or (run_dir / "events.jsonl").exists():
         raise InvalidArgument(f"{run_dir} already holds a run; give a new --out directory")
+    task = supervisor_task(cfg.run, cfg.workers)  # a broken task fails here, before the run directory
+    step_tokens = tokens_per_step(cfg.run, task)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, out=run_dir)
     (run_dir / "config.json").write_text(cfg.to_json())
-    eval_start = _eval_bpb(cfg.run, None)
-    tokens_per_step = cfg.batch_size * cfg.run.model.context
+    eval_start = eval_task(cfg.run, task)
 
     started = time.monotonic()
     lighthouse = spawn(REPLICA_MODULE, ["lighthouse", "--run-dir", str(run_dir)], run_dir / "logs" / "lighthouse.log")
@@ -388,14 +394,15 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     newest = max(finals)[1]
     state = torch.load(newest, weights_only=True)
     torch.save(state, run_dir / "model.pt")
-    eval_final = _eval_bpb(cfg.run, state)
+    eval_final = eval_task(cfg.run, task, state)
     timelines = [records for slot in supervisor.slots for records in slot.records]
-    metrics = ft_metrics(timelines, cfg.fragments, cfg.run.sync_every_steps, tokens_per_step)
+    metrics = ft_metrics(timelines, cfg.fragments, cfg.run.sync_every_steps, step_tokens)
     window = metrics["window_s"]
     goodput = metrics["useful_worker_s"] / (cfg.workers * window) if window > 0 else 0.0
     result = summary(
         wall_s=wall_s,
         tokens=metrics["tokens_computed"],
+        eval_unit=task.eval_unit,
         eval_loss_start=eval_start,
         eval_loss_final=eval_final,
         goodput=goodput,

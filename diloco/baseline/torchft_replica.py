@@ -3,9 +3,10 @@
 
 A replica is one replica group of one process: its own TCPStore, a torchft ``Manager``
 (gloo, CPU) that asks the Lighthouse for a quorum, and torchft's Streaming DiLoCo
-(``torchft.local_sgd.DiLoCo``) wrapped around the learners' inner loop: the same model,
-AdamW, schedule, clipping and data shard as learner L<id> of ``diloco local``. The model
-is cut into P fragments of whole tensors (torchft syncs ``nn.Module`` fragments); one
+(``torchft.local_sgd.DiLoCo``) wrapped around the learners' inner loop: the run's task
+built as learner L<id> of ``diloco local`` builds it (model, share of the data, loss) with
+the same inner optimizer, schedule and clipping. The model is cut into P fragments of
+whole tensors (torchft syncs ``nn.Module`` fragments); one
 fragment is all-reduced every H/P inner steps, so each is synced every H steps, with
 ``fragment_sync_delay`` = tau steps of overlap (capped below H/P, as torchft requires).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import math
 import os
 import sys
 import time
@@ -29,12 +31,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diloco.baseline.common import JsonlWriter, ring_allreduce_bytes
+from diloco.baseline.common import (
+    TASK_ERROR_EXIT, TASK_ERROR_PREFIX, JsonlWriter, advance_schedule, next_batch, ring_allreduce_bytes, skip_batches,
+)
 from diloco.baseline.torchft_peer import TorchftConfig
-from diloco.model import GPT
 from diloco.snapshots import atomic_write, atomic_write_json
-from learner.core.schedule import inner_lr
-from learner.data import load_corpus
+from diloco.task import TaskError, checked_loss, checked_tokens
+from learner.runner import inner_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -81,19 +84,21 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
     from torchft.process_group import ProcessGroupGloo
 
     cfg = TorchftConfig.from_json((run_dir / "config.json").read_text())
-    inner = cfg.inner(index)
+    inner = cfg.inner()
+    spec = cfg.run.task
     torch.set_num_threads(cfg.threads_per_worker)
-    torch.manual_seed(inner.seed)
-    model = GPT(cfg.run.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
-    corpus = load_corpus(None, inner.data_shard, inner.data_shards)
+    task = cfg.task(index)
+    model = task.model
+    optimizer, schedule = inner_optimizer(task, inner)
+    advance_schedule(schedule, start_step)  # a replacement continues the dead one's budget
+    batches = skip_batches(spec, task.batches, start_step)
     fragments = fragment_modules(model, cfg.fragments)
     outer = [
         torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
         for f in fragments
     ]
     timeline = JsonlWriter(run_dir / "timeline" / f"replica{index}-attempt{attempt}.jsonl")
-    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -120,7 +125,7 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
     diloco = DiLoCo(manager, fragments, optimizer, outer, sync_every=cfg.run.sync_every_steps,
                     backup_device=torch.device("cpu"), pin_memory=False, fragment_sync_delay=fragment_delay,
                     fragment_update_alpha=cfg.run.merge_alpha)
-    fragment_bytes = [sum(p.numel() * 4 for p in f.parameters()) for f in fragments]
+    fragment_bytes = [sum(p.numel() * p.element_size() for p in f.parameters()) for f in fragments]
     for p, frag in enumerate(diloco._fragments):  # noqa: SLF001 - observe each sync and its outcome
         frag.prepare_sync = _observed_prepare(frag.prepare_sync, p, timeline)
         frag.perform_sync = _observed(frag.perform_sync, p, manager, fragment_bytes[p], timeline)
@@ -133,26 +138,27 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
         supervisor.wait(["go"])
     timeline.write(kind="ready", t=time.time(), step=start_step, attempt=attempt, fragment_delay=fragment_delay)
     slow = cfg.slow_factor(index)
-    context = cfg.run.model.context
     parent = os.getppid()
     with diloco:
         for step in range(start_step, cfg.steps):
             if os.getppid() != parent:
                 raise SystemExit(f"replica {index}: the supervisor is gone; stopping")
             t0 = time.time()
-            lr = inner_lr(step, inner.lr, inner.warmup_steps, inner.steps, inner.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x, y = corpus.train.batch(step, inner.batch_size, context, inner.seed)
-            _, loss = model(x, y)
+            batch = next_batch(spec, batches, step, cfg.steps)
+            loss = checked_loss(spec, task.loss(model, batch))
             optimizer.zero_grad()
             loss.backward()
+            tokens = checked_tokens(spec, task.tokens(batch))
+            value = loss.item()
+            if not math.isfinite(value):
+                raise TaskError(f"task {spec!r}: the loss is {value} at inner step {step}")
             if slow > 1.0:
                 time.sleep((slow - 1.0) * (time.time() - t0))  # a simulated slower accelerator
             if inner.grad_clip:
                 nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
             optimizer.step()  # torchft's hooks prepare / perform the due fragment sync here
-            timeline.write(kind="step", step=step + 1, t0=t0, t1=time.time(), loss=round(loss.item(), 5))
+            schedule.step()
+            timeline.write(kind="step", step=step + 1, t0=t0, t1=time.time(), loss=round(value, 5), tokens=tokens)
     final = model.state_dict()
     names = {id(p): name for name, p in model.named_parameters()}
     for frag_module, frag in zip(fragments, diloco._fragments):  # noqa: SLF001 - the global copies
@@ -203,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.role == "lighthouse":
         lighthouse(args.run_dir)
-    else:
+        return 0
+    try:
         replica(args.run_dir, args.replica, args.attempt, args.lighthouse, args.store_port, args.start_step)
+    except TaskError as error:  # the task is broken: a restart would fail the same way
+        logger.error("%s%s", TASK_ERROR_PREFIX, error)
+        return TASK_ERROR_EXIT
     return 0
 
 

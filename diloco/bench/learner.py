@@ -36,9 +36,15 @@ from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from learner.config import LearnerConfig
-from learner.worker import Learner
+from learner.membership import Membership
+from learner.runner import run_task
 
 _SECRET = "bench-secret"
+
+
+def _train(run: RunConfig, cfg: LearnerConfig, address: str, sync: bool = True):
+    member = Membership("L0", auth.sign(_SECRET, "L0"), run, {0: address}, 0.0)
+    return run_task(member, cfg, sync=sync)
 
 
 def _start_shard(tmp: Path, run: RunConfig) -> tuple[subprocess.Popen, str]:
@@ -66,9 +72,8 @@ def _traced_learner(run_json: str, cfg: LearnerConfig, address: str, env: dict[s
     torch.set_num_threads(threads)
     handle = telemetry.start("learner", env, learner_id="L0")
     try:
-        learner = Learner(RunConfig.from_json(run_json), cfg, "L0", auth.sign(_SECRET, "L0"), {0: address})
         cpu_started = time.process_time()
-        summary = learner.train()
+        summary = _train(RunConfig.from_json(run_json), cfg, address).summary
         cpu_s = time.process_time() - cpu_started
     finally:
         handle.shutdown(timeout_s=10)
@@ -133,8 +138,8 @@ def run(steps: int = 120, overlap_steps: int = 2, threads: int | None = None, tr
     threads = threads or max((os.cpu_count() or 2) - 1, 1)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    run_cfg = RunConfig(overlap_steps=overlap_steps)
-    cfg = LearnerConfig(steps=steps, eval_every_steps=10**9, eval_batches=1, warmup_steps=10)
+    run_cfg = RunConfig(overlap_steps=overlap_steps, task_options={"eval_batches": "1"})
+    cfg = LearnerConfig(steps=steps, eval_every_steps=10**9, warmup_steps=10)
     with tempfile.TemporaryDirectory() as tmp:
         shard, address = _start_shard(Path(tmp), run_cfg)
         try:
@@ -143,8 +148,8 @@ def run(steps: int = 120, overlap_steps: int = 2, threads: int | None = None, tr
                 return {**traced, "steps": steps, "overlap_steps": overlap_steps, "threads": threads}
             results = {True: [], False: []}
             for sync in (False, True, False, True):
-                learner = Learner(run_cfg, cfg, "L0", auth.sign(_SECRET, "L0"), {0: address}, sync=sync)
-                results[sync].append(learner.train())
+                learner = _train(run_cfg, cfg, address, sync=sync)
+                results[sync].append(learner.summary)
         finally:
             shard.terminate()
             shard.wait(timeout=30)

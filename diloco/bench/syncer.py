@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from diloco.errors import InvalidArgument
+from diloco.manifest import Entry, Manifest
 
 _TCP_TOTAL = 1 << 30
 _TCP_WRITE = 4 << 20
@@ -83,12 +84,11 @@ def _client(index: int, address: str, secret: str, params: int, rounds: int, bar
     from diloco import auth
     from diloco.clock import VectorClock
     from diloco.codec import encode, frame
-    from diloco.config import RunConfig
     from syncer.client import SyncerClient, open_channel
     from syncer.core.shard import PushMeta
 
     name = f"L{index}"
-    plan = RunConfig(synthetic_params=params, fragments=1).plan()
+    plan = synthetic(params).plan(1)
     g = torch.Generator().manual_seed(index)
     encoded = [encode(p.name, torch.randn(p.shape, generator=g) * 1e-3) for p in plan.fragments[0].pieces]
     chunks = list(frame([e.payload for e in encoded]))
@@ -141,9 +141,8 @@ def _noop_client(index: int, port: int, params: int, rounds: int, barrier, warm,
     import grpc
 
     from diloco.codec import encode, frame
-    from diloco.config import RunConfig
 
-    plan = RunConfig(synthetic_params=params, fragments=1).plan()
+    plan = synthetic(params).plan(1)
     g = torch.Generator().manual_seed(index)
     chunks = list(frame([encode(p.name, torch.randn(p.shape, generator=g) * 1e-3).payload for p in plan.fragments[0].pieces]))
 
@@ -219,14 +218,11 @@ def _peak_rss_bytes(pid: int) -> int:
 def _merge_and_memcpy_ms(params: int, learners: int) -> tuple[float, float]:
     from diloco.clock import VectorClock
     from diloco.codec import encode
-    from diloco.config import RunConfig
     from syncer.config import RoundConfig, SyncerConfig
     from syncer.core.shard import PushMeta, ShardCore, compute_round, inspect_payload
 
-    run = RunConfig(synthetic_params=params, fragments=1)
-    plan = run.plan()
-    state = run.initial_state()
-    core = ShardCore(SyncerConfig(rounds=RoundConfig(grace_mode="off")), plan, {0: plan.gather(0, state)})
+    plan = synthetic(params).plan(1)
+    core = ShardCore(SyncerConfig(rounds=RoundConfig(grace_mode="off")), plan, {0: synthetic_values(plan)})
     core.set_membership({f"L{i}" for i in range(learners)}, set())
     pieces = plan.fragments[0].pieces
     g = torch.Generator().manual_seed(0)
@@ -258,6 +254,37 @@ def _merge_and_memcpy_ms(params: int, learners: int) -> tuple[float, float]:
     return best_merge * 1e3, best_copy * 1e3
 
 
+_SYNTHETIC_ROW = 1024
+
+
+def synthetic(params: int) -> Manifest:
+    """The benchmark's model: one fp32 tensor of ``params`` parameters."""
+    return Manifest((Entry("synthetic.weight", (params // _SYNTHETIC_ROW, _SYNTHETIC_ROW), "float32", "parameter"),))
+
+
+def synthetic_values(plan) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(p.shape, generator=g) * 0.02 for p in plan.fragments[0].pieces]
+
+
+def _initialize(address: str, secret: str, params: int) -> None:
+    """Give the benchmark shard its starting values, as the first learner of a run does."""
+    from diloco import auth
+    from diloco.codec import encode
+    from syncer.client import SyncerClient, open_channel
+
+    manifest = synthetic(params)
+    plan = manifest.plan(1)
+    encoded = [encode(p.name, t, encoding="fp32") for p, t in zip(plan.fragments[0].pieces, synthetic_values(plan))]
+
+    async def main():
+        async with open_channel(address) as channel:
+            await SyncerClient(channel, "L0", auth.sign(secret, "L0"), timeout_s=120).initialize(
+                0, manifest.to_json(), plan.plan_hash, encoded)
+
+    asyncio.run(main())
+
+
 def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> dict:
     if params <= 0 or params % 1024 or learners <= 0 or rounds <= 0:
         raise InvalidArgument("params must be a positive multiple of 1024; learners and rounds positive")
@@ -270,7 +297,7 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> d
         port_file, secret_file = Path(tmp) / "port", Path(tmp) / "secret"
         secret_file.write_text(secret)
         shard = subprocess.Popen(
-            [sys.executable, "-m", "diloco.cli", "syncer", "--synthetic-params", str(params), "--fragments", "1",
+            [sys.executable, "-m", "diloco.cli", "syncer", "--fragments", "1",
              "--learners", ",".join(f"L{i}" for i in range(learners)), "--grace", "off",
              "--port-file", str(port_file), "--secret-file", str(secret_file)],
             stdout=subprocess.DEVNULL,
@@ -282,6 +309,7 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> d
                     raise InvalidArgument("the benchmark shard did not start")
                 time.sleep(0.05)
             address = port_file.read_text().strip()
+            _initialize(address, secret, params)
             cpu: list[float] = []
             timings = _run_clients(
                 mp.get_context("spawn"), _client, (address, secret, params, rounds), learners,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64iloco/v1/common.proto\x12\tdiloco.v1\"s\n\x0bVectorClock\x12\x34\n\x07\x65ntries\x18\x01 \x03(\x0b\x32#.diloco.v1.VectorClock.EntriesEntry\x1a.\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb1\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12%\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x13.diloco.v1.Encoding\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bscale_dtype\x18\x06 \x01(\t\x12\x13\n\x0b\x62yte_length\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"^\n\x05Piece\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x11\n\trow_start\x18\x02 \x01(\x03\x12\x10\n\x08row_stop\x18\x03 \x01(\x03\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x11\n\tembedding\x18\x05 \x01(\x08\"J\n\x08\x46ragment\x12\n\n\x02id\x18\x01 \x01(\r\x12 \n\x06pieces\x18\x02 \x03(\x0b\x32\x10.diloco.v1.Piece\x12\x10\n\x08shard_id\x18\x03 \x01(\r\"I\n\x0c\x46ragmentPlan\x12&\n\tfragments\x18\x01 \x03(\x0b\x32\x13.diloco.v1.Fragment\x12\x11\n\tplan_hash\x18\x02 \x01(\t\"A\n\tShardInfo\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tfragments\x18\x03 \x03(\r\"\xc5\x01\n\x08Topology\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.diloco.v1.FragmentPlan\x12$\n\x06shards\x18\x02 \x03(\x0b\x32\x14.diloco.v1.ShardInfo\x12\x18\n\x10sync_every_steps\x18\x03 \x01(\r\x12\x15\n\roverlap_steps\x18\x04 \x01(\r\x12\x13\n\x0bmerge_alpha\x18\x05 \x01(\x02\x12\x17\n\x0frun_config_json\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\"\xda\x01\n\x0bLearnerInfo\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.diloco.v1.LearnerState\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x13\n\x0binner_steps\x18\x07 \x01(\x04\x12\x13\n\x0bversion_lag\x18\x08 \x01(\x04\x12\x16\n\x0ejoined_unix_ms\x18\t \x01(\x03\"@\n\x0cSnapshotFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t*J\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x11\n\rENCODING_FP32\x10\x01\x12\x11\n\rENCODING_INT4\x10\x02*\xb0\x01\n\x0cLearnerState\x12\x1d\n\x19LEARNER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LEARNER_STATE_JOINING\x10\x01\x12\x18\n\x14LEARNER_STATE_ACTIVE\x10\x02\x12\x1a\n\x16LEARNER_STATE_DRAINING\x10\x03\x12\x18\n\x14LEARNER_STATE_FAILED\x10\x04\x12\x16\n\x12LEARNER_STATE_LEFT\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64iloco/v1/common.proto\x12\tdiloco.v1\"s\n\x0bVectorClock\x12\x34\n\x07\x65ntries\x18\x01 \x03(\x0b\x32#.diloco.v1.VectorClock.EntriesEntry\x1a.\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb1\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12%\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x13.diloco.v1.Encoding\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bscale_dtype\x18\x06 \x01(\t\x12\x13\n\x0b\x62yte_length\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"n\n\x05Piece\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x11\n\trow_start\x18\x02 \x01(\x03\x12\x10\n\x08row_stop\x18\x03 \x01(\x03\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x11\n\tembedding\x18\x05 \x01(\x08\x12\x0e\n\x06\x62uffer\x18\x06 \x01(\x08\"J\n\x08\x46ragment\x12\n\n\x02id\x18\x01 \x01(\r\x12 \n\x06pieces\x18\x02 \x03(\x0b\x32\x10.diloco.v1.Piece\x12\x10\n\x08shard_id\x18\x03 \x01(\r\"I\n\x0c\x46ragmentPlan\x12&\n\tfragments\x18\x01 \x03(\x0b\x32\x13.diloco.v1.Fragment\x12\x11\n\tplan_hash\x18\x02 \x01(\t\"A\n\tShardInfo\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tfragments\x18\x03 \x03(\r\"\xdc\x01\n\x08Topology\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.diloco.v1.FragmentPlan\x12$\n\x06shards\x18\x02 \x03(\x0b\x32\x14.diloco.v1.ShardInfo\x12\x18\n\x10sync_every_steps\x18\x03 \x01(\r\x12\x15\n\roverlap_steps\x18\x04 \x01(\r\x12\x13\n\x0bmerge_alpha\x18\x05 \x01(\x02\x12\x17\n\x0frun_config_json\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x15\n\rmanifest_json\x18\x08 \x01(\t\"\xda\x01\n\x0bLearnerInfo\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.diloco.v1.LearnerState\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x13\n\x0binner_steps\x18\x07 \x01(\x04\x12\x13\n\x0bversion_lag\x18\x08 \x01(\x04\x12\x16\n\x0ejoined_unix_ms\x18\t \x01(\x03\"@\n\x0cSnapshotFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t*J\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x11\n\rENCODING_FP32\x10\x01\x12\x11\n\rENCODING_INT4\x10\x02*\xb0\x01\n\x0cLearnerState\x12\x1d\n\x19LEARNER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LEARNER_STATE_JOINING\x10\x01\x12\x18\n\x14LEARNER_STATE_ACTIVE\x10\x02\x12\x1a\n\x16LEARNER_STATE_DRAINING\x10\x03\x12\x18\n\x14LEARNER_STATE_FAILED\x10\x04\x12\x16\n\x12LEARNER_STATE_LEFT\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VECTORCLOCK_ENTRIESENTRY']._loaded_options = None
   _globals['_VECTORCLOCK_ENTRIESENTRY']._serialized_options = b'8\001'
-  _globals['_ENCODING']._serialized_start=1158
-  _globals['_ENCODING']._serialized_end=1232
-  _globals['_LEARNERSTATE']._serialized_start=1235
-  _globals['_LEARNERSTATE']._serialized_end=1411
+  _globals['_ENCODING']._serialized_start=1197
+  _globals['_ENCODING']._serialized_end=1271
+  _globals['_LEARNERSTATE']._serialized_start=1274
+  _globals['_LEARNERSTATE']._serialized_end=1450
   _globals['_VECTORCLOCK']._serialized_start=37
   _globals['_VECTORCLOCK']._serialized_end=152
   _globals['_VECTORCLOCK_ENTRIESENTRY']._serialized_start=106
@@ -46,17 +46,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=334
   _globals['_CHUNK']._serialized_end=355
   _globals['_PIECE']._serialized_start=357
-  _globals['_PIECE']._serialized_end=451
-  _globals['_FRAGMENT']._serialized_start=453
-  _globals['_FRAGMENT']._serialized_end=527
-  _globals['_FRAGMENTPLAN']._serialized_start=529
-  _globals['_FRAGMENTPLAN']._serialized_end=602
-  _globals['_SHARDINFO']._serialized_start=604
-  _globals['_SHARDINFO']._serialized_end=669
-  _globals['_TOPOLOGY']._serialized_start=672
-  _globals['_TOPOLOGY']._serialized_end=869
-  _globals['_LEARNERINFO']._serialized_start=872
-  _globals['_LEARNERINFO']._serialized_end=1090
-  _globals['_SNAPSHOTFILE']._serialized_start=1092
-  _globals['_SNAPSHOTFILE']._serialized_end=1156
+  _globals['_PIECE']._serialized_end=467
+  _globals['_FRAGMENT']._serialized_start=469
+  _globals['_FRAGMENT']._serialized_end=543
+  _globals['_FRAGMENTPLAN']._serialized_start=545
+  _globals['_FRAGMENTPLAN']._serialized_end=618
+  _globals['_SHARDINFO']._serialized_start=620
+  _globals['_SHARDINFO']._serialized_end=685
+  _globals['_TOPOLOGY']._serialized_start=688
+  _globals['_TOPOLOGY']._serialized_end=908
+  _globals['_LEARNERINFO']._serialized_start=911
+  _globals['_LEARNERINFO']._serialized_end=1129
+  _globals['_SNAPSHOTFILE']._serialized_start=1131
+  _globals['_SNAPSHOTFILE']._serialized_end=1195
 # @@protoc_insertion_point(module_scope)

@@ -71,18 +71,20 @@ class Chunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class Piece(_message.Message):
-    __slots__ = ("tensor", "row_start", "row_stop", "shape", "embedding")
+    __slots__ = ("tensor", "row_start", "row_stop", "shape", "embedding", "buffer")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ROW_STOP_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     tensor: str
     row_start: int
     row_stop: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     embedding: bool
-    def __init__(self, tensor: _Optional[str] = ..., row_start: _Optional[int] = ..., row_stop: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., embedding: _Optional[bool] = ...) -> None: ...
+    buffer: bool
+    def __init__(self, tensor: _Optional[str] = ..., row_start: _Optional[int] = ..., row_stop: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., embedding: _Optional[bool] = ..., buffer: _Optional[bool] = ...) -> None: ...
 
 class Fragment(_message.Message):
     __slots__ = ("id", "pieces", "shard_id")
@@ -113,7 +115,7 @@ class ShardInfo(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., address: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("plan", "shards", "sync_every_steps", "overlap_steps", "merge_alpha", "run_config_json", "epoch")
+    __slots__ = ("plan", "shards", "sync_every_steps", "overlap_steps", "merge_alpha", "run_config_json", "epoch", "manifest_json")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class Topology(_message.Message):
     MERGE_ALPHA_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     plan: FragmentPlan
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     sync_every_steps: int
@@ -128,7 +131,8 @@ class Topology(_message.Message):
     merge_alpha: float
     run_config_json: str
     epoch: int
-    def __init__(self, plan: _Optional[_Union[FragmentPlan, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., sync_every_steps: _Optional[int] = ..., overlap_steps: _Optional[int] = ..., merge_alpha: _Optional[float] = ..., run_config_json: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    manifest_json: str
+    def __init__(self, plan: _Optional[_Union[FragmentPlan, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., sync_every_steps: _Optional[int] = ..., overlap_steps: _Optional[int] = ..., merge_alpha: _Optional[float] = ..., run_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., manifest_json: _Optional[str] = ...) -> None: ...
 
 class LearnerInfo(_message.Message):
     __slots__ = ("learner_id", "state", "pool", "address", "last_heartbeat_unix_ms", "tokens", "inner_steps", "version_lag", "joined_unix_ms")

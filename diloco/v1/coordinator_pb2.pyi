@@ -1,4 +1,5 @@
 from diloco.v1 import common_pb2 as _common_pb2
+from diloco.v1 import syncer_pb2 as _syncer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -129,6 +130,48 @@ class LeaveReply(_message.Message):
 class GetTopologyRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RegisterModelRequest(_message.Message):
+    __slots__ = ("learner_id", "manifest_json", "clock")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    manifest_json: str
+    clock: _common_pb2.VectorClock
+    def __init__(self, learner_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
+
+class RegisterModelReply(_message.Message):
+    __slots__ = ("topology", "clock")
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    topology: _common_pb2.Topology
+    clock: _common_pb2.VectorClock
+    def __init__(self, topology: _Optional[_Union[_common_pb2.Topology, _Mapping]] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
+
+class ExportModelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExportHeader(_message.Message):
+    __slots__ = ("manifest_json", "plan_hash", "fragments")
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    manifest_json: str
+    plan_hash: str
+    fragments: int
+    def __init__(self, manifest_json: _Optional[str] = ..., plan_hash: _Optional[str] = ..., fragments: _Optional[int] = ...) -> None: ...
+
+class ExportModelReply(_message.Message):
+    __slots__ = ("header", "update", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ExportHeader
+    update: _syncer_pb2.FragmentUpdate
+    chunk: _common_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[ExportHeader, _Mapping]] = ..., update: _Optional[_Union[_syncer_pb2.FragmentUpdate, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class WatchMembershipRequest(_message.Message):
     __slots__ = ("watcher", "clock")

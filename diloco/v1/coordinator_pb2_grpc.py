@@ -55,6 +55,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_common__pb2.Topology.FromString,
                 _registered_method=True)
+        self.RegisterModel = channel.unary_unary(
+                '/diloco.v1.Coordinator/RegisterModel',
+                request_serializer=diloco_dot_v1_dot_coordinator__pb2.RegisterModelRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_coordinator__pb2.RegisterModelReply.FromString,
+                _registered_method=True)
         self.WatchMembership = channel.unary_stream(
                 '/diloco.v1.Coordinator/WatchMembership',
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.WatchMembershipRequest.SerializeToString,
@@ -90,6 +95,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.ListSnapshotsRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_coordinator__pb2.ListSnapshotsReply.FromString,
                 _registered_method=True)
+        self.ExportModel = channel.unary_stream(
+                '/diloco.v1.Coordinator/ExportModel',
+                request_serializer=diloco_dot_v1_dot_coordinator__pb2.ExportModelRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_coordinator__pb2.ExportModelReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -116,6 +126,15 @@ class CoordinatorServicer:
 
     def GetTopology(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterModel(self, request, context):
+        """After Join: the learner's model manifest. The first one fixes the run's model (and so
+        its fragment plan); a learner whose model differs is refused with FAILED_PRECONDITION
+        naming the first tensor that differs.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -165,6 +184,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportModel(self, request, context):
+        """The global model as the shards hold it now: an ExportHeader, then for each fragment a
+        FragmentUpdate (kind FULL) and its Chunks, relayed from the shards' Bootstrap.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +214,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetTopology,
                     request_deserializer=diloco_dot_v1_dot_coordinator__pb2.GetTopologyRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_common__pb2.Topology.SerializeToString,
+            ),
+            'RegisterModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterModel,
+                    request_deserializer=diloco_dot_v1_dot_coordinator__pb2.RegisterModelRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_coordinator__pb2.RegisterModelReply.SerializeToString,
             ),
             'WatchMembership': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchMembership,
@@ -222,6 +254,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListSnapshots,
                     request_deserializer=diloco_dot_v1_dot_coordinator__pb2.ListSnapshotsRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_coordinator__pb2.ListSnapshotsReply.SerializeToString,
+            ),
+            'ExportModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportModel,
+                    request_deserializer=diloco_dot_v1_dot_coordinator__pb2.ExportModelRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_coordinator__pb2.ExportModelReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -332,6 +369,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/GetTopology',
             diloco_dot_v1_dot_coordinator__pb2.GetTopologyRequest.SerializeToString,
             diloco_dot_v1_dot_common__pb2.Topology.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/RegisterModel',
+            diloco_dot_v1_dot_coordinator__pb2.RegisterModelRequest.SerializeToString,
+            diloco_dot_v1_dot_coordinator__pb2.RegisterModelReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -521,6 +585,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/ListSnapshots',
             diloco_dot_v1_dot_coordinator__pb2.ListSnapshotsRequest.SerializeToString,
             diloco_dot_v1_dot_coordinator__pb2.ListSnapshotsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/diloco.v1.Coordinator/ExportModel',
+            diloco_dot_v1_dot_coordinator__pb2.ExportModelRequest.SerializeToString,
+            diloco_dot_v1_dot_coordinator__pb2.ExportModelReply.FromString,
             options,
             channel_credentials,
             insecure,

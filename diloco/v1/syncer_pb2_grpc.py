@@ -44,6 +44,11 @@ class SyncerStub:
                 request_serializer=diloco_dot_v1_dot_syncer__pb2.BootstrapRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_syncer__pb2.BootstrapReply.FromString,
                 _registered_method=True)
+        self.Initialize = channel.stream_unary(
+                '/diloco.v1.Syncer/Initialize',
+                request_serializer=diloco_dot_v1_dot_syncer__pb2.InitializeRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_syncer__pb2.InitializeReply.FromString,
+                _registered_method=True)
         self.Marker = channel.unary_unary(
                 '/diloco.v1.Syncer/Marker',
                 request_serializer=diloco_dot_v1_dot_syncer__pb2.MarkerRequest.SerializeToString,
@@ -76,6 +81,16 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Initialize(self, request_iterator, context):
+        """A shard starts holding no model. The first learner that finds a fragment empty sends
+        its own values of it (an InitializeHeader, then Chunks of fp32 payload): they become
+        version 0. A fragment that already has a value is left alone (initialized = false)
+        and the learner bootstraps it instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Marker(self, request, context):
         """Chandy-Lamport marker from the coordinator: record local state for a snapshot.
         """
@@ -101,6 +116,11 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Bootstrap,
                     request_deserializer=diloco_dot_v1_dot_syncer__pb2.BootstrapRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_syncer__pb2.BootstrapReply.SerializeToString,
+            ),
+            'Initialize': grpc.stream_unary_rpc_method_handler(
+                    servicer.Initialize,
+                    request_deserializer=diloco_dot_v1_dot_syncer__pb2.InitializeRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_syncer__pb2.InitializeReply.SerializeToString,
             ),
             'Marker': grpc.unary_unary_rpc_method_handler(
                     servicer.Marker,
@@ -167,6 +187,33 @@ class Syncer:
             '/diloco.v1.Syncer/Bootstrap',
             diloco_dot_v1_dot_syncer__pb2.BootstrapRequest.SerializeToString,
             diloco_dot_v1_dot_syncer__pb2.BootstrapReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Initialize(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/diloco.v1.Syncer/Initialize',
+            diloco_dot_v1_dot_syncer__pb2.InitializeRequest.SerializeToString,
+            diloco_dot_v1_dot_syncer__pb2.InitializeReply.FromString,
             options,
             channel_credentials,
             insecure,

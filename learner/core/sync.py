@@ -153,8 +153,11 @@ def rebase_into(params: list[torch.Tensor], values: list[torch.Tensor], sent: li
     """params <- global + (params - sent): the new global fragment plus the progress made
     since the push was taken from ``sent``. Nothing a learner trained is overwritten."""
     for p, g, s in zip(params, values, sent):
-        # g + (p - s), not p + (g - s): with no progress since the push it is g, bit for bit.
-        p.copy_(g.to(p.device, p.dtype) + (p - s.to(p.device, p.dtype)))
+        if p.dtype == torch.float32:
+            # g + (p - s), not p + (g - s): with no progress since the push it is g, bit for bit.
+            p.copy_(g.to(p.device) + (p - s.to(p.device)))
+        else:  # bf16/fp16 parameters: the sum in fp32, rounded once
+            p.copy_(g.to(p.device) + (p.float() - s.to(p.device)))
 
 
 @torch.no_grad()
@@ -162,8 +165,9 @@ def merge_into(params: list[torch.Tensor], values: list[torch.Tensor], alpha: fl
     """params <- alpha*params + (1-alpha)*global, in place on the model's own tensors.
     alpha = 0 copies the global values exactly (bit-identical to the shard)."""
     for p, g in zip(params, values):
-        g = g.to(p.device, p.dtype)
         if alpha == 0.0:
-            p.copy_(g)
-        else:
-            p.mul_(alpha).add_(g, alpha=1.0 - alpha)
+            p.copy_(g.to(p.device, p.dtype))
+        elif p.dtype == torch.float32:
+            p.mul_(alpha).add_(g.to(p.device), alpha=1.0 - alpha)
+        else:  # bf16/fp16 parameters: the mix in fp32, rounded once
+            p.copy_(p.float().mul_(alpha).add_(g.to(p.device), alpha=1.0 - alpha))

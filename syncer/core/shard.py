@@ -187,16 +187,21 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
                 return accumulate([(tensors[i], alpha) for i, alpha in terms], out, overwrite=True)
 
             norms = [p.payload.norms[index] for p in job.pushes]
-            scale = merge_piece(add, norms, job.weights, m.merge == "rda" and not piece.embedding, delta)
+            rda = m.merge == "rda" and not piece.embedding and not piece.buffer
+            scale = merge_piece(add, norms, job.weights, rda, delta)
             momentum = job.momentum[index].reshape(-1)
         else:
             # Nothing with weight arrived (every pusher failed): no step, momentum untouched.
             delta.fill(0)
             momentum = np.zeros_like(delta)
         lr = m.outer_lr * (job.participation if m.scale_by == "live" else 1.0)
+        mu = m.outer_momentum
+        if piece.buffer:
+            # Running statistics: the participants' weighted mean, never extrapolated.
+            lr, mu = 1.0, 0.0
         packed, scales = outer_step_(
             delta, momentum, job.residual[index].reshape(-1), job.params[index].reshape(-1),
-            scale, lr, m.outer_momentum, m.block_size, m.scale_dtype,
+            scale, lr, mu, m.block_size, m.scale_dtype,
         )
         encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
     return Segment(job.version, "delta", tuple(encoded))
@@ -211,13 +216,16 @@ def _owned_copy(values) -> np.ndarray:
 
 class ShardCore:
     def __init__(
-        self, cfg: SyncerConfig, plan: FragmentPlan, initial: Mapping[int, Sequence[np.ndarray]]
+        self, cfg: SyncerConfig, plan: FragmentPlan | None = None,
+        initial: Mapping[int, Sequence[np.ndarray]] | None = None, manifest_json: str = "",
     ) -> None:
-        """``initial``: each owned fragment's pieces (numpy arrays, or CPU tensors, which
-        are copied into numpy arrays: the shard's state is numpy, and torch never has to be
-        loaded in a shard process)."""
+        """``plan`` None: the shard holds no model yet, until a learner initialises it
+        (``initialize``) or a snapshot is restored. ``initial``: each owned fragment's
+        pieces (numpy arrays, or CPU tensors, which are copied into numpy arrays: the
+        shard's state is numpy, and torch never has to be loaded in a shard process)."""
         self.cfg = cfg
-        self.plan = plan
+        self.plan: FragmentPlan | None = None
+        self.manifest_json = ""
         self.process = f"S{cfg.shard_id}"
         self.clock = VectorClock()
         self.live: set[str] = set()
@@ -225,30 +233,72 @@ class ShardCore:
         self.fragments: dict[int, FragmentState] = {}
         self.pushes_received = 0
         self.rounds_closed = 0
-        for fragment in plan.owned_by(cfg.shard_id, cfg.num_shards):
-            if fragment.id not in initial:
-                raise InvalidArgument(f"no initial parameters for fragment {fragment.id}")
-            params = [_owned_copy(t) for t in initial[fragment.id]]
-            shapes = [tuple(t.shape) for t in params]
-            if shapes != [p.shape for p in fragment.pieces]:
-                raise InvalidArgument(f"initial parameters of fragment {fragment.id} have shapes {shapes}")
-            self.fragments[fragment.id] = FragmentState(
-                fragment=fragment,
-                params=params,
-                momentum=[np.zeros_like(p) for p in params],
-                residual=[np.zeros_like(p) for p in params],
-                chain=deque(maxlen=cfg.merge.update_chain_length),
-                merge_buffer=np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32),
-            )
+        if plan is not None:
+            self.adopt_plan(plan, manifest_json)
+            for fragment in self.owned:
+                if initial is None or fragment.id not in initial:
+                    raise InvalidArgument(f"no initial parameters for fragment {fragment.id}")
+                self.add_fragment(fragment.id, initial[fragment.id])
+
+    @property
+    def owned(self) -> list[Fragment]:
+        return self.plan.owned_by(self.cfg.shard_id, self.cfg.num_shards) if self.plan is not None else []
+
+    @property
+    def initialized(self) -> bool:
+        """Every fragment the shard owns has a value."""
+        return self.plan is not None and len(self.fragments) == len(self.owned)
+
+    def adopt_plan(self, plan: FragmentPlan, manifest_json: str) -> None:
+        """Fix the shard's plan (from the run's manifest); a different one is refused."""
+        if self.plan is not None:
+            if plan.plan_hash != self.plan.plan_hash:
+                raise FailedPrecondition(
+                    f"shard {self.cfg.shard_id} plans from another model (plan {self.plan.plan_hash[:12]}, "
+                    f"this one {plan.plan_hash[:12]}): every learner of a run trains the same model"
+                )
+            return
+        self.plan, self.manifest_json = plan, manifest_json
+
+    def add_fragment(self, fragment_id: int, values: Sequence[np.ndarray]) -> bool:
+        """Give an owned fragment its version-0 values; False if it already has some."""
+        if self.plan is None:
+            raise FailedPrecondition(f"shard {self.cfg.shard_id} has no fragment plan yet")
+        if not 0 <= fragment_id < self.plan.num_fragments:
+            raise InvalidArgument(f"fragment {fragment_id} is not in the plan ({self.plan.num_fragments} fragments)")
+        fragment = self.plan.fragments[fragment_id]
+        if fragment.owner(self.cfg.num_shards) != self.cfg.shard_id:
+            raise FailedPrecondition(f"fragment {fragment_id} is owned by shard {fragment.owner(self.cfg.num_shards)}")
+        if fragment_id in self.fragments:
+            return False
+        params = [_owned_copy(t) for t in values]
+        shapes = [tuple(t.shape) for t in params]
+        if shapes != [p.shape for p in fragment.pieces]:
+            raise InvalidArgument(f"initial values of fragment {fragment_id} have shapes {shapes}, the plan {[p.shape for p in fragment.pieces]}")
+        if not all(np.isfinite(t).all() for t in params):
+            raise InvalidArgument(f"initial values of fragment {fragment_id} are not all finite")
+        self.fragments[fragment_id] = FragmentState(
+            fragment=fragment,
+            params=params,
+            momentum=[np.zeros_like(p) for p in params],
+            residual=[np.zeros_like(p) for p in params],
+            chain=deque(maxlen=self.cfg.merge.update_chain_length),
+            merge_buffer=np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32),
+        )
+        return True
 
     # --- validation -------------------------------------------------------------------
 
     def state_of(self, fragment_id: int) -> FragmentState:
+        if self.plan is None:
+            raise FailedPrecondition(f"shard {self.cfg.shard_id} holds no model yet: the first learner initialises it")
         if not 0 <= fragment_id < self.plan.num_fragments:
             raise InvalidArgument(f"fragment {fragment_id} is not in the plan ({self.plan.num_fragments} fragments)")
         state = self.fragments.get(fragment_id)
         if state is None:
             owner = self.plan.fragments[fragment_id].owner(self.cfg.num_shards)
+            if owner == self.cfg.shard_id:
+                raise FailedPrecondition(f"fragment {fragment_id} has no value yet: the first learner initialises it")
             raise FailedPrecondition(f"fragment {fragment_id} is owned by shard {owner}, not shard {self.cfg.shard_id}")
         return state
 

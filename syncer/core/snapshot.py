@@ -25,6 +25,7 @@ import numpy as np
 from diloco.clock import VectorClock
 from diloco.codec import EncodedTensor, TensorSpec
 from diloco.errors import FailedPrecondition, InvalidArgument
+from diloco.manifest import Manifest
 from syncer.core.rounds import Timings
 from syncer.core.shard import DUPLICATE, Pending, PushMeta, PushPayload, Segment, ShardCore, inspect_payload
 
@@ -149,7 +150,10 @@ def capture(core: ShardCore, snapshot_id: int) -> dict:
         "snapshot_id": snapshot_id,
         "shard_id": core.cfg.shard_id,
         "num_shards": core.cfg.num_shards,
-        "plan_hash": core.plan.plan_hash,
+        # A shard that holds no model yet records just that; restored, it waits for a learner.
+        "plan_hash": core.plan.plan_hash if core.plan is not None else "",
+        "manifest": core.manifest_json,
+        "num_fragments": core.plan.num_fragments if core.plan is not None else 0,
         "clock": dict(core.clock.entries),
         "live": sorted(core.live),
         "failed": sorted(core.failed),
@@ -169,9 +173,15 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
         raise FailedPrecondition(
             f"snapshot is of shard {state['shard_id']} of {state['num_shards']}, this is shard {cfg.shard_id} of {cfg.num_shards}"
         )
-    if state["plan_hash"] != core.plan.plan_hash:
-        raise FailedPrecondition("snapshot was taken with another fragment plan: check the model flags")
     recorded = {f["id"]: f for f in state["fragments"]}
+    if core.plan is None and state["manifest"]:
+        # A shard that starts from a snapshot learns the run's model from it.
+        core.adopt_plan(Manifest.from_json(state["manifest"]).plan(int(state["num_fragments"])), state["manifest"])
+        for fragment in core.owned:
+            if fragment.id in recorded:
+                core.add_fragment(fragment.id, [np.zeros(p.shape, dtype=np.float32) for p in fragment.pieces])
+    if state["plan_hash"] != (core.plan.plan_hash if core.plan is not None else ""):
+        raise FailedPrecondition("snapshot was taken with another fragment plan: check the model flags")
     if set(recorded) != set(core.fragments):
         raise FailedPrecondition(f"snapshot holds fragments {sorted(recorded)}, this shard owns {sorted(core.fragments)}")
     for fragment_id, raw in recorded.items():

@@ -4,13 +4,14 @@ a summary, and nothing left running afterwards."""
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from diloco.baseline.common import SUMMARY_KEYS
-from diloco.model import GPT, ModelConfig
+from diloco.tasks.byte_gpt import GPT, ModelConfig
 
 pytestmark = pytest.mark.cluster
 
@@ -54,6 +55,7 @@ def dp_clean(tmp_path_factory) -> tuple[Path, dict]:
 def test_dp_trains_and_counts_tokens_and_bytes(dp_clean):
     out, summary = dp_clean
     assert list(summary) == list(SUMMARY_KEYS)
+    assert summary["eval_unit"] == "bits/byte"
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 1.0
     assert summary["tokens"] == WORKERS * STEPS * BATCH * CONTEXT
     assert (summary["restarts"], summary["steps"]) == (0, STEPS)
@@ -98,6 +100,7 @@ def test_torchft_peer_survives_a_killed_replica(tmp_path):
     summary = json.loads(proc.stdout)
     assert set(summary) == set(SUMMARY_KEYS)
     assert summary["restarts"] == 1 and summary["tokens"] == 2 * steps * BATCH * CONTEXT
+    assert summary["eval_unit"] == "bits/byte"
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 1.0
     stats = json.loads((out / "stats.json").read_text())
     # The replacement either healed from the survivor or, if that one had already finished,
@@ -105,4 +108,52 @@ def test_torchft_peer_survives_a_killed_replica(tmp_path):
     assert stats["commits"] > 0 and stats["heals"] + stats["off_model_commits"] >= 1
     assert any((out / "timeline" / f"replica{i}-attempt1.jsonl").exists() for i in range(2))
     assert 0 < summary["bytes_per_1k_tokens"] and 0 < summary["goodput"] < 1
+    assert not _processes_mentioning(str(out))
+
+
+REGRESSION_TASK = textwrap.dedent("""
+    import torch
+
+    from diloco.task import Task
+
+    def build(ctx):
+        hidden = ctx.option("hidden", 8, int)
+        torch.manual_seed(ctx.seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        truth = torch.randn(4, 1, generator=torch.Generator().manual_seed(1234))
+
+        def batches():
+            g = torch.Generator().manual_seed(1000 * ctx.seed + ctx.learner_index)
+            while True:
+                x = torch.randn(32, 4, generator=g)
+                yield x, torch.tanh(x @ truth)
+
+        def loss(model, batch):
+            x, y = batch
+            return ((model(x) - y) ** 2).mean()
+
+        held_out = torch.Generator().manual_seed(99)
+        eval_x = [torch.randn(64, 4, generator=held_out) for _ in range(2)]
+        return Task(model=model, batches=batches(), loss=loss, tokens=lambda batch: len(batch[0]),
+                    eval_batches=[(x, torch.tanh(x @ truth)) for x in eval_x],
+                    optimizer=lambda params: torch.optim.Adam(params, lr=0.03), eval_unit="mse")
+""")
+
+
+def test_dp_trains_a_custom_task_with_its_own_loss_and_unit(tmp_path):
+    task = tmp_path / "regression.py"
+    task.write_text(REGRESSION_TASK)
+    out, steps = tmp_path / "dp-mlp", 30
+    proc = _run("dp", "--workers", "2", "--steps", str(steps), "--checkpoint-every", "10", "--out", str(out),
+                "--task", f"{task}:build", "--task-option", "hidden=16", "--seed", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert list(summary) == list(SUMMARY_KEYS)
+    assert summary["eval_unit"] == "mse"
+    assert summary["eval_loss_final"] < summary["eval_loss_start"] / 2
+    assert summary["tokens"] == 2 * steps * 32 and summary["steps"] == steps and summary["restarts"] == 0
+    # The buffer is the MLP's gradients (4x16 + 16 + 16x1 + 1) plus the loss, all-reduced once a step.
+    params = 4 * 16 + 16 + 16 + 1
+    assert summary["bytes_per_1k_tokens"] == pytest.approx(1000 * 2 * (params + 1) * 4 / (2 * 32), abs=0.1)
+    assert set(torch.load(out / "model.pt", weights_only=True)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert not _processes_mentioning(str(out))

@@ -31,7 +31,7 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 0.5
     assert summary["learners_joined"] == 2 and summary["learners_failed"] == 0
     assert 0 < summary["goodput"] <= 1 and summary["rounds"] > 0
-    assert (out / "model.pt").exists() and (out / "eval_loss.png").exists()
+    assert (out / "model.safetensors").exists() and (out / "eval_loss.png").exists()
     assert oct((out / "admin-token").stat().st_mode & 0o777) == "0o600"
     endpoints = json.loads((out / "endpoints.json").read_text())
     assert {e["role"] for e in endpoints} == {"coordinator", "shard0", "shard1"}

@@ -38,7 +38,7 @@ def test_every_process_exports_and_a_sync_and_its_push_share_a_trace(tmp_path):
         env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
                "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
         env.pop("OTEL_SDK_DISABLED", None)
-        common = ["--secret-file", str(tmp_path / "secret"), *TINY]
+        common = ["--secret-file", str(tmp_path / "secret"), *TINY, "--batch-size", "4", "--task-option", "eval_batches=1"]
         procs = []
 
         def spawn(name, args):
@@ -52,8 +52,7 @@ def test_every_process_exports_and_a_sync_and_its_push_share_a_trace(tmp_path):
             spawn("shard", ["syncer", "--learners", "L0", "--port-file", str(tmp_path / "shard-port"), *common])
             shard = poll(lambda: (tmp_path / "shard-port").exists() and (tmp_path / "shard-port").read_text().strip(),
                          "the shard", procs)
-            learner = (f"{sys.executable} -m diloco.cli --log-level INFO learner --steps 16 --batch-size 4 "
-                       "--eval-every 1000 --eval-batches 1 --heartbeat-s 0.2")
+            learner = f"{sys.executable} -m diloco.cli --log-level INFO learner --steps 16 --eval-every 8 --heartbeat-s 0.2"
             spawn("coordinator", ["coordinator", "--data-dir", str(tmp_path / "coordinator"), "--shards", shard,
                                   "--port-file", str(tmp_path / "coordinator-port"), "--learner-command", learner, *common])
             address = poll(lambda: (tmp_path / "coordinator-port").exists()
@@ -107,4 +106,5 @@ def test_every_process_exports_and_a_sync_and_its_push_share_a_trace(tmp_path):
     assert not any("grpc.health" in s.name for s in spans)  # probes are not traced
 
     exported = {name for _, name in metrics}
-    assert {"diloco.sync.latency", "diloco.round.participants", "diloco.learner.tokens"} <= exported, exported
+    assert {"diloco.sync.latency", "diloco.round.participants", "diloco.learner.tokens",
+            "diloco.learner.train_loss", "diloco.learner.eval_loss"} <= exported, exported

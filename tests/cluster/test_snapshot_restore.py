@@ -63,12 +63,12 @@ class Cluster:
         return proc
 
     def start(self, restore=None):
-        common = ["--secret-file", str(self.tmp / "secret"), *TINY]
+        common = ["--secret-file", str(self.tmp / "secret"), *TINY, "--batch-size", "4"]
         restore_flags = ["--restore", restore] if restore else []
         self.spawn("coordinator", [
             "coordinator", "--port", str(self.coordinator_port), "--data-dir", str(self.tmp / "coord"),
             "--shards", ",".join(self.shards), *restore_flags,
-            "--learner-command", f"{sys.executable} -m diloco.cli learner --steps 100000 --batch-size 4 --heartbeat-s 0.3",
+            "--learner-command", f"{sys.executable} -m diloco.cli learner --steps 100000 --heartbeat-s 0.3",
             *common,
         ])
         for m, port in enumerate(self.shard_ports):
@@ -99,7 +99,8 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
         admin = poll(lambda: _try(cluster.start), "the cluster")
         assert all(r["ok"] for r in poll(lambda: _try(lambda: admin.add_learners(3)), "AddLearners"))
         poll(lambda: len([m for m in _try(admin.members) or [] if m["state"] == "active"]) == 3, "3 active learners")
-        poll(lambda: all(v >= 2 for s in cluster.shards for v in versions(s).values() if versions(s)), "rounds")
+        # Each shard owns 2 of the 4 fragments: both must have closed two rounds.
+        poll(lambda: all(len(v := versions(s)) == 2 and min(v.values()) >= 2 for s in cluster.shards), "rounds")
 
         snapshot_id = admin.start_snapshot()
         snap = poll(lambda: next((s for s in admin.snapshots() if s["id"] == snapshot_id and s["state"] != "running"),
@@ -122,8 +123,8 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
         # Back at the snapshot's versions, plus at most the round its in-flight pushes complete.
         assert all(recorded[f] <= v <= recorded[f] + 1 for f, v in restored.items()), (recorded, restored)
         assert all(r["ok"] for r in admin.add_learners(3))
-        poll(lambda: all(v >= restored[f] + 2 for s in cluster.shards for f, v in versions(s).items()),
-             "training to continue after the restore")
+        poll(lambda: len(now := {f: v for s in cluster.shards for f, v in versions(s).items()}) == 4
+             and all(v >= restored[f] + 2 for f, v in now.items()), "training to continue after the restore")
     finally:
         if admin is not None:
             try:

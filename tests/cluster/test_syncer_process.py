@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from diloco.config import RunConfig
-from diloco.model import ModelConfig
+from diloco.codec import encode
 from diloco.tape import read_tape
 from tests.grpc.conftest import SECRET, client_for
 from tests.grpc.test_syncer_service import FakeLearner
+from tests.seeded import gpt_run, model_plan
 
 pytestmark = pytest.mark.cluster
 
@@ -37,10 +37,14 @@ def test_sigterm_answers_waiting_pushes_flushes_tape_and_exits_0(tmp_path):
         address = port_file.read_text().strip()
 
         async def scenario():
-            run = RunConfig(model=ModelConfig(width=16, depth=1, heads=2, context=16), fragments=2)
-            plan = run.plan()
-            learner = FakeLearner("L0", plan, [t.numpy() for t in plan.gather(0, run.initial_state())])
+            manifest, plan, state = model_plan(gpt_run(width=16, depth=1, heads=2, context=16, fragments=2))
+            initial = plan.gather(0, state)
+            learner = FakeLearner("L0", plan, [t.numpy() for t in initial])
             async with client_for(address, "L0") as client:
+                # The shard starts holding no model: the first learner's values become version 0.
+                encoded = [encode(p.name, t, encoding="fp32") for p, t in zip(plan.fragments[0].pieces, initial)]
+                assert await client.initialize(0, manifest.to_json(), plan.plan_hash, encoded)
+                assert not await client.initialize(0, manifest.to_json(), plan.plan_hash, encoded)
                 acked = asyncio.Event()
                 push = asyncio.ensure_future(learner.push_with_ack(client, acked))
                 await asyncio.wait_for(acked.wait(), 30)  # in the round, waiting for L1
@@ -58,3 +62,4 @@ def test_sigterm_answers_waiting_pushes_flushes_tape_and_exits_0(tmp_path):
             proc.kill()
     kinds = [r["kind"] for r in read_tape(tmp_path / "tape-S0.jsonl")]
     assert kinds[0] == "start" and kinds[-1] == "stop" and kinds.count("push") == 1 and kinds.count("round") == 1
+    assert kinds.count("initialize") == 1

@@ -4,14 +4,13 @@ import contextlib
 import pytest
 
 from diloco import auth
-from diloco.config import RunConfig
-from diloco.model import ModelConfig
 from syncer.client import SyncerClient, open_channel
 from syncer.config import MergeConfig, RoundConfig, SyncerConfig
 from syncer.server import ShardServer, ShardServerConfig
+from tests.seeded import gpt_run, seeded_core
 
 SECRET = "test-secret"
-TINY = RunConfig(model=ModelConfig(width=16, depth=1, heads=2, context=16), fragments=2)
+TINY = gpt_run(width=16, depth=1, heads=2, context=16, fragments=2)
 
 
 @contextlib.asynccontextmanager
@@ -21,7 +20,8 @@ async def running_shard(tmp_path, learners=("L0", "L1", "L2"), run=TINY, shard_i
     cfg = SyncerConfig(
         shard_id=shard_id, num_shards=num_shards, rounds=RoundConfig(**rounds), merge=merge, max_push_bytes=max_push_bytes
     )
-    server = ShardServer(run, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=tuple(learners)))
+    server = ShardServer(run, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=tuple(learners)),
+                         seeded_core(run, cfg))
     port = await server.start()
     try:
         yield server, f"127.0.0.1:{port}"

@@ -10,12 +10,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.client import LearnerSession
 from diloco import auth
 from diloco.config import RunConfig
-from diloco.errors import DilocoError
+from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from syncer.config import SyncerConfig
 from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, run
 from tests.grpc.coordinator_fixtures import admin_stub, joined, reconnect, running_coordinator, wait_for
+from tests.seeded import gpt_run, model_plan
 
 
 def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
@@ -23,10 +24,14 @@ def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
         shards = ("127.0.0.1:7101", "127.0.0.1:7102")  # only named in the topology here
         async with running_coordinator(tmp_path, shards=shards, pools=("default", "spot")) as server:
             session = LearnerSession(server.address)
-            reply = await session.join(auth.join_token(SECRET), pool="spot", address="host:42", plan_hash=TINY.plan().plan_hash)
+            reply = await session.join(auth.join_token(SECRET), pool="spot", address="host:42")
             assert reply.learner_id == "L0" and reply.credential == auth.sign(SECRET, "L0") and reply.lease_s == 5.0
-            topology = reply.topology
-            assert topology.plan.plan_hash == TINY.plan().plan_hash
+            # No learner has registered a model yet: no manifest, no plan, shards without fragments.
+            assert reply.topology.manifest_json == "" and not reply.topology.plan.fragments
+            assert [list(s.fragments) for s in reply.topology.shards] == [[], []]
+            manifest, plan, _ = model_plan(TINY)
+            topology = await session.register_model(manifest.to_json())
+            assert topology.plan.plan_hash == plan.plan_hash and topology.manifest_json == manifest.to_json()
             assert [(s.shard_id, s.address, list(s.fragments)) for s in topology.shards] == [
                 (0, "127.0.0.1:7101", [0]), (1, "127.0.0.1:7102", [1]),
             ]
@@ -47,6 +52,39 @@ def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
                 gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
                 assert [(l.learner_id, l.state) for l in gone.learners] == [("L0", common_pb2.LEARNER_STATE_LEFT)]
             await session.close()
+
+    run(scenario())
+
+
+def test_the_first_registered_model_is_the_runs_and_a_different_one_is_refused(tmp_path):
+    async def scenario():
+        manifest, plan, _ = model_plan(TINY)
+        wider, _, _ = model_plan(gpt_run(width=32, depth=1, heads=2, context=16, fragments=2))
+        async with running_coordinator(tmp_path) as server:
+            first, second = await joined(server.address), await joined(server.address)
+            await first.register_model(manifest.to_json())
+            with pytest.raises(FailedPrecondition) as refused:
+                await second.register_model(wider.to_json())
+            # The first tensor that differs, with both shapes.
+            assert "tok_embed.weight" in str(refused.value) and "[256, 32]" in str(refused.value)
+            assert "[256, 16]" in str(refused.value)
+            async with admin_stub(server.address) as (stub, md):
+                gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
+                states = {l.learner_id: l.state for l in gone.learners}
+                assert states["L1"] == common_pb2.LEARNER_STATE_LEFT and states["L0"] != common_pb2.LEARNER_STATE_LEFT
+            with pytest.raises(InvalidArgument):
+                await first.register_model('{"entries": [{"name": "x", "shape": [-1], "dtype": "float32", "kind": "parameter"}]}')
+            # A learner with the same model is accepted; so is the run's model after a restart.
+            same = await joined(server.address)
+            assert (await same.register_model(manifest.to_json())).plan.plan_hash == plan.plan_hash
+            for session in (first, second, same):
+                await session.close()
+        async with running_coordinator(tmp_path) as server:
+            late = await joined(server.address)
+            with pytest.raises(FailedPrecondition):
+                await late.register_model(wider.to_json())
+            assert (await late.topology()).plan.plan_hash == plan.plan_hash
+            await late.close()
 
     run(scenario())
 

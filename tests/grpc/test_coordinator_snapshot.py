@@ -16,6 +16,7 @@ from diloco.v1 import coordinator_pb2
 from syncer.config import RoundConfig, SyncerConfig
 from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, client_for, run
+from tests.seeded import model_plan, seeded_core
 from tests.grpc.coordinator_fixtures import admin_stub, joined, running_coordinator, wait_for
 from tests.grpc.test_syncer_service import FakeLearner
 
@@ -34,13 +35,16 @@ class EpochLearner(FakeLearner):
 
 def test_snapshot_records_in_flight_pushes_and_restore_counts_each_once(tmp_path):
     async def scenario():
-        shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET, data_dir=tmp_path / "shard"))
+        shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET, data_dir=tmp_path / "shard"),
+                            seeded_core(TINY, SHARD_CFG))
+        model_manifest, plan, initial_state = model_plan(TINY)
         shard_address = f"127.0.0.1:{await shard.start()}"
         try:
             async with running_coordinator(tmp_path, shards=(shard_address,), snapshot_timeout_s=30) as coordinator:
                 shard.follow(coordinator.address)
                 sessions = [await joined(coordinator.address) for _ in range(2)]
                 for session in sessions:
+                    await session.register_model(model_manifest.to_json())
                     await session.heartbeat()
                 await wait_for(lambda: shard.runtime.core.live == {"L0", "L1"}, "the shard to learn of L0 and L1")
                 frag0 = [EpochLearner.of(shard, f"L{i}", fragment=0, seed=i) for i in range(2)]
@@ -83,7 +87,8 @@ def test_snapshot_records_in_flight_pushes_and_restore_counts_each_once(tmp_path
             assert snapshot.manifest.endswith("000001/manifest.json")
             assert manifest["participants"] == ["S0", "L0", "L1"]
             assert set(manifest["cut"]) == {"S0", "L0", "L1"} and manifest["cut"]["S0"]["S0"] >= 1
-            assert manifest["run"]["plan_hash"] == TINY.plan().plan_hash
+            assert manifest["run"]["plan_hash"] == plan.plan_hash
+            assert manifest["run"]["manifest"] == model_manifest.to_json()
             files = {f["path"]: f for f in manifest["files"]}
             assert set(files) == {"S0-state.npz", "S0-channel.npz"}
             for name, entry in files.items():
@@ -93,7 +98,8 @@ def test_snapshot_records_in_flight_pushes_and_restore_counts_each_once(tmp_path
             assert [(r["kind"], r["snapshot"]) for r in marker] == [("marker", 1), ("snapshot", 1)]
             assert marker[0]["versions"] == {"0": 1, "1": 0} and marker[1]["channel_pushes"] == 1
 
-            # Restore: versions at the cut, L0's open push from the state, L1's from the
+            # Restore into a shard that holds no model: the plan comes from the snapshot's
+            # manifest; versions at the cut, L0's open push from the state, L1's from the
             # channel; the round they form closes again and lands on the same bits.
             restored = ShardServer(
                 TINY, SHARD_CFG,
@@ -106,7 +112,7 @@ def test_snapshot_records_in_flight_pushes_and_restore_counts_each_once(tmp_path
             try:
                 await wait_for(lambda: core.fragments[0].version == 2, "the restored round to close")
                 assert all(np.array_equal(a, b) for a, b in zip(core.fragments[0].params, live[0][1]))
-                initial = TINY.plan().gather(1, TINY.initial_state())
+                initial = plan.gather(1, initial_state)
                 assert all(torch.equal(torch.from_numpy(a), b) for a, b in zip(core.fragments[1].params, initial))
                 async with client_for(address, "L1") as c1:
                     again = await c1.push(*in_flight)  # the in-flight push, retried: not counted twice

@@ -6,17 +6,23 @@ import dataclasses
 
 import torch
 
+import numpy as np
+
 from diloco import auth
-from diloco.config import RunConfig
-from diloco.model import ModelConfig
+from learner.api import Learner
 from learner.config import LearnerConfig
-from learner.worker import Learner
+from learner.membership import Membership
+from learner.runner import run_task
+from syncer import snapshot
 from syncer.config import RoundConfig, SyncerConfig
+from syncer.runtime import initial_name
 from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, run
+from tests.seeded import gpt_run, model_plan
 
-RUN = RunConfig(model=ModelConfig(width=32, depth=1, heads=2, context=32), fragments=4, sync_every_steps=16, overlap_steps=2)
-CFG = LearnerConfig(batch_size=8, steps=24, lr=3e-3, warmup_steps=4, eval_every_steps=8, eval_batches=2)
+RUN = gpt_run(width=32, depth=1, heads=2, context=32, fragments=4, sync_every_steps=16, overlap_steps=2,
+              task_options={"batch_size": "8", "eval_batches": "2"})
+CFG = LearnerConfig(steps=24, lr=3e-3, warmup_steps=4, eval_every_steps=8)
 
 
 @contextlib.asynccontextmanager
@@ -33,9 +39,13 @@ async def shards(tmp_path, count, learners, **rounds):
             await server.stop()
 
 
-def make_learner(name, addresses, **overrides):
-    cfg = dataclasses.replace(CFG, **overrides)
-    return Learner(RUN, cfg, name, auth.sign(SECRET, name), dict(enumerate(addresses)))
+def member(name, addresses, run=RUN) -> Membership:
+    return Membership(name, auth.sign(SECRET, name), run, dict(enumerate(addresses)), 0.0)
+
+
+def train(name, addresses, run=RUN, on_learner=lambda learner: None, **overrides) -> Learner:
+    """Build the run's task for learner ``name`` and train it on the shards (blocking)."""
+    return run_task(member(name, addresses, run), dataclasses.replace(CFG, **overrides), on_learner=on_learner)
 
 
 def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
@@ -43,8 +53,10 @@ def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
         async with shards(tmp_path, 2, ("L0",)) as servers:
             # Three sends of every fragment; the last inner step sends fragment 3.
             h = RUN.sync_every_steps
-            learner = make_learner("L0", [a for _, a in servers], steps=2 * h + (3 * h) // 4 + 1)
-            summary = await asyncio.to_thread(learner.train)
+            learner = await asyncio.to_thread(train, "L0", [a for _, a in servers], steps=2 * h + (3 * h) // 4 + 1)
+            summary = learner.summary
+            # The shards started empty and took this learner's values as version 0.
+            assert sorted(summary.initialized_fragments) == [0, 1, 2, 3]
             assert summary.pushes_sent == summary.pushes_acked == 12 and summary.pushes_dropped == 0
             assert summary.replies_applied == 12
             for server, _ in servers:
@@ -55,7 +67,7 @@ def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
             # Fragment 3's reply came after the last inner step: nothing to rebase (and with
             # alpha = 0 nothing to mix), so the model holds the global values, bit for bit.
             owner = servers[learner.plan.fragments[3].owner(2)][0].runtime.core.fragments[3]
-            live = learner.plan.gather(3, learner.params)
+            live = learner.plan.gather(3, learner.tensors)
             assert all(torch.equal(a.detach(), torch.from_numpy(b)) for a, b in zip(live, owner.params))
             assert summary.blocked_s < 0.5 * summary.wall_s
 
@@ -66,11 +78,16 @@ def test_two_learners_two_shards_eval_loss_falls(tmp_path):
     async def scenario():
         async with shards(tmp_path, 2, ("L0", "L1"), quorum=1, grace_mode="fixed", grace_fixed_s=0.05) as servers:
             addresses = [a for _, a in servers]
-            learners = [make_learner(f"L{i}", addresses, data_shard=i, seed=i, steps=96) for i in range(2)]
-            summaries = await asyncio.gather(*(asyncio.to_thread(l.train) for l in learners))
+            # Different seeds: the learners' own initial models differ, and only one of them
+            # initialises each fragment; both then train from the shards' values.
+            runs = [dataclasses.replace(RUN, seed=i) for i in range(2)]
+            learners = await asyncio.gather(*(asyncio.to_thread(train, f"L{i}", addresses, runs[i], steps=96) for i in range(2)))
+            summaries = [l.summary for l in learners]
+            assert sorted(summaries[0].initialized_fragments + summaries[1].initialized_fragments) == [0, 1, 2, 3]
             for s in summaries:
                 assert s.pushes_acked > 0 and s.replies_applied > 0
-                assert s.eval_bpb_final < s.eval_bpb_start - 0.5, (s.eval_bpb_start, s.eval_bpb_final)
+                assert s.eval_unit == "bits/byte"
+                assert s.eval_loss_final < s.eval_loss_start - 0.5, (s.eval_loss_start, s.eval_loss_final)
             rounds = sum(server.runtime.counters.rounds for server, _ in servers)
             assert rounds >= 10
 
@@ -84,24 +101,31 @@ def test_shard_outage_drops_pushes_keeps_training_and_resyncs(tmp_path):
         first = ShardServer(RUN, cfg, server_cfg)
         port = await first.start()
         # A slowed learner, so that the outage falls in the middle of its training.
-        learner = make_learner("L0", [f"127.0.0.1:{port}"], steps=600, step_delay_s=0.02, push_timeout_s=5)
-        training = asyncio.ensure_future(asyncio.to_thread(learner.train))
-        await wait_until(lambda: learner.book.applied >= 4)
+        created = []
+        training = asyncio.ensure_future(asyncio.to_thread(
+            train, "L0", [f"127.0.0.1:{port}"], on_learner=created.append, steps=600, step_delay_s=0.02, push_timeout_s=5))
+        await wait_until(lambda: created and created[0].book.applied >= 4)
+        learner = created[0]
         await first.stop()
         await wait_until(lambda: learner.streamer.stats.pushes_dropped >= 2)
+        # Restarted without its state: it holds no model, and the learner gives it its
+        # anchors (the global values it last received), not the initial model.
         second = ShardServer(RUN, cfg, dataclasses.replace(server_cfg, port=port))
         await second.start()
         try:
             await wait_until(lambda: learner.streamer.stats.resyncs >= 1)
-            summary = await training
+            summary = (await training).summary
         finally:
             await second.stop()
         assert summary.inner_steps == 600  # training never stopped
         assert summary.pushes_dropped >= 2 and summary.pushes_acked > 4
         # After the re-sync the learner follows the new shard again, bit for bit.
+        _, plan, seed = model_plan(RUN)
         for fragment_id, state in second.runtime.core.fragments.items():
             assert state.version >= 1
             assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(learner.anchors()[fragment_id], state.params))
+            restarted_from = snapshot.loads(tmp_path / initial_name(fragment_id))["pieces"]
+            assert not all(np.array_equal(a, b.numpy()) for a, b in zip(restarted_from, plan.gather(fragment_id, seed)))
 
     run(scenario())
 

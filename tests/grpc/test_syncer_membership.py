@@ -10,6 +10,7 @@ from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from syncer.config import RoundConfig, SyncerConfig
 from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, client_for, run
+from tests.seeded import seeded_core
 from tests.grpc.test_syncer_service import FakeLearner
 
 
@@ -35,10 +36,10 @@ def test_failed_learner_reported_by_the_coordinator_completes_the_round(tmp_path
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        cfg = SyncerConfig(rounds=RoundConfig(quorum=2, grace_mode="off"))
         shard = ShardServer(
-            TINY,
-            SyncerConfig(rounds=RoundConfig(quorum=2, grace_mode="off")),
-            ShardServerConfig(secret=SECRET, data_dir=tmp_path, coordinator=f"127.0.0.1:{port}"),
+            TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, coordinator=f"127.0.0.1:{port}"),
+            seeded_core(TINY, cfg),
         )
         address = f"127.0.0.1:{await shard.start()}"
         try:

@@ -21,6 +21,9 @@ from tests.k8s.chart import (
 )
 
 DIGEST = "sha256:" + "ab" * 32
+CUSTOM_TASK = "/opt/task/mytask.py:build"
+# Keys out of order, a dotted key, '=' and spaces in values: rendered sorted, kept verbatim.
+CUSTOM_OPTIONS = {"vocab": "32000", "layers": "12", "optim.betas": "0.9,0.95", "note": "a=b c"}
 # Value combinations beyond the presets; each is rendered once per session.
 VARIANTS = {
     "defaults": INLINE_SECRET,
@@ -31,13 +34,19 @@ VARIANTS = {
     }),
     "static-only": merge(EXISTING_SECRET, {"scavenging": {"enabled": False}, "learners": {"replicas": 3}}),
     "scavenged-only": merge(EXISTING_SECRET, {"learners": {"replicas": 0}}),
-    "gpu": merge(EXISTING_SECRET, {"learners": {
-        "accelerator": "gpu", "gpu": {"accelerator": "nvidia-h100-80gb", "count": 8}, "data": "/data/corpus",
+    "gpu": merge(EXISTING_SECRET, {"run": {"taskOptions": {"data": "/data/corpus"}}, "learners": {
+        "accelerator": "gpu", "gpu": {"accelerator": "nvidia-h100-80gb", "count": 8},
         "podAnnotations": {"gke-gcsfuse/volumes": "true"},
         "extraVolumes": [{"name": "corpus", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": True,
                                                     "volumeAttributes": {"bucketName": "corpus"}}}],
         "extraVolumeMounts": [{"name": "corpus", "mountPath": "/data", "readOnly": True}],
     }}),
+    # A task of the user's own, in a learner image built FROM the diloco one (docs/kubernetes.md).
+    "custom-task": merge(EXISTING_SECRET, {
+        "run": {"task": CUSTOM_TASK, "taskOptions": CUSTOM_OPTIONS, "seed": 7},
+        "learners": {"images": {"tpu": {"repository": "us-docker.pkg.dev/p/r/mytask-tpu", "tag": "3"}}},
+        "scavenging": {"pools": [{"name": "spot-a", "spot": True}, {"name": "spot-b", "spot": True}]},
+    }),
     "ephemeral": merge(EXISTING_SECRET, {
         "coordinator": {"persistence": {"enabled": False}}, "syncer": {"persistence": {"enabled": False}},
         "snapshots": {"enabled": False}, "networkPolicy": {"enabled": False},

@@ -18,7 +18,6 @@ from coordinator.server import SERVICE_NAME as COORDINATOR_SERVICE
 from diloco import telemetry
 from diloco.cli import build_parser
 from diloco.config import RunConfig
-from diloco.model import ModelConfig
 from syncer.server import SERVICE_NAME as SYNCER_SERVICE
 from tests.k8s.chart import (
     CLUSTER_DOMAIN,
@@ -125,8 +124,9 @@ def test_every_process_reads_the_same_run_config(presets, name):
     run = RunConfig.from_json(configmap["data"]["run-config.json"])
     values = rendered.values["run"]
     assert run == RunConfig(
-        model=ModelConfig(**values["model"]), fragments=values["fragments"], sync_every_steps=values["syncEverySteps"],
-        overlap_steps=values["overlapSteps"], merge_alpha=values["mergeAlpha"],
+        task=values["task"], task_options=values["taskOptions"], seed=values["seed"], fragments=values["fragments"],
+        sync_every_steps=values["syncEverySteps"], overlap_steps=values["overlapSteps"],
+        merge_alpha=values["mergeAlpha"], reply_rule=values["replyRule"],
     )
     pods = [(coordinator_pod(rendered), "coordinator"), (statefulset_pod(rendered.one("StatefulSet"), 0), "syncer")]
     for pod, name_ in pods:
@@ -251,8 +251,11 @@ def test_cpu_and_gpu_learners_through_values(presets, variants):
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
     parsed = build_parser().parse_args(args(gpu, c))
     assert parsed.device == "cuda"
-    assert gpu["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
-    assert mounted(gpu, c, parsed.data) == Mounted("csi", "corpus", "corpus")
+    assert gpu["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
+    # The corpus is the task's option (in the run config the coordinator hands the
+    # learner), read inside the learner pod.
+    run = RunConfig.from_json(variants["gpu"].one("ConfigMap", "-run")["data"]["run-config.json"])
+    assert mounted(gpu, c, run.task_options["data"]) == Mounted("csi", "corpus", "corpus")
     assert c["image"].startswith("diloco-gpu:")
 
 

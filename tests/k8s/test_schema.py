@@ -44,6 +44,24 @@ BAD = {
     "bad toleration": ({"learners": {"tolerations": [{"key": "k", "operator": "Maybe"}]}}, "/learners/tolerations/0/operator"),
     "network peer with unknown field": ({"networkPolicy": {"adminFrom": [{"podSelectr": {}}]}},
                                         "additional properties 'podSelectr'"),
+    "task without ':'": ({"run": {"task": "/opt/task/mytask.py"}}, "/run/task"),
+    "task with an empty function": ({"run": {"task": "mytask.py:"}}, "/run/task"),
+    "task with a space": ({"run": {"task": "my task.py:build"}}, "/run/task"),
+    "task option an integer": ({"run": {"task": "t.py:build", "taskOptions": {"layers": 12}}},
+                               "at '/run/taskOptions/layers': got number, want null or string"),
+    "task option a float": ({"run": {"task": "t.py:build", "taskOptions": {"lr": 0.1}}}, "/run/taskOptions/lr"),
+    "task option a boolean": ({"run": {"task": "t.py:build", "taskOptions": {"tied": True}}}, "/run/taskOptions/tied"),
+    "task option a list": ({"run": {"task": "t.py:build", "taskOptions": {"sizes": ["1", "2"]}}}, "/run/taskOptions/sizes"),
+    "task option key with '='": ({"run": {"task": "t.py:build", "taskOptions": {"a=b": "1"}}}, "invalid propertyName 'a=b'"),
+    "task options not a map": ({"run": {"taskOptions": ["width=128"]}}, "/run/taskOptions"),
+    "the built-in GPT's width unquoted": ({"run": {"taskOptions": {"width": 256}}}, "/run/taskOptions/width"),
+    "the built-in GPT's width not a number": ({"run": {"taskOptions": {"width": "wide"}}}, "/run/taskOptions/width"),
+    "the built-in GPT with an unknown option (a typo)": ({"run": {"taskOptions": {"widht": "256"}}},
+                                                         "at '/run/taskOptions': additional properties 'widht'"),
+    "the old model block": ({"run": {"model": {"width": 128}}}, "at '/run': additional properties 'model'"),
+    "the old learner batch size": ({"learners": {"batchSize": 16}}, "additional properties 'batchSize'"),
+    "negative seed": ({"run": {"seed": -1}}, "/run/seed"),
+    "unknown reply rule": ({"run": {"replyRule": "average"}}, "/run/replyRule"),
 }
 
 
@@ -77,13 +95,22 @@ def test_presets_and_the_good_values_of_the_bad_cases_pass(chart, name):
                                 "extraEnv": [{"name": "A", "value": "x"}]},
         "metrics": {"interval": "15s"}, "image": {"digest": "sha256:" + "0" * 64, "pullPolicy": "Always"},
         "fullnameOverride": "x" * 40, "networkPolicy": {"adminFrom": [{"podSelector": {}}]},
+        "run": {"taskOptions": {"width": "256", "heads": "8", "data": "/data", "eval_batches": "4"}, "seed": 3,
+                "replyRule": "mix"},
     }))
+    # A task of the user's own: any option names, string values, and null drops a key.
+    chart.validate(merge(AUTH, {"run": {"task": "/opt/task/mytask.py:build",
+                                        "taskOptions": {"widht": "x", "optim.betas": "0.9,0.95", "width": None}}}))
+    chart.validate(merge(AUTH, {"run": {"task": "mypackage.train:build_task", "taskOptions": {"a": ""}}}))
 
 
 # --- what the schema cannot say: checked in the templates ---------------------------------
 
 TEMPLATE_ERRORS = {
-    "width not divisible by heads": ({"run": {"model": {"width": 130, "heads": 4}}}, "must be divisible by run.model.heads"),
+    "width not divisible by heads": ({"run": {"taskOptions": {"width": "130", "heads": "4"}}},
+                                     "width 130 must be divisible by heads 4"),
+    "width not divisible by the default heads": ({"run": {"taskOptions": {"width": "130"}}},
+                                                 "width 130 must be divisible by heads 4"),
     "a pool listed twice": ({"scavenging": {"pools": [{"name": "spot"}, {"name": "spot"}]}}, 'pool "spot" is listed twice'),
     "restore without a snapshot volume": ({"restore": "latest", "snapshots": {"enabled": False}}, "restore needs snapshots.enabled"),
 }

@@ -4,14 +4,20 @@ recorded timeline, config validation and the CLI's answers to bad input."""
 import math
 
 import pytest
+import torch
 
 from diloco import cli
 from diloco.baseline import torchft_peer
-from diloco.baseline.common import SUMMARY_KEYS, KillPlan, parse_slow_workers, ring_allreduce_bytes, summary
+from diloco.baseline.common import (
+    SUMMARY_KEYS, TASK_ERROR_PREFIX, KillPlan, advance_schedule, parse_slow_workers, ring_allreduce_bytes,
+    skip_batches, summary, task_error, worker_task,
+)
 from diloco.baseline.dp import Attempt, DPConfig, dp_metrics
 from diloco.baseline.torchft_peer import TorchftConfig, ft_metrics
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
+from diloco.task import TaskError
+from learner.runner import inner_optimizer
 
 
 def test_slow_workers_parse_repeated_and_comma_separated_specs():
@@ -50,8 +56,9 @@ def test_ring_allreduce_sends_two_buffers_per_extra_member():
 
 
 def test_summary_has_exactly_the_compare_keys():
-    values = dict.fromkeys(SUMMARY_KEYS, 1.0)
+    values = {**dict.fromkeys(SUMMARY_KEYS, 1.0), "eval_unit": "bits/byte"}
     assert list(summary(**values)) == list(SUMMARY_KEYS)
+    assert summary(**values)["eval_unit"] == "bits/byte"
     with pytest.raises(ValueError):
         summary(**{**values, "extra": 1})
 
@@ -121,7 +128,7 @@ def test_configs_reject_bad_values_and_round_trip_through_json(tmp_path):
             DPConfig(**bad)
     cfg = DPConfig(workers=2, steps=20, slow_workers=((1, 1.5),), kill_at_steps=(5,), out=tmp_path)
     assert DPConfig.from_json(cfg.to_json()) == cfg
-    assert cfg.inner(1).data_shard == 1 and cfg.inner(1).lr == 3e-3 and cfg.slow_factor(1) == 1.5
+    assert cfg.inner().steps == 20 and cfg.inner().lr == 3e-3 and cfg.slow_factor(1) == 1.5
     with pytest.raises(InvalidArgument, match="multiple of the fragments"):
         TorchftConfig(run=RunConfig(fragments=4, sync_every_steps=6))
     ft = TorchftConfig(workers=2, outer_momentum=0.9)
@@ -163,3 +170,68 @@ def test_ft_metrics_count_a_replacement_only_once_it_has_healed_onto_the_run_mod
     assert (m["useful_worker_s"], m["commits"], m["off_model_commits"]) == (0.0, 0, 2)
     m = ft_metrics([healed], fragments=1, sync_every_steps=1, tokens_per_step=1)
     assert (m["useful_worker_s"], m["commits"], m["off_model_commits"]) == (2.0, 2, 1)
+
+
+TINY_GPT = {"width": "16", "depth": "1", "heads": "2", "context": "16", "batch_size": "4", "eval_batches": "1"}
+
+
+def test_a_worker_builds_the_task_as_the_learner_of_its_index_would():
+    from diloco.tasks import byte_gpt
+
+    run = RunConfig(task_options=TINY_GPT, seed=5)
+    cfg = DPConfig(run=run, workers=3, steps=10)
+    task = cfg.task(2)
+    assert isinstance(task.model, byte_gpt.GPT) and task.model.cfg.seed == 5 and task.eval_unit == "bits/byte"
+    # Every worker starts from the run's seeded model and reads its own share of the data.
+    assert all(torch.equal(a, b) for a, b in zip(task.model.state_dict().values(),
+                                                 cfg.task(0).model.state_dict().values()))
+    x2, _ = next(iter(task.batches))
+    x0, _ = next(iter(cfg.task(0).batches))
+    assert x2.shape == (4, 16) and not torch.equal(x0, x2)
+    assert torch.equal(next(iter(worker_task(run, 2, 3).batches))[0], x2)
+
+
+def test_a_restarted_worker_resumes_the_batches_and_the_schedule_where_it_was():
+    run = RunConfig(task_options=TINY_GPT)
+    cfg = DPConfig(run=run, workers=2, steps=40)
+    task = cfg.task(1)
+    straight = iter(task.batches)
+    for _ in range(7):
+        next(straight)
+    resumed = skip_batches(run.task, cfg.task(1).batches, 7)
+    assert all(torch.equal(a, b) for a, b in zip(next(straight), next(resumed)))
+    with pytest.raises(TaskError, match="ended after 2 batches"):
+        skip_batches(run.task, [1, 2], 3)
+
+    optimizer, schedule = inner_optimizer(task, cfg.inner())
+    for _ in range(25):
+        optimizer.step()  # no gradients: nothing moves but the schedule
+        schedule.step()
+    _, jumped = inner_optimizer(cfg.task(1), cfg.inner())
+    advance_schedule(jumped, 25)
+    assert jumped.get_last_lr() == schedule.get_last_lr() and jumped.last_epoch == 25
+
+
+def test_a_task_error_a_worker_logged_becomes_the_supervisors_message(tmp_path):
+    log = tmp_path / "worker1.log"
+    log.write_text(f"2025 INFO x: training\n2025 ERROR diloco.baseline.dp_worker: {TASK_ERROR_PREFIX}task 'a.py:b': "
+                   "the loss is nan at step 3\n")
+    assert task_error(log) == f"task 'a.py:b': the loss is nan at step 3 (see {log})"
+    assert "see" in task_error(tmp_path / "missing.log")
+
+
+def test_compare_counts_the_tasks_tokens_and_unit():
+    from diloco.compare import CompareConfig
+
+    cfg = CompareConfig(run=RunConfig(task_options=TINY_GPT), workers=2, steps=10)
+    assert (cfg.tokens_per_step, cfg.eval_unit, cfg.tokens) == (4 * 16, "bits/byte", 2 * 10 * 4 * 16)
+
+
+def test_a_broken_task_is_a_clear_error_before_any_run_directory(tmp_path, capsys):
+    task = tmp_path / "broken.py"
+    task.write_text("def build(ctx):\n    return 42\n")
+    out = tmp_path / "run"
+    assert cli.main(["baseline", "dp", "--task", f"{task}:build", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "returned int, not diloco.Task" in err and "Traceback" not in err
+    assert not out.exists()

@@ -1,7 +1,7 @@
 import torch
 
 from diloco.errors import NotFound
-from learner.data import corpus_files, load_corpus
+from diloco.tasks.corpus import corpus_files, load_corpus
 
 import pytest
 

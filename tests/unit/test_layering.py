@@ -59,12 +59,33 @@ def test_only_cli_reads_environment():
 
 def test_a_shard_process_does_not_import_torch():
     """The syncer is CPU-only numpy and C: importing torch would cost a shard about 220 MB
-    of memory and two seconds of start-up (its initial fragments come from a helper
-    process, ``syncer.initial``)."""
+    of memory and two seconds of start-up (its initial fragments come from the first
+    learner, over the wire)."""
     code = (
-        "import sys, diloco.cli, syncer.server, syncer.service, syncer.initial, syncer.core.snapshot\n"
+        "import sys, diloco.cli, syncer.server, syncer.service, syncer.core.snapshot\n"
         "diloco.cli.build_parser()\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_syncer_and_coordinator_import_no_model_code():
+    """Shards and the coordinator plan from the model manifest a learner registers: no
+    module of theirs imports the task package (the built-in byte GPT included) or a
+    learner module, directly or through the kernel (torch is imported only by the
+    learner-side client and the codec's fallback paths, never by a serving process)."""
+    code = (
+        "import sys, syncer.server, syncer.service, syncer.runtime, coordinator.server, coordinator.service\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('diloco.tasks', 'learner', 'torch'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "[]", done.stdout
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for package in ("syncer", "coordinator")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in imported_modules(path)
+        if name.startswith(("diloco.tasks", "diloco.task", "learner"))
+    ]
+    assert not offenders, offenders

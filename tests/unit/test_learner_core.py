@@ -128,7 +128,7 @@ def test_rebase_keeps_the_progress_made_since_the_push():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(device="tpu"), dict(batch_size=0), dict(data_shard=8), dict(lr=0), dict(delta_codec="int2")]
+    "kwargs", [dict(device="tpu"), dict(steps=0), dict(eval_every_steps=0), dict(lr=0), dict(delta_codec="int2")]
 )
 def test_bad_config(kwargs):
     with pytest.raises(InvalidArgument):

@@ -35,8 +35,8 @@ def test_learner_pid_comes_from_the_address_it_reported():
 
 
 def test_token_budget_sizes_the_learners():
-    cfg = LocalConfig(learners=3, batch_size=16, tokens=3 * 16 * 128 * 10)
-    assert cfg.learner_steps == 15 and LocalConfig(steps=7).learner_steps == 7  # 1.5x the share of 10
+    cfg = LocalConfig(learners=3, tokens=3 * 16 * 128 * 10)
+    assert cfg.learner_steps(16 * 128) == 15 and LocalConfig(steps=7).learner_steps(16 * 128) == 7  # 1.5x the share of 10
 
 
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():

@@ -278,3 +278,39 @@ def test_outer_lr_scales_with_the_rounds_share_of_live_learners():
         )
     ratio = moved["live"].norm() / moved["round"].norm()
     assert ratio == pytest.approx(1 / 3, rel=0.02)
+
+
+def test_buffer_pieces_take_the_weighted_mean_without_outer_momentum_or_rda():
+    """Running statistics (BatchNorm) are the learners' weighted mean: with outer lr 0.7 and
+    momentum 0.9 a parameter's step is lr * (1 + mu) times its merged delta; a buffer's is
+    its merged delta, every round, whatever the momentum built up."""
+    params = [("block.w", (24, 8)), ("norm.running_var", (24,))]
+    plan = plan_fragments(params, 1, is_buffer=lambda name: "running" in name)
+    assert [p.buffer for p in plan.fragments[0].pieces] == [False, True]
+    g = torch.Generator().manual_seed(0)
+    initial = {0: [torch.randn(s, generator=g).abs() + 1 for _, s in params]}
+    cfg = SyncerConfig(rounds=RoundConfig(quorum=2, grace_mode="off"),
+                       merge=MergeConfig(merge="mean", outer_lr=0.7, outer_momentum=0.9, scale_by="round"))
+    shard = ShardCore(cfg, plan, initial)
+    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(2)]
+    shard.set_membership({"L0", "L1"}, set())
+    for rnd in range(3):
+        pushes = [learner.push(0, now=rnd, tokens=64 * (i + 1), steps=4) for i, learner in enumerate(learners)]
+        state = shard.fragments[0]
+        before = [p.copy() for p in state.params]
+        residual_before = [r.copy() for r in state.residual]
+        close(shard, 0, now=rnd + 0.5)
+        weights = [64.0 * 16, 128.0 * 32]  # tokens * tokens / steps
+        for index, buffer in enumerate((False, True)):
+            merged = sum(w * decode(p.tensors[index].spec, p.tensors[index].payload)
+                         for w, (_, p, _) in zip(weights, pushes)) / sum(weights)
+            # What the round took from the parameters (int4 part plus the residual kept).
+            step = torch.from_numpy(before[index] - state.params[index] + residual_before[index] - state.residual[index])
+            if buffer:  # every round: exactly its merged delta
+                assert torch.allclose(step, merged, atol=1e-6)
+            elif rnd == 0:  # a parameter's first Nesterov step: lr * (1 + mu) * delta
+                assert torch.allclose(step, 0.7 * 1.9 * merged, atol=1e-6)
+            else:  # momentum makes later parameter steps differ from lr * (1 + mu) * delta
+                assert not torch.allclose(step, 0.7 * 1.9 * merged, atol=1e-6)
+        for learner in learners:
+            learner.apply(shard.update_for(0, learner.version[0]))

@@ -83,14 +83,42 @@ app.kubernetes.io/component: {{ .component }}
 {{- join "," $addresses -}}
 {{- end -}}
 
-{{/* The run config as RunConfig.to_json writes it. */}}
+{{/* The built-in task (diloco.task.DEFAULT_TASK): the byte-level GPT. */}}
+{{- define "diloco.builtinTask" -}}
+diloco.tasks.byte_gpt:build
+{{- end -}}
+
+{{/*
+run.taskOptions without the keys set to null: Helm merges a values file's map with a
+preset's, and a null is how a key of the preset is dropped (as JSON).
+*/}}
+{{- define "diloco.taskOptions" -}}
+{{- $options := dict -}}
+{{- range $key, $value := .Values.run.taskOptions | default dict -}}
+{{- if not (kindIs "invalid" $value) -}}
+{{- $_ := set $options $key $value -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $options -}}
+{{- end -}}
+
+{{/*
+The run config as RunConfig.to_json writes it (keys sorted, task options included): the
+coordinator and the shards read it, and the coordinator hands it to every learner that joins.
+The schema checks the built-in task's option names and numbers; what it cannot say
+(heads must divide width, with the task's own defaults 128 and 4) is checked here.
+*/}}
 {{- define "diloco.runConfig" -}}
 {{- $run := .Values.run -}}
-{{- if mod (int $run.model.width) (int $run.model.heads) -}}
-{{- fail (printf "run.model.width %d must be divisible by run.model.heads %d" (int $run.model.width) (int $run.model.heads)) -}}
+{{- $options := include "diloco.taskOptions" . | fromJson -}}
+{{- if eq $run.task (include "diloco.builtinTask" .) -}}
+{{- $width := get $options "width" | default "128" | atoi -}}
+{{- $heads := get $options "heads" | default "4" | atoi -}}
+{{- if mod $width $heads -}}
+{{- fail (printf "run.taskOptions: width %d must be divisible by heads %d (the built-in byte GPT)" $width $heads) -}}
 {{- end -}}
-{{- $model := dict "width" (int $run.model.width) "depth" (int $run.model.depth) "heads" (int $run.model.heads) "context" (int $run.model.context) "seed" (int $run.model.seed) -}}
-{{- dict "model" $model "fragments" (int $run.fragments) "sync_every_steps" (int $run.syncEverySteps) "overlap_steps" (int $run.overlapSteps) "merge_alpha" (float64 $run.mergeAlpha) "synthetic_params" 0 | toJson -}}
+{{- end -}}
+{{- dict "task" $run.task "task_options" $options "seed" (int $run.seed) "fragments" (int $run.fragments) "sync_every_steps" (int $run.syncEverySteps) "overlap_steps" (int $run.overlapSteps) "merge_alpha" (float64 $run.mergeAlpha) "reply_rule" $run.replyRule | toJson -}}
 {{- end -}}
 
 {{/* Chips of a single-host TPU slice: the product of the topology's dimensions. */}}
@@ -217,10 +245,13 @@ metadata:
     app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
     app.kubernetes.io/part-of: diloco
     diloco/pool: {{ .pool }}
-  {{- with $v.podAnnotations }}
   annotations:
+    {{- /* A new run config (another task, other options) is a new run: the learner Job's
+    name hashes this pod, so its learners are replaced, not left on the old task. */}}
+    checksum/run-config: {{ include "diloco.runConfig" $root | sha256sum }}
+    {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
-  {{- end }}
+    {{- end }}
 spec:
   {{- if .static }}
   restartPolicy: Never
@@ -279,18 +310,16 @@ spec:
         - {{ get (dict "tpu" "xla" "gpu" "cuda" "cpu" "cpu") $v.accelerator }}
         - --steps
         - {{ $v.steps | int | quote }}
-        - --batch-size
-        - {{ $v.batchSize | int | quote }}
         - --lr
         - {{ $v.lr | toString | quote }}
         - --warmup-steps
         - {{ $v.warmupSteps | int | quote }}
         - --block-size
         - {{ $root.Values.syncer.blockSize | int | quote }}
-        {{- with $v.data }}
-        - --data
-        - {{ . | quote }}
-        {{- end }}
+        {{- /* TaskContext.num_learners: the learners the run is planned for (a task may
+        split its data by it); scavenged learners get higher indices. */}}
+        - --num-learners
+        - {{ max 1 (int $v.replicas) | quote }}
         {{- range $v.extraArgs }}
         - {{ . | quote }}
         {{- end }}

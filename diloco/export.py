@@ -1,0 +1,116 @@
+"""Export the global model of a live run as ``model.safetensors``, under the keys of the
+user's ``model.state_dict()`` (``load_state_dict`` on a fresh instance takes it as is).
+
+The coordinator relays every shard's Bootstrap (``ExportModel``) with the run's model
+manifest; this module assembles the fragments into whole tensors, casts each to the
+dtype the model declared (bf16 parameters included; the shards hold fp32), restores
+tied keys as copies (safetensors stores no shared storage) and the small non-synced
+tensors (``num_batches_tracked``) from the manifest. Nothing here imports the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diloco.errors import FailedPrecondition, InvalidArgument
+from diloco.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Exported:
+    state: dict[str, torch.Tensor]
+    versions: dict[int, int]
+    """Each fragment's global version in the export."""
+    skipped: tuple[str, ...]
+    """Non-synced tensors too large to travel in the manifest: not in the file."""
+    manifest: Manifest
+
+
+def assemble(replies) -> Exported:
+    """The model from an ``ExportModel`` reply stream (header, then updates and chunks)."""
+    from syncer.client import _decode_update
+
+    replies = list(replies)
+    if not replies or replies[0].WhichOneof("kind") != "header":
+        raise InvalidArgument("export stream does not start with its header")
+    header = replies[0].header
+    manifest = Manifest.from_json(header.manifest_json)
+    plan = manifest.plan(header.fragments)
+    if plan.plan_hash != header.plan_hash:
+        raise FailedPrecondition("the exported manifest does not give the run's fragment plan")
+    synced = {e.name: torch.empty(e.shape, dtype=torch.float32) for e in manifest.synced}
+    versions: dict[int, int] = {}
+    update, chunks = None, []
+    for reply in [*replies[1:], None]:
+        kind = reply.WhichOneof("kind") if reply is not None else None
+        if kind == "chunk":
+            if update is None:
+                raise InvalidArgument("export stream: a chunk before its update")
+            chunks.append(reply.chunk.data)
+            continue
+        if update is not None:
+            decoded = _decode_update(update, chunks)
+            if decoded.fragment >= plan.num_fragments or not decoded.segments or decoded.segments[-1].kind != "full":
+                raise InvalidArgument(f"export stream: unexpected update of fragment {decoded.fragment}")
+            for view, value in zip(plan.gather(decoded.fragment, synced), decoded.segments[-1].tensors):
+                view.copy_(value.reshape(view.shape))
+            versions[decoded.fragment] = decoded.version
+        if kind == "update":
+            update, chunks = reply.update, []
+        elif reply is not None:
+            raise InvalidArgument(f"export stream: unexpected {kind}")
+    missing = sorted(set(range(plan.num_fragments)) - set(versions))
+    if missing:
+        raise FailedPrecondition(f"the shards returned no values for fragments {missing}")
+    state, skipped = {}, []
+    for entry in manifest.entries:
+        dtype = getattr(torch, entry.dtype)
+        if entry.name in synced:
+            state[entry.name] = synced[entry.name].to(dtype)
+        elif entry.value is not None:
+            state[entry.name] = torch.tensor(entry.value, dtype=dtype).reshape(entry.shape)
+        elif entry.numel == 0:
+            state[entry.name] = torch.empty(entry.shape, dtype=dtype)
+        else:
+            skipped.append(entry.name)
+    for alias, target in manifest.aliases:
+        if target in state:
+            state[alias] = state[target].clone()
+    if skipped:
+        logger.warning("not exported (large non-floating-point tensors, never synced): %s", ", ".join(skipped))
+    return Exported(state, versions, tuple(skipped), manifest)
+
+
+def save(exported: Exported, path: Path) -> None:
+    """Write ``model.safetensors`` atomically (a reader never sees half a file)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    versions = ",".join(f"{f}:{v}" for f, v in sorted(exported.versions.items()))
+    save_file({k: v.contiguous() for k, v in exported.state.items()}, str(tmp),
+              metadata={"format": "pt", "diloco_versions": versions})
+    tmp.replace(path)
+
+
+def load_versions(path: Path) -> dict[int, int]:
+    """The fragment versions recorded in an exported file's metadata."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        raw = (f.metadata() or {}).get("diloco_versions", "")
+    return {int(a): int(b) for a, b in (pair.split(":") for pair in raw.split(",") if pair)}
+
+
+def export_model(admin, path: Path) -> Exported:
+    """Fetch the global model through the coordinator's ``ExportModel`` and save it."""
+    exported = assemble(admin.export_model())
+    save(exported, path)
+    return exported

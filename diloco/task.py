@@ -1,0 +1,204 @@
+"""The task contract: what a user brings (model, data, loss, optional optimizer) and how a
+run names it.
+
+A task is a function ``build(ctx: TaskContext) -> Task``, named ``FILE.py:FUNCTION`` or
+``package.module:FUNCTION``. Every learner, the baselines and the ``diloco local``
+supervisor (which evaluates the start and final global model) call it with their own
+context. The built-in byte-level GPT is one such task, ``diloco.tasks.byte_gpt:build``.
+
+Importable without torch (shard processes import the kernel): torch types appear only in
+annotations and inside functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diloco.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_TASK = "diloco.tasks.byte_gpt:build"
+
+
+class TaskError(FailedPrecondition):
+    """The user's task could not be loaded or misbehaved (bad return type, NaN loss, data
+    that ran out). The message names the task and the problem in one line."""
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What a task's ``build`` function is told about the process that calls it."""
+
+    learner_index: int
+    """This learner's number (``L3`` is 3): pick its share of the data with it."""
+    num_learners: int
+    """Learners the run was planned for (scavenged learners may have larger indices)."""
+    seed: int
+    """The run's seed: initialise the model and order the data from it."""
+    device: Any
+    """The torch device the model trains on (batches may stay on the CPU if the loss moves them)."""
+    options: Mapping[str, str] = field(default_factory=dict)
+    """``--task-option KEY=VALUE`` pairs, the same for every process of the run."""
+
+    def option(self, key: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
+        """``options[key]`` converted with ``kind``, or ``default``; a clear error if it
+        does not convert."""
+        if key not in self.options:
+            return default
+        try:
+            return kind(self.options[key])
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"task option {key}={self.options[key]!r} is not a valid {kind.__name__}") from None
+
+
+@dataclass
+class Task:
+    """A model, its data and its loss. ``batches`` may be infinite; the runner stops at its
+    step or token budget. ``loss(model, batch)`` returns a scalar tensor to minimise;
+    ``tokens(batch)`` is what the batch counts toward the token budget and goodput.
+    ``eval_batches``: the fixed held-out batches whose mean ``loss`` is the run's eval loss
+    (reported times ``eval_scale`` in ``eval_unit``, e.g. bits/byte). ``optimizer``: builds
+    the inner optimizer from the parameters (default: the run's AdamW)."""
+
+    model: torch.nn.Module
+    batches: Iterable
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    tokens: Callable[[Any], int]
+    eval_batches: Sequence | None = None
+    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
+    eval_unit: str = "loss"
+    eval_scale: float = 1.0
+
+
+def load_task(spec: str) -> Callable[[TaskContext], Task]:
+    """The build function named by ``spec`` (``FILE.py:FUNCTION`` or ``module:FUNCTION``)."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise TaskError(f"task {spec!r}: expected FILE.py:FUNCTION or package.module:FUNCTION")
+    try:
+        if path.endswith(".py") or "/" in path or Path(path).is_file():
+            file = Path(path).resolve()
+            if not file.is_file():
+                raise TaskError(f"task {spec!r}: no such file {path}")
+            module_name = f"diloco_task_{abs(hash(str(file)))}"
+            module = sys.modules.get(module_name)
+            if module is None:
+                loader_spec = importlib.util.spec_from_file_location(module_name, file)
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[module_name] = module
+                try:
+                    loader_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[module_name]
+                    raise
+        else:
+            module = importlib.import_module(path)
+    except TaskError:
+        raise
+    except Exception as error:
+        raise TaskError(f"task {spec!r} does not import: {type(error).__name__}: {error}") from None
+    build = getattr(module, name, None)
+    if not callable(build):
+        raise TaskError(f"task {spec!r}: {path} has no function {name!r}")
+    return build
+
+
+def build_task(spec: str, ctx: TaskContext) -> Task:
+    """Load and call the task, checking what it returns."""
+    import torch
+
+    build = load_task(spec)
+    try:
+        task = build(ctx)
+    except TaskError:
+        raise
+    except Exception as error:
+        raise TaskError(f"task {spec!r} raised {type(error).__name__}: {error}") from None
+    if not isinstance(task, Task):
+        raise TaskError(f"task {spec!r} returned {type(task).__name__}, not diloco.Task")
+    if not isinstance(task.model, torch.nn.Module):
+        raise TaskError(f"task {spec!r}: model is a {type(task.model).__name__}, not a torch.nn.Module")
+    for name in ("loss", "tokens"):
+        if not callable(getattr(task, name)):
+            raise TaskError(f"task {spec!r}: {name} is not callable")
+    if task.optimizer is not None and not callable(task.optimizer):
+        raise TaskError(f"task {spec!r}: optimizer must be a function of the parameters")
+    if not any(p.requires_grad for p in task.model.parameters()):
+        raise TaskError(f"task {spec!r}: the model has no trainable parameters")
+    if not (isinstance(task.eval_scale, (int, float)) and math.isfinite(task.eval_scale) and task.eval_scale > 0):
+        raise TaskError(f"task {spec!r}: eval_scale must be a positive number, got {task.eval_scale!r}")
+    return task
+
+
+def checked_loss(spec: str, value: Any) -> torch.Tensor:
+    """The loss as returned by the task, or a TaskError if it is not a finite scalar tensor."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TaskError(f"task {spec!r}: loss returned {type(value).__name__}, not a tensor")
+    if value.numel() != 1:
+        raise TaskError(f"task {spec!r}: loss returned a tensor of shape {tuple(value.shape)}, not a scalar")
+    if not value.requires_grad:
+        raise TaskError(f"task {spec!r}: the loss does not depend on any trainable parameter")
+    return value
+
+
+def checked_tokens(spec: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        try:
+            import torch
+
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+                value = int(value)
+                if value >= 0:
+                    return value
+        except ImportError:  # pragma: no cover
+            pass
+        raise TaskError(f"task {spec!r}: tokens(batch) returned {value!r}, not a non-negative int")
+    return value
+
+
+def evaluate(spec: str, task: Task) -> float | None:
+    """Mean ``loss`` over the task's eval batches, times ``eval_scale``; None without eval
+    batches. Runs under ``no_grad`` in eval mode and puts the model back in train mode."""
+    import torch
+
+    if not task.eval_batches:
+        return None
+    model = task.model
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for batch in task.eval_batches:
+                value = task.loss(model, batch)
+                if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                    raise TaskError(f"task {spec!r}: loss returned a non-scalar on an eval batch")
+                total += float(value)
+    finally:
+        model.train(was_training)
+    mean = total / len(task.eval_batches)
+    if not math.isfinite(mean):
+        raise TaskError(f"task {spec!r}: the eval loss is {mean}")
+    return mean * task.eval_scale
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings (``--task-option``) as a dict; a clear error for anything else."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgument(f"--task-option expects KEY=VALUE, got {pair!r}")
+        options[key.strip()] = value
+    return options

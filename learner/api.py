@@ -1,0 +1,403 @@
+"""Decoupled DiLoCo around the user's own training loop: wrap the model, call ``step``
+after each optimizer step.
+
+    learner = diloco.Learner.join(model, coordinator="HOST:PORT", join_token=TOKEN, optimizer=opt)
+    with learner:
+        for batch in my_batches(learner.index):
+            loss = my_loss(model, batch); loss.backward(); opt.step(); opt.zero_grad()
+            learner.step(tokens=batch.numel())
+            if learner.should_stop:
+                break
+
+What it does: registers the model's manifest with the coordinator (the first learner's
+fixes the run's model), offers the model's values to shards that hold none yet, starts
+from the global values the shards hold (so learners need not initialise identically),
+then at each ``step`` applies the replies that are due (tau steps after their push, or
+as soon as they arrive after that) and sends the fragments due (every H steps each,
+int4 deltas against the last global values received), never waiting on the network. It
+heartbeats, records its state on snapshot markers, and on ``close`` finishes in-flight
+pushes and leaves. The ``--task`` runner (``learner.runner``) is built on this class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from diloco.clock import VectorClock
+from diloco.codec import encode
+from diloco.config import RunConfig
+from diloco.errors import FailedPrecondition
+from diloco.manifest import Manifest, manifest_of, synced_tensors
+from diloco.snapshots import atomic_write
+from diloco.tape import TapeWriter
+from learner.config import LearnerConfig
+from learner.core.schedule import fragments_due, send_offsets
+from learner.core.sync import FragmentSync, Reply, SyncBook, delta, merge_into, rebase_into
+from learner.device import Device
+from learner.membership import Heartbeats, Membership, join, register_model
+from learner.streamer import PushJob, Streamer
+from learner.telemetry import LearnerTelemetry, SyncTrace
+from syncer.core.shard import PushMeta
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Summary:
+    learner_id: str
+    inner_steps: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    train_s: float = 0.0
+    """Seconds inside the inner-step loop (the wall time minus bootstrap and draining)."""
+    tokens_per_s: float = 0.0
+    """Tokens per second of the inner-step loop."""
+    eval_unit: str = "loss"
+    eval_loss_start: float | None = None
+    """The task's eval loss (in ``eval_unit``) before the first inner step."""
+    eval_loss_final: float | None = None
+    eval_history: list[tuple[int, int, float]] = field(default_factory=list)
+    """(inner step, tokens, eval loss)."""
+    pushes_sent: int = 0
+    pushes_acked: int = 0
+    pushes_dropped: int = 0
+    replies_applied: int = 0
+    replies_late: int = 0
+    sends_deferred: int = 0
+    """Sends skipped because the fragment's previous push still awaited its reply."""
+    bytes_up: int = 0
+    bytes_down: int = 0
+    mean_staleness: float = 0.0
+    blocked_s: float = 0.0
+    """Time the training loop spent on the network (submitting, never waiting): ~0."""
+    sync_latency_s_p50: float | None = None
+    initialized_fragments: list[int] = field(default_factory=list)
+    """Fragments whose version 0 is this learner's values (it found them empty)."""
+
+
+def learner_number(learner_id: str) -> int:
+    digits = "".join(ch for ch in learner_id if ch.isdigit())
+    return int(digits) if digits else 0
+
+
+class Learner:
+    """One learner of a run, around a model the caller trains. Use ``Learner.join`` to
+    join a coordinator; the constructor takes a membership already obtained (a static
+    topology in tests and benchmarks, or ``learner.membership.join``)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        member: Membership,
+        config: LearnerConfig | None = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        coordinator: str | None = None,
+        device: Device | None = None,
+        events: TapeWriter | None = None,
+        heartbeats: Heartbeats | None = None,
+        sync: bool = True,
+    ) -> None:
+        """``optimizer``: recorded in snapshots with the model. ``coordinator``: heartbeat
+        to it and register the model's manifest with it (``heartbeats``: already beating,
+        started before the model was built). ``sync`` False: train alone (the benchmark's
+        no-sync baseline)."""
+        self.model, self.member, self.cfg = model, member, config or LearnerConfig()
+        self.run: RunConfig = member.run
+        self.learner_id = member.learner_id
+        self.optimizer = optimizer
+        self.device = device or Device(self.cfg.device)
+        self.events = events
+        self.stop = threading.Event()
+        self.stop_reason = ""
+        self.summary = Summary(self.learner_id)
+        self.telemetry = LearnerTelemetry(self.learner_id)
+        self.clock = VectorClock()
+        # Chandy-Lamport: markers from the coordinator, recorded at the next step boundary.
+        self.markers: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        self.snapshot_epoch = 0
+        self.on_recorded = lambda snapshot_id, clock, files: None
+        self._step = 0
+        self._started = time.monotonic()
+        self._staleness: list[int] = []
+        self._syncs: dict[tuple[int, int], SyncTrace] = {}
+        self._closed = False
+        self.heartbeats = heartbeats
+        self.streamer = None
+        try:
+            if coordinator:
+                if self.heartbeats is None:
+                    self.heartbeats = Heartbeats(coordinator, member, self.cfg.heartbeat_interval_s, self._stats, self._drain)
+                    self.heartbeats.start()
+                self.heartbeats.stats, self.heartbeats.on_drain = self._stats, self._drain
+                self.heartbeats.on_snapshot = lambda snapshot_id, directory: self.markers.put((snapshot_id, directory))
+                self.on_recorded = self.heartbeats.report
+            self.manifest = manifest_of(model)
+            self.manifest_json = self.manifest.to_json()
+            if coordinator:
+                topology = register_model(coordinator, member, self.manifest_json)
+                if topology.manifest_json != self.manifest_json:  # the run's model: check we train the same
+                    difference = self.manifest.first_difference(Manifest.from_json(topology.manifest_json))
+                    if difference is not None:
+                        raise FailedPrecondition(f"{self.learner_id}'s model differs from the run's: {difference}")
+            self.plan = self.manifest.plan(self.run.fragments)
+            self.tensors = synced_tensors(model, self.manifest)
+            self.num_shards = len(member.shards)
+            self.offsets = send_offsets(self.plan.num_fragments, self.run.sync_every_steps)
+            self.book = SyncBook({}, self.run.overlap_steps)
+            if sync:
+                owned = {s: [f.id for f in self.plan.owned_by(s, self.num_shards)] for s in member.shards}
+                self.streamer = Streamer(member.shards, self.learner_id, member.credential, self.cfg.push_timeout_s,
+                                         self.cfg.max_inflight_pushes, owned, wire_delay_s=self.cfg.wire_delay_ms / 1000)
+                self.event("state", state="bootstrapping")
+                self._bootstrap()
+        except BaseException as error:
+            self.close(f"failed to start: {error}")
+            raise
+        self._started = time.monotonic()  # the inner-step loop starts now
+
+    @classmethod
+    def join(cls, model: torch.nn.Module, coordinator: str, join_token: str, config: LearnerConfig | None = None, *,
+             pool: str = "default", launch_id: str = "", optimizer: torch.optim.Optimizer | None = None,
+             events: TapeWriter | None = None) -> Learner:
+        """Join the run of the coordinator at ``coordinator`` with the model to train."""
+        member = join(coordinator, join_token, pool, launch_id, f"{socket.gethostname()}:{os.getpid()}")
+        return cls(model, member, config, optimizer=optimizer, coordinator=coordinator, events=events)
+
+    # --- what the training loop calls --------------------------------------------------
+
+    @property
+    def index(self) -> int:
+        """This learner's number (``L3`` is 3): pick its share of the data with it."""
+        return learner_number(self.learner_id)
+
+    @property
+    def should_stop(self) -> bool:
+        """The coordinator asked this learner to leave (drain), or ``close`` was called."""
+        return self.stop.is_set()
+
+    def step(self, tokens: int) -> None:
+        """Call once after each optimizer step, with the tokens that step trained on: sends
+        the fragments due at this step, then applies the replies due before the next."""
+        step = self._step
+        s = self.summary
+        s.inner_steps += 1
+        s.tokens += tokens
+        s.wall_s = s.train_s = time.monotonic() - self._started
+        self.book.count_step(tokens)
+        self.telemetry.step(tokens, self.plan.num_fragments, s.tokens / s.wall_s if s.wall_s else 0.0)
+        self._send_due(step)
+        self._step = step + 1
+        self._record_snapshots()
+        self._apply_due(self._step)
+
+    def event(self, kind: str, **fields) -> None:
+        if self.events is not None:
+            self.events.append(kind, time.time(), **fields)
+
+    def close(self, reason: str = "finished") -> Summary:
+        """Finish in-flight pushes (bounded), apply what arrived, leave. Idempotent."""
+        if self._closed:
+            return self.summary
+        self._closed = True
+        self.stop.set()
+        self.event("state", state="draining", step=self.summary.inner_steps)
+        try:
+            if self.streamer is not None:
+                self.streamer.close(timeout_s=min(self.cfg.push_timeout_s, 30.0))
+                if hasattr(self, "book"):
+                    self._apply_due(None)
+                for sync in self._syncs.values():
+                    sync.unfinished()
+                self._syncs.clear()
+        finally:
+            if self.heartbeats is not None:
+                self.heartbeats.stop_and_leave(reason)
+        self._finish()
+        return self.summary
+
+    def __enter__(self) -> Learner:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close("finished" if error is None else f"stopped: {type(error).__name__}: {error}")
+
+    # --- inside ------------------------------------------------------------------------
+
+    def _stats(self) -> dict:
+        s = self.summary
+        return {"tokens": s.tokens, "inner_steps": s.inner_steps,
+                "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0, "version_lag": self.version_lag()}
+
+    def _drain(self, reason: str) -> None:
+        logger.warning("%s: leaving: %s", self.learner_id, reason)
+        self.stop_reason = reason
+        self.stop.set()
+
+    def _host(self, fragment_id: int) -> list[torch.Tensor]:
+        """The fragment's current values as fp32 host tensors (whatever the model's dtype)."""
+        return [self.device.to_host(t) for t in self.plan.gather(fragment_id, self.tensors)]
+
+    def _bootstrap(self) -> None:
+        """Offer our values to shards that hold none yet, then start from the global state
+        the shards hold, never from a private init."""
+        by_shard = {s: [f.id for f in self.plan.owned_by(s, self.num_shards)] for s in range(self.num_shards)}
+
+        def encode_fp32(fragment_id: int):
+            pieces = self.plan.fragments[fragment_id].pieces
+            return [encode(p.name, t, encoding="fp32") for p, t in zip(pieces, self._host(fragment_id))]
+
+        for shard, fragments in by_shard.items():
+            taken = self.streamer.initialize(shard, self.manifest_json, self.plan.plan_hash, fragments, encode_fp32)
+            self.summary.initialized_fragments += taken
+        updates = self.streamer.bootstrap(by_shard)
+        fragments = {}
+        for update in updates:
+            values = update.segments[-1].tensors
+            merge_into(self.plan.gather(update.fragment, self.tensors), values, 0.0)
+            fragments[update.fragment] = FragmentSync([v.clone() for v in values], update.version)
+        missing = set(range(self.plan.num_fragments)) - set(fragments)
+        if missing:
+            raise FailedPrecondition(f"bootstrap returned no state for fragments {sorted(missing)}")
+        self.book = SyncBook(fragments, self.run.overlap_steps)
+
+        def encode_anchor(fragment_id: int):
+            pieces = self.plan.fragments[fragment_id].pieces
+            return [encode(p.name, t, encoding="fp32") for p, t in zip(pieces, self.book.fragments[fragment_id].anchor)]
+
+        self.streamer.reoffer = (self.manifest_json, self.plan.plan_hash, encode_anchor)
+        logger.info("%s bootstrapped %d fragments at versions %s%s", self.learner_id, len(fragments),
+                    {f: s.base_version for f, s in sorted(fragments.items())},
+                    f" (initialised fragments {self.summary.initialized_fragments})" if self.summary.initialized_fragments else "")
+
+    def _send_due(self, step: int) -> None:
+        if self.streamer is None:
+            return
+        for fragment_id in fragments_due(step, self.offsets, self.run.sync_every_steps):
+            started = time.perf_counter()
+            state = self.book.fragments[fragment_id]
+            host = self._host(fragment_id)
+            keep = [t.detach().clone() for t in host] if self.run.reply_rule == "rebase" else None
+            if not self.book.sending(fragment_id, step, keep):
+                continue  # its previous push is still out; the next send carries both
+            shard = self.plan.fragments[fragment_id].owner(self.num_shards)
+            sync = self.telemetry.start_sync(fragment_id, shard, state.base_version, step)
+            pieces = self.plan.fragments[fragment_id].pieces
+            encoded = [
+                encode(piece.name, d, encoding=self.cfg.delta_codec, block_size=self.cfg.block_size)
+                for piece, d in zip(pieces, delta(state.anchor, host))
+            ]
+            self.clock = self.clock.tick(self.learner_id)
+            meta = PushMeta(
+                self.learner_id, fragment_id, state.base_version, state.tokens, state.steps,
+                self.summary.wall_s / max(self.summary.inner_steps, 1), self.clock, tuple(e.spec for e in encoded),
+                snapshot_epoch=self.snapshot_epoch,
+            )
+            sync.phase("encode", time.perf_counter() - started)
+            if self.streamer.submit(PushJob(shard, meta, encoded, state.anchor, step, sync)):
+                self._syncs[(fragment_id, step)] = sync
+            else:
+                self.book.receive(Reply(fragment_id, -1, [], step, 0, failed=True))
+            self.summary.blocked_s += time.perf_counter() - started
+
+    def _apply_due(self, step: int | None) -> None:
+        """Apply replies due at ``step`` (None: whatever has arrived, at the end)."""
+        if self.streamer is None:
+            return
+        while True:
+            try:
+                reply = self.streamer.replies.get_nowait()
+            except queue.Empty:
+                break
+            self.book.receive(reply)
+            if (sync := self._syncs.get((reply.fragment, reply.sent_step))) is not None:
+                sync.received = True
+        due = self.book.due(step if step is not None else 1 << 62)
+        for reply in due:
+            started = time.perf_counter()
+            views = self.plan.gather(reply.fragment, self.tensors)
+            sent = self.book.rebase_from(reply) if self.run.reply_rule == "rebase" else None
+            if sent is not None:
+                rebase_into(views, reply.values, sent)
+            else:
+                merge_into(views, reply.values, self.run.merge_alpha)
+            self.book.applied_reply(reply, rebased=sent is not None)
+            self._staleness.append(reply.staleness)
+            if (sync := self._syncs.pop((reply.fragment, reply.sent_step), None)) is not None:
+                sync.applied(time.perf_counter() - started, reply.staleness)
+        self._retire_syncs()
+
+    def _retire_syncs(self) -> None:
+        """Forget traces that ended in the streamer (dropped, failed); end those whose reply
+        the book dropped for a newer one."""
+        waiting = {(r.fragment, r.sent_step) for r in self.book.waiting}
+        for key, sync in list(self._syncs.items()):
+            if sync.received and key not in waiting:
+                sync.superseded()
+            if sync.ended:
+                del self._syncs[key]
+
+    def _record_snapshots(self) -> None:
+        """Record local state for each new marker: model, optimizer, the data cursor (the
+        step), the per-fragment sync books and the clock. Pushes sent from now on carry
+        the snapshot's epoch, so a shard can tell in-flight pushes (channel state) from
+        later ones."""
+        while True:
+            try:
+                snapshot_id, directory = self.markers.get_nowait()
+            except queue.Empty:
+                return
+            if snapshot_id <= self.snapshot_epoch:
+                continue  # the coordinator repeats a marker until it hears our report
+            self.clock = self.clock.tick(self.learner_id)
+            state = {
+                "learner_id": self.learner_id,
+                "step": self._step,
+                "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "fragments": {
+                    f: {"anchor": s.anchor, "base_version": s.base_version, "tokens": s.tokens, "steps": s.steps}
+                    for f, s in self.book.fragments.items()
+                },
+                "clock": dict(self.clock.entries),
+            }
+            name = f"{self.learner_id}.pt"
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            data = buffer.getvalue()
+            atomic_write(Path(directory) / name, data)
+            self.snapshot_epoch = snapshot_id
+            self.on_recorded(snapshot_id, self.clock, [(name, len(data), hashlib.sha256(data).hexdigest())])
+            logger.info("%s recorded snapshot %d at inner step %d", self.learner_id, snapshot_id, self._step)
+
+    def _finish(self) -> None:
+        s = self.summary
+        s.wall_s = time.monotonic() - self._started
+        s.tokens_per_s = s.tokens / s.train_s if s.train_s > 0 else 0.0
+        if self.streamer is not None:
+            st = self.streamer.stats
+            s.pushes_sent, s.pushes_acked, s.pushes_dropped = st.pushes_sent, st.pushes_acked, st.pushes_dropped
+            s.bytes_up, s.bytes_down = st.bytes_up, st.bytes_down
+            if st.latency_s:
+                s.sync_latency_s_p50 = sorted(st.latency_s)[len(st.latency_s) // 2]
+        if hasattr(self, "book"):
+            s.replies_applied, s.replies_late, s.sends_deferred = self.book.applied, self.book.late, self.book.deferred
+        s.mean_staleness = sum(self._staleness) / len(self._staleness) if self._staleness else 0.0
+
+    def version_lag(self) -> int:
+        """Staleness of the last merged reply: versions the global had moved past its push's base."""
+        return self._staleness[-1] if self._staleness else 0
+
+    def anchors(self) -> dict[int, list[torch.Tensor]]:
+        return {f: s.anchor for f, s in self.book.fragments.items()}

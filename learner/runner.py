@@ -1,0 +1,135 @@
+"""The ``--task`` runner: a task's model, batches and loss trained by a plain loop on the
+public ``Learner`` API (the same code path a user with their own loop takes). The loop
+reads like its schedule: one batch, its loss, backward, optimizer step, ``learner.step``,
+an evaluation now and then."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from collections.abc import Callable
+
+from diloco.tape import TapeWriter
+from diloco.task import Task, TaskContext, TaskError, build_task, checked_loss, checked_tokens, evaluate
+from learner.api import Learner, Summary, learner_number
+from learner.config import LearnerConfig
+from learner.core.schedule import inner_lr
+from learner.device import Device
+from learner.membership import Heartbeats, Membership
+
+logger = logging.getLogger(__name__)
+
+
+def inner_optimizer(task: Task, cfg: LearnerConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The task's optimizer (default: AdamW with the learner's lr and weight decay) under
+    the learner's warmup + cosine schedule, as a factor of each group's own lr."""
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    if task.optimizer is not None:
+        optimizer = task.optimizer(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TaskError(f"the task's optimizer function returned {type(optimizer).__name__}, not a torch optimizer")
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: inner_lr(step, 1.0, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    )
+    return optimizer, schedule
+
+
+class TaskRunner:
+    """Trains ``task`` for ``cfg.steps`` inner steps (or until the learner is asked to
+    stop), syncing through ``learner``."""
+
+    def __init__(self, spec: str, task: Task, learner: Learner, optimizer: torch.optim.Optimizer, schedule) -> None:
+        self.spec, self.task, self.learner = spec, task, learner
+        self.cfg = learner.cfg
+        self.optimizer, self.schedule = optimizer, schedule
+        self.summary: Summary = learner.summary
+        self.summary.eval_unit = task.eval_unit
+
+    def train(self) -> Summary:
+        learner, cfg, task = self.learner, self.cfg, self.task
+        self._evaluate(0)
+        learner.event("state", state="computing", step=0)
+        batches = iter(task.batches)
+        for step in range(cfg.steps):
+            if learner.should_stop:
+                logger.info("%s: stopping at inner step %d", learner.learner_id, step)
+                break
+            started = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                raise TaskError(
+                    f"task {self.spec!r}: its batches ended after {step} batches; this learner trains {cfg.steps} inner steps"
+                ) from None
+            loss = checked_loss(self.spec, task.loss(task.model, batch))
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(task.model.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            self.schedule.step()
+            learner.device.step_done()
+            if learner.device.kind != "xla":  # reading the loss is a host sync point on XLA
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise TaskError(f"task {self.spec!r}: the loss is {value} at inner step {step}")
+                learner.telemetry.train_loss(value)
+            # Simulated slow accelerator (chaos, benchmarks), not synchronisation.
+            delay = cfg.step_delay_s + (cfg.slow_factor - 1.0) * (time.perf_counter() - started)
+            if delay > 0:
+                time.sleep(delay)
+            learner.step(checked_tokens(self.spec, task.tokens(batch)))
+            if (step + 1) % cfg.eval_every_steps == 0:
+                self._evaluate(step + 1)
+        return self.summary
+
+    def finish(self) -> None:
+        """After ``learner.close``: the final evaluation, with every reply applied."""
+        s = self.summary
+        if not s.eval_history or s.eval_history[-1][0] != s.inner_steps:
+            self._evaluate(s.inner_steps)
+
+    def _evaluate(self, step: int) -> float | None:
+        value = evaluate(self.spec, self.task)
+        if value is None:
+            return None
+        s = self.summary
+        if s.eval_loss_start is None:
+            s.eval_loss_start = value
+        s.eval_loss_final = value
+        s.eval_history.append((step, s.tokens, round(value, 5)))
+        self.learner.telemetry.eval_loss(value, self.task.eval_unit)
+        self.learner.event("eval", step=step, tokens=s.tokens, loss=round(value, 5), unit=self.task.eval_unit)
+        logger.info("%s step %d tokens %d eval %.4f %s", self.learner.learner_id, step, s.tokens, value, self.task.eval_unit)
+        return value
+
+
+def run_task(member: Membership, cfg: LearnerConfig, *, coordinator: str | None = None, num_learners: int = 1,
+             events: TapeWriter | None = None, heartbeats: Heartbeats | None = None, sync: bool = True,
+             on_learner: Callable[[Learner], None] = lambda learner: None) -> Learner:
+    """Build the run's task for this learner, train it to the end (or a stop), close the
+    learner and evaluate once more. Returns the closed learner (``.summary``)."""
+    run = member.run
+    device = Device(cfg.device)
+    ctx = TaskContext(learner_number(member.learner_id), num_learners, run.seed, device.torch, dict(run.task_options))
+    task = build_task(run.task, ctx)
+    task.model.to(device.torch)
+    optimizer, schedule = inner_optimizer(task, cfg)
+    learner = Learner(task.model, member, cfg, optimizer=optimizer, coordinator=coordinator, device=device,
+                      events=events, heartbeats=heartbeats, sync=sync)
+    on_learner(learner)
+    runner = TaskRunner(run.task, task, learner, optimizer, schedule)
+    try:
+        runner.train()
+    except BaseException as error:
+        learner.close(f"stopped: {error}")
+        raise
+    learner.close("finished" if not learner.stop.is_set() else "stopped")
+    runner.finish()
+    return learner

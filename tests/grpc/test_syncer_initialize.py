@@ -1,0 +1,162 @@
+"""A shard starts holding no model: the first learner's values of a fragment become its
+version 0 (Initialize), later offers change nothing, and every malformed or hostile offer
+gets a specific status and leaves the shard as it was."""
+
+import asyncio
+import contextlib
+
+import grpc
+import numpy as np
+import pytest
+
+from diloco import auth
+from diloco.codec import EncodedTensor, TensorSpec, checksum, encode
+from diloco.errors import DilocoError
+from diloco.v1 import common_pb2, syncer_pb2
+from diloco.v1.syncer_pb2_grpc import SyncerStub
+from syncer import snapshot
+from syncer.config import SyncerConfig
+from syncer.runtime import MANIFEST_FILE, initial_name
+from syncer.server import ShardServer, ShardServerConfig
+from tests.grpc.conftest import SECRET, TINY, client_for, run
+from tests.grpc.test_syncer_service import FakeLearner
+from tests.seeded import gpt_run, model_plan
+
+MANIFEST, PLAN, STATE = model_plan(TINY)
+
+
+@contextlib.asynccontextmanager
+async def empty_shard(tmp_path, shard_id=0, num_shards=1):
+    cfg = SyncerConfig(shard_id=shard_id, num_shards=num_shards)
+    server = ShardServer(TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=("L0", "L1")))
+    port = await server.start()
+    try:
+        yield server, f"127.0.0.1:{port}"
+    finally:
+        await server.stop()
+
+
+def fp32(fragment, values=None):
+    values = values or PLAN.gather(fragment, STATE)
+    return [encode(p.name, t, encoding="fp32") for p, t in zip(PLAN.fragments[fragment].pieces, values)]
+
+
+def test_first_offer_wins_and_the_shard_then_serves_it(tmp_path):
+    async def scenario():
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as c0, client_for(address, "L1") as c1:
+                with pytest.raises(grpc.aio.AioRpcError) as before:
+                    await c0.bootstrap()
+                assert before.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "holds no model yet" in before.value.details()
+                assert (await c0.status()).plan_hash == ""
+                # Two learners offer different values at once: one wins per fragment.
+                other = [t + 1 for t in PLAN.gather(0, STATE)]
+                results = await asyncio.gather(
+                    c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0)),
+                    c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, other)),
+                )
+                assert sorted(results) == [False, True]
+                (update,) = await c1.bootstrap([0])
+                winner = PLAN.gather(0, STATE) if results[0] else other
+                assert update.version == 0 and all((a == b).all() for a, b in zip(update.segments[-1].tensors, winner))
+                # Fragment 1 has no value yet: pushes to it and its bootstrap are refused.
+                with pytest.raises(grpc.aio.AioRpcError) as missing:
+                    await c0.bootstrap([1])
+                assert "fragment 1 has no value yet" in missing.value.details()
+                assert await c0.initialize(1, MANIFEST.to_json(), PLAN.plan_hash, fp32(1))
+                assert (await c0.status()).plan_hash == PLAN.plan_hash
+                learner = FakeLearner.of(server, "L0", fragment=1)
+                assert (await learner.push(c0)).update.version == 1  # trains from the offered values
+            # The run's manifest and each fragment's initial values are kept for replay.
+            assert (tmp_path / MANIFEST_FILE).read_text() == MANIFEST.to_json()
+            kept = snapshot.loads(tmp_path / initial_name(1))["pieces"]
+            assert all(np.array_equal(a, b.numpy()) for a, b in zip(kept, PLAN.gather(1, STATE)))
+
+    run(scenario())
+
+
+async def raw_initialize(address, messages, learner_id="L0"):
+    metadata = [(auth.LEARNER_METADATA, learner_id), (auth.CREDENTIAL_METADATA, auth.sign(SECRET, learner_id))]
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await SyncerStub(channel).Initialize(iter(messages), metadata=metadata, timeout=10)
+
+
+def header(fragment=0, manifest=None, plan_hash=None, encoded=None, learner_id="L0"):
+    encoded = encoded if encoded is not None else fp32(fragment)
+    from diloco.convert import spec_to_proto
+
+    return syncer_pb2.InitializeRequest(header=syncer_pb2.InitializeHeader(
+        learner_id=learner_id, fragment=fragment, manifest_json=MANIFEST.to_json() if manifest is None else manifest,
+        plan_hash=PLAN.plan_hash if plan_hash is None else plan_hash, tensors=[spec_to_proto(e.spec) for e in encoded]))
+
+
+def chunks(encoded):
+    from diloco.codec import frame
+
+    return [syncer_pb2.InitializeRequest(chunk=common_pb2.Chunk(data=c)) for c in frame([e.payload for e in encoded])]
+
+
+def _nan_values():
+    out = []
+    for p in PLAN.fragments[0].pieces:
+        payload = np.full(p.shape, np.nan, dtype=np.float32).tobytes()
+        out.append(EncodedTensor(TensorSpec(p.name, p.shape, "float32", "fp32", 0, "", len(payload), checksum(payload)), payload))
+    return out
+
+
+def _cases():
+    good = fp32(0)
+    other_manifest, other_plan, _ = model_plan(gpt_run(width=32, depth=1, heads=2, context=16, fragments=2))
+    int4 = [encode(p.name, t) for p, t in zip(PLAN.fragments[0].pieces, PLAN.gather(0, STATE))]
+    return {
+        "bad manifest": ([header(manifest='{"entries": 7}'), *chunks(good)], "INVALID_ARGUMENT", "invalid model manifest"),
+        "plan hash mismatch": ([header(plan_hash="0" * 64), *chunks(good)], "INVALID_ARGUMENT", "does not match"),
+        "unknown fragment": ([header(fragment=7, encoded=good), *chunks(good)], "INVALID_ARGUMENT", "not in the plan"),
+        "wrong tensors": ([header(encoded=good[:1]), *chunks(good[:1])], "INVALID_ARGUMENT", "tensors"),
+        "int4 values": ([header(encoded=int4), *chunks(int4)], "INVALID_ARGUMENT", "raw float32"),
+        "nan values": ([header(encoded=_nan_values()), *chunks(_nan_values())], "INVALID_ARGUMENT", "is nan"),
+        "truncated": ([header()], "INVALID_ARGUMENT", ""),
+        "chunk first": (chunks(good), "INVALID_ARGUMENT", "header"),
+        "learner mismatch": ([header(learner_id="L1"), *chunks(good)], "PERMISSION_DENIED", "claims"),
+        "another model": (
+            [syncer_pb2.InitializeRequest(header=syncer_pb2.InitializeHeader(
+                learner_id="L0", fragment=0, manifest_json=other_manifest.to_json(), plan_hash=other_plan.plan_hash,
+                tensors=[])), ], "FAILED_PRECONDITION", "another model",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_cases()))
+def test_bad_offers_get_a_specific_status_and_change_nothing(tmp_path, case):
+    messages, code, match = _cases()[case]
+
+    async def scenario():
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as c0:
+                if case == "another model":  # the shard holds the run's model already
+                    assert await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await raw_initialize(address, messages)
+                assert error.value.code().name == code, error.value.details()
+                assert match in error.value.details()
+                core = server.runtime.core
+                assert sorted(core.fragments) == ([0] if case == "another model" else [])
+                assert await c0.initialize(1, MANIFEST.to_json(), PLAN.plan_hash, fp32(1))  # still serves
+
+    run(scenario())
+
+
+def test_a_fragment_of_another_shard_is_failed_precondition(tmp_path):
+    async def scenario():
+        async with empty_shard(tmp_path, shard_id=1, num_shards=2) as (server, address):
+            async with client_for(address, "L0") as c0:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+                assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "owned by shard 0" in error.value.details()
+                assert server.runtime.core.fragments == {}
+
+    run(scenario())
+
+
+assert DilocoError  # the statuses above are the table in diloco.rpc
