@@ -316,6 +316,30 @@ def _snapshots(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from diloco.export import export_model
+
+    client = _client(args)
+    try:
+        exported = export_model(client, Path(args.out), timeout_s=args.deadline_s)
+    finally:
+        client.close()
+    info = {
+        "path": str(args.out),
+        "tensors": len(exported.state),
+        "parameters": sum(t.numel() for t in exported.state.values()),
+        "versions": {str(f): v for f, v in sorted(exported.versions.items())},
+        "not_exported": list(exported.skipped),
+    }
+    if args.json:
+        print(json.dumps(info))
+    else:
+        versions = ", ".join(f"{f}@{v}" for f, v in info["versions"].items())
+        print(f"wrote {info['path']}: {info['tensors']} tensors, {info['parameters']:,} values; fragment versions {versions}"
+              + (f"; not exported (large non-float tensors): {', '.join(exported.skipped)}" if exported.skipped else ""))
+    return 0
+
+
 def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     admin = commands.add_parser(
         "admin",
@@ -359,3 +383,13 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     snapshots = verbs.add_parser("snapshots", help="list snapshots (running, complete, failed)")
     snapshots.add_argument("--json", action="store_true", help="print a JSON list")
     snapshots.set_defaults(func=_snapshots)
+
+    export = verbs.add_parser(
+        "export", help="write the global model as model.safetensors (the keys of the task model's state_dict)",
+        description="Fetch the global model from the shards (through the coordinator) and write it as a "
+                    "safetensors file that load_state_dict takes on a fresh instance of the task's model.",
+    )
+    export.add_argument("--out", required=True, metavar="PATH", help="file to write, e.g. model.safetensors")
+    export.add_argument("--deadline-s", type=float, default=600.0, help="deadline of the whole export (default 600 s)")
+    export.add_argument("--json", action="store_true", help="print {path, tensors, parameters, versions} as JSON")
+    export.set_defaults(func=_export)

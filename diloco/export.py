@@ -109,8 +109,8 @@ def load_versions(path: Path) -> dict[int, int]:
     return {int(a): int(b) for a, b in (pair.split(":") for pair in raw.split(",") if pair)}
 
 
-def export_model(admin, path: Path) -> Exported:
+def export_model(admin, path: Path, timeout_s: float = 600.0) -> Exported:
     """Fetch the global model through the coordinator's ``ExportModel`` and save it."""
-    exported = assemble(admin.export_model())
+    exported = assemble(admin.export_model(timeout_s))
     save(exported, path)
     return exported

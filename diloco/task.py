@@ -183,7 +183,8 @@ def evaluate(spec: str, task: Task) -> float | None:
             for batch in task.eval_batches:
                 value = task.loss(model, batch)
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                    raise TaskError(f"task {spec!r}: loss returned a non-scalar on an eval batch")
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise TaskError(f"task {spec!r}: loss returned {shape} on an eval batch, not a scalar")
                 total += float(value)
     finally:
         model.train(was_training)

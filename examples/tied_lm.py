@@ -37,6 +37,7 @@ class TiedGRU(nn.Module):
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied
+        nn.init.normal_(self.embed.weight, std=0.05)
         self.register_buffer("hidden_rms", torch.ones(()))
         self.register_buffer("batches_seen", torch.zeros((), dtype=torch.int64))
 

@@ -25,6 +25,7 @@ import torch
 from opentelemetry import context as otel_context
 
 from diloco.codec import EncodedTensor
+from diloco.errors import FailedPrecondition
 from learner.core.sync import Reply
 from learner.telemetry import SyncTrace
 from syncer.client import DecodedUpdate, SyncerClient, open_channel
@@ -115,6 +116,11 @@ class Streamer:
         async def offer() -> list[int]:
             client = self._client(shard)
             status = await client.status()
+            if status.plan_hash and status.plan_hash != plan_hash:
+                raise FailedPrecondition(
+                    f"shard {shard} holds another model (plan {status.plan_hash[:12]}; this learner's model gives "
+                    f"{plan_hash[:12]}): every learner of a run trains the same model"
+                )
             have = {f.fragment for f in status.fragments}
             taken = []
             for fragment in fragments:

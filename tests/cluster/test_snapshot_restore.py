@@ -13,7 +13,10 @@ import time
 
 import pytest
 
+from safetensors.torch import load_file
+
 from coordinator.client import AdminClient
+from diloco.tasks.byte_gpt import GPT, ModelConfig
 from diloco.snapshots import find_manifest
 from syncer import snapshot as snapshot_files
 from syncer.client import SyncerClient, open_channel
@@ -125,6 +128,18 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
         assert all(r["ok"] for r in admin.add_learners(3))
         poll(lambda: len(now := {f: v for s in cluster.shards for f, v in versions(s).items()}) == 4
              and all(v >= restored[f] + 2 for f, v in now.items()), "training to continue after the restore")
+        # The operator exports the live global model; it loads into a fresh byte GPT.
+        export = subprocess.run(
+            [sys.executable, "-m", "diloco.cli", "admin", "--coordinator", cluster.coordinator, "--token-file",
+             str(tmp_path / "coord" / "admin-token"), "export", "--out", str(tmp_path / "model.safetensors"), "--json"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert export.returncode == 0, export.stderr
+        info = json.loads(export.stdout)
+        assert {int(f): v for f, v in info["versions"].items()}.keys() == set(range(4))
+        assert all(v >= restored[int(f)] for f, v in info["versions"].items())
+        model = GPT(ModelConfig(width=32, depth=1, heads=2, context=32))
+        model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
     finally:
         if admin is not None:
             try:

@@ -1,0 +1,164 @@
+"""The public API around a user's own training loop (``diloco.Learner``) against real
+in-process shards: a model the project has never seen (tied weights, BatchNorm, an int
+buffer, bf16 parameters), learners that start from different initial models, and tasks
+that misbehave: each fails that learner with one TaskError line, the shards lose nothing."""
+
+import asyncio
+import contextlib
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import diloco
+from diloco import auth
+from diloco.config import RunConfig
+from diloco.errors import FailedPrecondition
+from diloco.task import TaskError
+from learner.membership import Membership
+from learner.runner import run_task
+from syncer.config import RoundConfig, SyncerConfig
+from syncer.server import ShardServer, ShardServerConfig
+from tests.grpc.conftest import SECRET, run
+
+FAULTY = str(Path(__file__).resolve().parents[1] / "tasks" / "faulty.py") + ":build"
+
+
+class Net(nn.Module):
+    """Tied embedding/head, BatchNorm (float running stats + an int64 counter)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8, dtype=dtype)
+        self.norm = nn.BatchNorm1d(8, dtype=dtype)
+        self.head = nn.Linear(8, 16, bias=False, dtype=dtype)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.embed(x))))
+
+
+@contextlib.asynccontextmanager
+async def shards(tmp_path, count, learners, fragments=3):
+    run_cfg = RunConfig(fragments=fragments, sync_every_steps=6, overlap_steps=2)
+    servers = []
+    for m in range(count):
+        cfg = SyncerConfig(shard_id=m, num_shards=count, rounds=RoundConfig(quorum=1, grace_mode="off"))
+        server = ShardServer(run_cfg, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path / f"s{m}", static_learners=learners))
+        servers.append((server, f"127.0.0.1:{await server.start()}"))
+    try:
+        yield run_cfg, servers
+    finally:
+        for server, _ in servers:
+            await server.stop()
+
+
+def own_loop(run_cfg, addresses, name, model, steps=30, seed=0):
+    """What a user writes: their model, optimizer and loss; one ``step`` per optimizer step."""
+    member = Membership(name, auth.sign(SECRET, name), run_cfg, dict(enumerate(addresses)), 0.0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    with diloco.Learner(model, member, diloco.LearnerConfig(), optimizer=optimizer) as learner:
+        for _ in range(steps):
+            x = torch.randint(0, 16, (32,), generator=g)
+            loss = nn.functional.cross_entropy(model(x).float(), (x + 1) % 16)  # learn the successor
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            learner.step(tokens=x.numel())
+            losses.append(float(loss.detach()))
+    return learner, losses
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_own_loop_with_tied_weights_buffers_and_bf16(tmp_path, dtype):
+    async def scenario():
+        async with shards(tmp_path, 2, ("L0", "L1")) as (run_cfg, servers):
+            addresses = [a for _, a in servers]
+            torch.manual_seed(0)
+            first = Net(dtype)
+            torch.manual_seed(1)  # a different initial model: it must start from the shards' values
+            second = Net(dtype)
+            (a, losses_a), (b, losses_b) = await asyncio.gather(
+                asyncio.to_thread(own_loop, run_cfg, addresses, "L0", first, 40, 0),
+                asyncio.to_thread(own_loop, run_cfg, addresses, "L1", second, 40, 1),
+            )
+            for learner, losses in ((a, losses_a), (b, losses_b)):
+                assert learner.summary.replies_applied > 0 and learner.summary.pushes_dropped == 0
+                assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+            assert {first.embed.weight.dtype, second.head.weight.dtype} == {dtype}
+            assert first.head.weight is first.embed.weight  # still tied
+            plan = a.plan
+            names = {p.tensor for f in plan.fragments for p in f.pieces}
+            assert "embed.weight" in names and "head.weight" not in names and "norm.num_batches_tracked" not in names
+            buffers = {p.tensor for f in plan.fragments for p in f.pieces if p.buffer}
+            assert buffers == {"norm.running_mean", "norm.running_var"}
+            # Each fragment was initialised by one learner; both bootstrapped from the shards.
+            assert sorted(a.summary.initialized_fragments + b.summary.initialized_fragments) == [0, 1, 2]
+            # The running statistics were merged: the shards' values moved off BatchNorm's init.
+            for server, _ in servers:
+                core = server.runtime.core
+                for fragment_id, state in core.fragments.items():
+                    assert state.version >= 3
+                    for piece, value in zip(state.fragment.pieces, state.params):
+                        assert value.dtype == np.float32  # deltas merged in fp32
+                        if piece.tensor == "norm.running_var":
+                            assert not np.allclose(value, 1.0)
+
+    run(scenario())
+
+
+def test_a_learner_whose_model_differs_is_refused_naming_the_tensor(tmp_path):
+    async def scenario():
+        async with shards(tmp_path, 1, ("L0", "L1")) as (run_cfg, servers):
+            addresses = [a for _, a in servers]
+            await asyncio.to_thread(own_loop, run_cfg, addresses, "L0", Net(), 6)
+            other = nn.Sequential(nn.Linear(3, 3))
+            member = Membership("L1", auth.sign(SECRET, "L1"), run_cfg, dict(enumerate(addresses)), 0.0)
+            with pytest.raises(FailedPrecondition, match="shard 0 holds another model"):
+                await asyncio.to_thread(diloco.Learner, other, member)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("raise", "raised RuntimeError: cannot open the dataset"),
+    ("type", "returned dict, not diloco.Task"),
+    ("frozen", "no trainable parameters"),
+    ("nan", "the loss is nan at inner step 3"),
+    ("short", "its batches ended after 5 batches"),
+    ("scalar", "not a scalar"),
+    ("tokens", "not a non-negative int"),
+])
+def test_a_misbehaving_task_fails_its_learner_and_the_shards_lose_nothing(tmp_path, mode, message):
+    async def scenario():
+        async with shards(tmp_path, 1, ("L0", "L1"), fragments=2) as (run_cfg, servers):
+            run_cfg = dataclasses.replace(run_cfg, task=FAULTY, task_options={"fail": mode})
+            addresses = [a for _, a in servers]
+            cfg = diloco.LearnerConfig(steps=24, eval_every_steps=12, warmup_steps=2)
+
+            def learn(name):
+                member = Membership(name, auth.sign(SECRET, name), run_cfg, dict(enumerate(addresses)), 0.0)
+                return run_task(member, cfg)
+
+            good = await asyncio.to_thread(learn, "L0")
+            core = servers[0][0].runtime.core
+            before = {f: (s.version, [p.copy() for p in s.params]) for f, s in core.fragments.items()}
+            with pytest.raises(TaskError) as error:
+                await asyncio.to_thread(learn, "L1")
+            assert FAULTY in str(error.value) and message in str(error.value) and "\n" not in str(error.value)
+            # Whatever the failing learner pushed before it failed was finite and merged as
+            # any push; the shard still serves, and a learner trains on.
+            for f, s in core.fragments.items():
+                assert all(np.isfinite(p).all() for p in s.params)
+            if mode in ("raise", "type", "frozen", "scalar", "tokens"):  # failed before its first push
+                assert all(core.fragments[f].version == v for f, (v, _) in before.items())
+            again = await asyncio.to_thread(learn, "L0")
+            assert again.summary.inner_steps == 24 and again.summary.eval_loss_final < good.summary.eval_loss_start
+            assert good.summary.eval_unit == "mse"
+
+    run(scenario())

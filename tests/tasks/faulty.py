@@ -1,0 +1,50 @@
+"""A small task that misbehaves on purpose, for learner ``fail_index`` only (the others
+train normally): ``--task-option fail=MODE`` with MODE one of raise (build raises), type
+(build returns no Task), nan (the loss turns NaN at step 3), short (the batches end after
+5), scalar (the loss is not a scalar), frozen (nothing to train), tokens (a bad count)."""
+
+import torch
+
+import diloco
+
+
+def build(ctx: diloco.TaskContext) -> diloco.Task:
+    mode = ctx.option("fail", "none")
+    failing = ctx.learner_index == ctx.option("fail_index", 1, int)
+    if failing and mode == "raise":
+        raise RuntimeError("cannot open the dataset")
+    if failing and mode == "type":
+        return {"model": None}
+    torch.manual_seed(ctx.seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if failing and mode == "frozen":
+        model.requires_grad_(False)
+    target = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+    def batches():
+        g = torch.Generator().manual_seed(ctx.learner_index)
+        step = 0
+        while not (failing and mode == "short" and step == 5):
+            x = torch.randn(32, 4, generator=g)
+            yield x, x @ target
+            step += 1
+
+    calls = {"n": 0}
+
+    def loss(model, batch):
+        x, y = batch
+        value = torch.nn.functional.mse_loss(model(x), y)
+        calls["n"] += model.training
+        if failing and mode == "nan" and calls["n"] > 3 and model.training:
+            return value * float("nan")
+        if failing and mode == "scalar":
+            return (model(x) - y) ** 2
+        return value
+
+    def tokens(batch):
+        return -1 if failing and mode == "tokens" else batch[0].shape[0]
+
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(64, 4, generator=g)
+    return diloco.Task(model=model, batches=batches(), loss=loss, tokens=tokens, eval_batches=[(x, x @ target)],
+                       eval_unit="mse")
