@@ -197,7 +197,11 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 raise PermissionDenied(f"credential is for {learner_id!r}, the request claims {header.learner_id!r}")
             plan = self.runtime.plan_from(header.manifest_json)
             if plan.plan_hash != header.plan_hash:
-                raise InvalidArgument(f"plan hash {header.plan_hash[:12]!r} does not match the manifest's {plan.plan_hash[:12]}")
+                raise InvalidArgument(
+                    f"plan hash {header.plan_hash[:12]!r} is not the plan this shard cuts the manifest into "
+                    f"({self.runtime.num_fragments} fragments: {plan.plan_hash[:12]}): the learner's run config differs "
+                    "from the shard's"
+                )
             core = self.runtime.core
             if core.plan is not None and core.plan.plan_hash != plan.plan_hash:
                 core.adopt_plan(plan, header.manifest_json)  # raises FailedPrecondition, naming both plans

@@ -162,3 +162,44 @@ def test_a_misbehaving_task_fails_its_learner_and_the_shards_lose_nothing(tmp_pa
             assert good.summary.eval_unit == "mse"
 
     run(scenario())
+
+
+def test_join_a_coordinator_train_leave_and_a_different_model_is_refused(tmp_path):
+    """``diloco.Learner.join``, as the README shows it: the coordinator fixes the run's model
+    from the first learner; a learner with another model is refused before it trains."""
+    from tests.grpc.coordinator_fixtures import admin_stub, running_coordinator
+    from diloco.v1 import common_pb2, coordinator_pb2
+
+    async def scenario():
+        async with shards(tmp_path, 1, (), fragments=2) as (run_cfg, servers):  # the coordinator's P
+            shard, address = servers[0]
+            async with running_coordinator(tmp_path, shards=(address,)) as coordinator:
+                shard.follow(coordinator.address)
+                model = Net()
+                optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+                def own_loop_joined():
+                    learner = diloco.Learner.join(model, coordinator=coordinator.address,
+                                                  join_token=auth.join_token(SECRET), optimizer=optimizer)
+                    with learner:
+                        for step in range(24):
+                            x = torch.randint(0, 16, (32,))
+                            loss = nn.functional.cross_entropy(model(x), (x + 1) % 16)
+                            loss.backward()
+                            optimizer.step()
+                            optimizer.zero_grad()
+                            learner.step(tokens=x.numel())
+                    return learner
+
+                learner = await asyncio.to_thread(own_loop_joined)
+                assert learner.learner_id == "L0" and learner.summary.replies_applied > 0
+                assert coordinator.runtime.run.plan_hash == learner.plan.plan_hash
+                with pytest.raises(FailedPrecondition, match="model differs from the run's: .*embed.weight"):
+                    await asyncio.to_thread(diloco.Learner.join, nn.Embedding(3, 3), coordinator.address,
+                                            auth.join_token(SECRET))
+                async with admin_stub(coordinator.address) as (stub, md):
+                    gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
+                    assert {l.learner_id: l.state for l in gone.learners} == {
+                        "L0": common_pb2.LEARNER_STATE_LEFT, "L1": common_pb2.LEARNER_STATE_LEFT}
+
+    run(scenario())

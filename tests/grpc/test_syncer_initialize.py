@@ -111,7 +111,7 @@ def _cases():
     int4 = [encode(p.name, t) for p, t in zip(PLAN.fragments[0].pieces, PLAN.gather(0, STATE))]
     return {
         "bad manifest": ([header(manifest='{"entries": 7}'), *chunks(good)], "INVALID_ARGUMENT", "invalid model manifest"),
-        "plan hash mismatch": ([header(plan_hash="0" * 64), *chunks(good)], "INVALID_ARGUMENT", "does not match"),
+        "plan hash mismatch": ([header(plan_hash="0" * 64), *chunks(good)], "INVALID_ARGUMENT", "run config differs"),
         "unknown fragment": ([header(fragment=7, encoded=good), *chunks(good)], "INVALID_ARGUMENT", "not in the plan"),
         "wrong tensors": ([header(encoded=good[:1]), *chunks(good[:1])], "INVALID_ARGUMENT", "tensors"),
         "int4 values": ([header(encoded=int4), *chunks(int4)], "INVALID_ARGUMENT", "raw float32"),
