@@ -119,6 +119,8 @@ def _add_run_config(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--task-option", action="append", metavar="KEY=VALUE",
                        help="an option for the task (TaskContext.options; repeatable)")
     group.add_argument("--seed", type=int, default=0, help="the run's seed: model initialisation, data order (default 0)")
+    group.add_argument("--init", default="", metavar="FILE.safetensors",
+                       help="start the model from these weights (an export: diloco admin export, or a run's model.safetensors)")
     group.add_argument("--fragments", type=int, default=4, help="P: fragments the model is cut into (default 4)")
     group.add_argument("--sync-every", type=int, default=4, help="H: inner steps between two sends of a fragment (default 4)")
     group.add_argument("--overlap", type=int, default=2, help="tau: inner steps before a reply is needed (default 2)")
@@ -133,6 +135,16 @@ def _add_run_config(parser: argparse.ArgumentParser) -> None:
     gpt.add_argument("--context", type=int, help="tokens per sequence (default 128)")
     gpt.add_argument("--batch-size", type=int, help="sequences per inner step (default 16)")
     gpt.add_argument("--data", help="a text file or a directory of them (default: the Python standard library's sources)")
+
+
+def _absolute_task(spec: str) -> str:
+    """A task file given relative to this directory, made absolute: the run config travels
+    to processes with other working directories (a path that is not a file here, say one
+    inside a learner image, is kept as it is)."""
+    path, sep, name = spec.rpartition(":")
+    if sep and path.endswith(".py") and Path(path).is_file():
+        return f"{Path(path).resolve()}:{name}"
+    return spec
 
 
 def _run_config(args: argparse.Namespace):
@@ -152,9 +164,10 @@ def _run_config(args: argparse.Namespace):
         raise InvalidArgument(f"{flags} set options of the built-in byte GPT task; give your task's options "
                               "with --task-option KEY=VALUE")
     return RunConfig(
-        task=args.task,
+        task=_absolute_task(args.task),
         task_options={**shorthands, **parse_options(args.task_option or [])},
         seed=args.seed,
+        init=str(Path(args.init).resolve()) if args.init else "",
         fragments=args.fragments,
         sync_every_steps=args.sync_every,
         overlap_steps=args.overlap,
@@ -334,6 +347,7 @@ def _learner(args: argparse.Namespace) -> int:
             raise InvalidArgument("--coordinator needs --join-token-file")
         given = [f"--{k.replace('_', '-')}" for k in _GPT_OPTIONS if getattr(args, k) is not None]
         given += ["--task"] * (args.task != DEFAULT_TASK) + ["--task-option"] * bool(args.task_option)
+        given += ["--init"] * bool(args.init)
         if given or args.run_config:
             raise InvalidArgument(f"{', '.join(given or ['--run-config'])}: a learner that joins a coordinator trains "
                                   "the coordinator's run config; set the task and its options there")

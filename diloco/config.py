@@ -24,6 +24,9 @@ class RunConfig:
     """``--task-option KEY=VALUE`` pairs handed to the task's build function."""
     seed: int = 0
     """The run's seed (TaskContext.seed): model initialisation and data order."""
+    init: str = ""
+    """A ``.safetensors`` file (e.g. an export) the model starts from instead of its own
+    initialisation; every learner reads it, the first to reach a shard gives it its values."""
     fragments: int = 4
     """P: fragments the model is cut into."""
     sync_every_steps: int = 16

@@ -289,7 +289,7 @@ def _progress_table(members: list[dict], statuses: list, events: dict[str, list[
 def supervisor_task(run: RunConfig, learners: int) -> Task:
     """The run's task as the supervisor builds it: for the start and final evaluation
     (with the learners' eval batches) and the tokens of one batch."""
-    return build_task(run.task, TaskContext(0, learners, run.seed, torch.device("cpu"), dict(run.task_options)))
+    return build_task(run.task, TaskContext(0, learners, run.seed, torch.device("cpu"), dict(run.task_options)), run.init)
 
 
 def eval_task(run: RunConfig, task: Task, state: Mapping[str, torch.Tensor] | None = None) -> float:

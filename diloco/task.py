@@ -112,8 +112,9 @@ def load_task(spec: str) -> Callable[[TaskContext], Task]:
     return build
 
 
-def build_task(spec: str, ctx: TaskContext) -> Task:
-    """Load and call the task, checking what it returns."""
+def build_task(spec: str, ctx: TaskContext, init: str = "") -> Task:
+    """Load and call the task, checking what it returns. ``init``: a ``.safetensors`` file
+    (an export) whose values the model starts from instead of its own initialisation."""
     import torch
 
     build = load_task(spec)
@@ -136,7 +137,25 @@ def build_task(spec: str, ctx: TaskContext) -> Task:
         raise TaskError(f"task {spec!r}: the model has no trainable parameters")
     if not (isinstance(task.eval_scale, (int, float)) and math.isfinite(task.eval_scale) and task.eval_scale > 0):
         raise TaskError(f"task {spec!r}: eval_scale must be a positive number, got {task.eval_scale!r}")
+    if init:
+        load_init(spec, task.model, init)
     return task
+
+
+def load_init(spec: str, model, path: str) -> None:
+    """Start ``model`` from the tensors of a safetensors file, every key and shape checked."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(path)
+    except (OSError, SafetensorError) as error:
+        raise TaskError(f"--init {path}: cannot read it: {error}") from None
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()
+        raise TaskError(f"--init {path} does not fit the model of task {spec!r}: {' '.join(first[:3])[:300]}") from None
 
 
 def checked_loss(spec: str, value: Any) -> torch.Tensor:

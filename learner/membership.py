@@ -96,6 +96,7 @@ class Heartbeats:
         self.stats, self.on_drain, self.on_snapshot = stats, on_drain, on_snapshot
         self.reports: queue.SimpleQueue[coordinator_pb2.ReportSnapshotRequest] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._left = False
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="diloco-heartbeat", daemon=True)
         self.failures = 0
 
@@ -155,6 +156,10 @@ class Heartbeats:
                 logger.warning("snapshot report failed: %s %s", error.code().name, error.details())
 
     def stop_and_leave(self, reason: str) -> None:
+        """Stop beating and Leave; once (a second call does nothing)."""
+        if self._left:
+            return
+        self._left = True
         self._stop.set()
         self._thread.join(timeout=10)
 

@@ -118,7 +118,7 @@ def run_task(member: Membership, cfg: LearnerConfig, *, coordinator: str | None 
     run = member.run
     device = Device(cfg.device)
     ctx = TaskContext(learner_number(member.learner_id), num_learners, run.seed, device.torch, dict(run.task_options))
-    task = build_task(run.task, ctx)
+    task = build_task(run.task, ctx, run.init)
     task.model.to(device.torch)
     optimizer, schedule = inner_optimizer(task, cfg)
     learner = Learner(task.model, member, cfg, optimizer=optimizer, coordinator=coordinator, device=device,

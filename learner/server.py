@@ -17,7 +17,6 @@ from pathlib import Path
 
 from diloco.config import RunConfig
 from diloco.tape import TapeWriter
-from diloco.task import TaskError
 from learner.api import Learner, Summary
 from learner.config import LearnerConfig
 from learner.membership import Heartbeats, Membership, join
@@ -37,7 +36,6 @@ def run_learner(
 ) -> Summary:
     """``events_dir``: write the learner's event tape (state changes, evaluations) to
     ``<dir>/<id>.events.jsonl``; ``started_t``: when the process started (wall clock)."""
-    run = member.run
     # Heartbeats start before the task is built: loading data and bootstrapping can take
     # longer than a lease. Until the learner exists, a drain only stops it from starting.
     early_stop: list[str] = []
@@ -61,6 +59,7 @@ def run_learner(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+
     def attach(created: Learner) -> None:
         nonlocal learner
         learner = created
@@ -105,5 +104,3 @@ def static_membership(run: RunConfig, learner_id: str, secret: str, shards: list
 def joined_membership(coordinator: str, join_token: str, pool: str, launch_id: str) -> Membership:
     return join(coordinator, join_token, pool, launch_id, f"{socket.gethostname()}:{os.getpid()}")
 
-
-__all__ = ["TaskError", "run_learner", "static_membership", "joined_membership", "write_summary"]

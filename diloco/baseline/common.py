@@ -84,7 +84,7 @@ def worker_task(run, worker: int, workers: int):
 
     ctx = TaskContext(learner_index=worker, num_learners=workers, seed=run.seed, device=torch.device("cpu"),
                       options=dict(run.task_options))
-    return build_task(run.task, ctx)
+    return build_task(run.task, ctx, run.init)
 
 
 TASK_ERROR_EXIT = 3

@@ -40,7 +40,7 @@ def local(out: Path, task: str, *extra: str) -> dict:
 def test_an_example_trains_and_its_export_reproduces_the_eval_loss(tmp_path, example, steps, options, unit):
     task = f"examples/{example}.py:build"
     summary = local(tmp_path / "run", task, "--steps", str(steps), *options)
-    assert summary["task"] == task and summary["eval_unit"] == unit
+    assert summary["task"] == f"{ROOT / 'examples' / example}.py:build" and summary["eval_unit"] == unit
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 0.3, summary
     assert summary["learners_failed"] == 0 and summary["rounds"] > 0
     state = load_file(str(tmp_path / "run" / "model.safetensors"))
@@ -72,3 +72,12 @@ def test_a_task_failing_on_one_learner_ends_it_with_one_line_and_the_run_goes_on
     (line,) = [l for l in failed[0].splitlines() if "diloco: error:" in l]
     assert "tests/tasks/faulty.py:build" in line and "the loss is nan at inner step 3" in line
     assert "Traceback" not in failed[0]
+
+
+def test_a_run_starts_from_an_export_with_init(tmp_path):
+    first = local(tmp_path / "first", "examples/tied_lm.py:build", "--steps", "30")
+    export = tmp_path / "first" / "model.safetensors"
+    second = local(tmp_path / "second", "examples/tied_lm.py:build", "--steps", "10", "--init", str(export))
+    # The second run's initial global model is the first run's final one.
+    assert second["eval_loss_start"] == pytest.approx(first["eval_loss_final"], abs=1e-4)
+    assert json.loads((tmp_path / "second" / "run.json").read_text())["init"] == str(export.resolve())

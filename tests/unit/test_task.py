@@ -111,3 +111,18 @@ def test_options_and_their_conversion():
     with pytest.raises(InvalidArgument, match="task option n='2.5' is not a valid int"):
         TaskContext(0, 1, 0, "cpu", {"n": "2.5"}).option("n", 0, int)
     assert CTX.option("absent", 5, int) == 5 and Task.__dataclass_fields__["eval_unit"].default == "loss"
+
+
+def test_init_weights_load_into_the_model_or_say_why_not(task_file, tmp_path):
+    from safetensors.torch import save_file
+
+    good = tmp_path / "good.safetensors"
+    save_file({"weight": torch.full((1, 2), 0.5), "bias": torch.zeros(1)}, str(good))
+    task = build_task(f"{task_file}:build", CTX, str(good))
+    assert torch.equal(task.model.weight.detach(), torch.full((1, 2), 0.5))
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({"weight": torch.zeros(3, 3)}, str(wrong))
+    with pytest.raises(TaskError, match="does not fit the model of task"):
+        build_task(f"{task_file}:build", CTX, str(wrong))
+    with pytest.raises(TaskError, match="cannot read it"):
+        build_task(f"{task_file}:build", CTX, str(tmp_path / "missing.safetensors"))
