@@ -51,6 +51,17 @@ async def _drain(requests, limit_bytes: int, timeout_s: float = 5.0) -> None:
         pass
 
 
+async def _header(requests, what: str):
+    """The header that must open a client stream of header-then-chunks messages."""
+    try:
+        first = await anext(requests)
+    except StopAsyncIteration:
+        raise InvalidArgument(f"empty {what} stream: it starts with its header") from None
+    if first.WhichOneof("kind") != "header":
+        raise InvalidArgument(f"a {what} stream starts with its header, not a chunk")
+    return first.header
+
+
 def _serialize(message) -> bytes:
     """Replies may be serialized ahead of time: update chunks are serialized once for
     every learner that gets them instead of once per reply."""
@@ -150,13 +161,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         span = self.runtime.telemetry.start_push()  # a child of the RPC's span: the learner's trace
         try:
             learner_id = self._authenticate(context)
-            try:
-                first = await anext(requests)
-            except StopAsyncIteration:
-                raise InvalidArgument("empty push stream: a push starts with its header") from None
-            if first.WhichOneof("kind") != "header":
-                raise InvalidArgument("a push starts with its header, not a chunk")
-            meta = convert.push_meta_from_proto(first.header)
+            meta = convert.push_meta_from_proto(await _header(requests, "push"))
             if meta.learner_id != learner_id:
                 raise PermissionDenied(f"credential is for {learner_id!r}, the push claims {meta.learner_id!r}")
             span.set_attributes(push_attributes(meta))
@@ -186,13 +191,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         reading = True
         try:
             learner_id = self._authenticate(context)
-            try:
-                first = await anext(requests)
-            except StopAsyncIteration:
-                raise InvalidArgument("empty initialize stream: it starts with its header") from None
-            if first.WhichOneof("kind") != "header":
-                raise InvalidArgument("an initialize stream starts with its header, not a chunk")
-            header = first.header
+            header = await _header(requests, "initialize")
             if header.learner_id != learner_id:
                 raise PermissionDenied(f"credential is for {learner_id!r}, the request claims {header.learner_id!r}")
             plan = self.runtime.plan_from(header.manifest_json)
