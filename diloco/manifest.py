@@ -177,24 +177,39 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _storage_keys(tensor: torch.Tensor) -> list[tuple]:
+    """What makes two state-dict entries one tensor: the same object (tied parameters), or
+    the same storage, offset, shape and strides where the device exposes its memory
+    (XLA tensors and meta tensors do not: there, object identity alone)."""
+    keys: list[tuple] = [("object", id(tensor))]
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        pointer = 0
+    if pointer:
+        keys.append(("storage", tensor.device.type, pointer, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())))
+    return keys
+
+
 def manifest_of(model: torch.nn.Module) -> Manifest:
     """The manifest of ``model.state_dict()``: tied tensors once, with their aliases."""
     state = model.state_dict(keep_vars=True)
     parameters = {id(p) for p in model.parameters()}
     entries, aliases, seen = [], [], {}
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
-        if tensor.numel() and key in seen:
-            aliases.append((name, seen[key]))
+        keys = _storage_keys(tensor)
+        target = next((seen[k] for k in keys if k in seen), None)
+        if target is not None and tensor.numel():
+            aliases.append((name, target))
             continue
         if tensor.is_complex():
             raise InvalidArgument(f"model tensor {name!r} is complex ({tensor.dtype}): not supported")
         dtype = dtype_name(tensor.dtype)
         if dtype not in FLOAT_DTYPES + OTHER_DTYPES:
             raise InvalidArgument(f"model tensor {name!r} has dtype {dtype}: not supported")
-        seen[key] = name
+        seen.update({k: name for k in keys})
         value = None
-        if dtype not in FLOAT_DTYPES and tensor.numel() <= MAX_VALUE_NUMEL:
+        if dtype not in FLOAT_DTYPES and tensor.numel() <= MAX_VALUE_NUMEL and not tensor.is_meta:
             value = tuple(tensor.detach().cpu().reshape(-1).tolist())
         entries.append(Entry(name, tuple(tensor.shape), dtype, "parameter" if id(tensor) in parameters else "buffer", value))
     return Manifest(tuple(entries), tuple(aliases))

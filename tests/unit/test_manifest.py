@@ -95,3 +95,23 @@ def test_oversized_manifest_is_refused_before_parsing():
     entry = {"name": "a" * 500, "shape": [1], "dtype": "float32", "kind": "parameter"}
     with pytest.raises(InvalidArgument, match="exceeds"):
         Manifest.from_json(json.dumps({"entries": [entry] * 40000}))
+
+
+def test_tensors_without_readable_memory_are_told_apart_by_identity():
+    """On XLA (and the meta device) a tensor exposes no data pointer: ties are found by
+    object identity, and distinct tensors are never taken for one."""
+    with torch.device("meta"):
+        model = Tied()
+    manifest = manifest_of(model)
+    assert manifest.aliases == (("head.weight", "embed.weight"),)
+    assert {e.name for e in manifest.synced} == {"embed.weight", "norm.weight", "norm.bias", "norm.running_mean", "norm.running_var"}
+
+
+def test_a_view_sharing_storage_is_an_alias():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(4))
+            self.register_buffer("b", self.a.data)  # the same memory under another key
+
+    assert manifest_of(Shared()).aliases == (("b", "a"),)
