@@ -670,6 +670,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log level for messages on stderr (default WARNING)",
     )
+    parser.add_argument(
+        "--exit-with-parent", action="store_true",
+        help="stop (as on SIGTERM) when the parent process is gone (diloco local starts every process of its run so)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_local(commands)
     _add_run_tools(commands)
@@ -685,12 +689,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_with_parent() -> None:
+    """SIGTERM this process (its graceful shutdown) once its parent process is gone: a
+    run's processes never outlive the process that started them, however it ended
+    (SIGKILL included, which no handler of the parent sees)."""
+    import signal
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)  # nothing to wait on: the kernel reparents us without telling
+        logger.warning("parent process %d is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="diloco-parent-watch", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if args.exit_with_parent:
+        _exit_with_parent()
     try:
         return args.func(args)
     except DilocoError as error:

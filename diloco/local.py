@@ -130,7 +130,7 @@ class Cluster:
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
         log = open(self.dir / "logs" / f"{role}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "--log-level", "INFO", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "--exit-with-parent", "--log-level", "INFO", *args],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(self.cfg.child_env) if self.cfg.child_env is not None else None)
         log.close()
@@ -156,7 +156,7 @@ class Cluster:
     def start(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.common = ["--secret-file", str(self.dir / "secret"), "--run-config", str(self.dir / "run.json")]
-        learner_cmd = (f"{sys.executable} -m diloco.cli --log-level INFO learner --steps {self.learner_steps} "
+        learner_cmd = (f"{sys.executable} -m diloco.cli --exit-with-parent --log-level INFO learner --steps {self.learner_steps} "
                        f"--eval-every {max(self.learner_steps // 6, 1)} --num-learners {self.cfg.learners} "
                        f"--summary-dir {self.dir / 'learners'} --events-dir {self.dir / 'learners'} "
                        f"--delta-codec {self.cfg.delta_codec} --threads {self.cfg.threads_per_learner}")
@@ -423,6 +423,22 @@ def _missing(cfg: LocalConfig, members: list[dict], monkey: ChaosMonkey | None) 
     return cfg.learners + (monkey.launched if monkey is not None else 0) - len(members)
 
 
+def _sigterm_interrupts():
+    """SIGTERM (``timeout``, ``kill``) stops a run as Ctrl-C does: the final model is
+    exported and every process stopped. Returns the handler it replaced (None off the
+    main thread, where Python cannot install one). Every process of the run also watches
+    this one (``--exit-with-parent``), so a SIGKILL here leaves nothing running either."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
 def run_local(cfg: LocalConfig) -> dict:
     from rich.console import Console
     from rich.live import Live
@@ -453,6 +469,7 @@ def run_local(cfg: LocalConfig) -> dict:
     interrupted = False
     draining: set[str] = set()
     drained_at = None
+    previous_sigterm = _sigterm_interrupts()
     try:
         cluster.start()
         token = (run_dir / "admin-token").read_text().strip()
@@ -512,6 +529,8 @@ def run_local(cfg: LocalConfig) -> dict:
         if admin is not None:
             admin.close()
         cluster.stop()
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     wall_s = time.monotonic() - started
     summaries = {s["learner_id"]: s for s in (json.loads(p.read_text()) for p in sorted((run_dir / "learners").glob("*.json")))}
     events = learner_events(run_dir)
