@@ -94,6 +94,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             container=args.learner_container,
             join_token_path=args.join_token_path,
             kube_config=args.kube_config,
+            owner_configmap=args.owner_configmap or os.environ.get("DILOCO_OWNER_CONFIGMAP", ""),
         ),
     )
     if cfg.launcher == "kubernetes" and not cfg.kubernetes.pod_templates:
@@ -148,6 +149,9 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     k8s.add_argument("--learner-container", default="learner", help="learner container's name in the template")
     k8s.add_argument("--join-token-path", default="/var/run/diloco/join-token", help="join token file inside learner pods")
     k8s.add_argument("--kube-config", default="auto", help="in-cluster, auto or a kubeconfig path (default auto)")
+    k8s.add_argument("--owner-configmap", metavar="NAME",
+                     help="ConfigMap (in --namespace) that owns learner pods, so deleting it deletes them "
+                          "(default $DILOCO_OWNER_CONFIGMAP, else none: pods outlive everything)")
     _add_telemetry(p)
     _add_run_config(p)
     p.set_defaults(func=_coordinator)

@@ -50,9 +50,20 @@ class KubernetesLauncherConfig:
     """Where a learner pod reads the join token (the chart mounts a Secret there)."""
     kube_config: str = "auto"
     """"in-cluster", "auto" (in-cluster, else ~/.kube/config) or a kubeconfig path."""
+    owner_configmap: str = ""
+    """A ConfigMap in ``namespace`` that owns every launched pod (``ownerReferences``),
+    so deleting it (``helm uninstall``) garbage-collects them; the chart names its pod
+    templates' ConfigMap. Empty: pods have no owner and outlive everything."""
 
     def __post_init__(self) -> None:
         check_dns_label("namespace", self.namespace)
+        if self.owner_configmap and (
+            len(self.owner_configmap) > 253
+            or not all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", part) for part in self.owner_configmap.split("."))
+        ):
+            raise InvalidArgument(
+                f"owner ConfigMap must be a DNS subdomain (lowercase letters, digits, '-' and '.'), got {self.owner_configmap!r}"
+            )
         for pool, _ in self.pod_templates:
             if pool:
                 check_dns_label("pool", pool)

@@ -4,8 +4,20 @@ official ``kubernetes`` client (an optional dependency, imported only here).
 Every pod it creates is labelled ``app.kubernetes.io/name=diloco``, ``diloco/pool``,
 ``diloco/owner`` (the release) and ``diloco/launch-id``, so the launcher can count its
 own pods (the cap also holds for pods a restarted coordinator no longer remembers) and
-delete them on remove. Pods outlive the coordinator: a restarted one finds its learners
-re-joining.
+delete them on remove.
+
+Pods outlive the coordinator: a restarted one finds its learners re-joining. They do not
+outlive the release: with ``owner_configmap`` set (the chart sets it to its ConfigMap of
+pod templates), every pod carries an ``ownerReferences`` entry naming that ConfigMap, so
+when ``helm uninstall`` deletes it the garbage collector deletes the pods too. The
+owner's UID is read once, when the launcher starts (``get`` on that one ConfigMap); a
+missing or unreadable owner stops it with ``NotFound`` / ``FailedPrecondition``. The
+reference has ``controller: false`` (the ConfigMap reconciles nothing) and
+``blockOwnerDeletion: false`` (deleting the release need not wait for the pods, and
+``true`` would need ``update`` on ``configmaps/finalizers`` under the
+OwnerReferencesPermissionEnforcement admission plugin). The owner is neither the
+coordinator's pod, which a restart replaces, nor its Deployment, which an operator may
+delete to restart the coordinator.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from pathlib import Path
 
 from coordinator.config import KubernetesLauncherConfig
 from coordinator.launcher import LaunchResult, learner_args
-from diloco.errors import InvalidArgument, NotFound, ResourceExhausted
+from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +93,49 @@ class KubernetesLauncher:
         coordinator: str,
         max_learners: int,
         api_client=None,
+        core_api=None,
     ) -> None:
-        from kubernetes import client
-
+        """``core_api`` (a ``CoreV1Api`` or a stand-in with its methods) wins over
+        ``api_client``; without either, the client comes from ``cfg.kube_config``. With
+        ``cfg.owner_configmap`` set, this reads that ConfigMap (blocking, once)."""
         self.cfg = cfg
         self.release = release
         self.coordinator = coordinator
         self.max_learners = max_learners
         self.templates = {pool: load_template(path) for pool, path in cfg.pod_templates}
-        self.api = client.CoreV1Api(api_client if api_client is not None else _default_api_client(cfg.kube_config))
+        if core_api is None:
+            from kubernetes import client
+
+            core_api = client.CoreV1Api(api_client if api_client is not None else _default_api_client(cfg.kube_config))
+        self.api = core_api
+        self.owner_reference = self._owner_reference()
+
+    def _owner_reference(self) -> dict | None:
+        """The ownerReferences entry of every launched pod: the owner ConfigMap, by the
+        UID the API reports now (a ConfigMap recreated under the same name is another owner)."""
+        name = self.cfg.owner_configmap
+        if not name:
+            logger.warning("no owner ConfigMap: launched pods are not garbage-collected with the release")
+            return None
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        what = f"owner ConfigMap {self.cfg.namespace}/{name}"
+        try:
+            configmap = self.api.read_namespaced_config_map(name, self.cfg.namespace)
+        except ApiException as error:
+            if error.status == 404:
+                raise NotFound(f"{what} does not exist: launched pods would have no owner ({_api_error(error)})") from None
+            raise FailedPrecondition(f"cannot read {what} to own launched pods: {_api_error(error)}") from None
+        except (HTTPError, OSError) as error:
+            raise FailedPrecondition(f"cannot read {what} to own launched pods: {error}") from None
+        metadata = getattr(configmap, "metadata", None)
+        uid = getattr(metadata, "uid", None)
+        if not uid:
+            raise FailedPrecondition(f"{what} has no uid")
+        logger.info("launched pods are owned by %s (uid %s)", what, uid)
+        return {"apiVersion": "v1", "kind": "ConfigMap", "name": name, "uid": uid,
+                "controller": False, "blockOwnerDeletion": False}
 
     def pod_name(self, launch_id: str) -> str:
         return f"{self.release}-learner-{launch_id}"
@@ -115,17 +161,15 @@ class KubernetesLauncher:
             *learner_args(self.coordinator, self.cfg.join_token_path, pool, launch_id, overrides),
         ]
         spec.setdefault("restartPolicy", "Never")
-        return {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                **{k: v for k, v in metadata.items() if k not in ("name", "generateName", "namespace")},
-                "name": self.pod_name(launch_id),
-                "namespace": self.cfg.namespace,
-                "labels": labels,
-            },
-            "spec": spec,
+        pod_metadata = {
+            **{k: v for k, v in metadata.items() if k not in ("name", "generateName", "namespace", "ownerReferences")},
+            "name": self.pod_name(launch_id),
+            "namespace": self.cfg.namespace,
+            "labels": labels,
         }
+        if self.owner_reference is not None:
+            pod_metadata["ownerReferences"] = [dict(self.owner_reference)]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_metadata, "spec": spec}
 
     def _selector(self) -> str:
         return f"{NAME_LABEL}=diloco,{OWNER_LABEL}={self.release},{LAUNCH_LABEL}"
@@ -178,4 +222,5 @@ class KubernetesLauncher:
         return []
 
     async def close(self) -> None:
-        """Pods are not children: they keep training while the coordinator restarts."""
+        """Pods are not the coordinator's children: they keep training while it restarts
+        (their owner is the release's ConfigMap, see the module docstring)."""

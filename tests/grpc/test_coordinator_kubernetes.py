@@ -1,7 +1,7 @@
 """The KubernetesLauncher against a local HTTP server (127.0.0.1:0, in this process) that
-implements the pod create / list / delete paths of the Kubernetes API. The official
-``kubernetes`` client does the talking; every manifest it sends is checked with
-kubernetes-validate against the API's own schema."""
+implements the pod create / list / delete paths and the ConfigMap get path of the
+Kubernetes API. The official ``kubernetes`` client does the talking; every manifest it
+sends is checked with kubernetes-validate against the API's own schema."""
 
 import json
 import re
@@ -19,7 +19,7 @@ from kubernetes import client  # noqa: E402
 
 from coordinator.config import KubernetesLauncherConfig  # noqa: E402
 from coordinator.kubernetes import KubernetesLauncher  # noqa: E402
-from diloco.errors import ResourceExhausted  # noqa: E402
+from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted  # noqa: E402
 from diloco.v1 import coordinator_pb2  # noqa: E402
 from tests.grpc.conftest import run  # noqa: E402
 from tests.grpc.coordinator_fixtures import admin_stub, joined, running_coordinator, wait_for  # noqa: E402
@@ -56,17 +56,32 @@ template:
         secret: {secretName: diloco-join-token}
 """
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?$")
+CONFIGMAP = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps/([^/]+)$")
+OWNER = "run-a-pod-templates"
+OWNER_UID = "6f1c2d4e-0b7a-4c1e-9a55-3d2f8e1b7c90"
 
 
 class FakeKubernetesAPI(ThreadingHTTPServer):
-    """Pods only: POST (create), GET with labelSelector (list), DELETE (delete)."""
+    """Pods: POST (create), GET with labelSelector (list), DELETE (delete). ConfigMaps:
+    GET by name (the launcher's owner); names in `forbidden` answer 403 as RBAC would."""
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.pods: dict[tuple[str, str], dict] = {}
+        self.configmaps: dict[tuple[str, str], dict] = {}
+        self.forbidden: set[str] = set()
+        self.configmap_reads: list[tuple[str, str]] = []
         self.received: list[dict] = []
         self.deleted: list[str] = []
         self.lock = threading.Lock()
+
+    def add_configmap(self, namespace, name, uid):
+        self.configmaps[(namespace, name)] = {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid, "resourceVersion": "7",
+                         "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "data": {"spot.yaml": "{}"},
+        }
 
     @property
     def url(self):
@@ -122,6 +137,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         url = urlparse(self.path)
+        configmap = CONFIGMAP.match(url.path)
+        if configmap:
+            key = (configmap.group(1), configmap.group(2))
+            with self.server.lock:
+                self.server.configmap_reads.append(key)
+                found = self.server.configmaps.get(key)
+            if key[1] in self.server.forbidden:
+                return self._reply(403, _status(403, "Forbidden", f'configmaps "{key[1]}" is forbidden: User '
+                                                f'"system:serviceaccount:{key[0]}:run-a-coordinator" cannot get '
+                                                f'resource "configmaps" in API group "" in the namespace "{key[0]}"'))
+            if found is None:
+                return self._reply(404, _status(404, "NotFound", f'configmaps "{key[1]}" not found'))
+            return self._reply(200, found)
         match = PODS.match(url.path)
         if not match or match.group(2):
             return self._reply(404, _status(404, "NotFound", "no such path"))
@@ -147,6 +175,8 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def api():
     server = FakeKubernetesAPI()
+    server.add_configmap("training", OWNER, OWNER_UID)
+    server.add_configmap("elsewhere", OWNER, "uid-of-another-namespace")
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield server
@@ -161,9 +191,14 @@ def template(tmp_path):
     return path
 
 
-def launcher_for(api, template, max_learners=8, pools=("",)):
-    cfg = KubernetesLauncherConfig(namespace="training", pod_templates=tuple((p, template) for p in pools))
+def launcher_for(api, template, max_learners=8, pools=("",), owner=OWNER):
+    cfg = KubernetesLauncherConfig(namespace="training", pod_templates=tuple((p, template) for p in pools),
+                                   owner_configmap=owner)
     return KubernetesLauncher(cfg, "run-a", "coordinator.training:7000", max_learners, api.api_client())
+
+
+OWNER_REFERENCE = {"apiVersion": "v1", "kind": "ConfigMap", "name": OWNER, "uid": OWNER_UID,
+                   "controller": False, "blockOwnerDeletion": False}
 
 
 def assert_valid(manifest):
@@ -198,6 +233,11 @@ def test_launch_creates_labelled_valid_pods_and_stop_deletes_them(api, template)
             "diloco/launch-id": "a1",
         }
         assert pod["metadata"]["annotations"] == {"example.com/team": "ml-infra"}
+        # Owned by the release's ConfigMap (its UID as the API reported it), so deleting
+        # the release garbage-collects the pods; not by anything a restart replaces.
+        assert [m["metadata"]["ownerReferences"] for m in api.received] == [[OWNER_REFERENCE]] * 2
+        assert api.pods[("training", "run-a-learner-a2")]["metadata"]["ownerReferences"] == [OWNER_REFERENCE]
+        assert api.configmap_reads == [("training", OWNER)], "the owner is looked up once, when the launcher starts"
         (container,) = pod["spec"]["containers"]
         assert container["command"] == ["diloco", "learner"]
         assert container["args"] == [
@@ -234,7 +274,8 @@ def test_the_cap_counts_existing_pods_and_api_errors_come_back_as_results(api, t
 def test_add_and_remove_learners_through_the_coordinator(api, template, tmp_path):
     async def scenario():
         def factory(server, address):
-            cfg = KubernetesLauncherConfig(namespace="training", pod_templates=(("spot", template),))
+            cfg = KubernetesLauncherConfig(namespace="training", pod_templates=(("spot", template),),
+                                           owner_configmap=OWNER)
             return KubernetesLauncher(cfg, "run-a", address, server.cfg.max_learners, api.api_client())
 
         async with running_coordinator(
@@ -245,6 +286,7 @@ def test_add_and_remove_learners_through_the_coordinator(api, template, tmp_path
                 (launch,) = reply.launches
                 assert launch.ok and launch.detail.startswith("pod training/run-a-learner-")
                 args = api.received[0]["spec"]["containers"][0]["args"]
+                assert api.received[0]["metadata"]["ownerReferences"] == [OWNER_REFERENCE]
                 assert args[args.index("--coordinator") + 1] == server.address
                 # The pod's learner joins with its launch id; removing it deletes the pod.
                 session = await joined(server.address, pool="spot", launch_id=launch.launch_id)
@@ -258,3 +300,59 @@ def test_add_and_remove_learners_through_the_coordinator(api, template, tmp_path
             await session.close()
 
     run(scenario())
+
+
+def test_a_missing_owner_stops_the_launcher_with_its_name(api, template):
+    with pytest.raises(NotFound) as info:
+        launcher_for(api, template, owner="run-b-pod-templates")
+    assert str(info.value) == (
+        "owner ConfigMap training/run-b-pod-templates does not exist: launched pods would have no owner "
+        '(404 Not Found: configmaps "run-b-pod-templates" not found)'
+    )
+    assert api.configmap_reads == [("training", "run-b-pod-templates")] and api.received == []
+
+
+def test_an_unreadable_owner_is_a_failed_precondition_naming_it(api, template):
+    api.forbidden.add(OWNER)
+    with pytest.raises(FailedPrecondition, match=r"^cannot read owner ConfigMap training/run-a-pod-templates to own "
+                                                 r'launched pods: 403 Forbidden: configmaps "run-a-pod-templates" is forbidden'):
+        launcher_for(api, template)
+
+
+def test_an_unreachable_api_is_a_failed_precondition_naming_the_owner(template):
+    configuration = client.Configuration()
+    configuration.host = "http://127.0.0.1:9"  # nothing listens there
+    configuration.retries = 0
+    cfg = KubernetesLauncherConfig(namespace="training", pod_templates=(("", template),), owner_configmap=OWNER)
+    with pytest.raises(FailedPrecondition, match="^cannot read owner ConfigMap training/run-a-pod-templates to own launched pods: "):
+        KubernetesLauncher(cfg, "run-a", "coordinator.training:7000", 8, client.ApiClient(configuration))
+
+
+def test_without_an_owner_pods_have_no_owner_reference(api, template):
+    async def scenario():
+        launcher = launcher_for(api, template, owner="")
+        [result] = await launcher.launch(["c1"], "spot", {})
+        assert result.ok and "ownerReferences" not in api.received[0]["metadata"]
+        assert api.configmap_reads == []
+
+    run(scenario())
+
+
+def test_a_template_cannot_smuggle_its_own_owner(api, template, tmp_path):
+    path = tmp_path / "owned.yaml"
+    path.write_text(TEMPLATE.replace("  metadata:\n    labels:", "  metadata:\n    ownerReferences: [{apiVersion: v1, kind: "
+                                      "Node, name: n, uid: u}]\n    labels:", 1))
+    assert "ownerReferences" in path.read_text()
+
+    async def scenario():
+        launcher = launcher_for(api, path)
+        await launcher.launch(["d1"], "spot", {})
+        assert api.received[0]["metadata"]["ownerReferences"] == [OWNER_REFERENCE]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("name", ["Run-A", "-x", "a..b", "x" * 254])
+def test_the_owner_name_must_be_a_configmap_name(name):
+    with pytest.raises(InvalidArgument, match="owner ConfigMap must be a DNS subdomain"):
+        KubernetesLauncherConfig(owner_configmap=name)

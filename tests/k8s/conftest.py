@@ -85,27 +85,44 @@ def renders(presets, variants) -> dict[str, Rendered]:
 
 class RecordingPodApi:
     """Stands in for kubernetes.client.CoreV1Api: records each call as the RBAC
-    (verb, resource) it needs; any other method is an AttributeError."""
+    (verb, resource, namespace, name) it needs (name None where RBAC cannot restrict it
+    by resourceNames: create and list); any other method is an AttributeError. It knows
+    the ConfigMaps of a render, each with a made-up UID."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, str]] = []
+    def __init__(self, configmaps: dict[tuple[str, str], str] | None = None) -> None:
+        self.configmaps = dict(configmaps or {})
+        self.calls: list[tuple[str, str, str, str | None]] = []
         self.created: list[dict] = []
 
+    def read_namespaced_config_map(self, name, namespace):
+        from kubernetes.client.exceptions import ApiException
+
+        self.calls.append(("get", "configmaps", namespace, name))
+        if (namespace, name) not in self.configmaps:
+            raise ApiException(status=404, reason="Not Found")
+        return SimpleNamespace(metadata=SimpleNamespace(name=name, namespace=namespace, uid=self.configmaps[(namespace, name)]))
+
     def list_namespaced_pod(self, namespace, label_selector=None):
-        self.calls.append(("list", "pods", namespace))
+        self.calls.append(("list", "pods", namespace, None))
         return SimpleNamespace(items=[])
 
     def create_namespaced_pod(self, namespace, body):
-        self.calls.append(("create", "pods", namespace))
+        self.calls.append(("create", "pods", namespace, None))
         self.created.append(body)
 
     def delete_namespaced_pod(self, name, namespace):
-        self.calls.append(("delete", "pods", namespace))
+        self.calls.append(("delete", "pods", namespace, name))
+
+
+def configmap_uid(configmap: dict) -> str:
+    """The UID the recording API gives a rendered ConfigMap (what the API server would)."""
+    return f"uid-{configmap['metadata']['namespace']}-{configmap['metadata']['name']}"
 
 
 def coordinator_launcher(rendered: Rendered, directory: Path) -> tuple[KubernetesLauncher, RecordingPodApi]:
     """The KubernetesLauncher exactly as `diloco coordinator` builds it from the rendered
-    Deployment's args, with the pod templates read from the files its mounts give them."""
+    Deployment's args, with the pod templates read from the files its mounts give them,
+    against an API that holds the rendered ConfigMaps."""
     deployment = rendered.one("Deployment", "-coordinator")
     pod = {"metadata": {**deployment["spec"]["template"]["metadata"], "name": "coordinator-0", "namespace": "ml"},
            "spec": deployment["spec"]["template"]["spec"]}
@@ -122,11 +139,11 @@ def coordinator_launcher(rendered: Rendered, directory: Path) -> tuple[Kubernete
         templates.append((pool, file))
     cfg = KubernetesLauncherConfig(
         namespace=parsed.namespace, pod_templates=tuple(templates), container=parsed.learner_container,
-        join_token_path=parsed.join_token_path, kube_config=parsed.kube_config,
+        join_token_path=parsed.join_token_path, kube_config=parsed.kube_config, owner_configmap=parsed.owner_configmap,
     )
-    launcher = KubernetesLauncher(cfg, parsed.release, parsed.advertise_address, parsed.max_learners, api_client=object())
-    api = RecordingPodApi()
-    launcher.api = api
+    api = RecordingPodApi({(o["metadata"]["namespace"], o["metadata"]["name"]): configmap_uid(o)
+                           for o in rendered.all("ConfigMap")})
+    launcher = KubernetesLauncher(cfg, parsed.release, parsed.advertise_address, parsed.max_learners, core_api=api)
     return launcher, api
 
 

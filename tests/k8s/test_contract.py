@@ -32,6 +32,7 @@ from tests.k8s.chart import (
     statefulset_pod,
     templated_pod,
 )
+from tests.k8s.conftest import configmap_uid
 
 TPU_PRESETS = {"values-tpu-v5e.yaml": ("tpu-v5-lite-podslice", "2x4"), "values-tpu-v6e.yaml": ("tpu-v6e-slice", "2x4")}
 
@@ -181,16 +182,47 @@ def test_rbac_grants_the_coordinator_exactly_what_its_launcher_uses(presets, lau
     [role] = rendered.all("Role")
     [binding] = rendered.all("RoleBinding")
     assert not rendered.all("ClusterRole") and not rendered.all("ClusterRoleBinding")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "list", "delete"]}]
-    granted = {(verb, resource) for rule in role["rules"] for verb in rule["verbs"] for resource in rule["resources"]}
-    used = {(verb, resource) for verb, resource, _ in api.calls}
-    assert used == granted, "every verb the chart grants is used, and none beyond"
-    assert {namespace for _, _, namespace in api.calls} == {role["metadata"]["namespace"]} == {NAMESPACE}
+    owner = rendered.one("ConfigMap", "-pod-templates")["metadata"]["name"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "list", "delete"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [owner], "verbs": ["get"]},
+    ]
+    # (verb, resource, name): name None where the rule grants every object of the resource.
+    granted = {(verb, resource, name_) for rule in role["rules"] for verb in rule["verbs"]
+               for resource in rule["resources"] for name_ in rule.get("resourceNames", [None])}
+    used = {(verb, resource, name_ if resource == "configmaps" else None) for verb, resource, _, name_ in api.calls}
+    assert used == granted, "every verb the chart grants is used, on exactly the objects granted, and none beyond"
+    assert api.calls[0] == ("get", "configmaps", NAMESPACE, owner), "the owner's UID is read once, at start"
+    assert [c for c in api.calls if c[1] == "configmaps"] == [api.calls[0]]
+    assert {namespace for _, _, namespace, _ in api.calls} == {role["metadata"]["namespace"]} == {NAMESPACE}
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
     deployment = rendered.one("Deployment", "-coordinator")
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
     assert rendered.named("ServiceAccount", account)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_helm_uninstall_garbage_collects_launched_pods(presets, launched, name):
+    """The coordinator passes the pod-templates ConfigMap as the owner of its pods; every
+    pod it creates names that ConfigMap (by the UID the API gave it) in ownerReferences,
+    and Helm deletes the ConfigMap on uninstall (no keep policy, no hook), so the garbage
+    collector deletes the pods. The owner is not the coordinator's pod: pods outlive it."""
+    rendered = presets[name]
+    pods, _ = launched[name]
+    pod = coordinator_pod(rendered)
+    parsed = build_parser().parse_args(args(pod, container(pod, "coordinator")))
+    owner = rendered.one("ConfigMap", "-pod-templates")
+    assert parsed.owner_configmap == owner["metadata"]["name"] == "diloco-pod-templates"
+    assert owner["metadata"]["namespace"] == parsed.namespace == NAMESPACE, "an owner must be in its dependents' namespace"
+    annotations = owner["metadata"].get("annotations") or {}
+    assert "helm.sh/resource-policy" not in annotations and "helm.sh/hook" not in annotations
+    assert pods
+    for p in pods:
+        assert p["metadata"]["ownerReferences"] == [{
+            "apiVersion": "v1", "kind": "ConfigMap", "name": owner["metadata"]["name"], "uid": configmap_uid(owner),
+            "controller": False, "blockOwnerDeletion": False,
+        }]
 
 
 @pytest.mark.parametrize("name", ["static-only", "scavenged-only"])
@@ -199,7 +231,7 @@ def test_scavenging_switch(variants, name):
     pod = coordinator_pod(rendered)
     parsed = build_parser().parse_args(args(pod, container(pod, "coordinator")))
     if name == "static-only":
-        assert parsed.launcher == "none" and not parsed.pod_template
+        assert parsed.launcher == "none" and not parsed.pod_template and not parsed.owner_configmap
         assert not rendered.all("Role") and not rendered.all("RoleBinding")
         assert pod["spec"]["automountServiceAccountToken"] is False
         assert rendered.one("Job")["spec"]["completions"] == 3
@@ -415,3 +447,18 @@ def test_helm_test_script_passes_only_when_every_service_serves(presets):
     finally:
         server.stop(None)
 
+
+
+@pytest.mark.parametrize("name", ["defaults", "scavenged-only", "custom-task", "restore-pinned"])
+def test_the_owner_flag_and_the_role_name_the_rendered_configmap(variants, name):
+    """Also under fullnameOverride: the coordinator's --owner-configmap, the Role's one
+    resourceName and the pod-templates ConfigMap are one object."""
+    rendered = variants[name]
+    pod = coordinator_pod(rendered)
+    parsed = build_parser().parse_args(args(pod, container(pod, "coordinator")))
+    owner = rendered.one("ConfigMap", "-pod-templates")["metadata"]["name"]
+    [role] = rendered.all("Role")
+    [rule] = [r for r in role["rules"] if r["resources"] == ["configmaps"]]
+    assert parsed.owner_configmap == owner and rule["resourceNames"] == [owner] and rule["verbs"] == ["get"]
+    if name == "restore-pinned":
+        assert owner == "run-b-pod-templates"
