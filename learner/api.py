@@ -274,7 +274,9 @@ class Learner:
 
         def encode_anchor(fragment_id: int):
             pieces = self.plan.fragments[fragment_id].pieces
-            return [encode(p.name, t, encoding="fp32") for p, t in zip(pieces, self.book.fragments[fragment_id].anchor)]
+            state = self.book.fragments[fragment_id]  # replaced, never mutated, by the training thread
+            anchor, version = state.anchor, state.base_version
+            return [encode(p.name, t, encoding="fp32") for p, t in zip(pieces, anchor)], version
 
         self.streamer.reoffer = (self.manifest_json, self.plan.plan_hash, encode_anchor)
         logger.info("%s bootstrapped %d fragments at versions %s%s", self.learner_id, len(fragments),

@@ -82,9 +82,9 @@ class Streamer:
         self._clients: dict[int, SyncerClient] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._tasks: set[asyncio.Future] = set()
-        self.reoffer: tuple[str, str, Callable[[int], list[EncodedTensor]]] | None = None
-        """(manifest JSON, plan hash, fragment -> its anchor encoded fp32): what a shard
-        that came back empty is offered."""
+        self.reoffer: tuple[str, str, Callable[[int], tuple[list[EncodedTensor], int]]] | None = None
+        """(manifest JSON, plan hash, fragment -> (its anchor encoded fp32, the anchor's
+        version)): what a shard that came back empty is offered."""
         self._thread = threading.Thread(target=self._loop.run_forever, name="diloco-streamer", daemon=True)
         self._thread.start()
 
@@ -242,9 +242,10 @@ class Streamer:
         for fragment in self.fragments_of.get(shard, []):
             if fragment in held:
                 continue
-            encoded = await asyncio.to_thread(encode_anchor, fragment)
-            if await self._client(shard).initialize(fragment, manifest_json, plan_hash, encoded):
-                logger.warning("shard %d came back without fragment %d: it restarts from our anchor", shard, fragment)
+            encoded, version = await asyncio.to_thread(encode_anchor, fragment)
+            if await self._client(shard).initialize(fragment, manifest_json, plan_hash, encoded, version):
+                logger.warning("shard %d came back without fragment %d: it restarts from our anchor at version %d",
+                               shard, fragment, version)
 
     async def _bootstrap(self, fragments_by_shard: dict[int, list[int]]) -> list[DecodedUpdate]:
         results = await asyncio.gather(

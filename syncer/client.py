@@ -178,13 +178,16 @@ class SyncerClient:
         )
         return [await asyncio.to_thread(_decode_update, header, chunks) async for header, chunks in _updates(call)]
 
-    async def initialize(self, fragment: int, manifest_json: str, plan_hash: str, encoded: Sequence[EncodedTensor]) -> bool:
-        """Offer this learner's fp32 values of a fragment the shard holds none of; True if
-        they became its version 0, False if the fragment already had a value."""
+    async def initialize(self, fragment: int, manifest_json: str, plan_hash: str, encoded: Sequence[EncodedTensor],
+                         anchor_version: int | None = None) -> bool:
+        """Offer fp32 values of a fragment the shard holds none of: this learner's initial
+        values, or (``anchor_version``) its anchor, the global values at that version. True
+        if the shard took them, False if the fragment already had values."""
         chunks = await asyncio.to_thread(lambda: list(frame([e.payload for e in encoded])))
         header = syncer_pb2.InitializeHeader(
             learner_id=self.metadata[0][1], fragment=fragment, manifest_json=manifest_json, plan_hash=plan_hash,
             tensors=[spec_to_proto(e.spec) for e in encoded],
+            anchor=anchor_version is not None, anchor_version=anchor_version or 0,
         )
         requests = [syncer_pb2.InitializeRequest(header=header)]
         requests += [syncer_pb2.InitializeRequest(chunk=common_pb2.Chunk(data=data)) for data in chunks]

@@ -91,6 +91,8 @@ class ShardRuntime:
         self.core = core
         self.num_fragments = num_fragments if num_fragments is not None else core.plan.num_fragments
         self.data_dir = data_dir
+        self.anchors_only = False
+        """Set by ``expect_anchors``: fresh initial values are refused."""
         self.tape = tape
         self.push_log = push_log
         self.counters = Counters()
@@ -138,21 +140,42 @@ class ShardRuntime:
             return core.plan
         return Manifest.from_json(manifest_json).plan(self.num_fragments)
 
-    def initialize(self, learner_id: str, manifest_json: str, plan: FragmentPlan, fragment_id: int, values) -> bool:
-        """A learner's values of a fragment that has none become its version 0 (True);
-        False when the fragment already has a value."""
+    def expect_anchors(self, manifest_json: str) -> None:
+        """This shard held the run's model in an earlier life and came back without its
+        state: it plans from the manifest it kept, and takes a fragment's values only from
+        a learner's anchor (the global values it last received), never a learner's fresh
+        initial values, which would silently reset 1/S of a trained model."""
+        self.core.adopt_plan(Manifest.from_json(manifest_json).plan(self.num_fragments), manifest_json)
+        self.anchors_only = True
+        self._record("recovering", plan=self.core.plan.plan_hash)
+        logger.warning("shard %d restarted without its state: its fragments come back from the learners' anchors "
+                       "(restart it with --restore to start from a snapshot instead)", self.core.cfg.shard_id)
+
+    def initialize(self, learner_id: str, manifest_json: str, plan: FragmentPlan, fragment_id: int, values,
+                   anchor_version: int | None = None) -> bool:
+        """A learner's values of a fragment that has none become its state (True): its own
+        initial values as version 0, or its anchor at ``anchor_version``. False when the
+        fragment already has values."""
         core = self.core
+        if anchor_version is None and self.anchors_only and fragment_id not in core.fragments:
+            raise FailedPrecondition(
+                f"shard {core.cfg.shard_id} held this run's model and restarted without its state: it takes a "
+                "learner's anchor (the global values it last received) or --restore, not fresh initial values"
+            )
         first_plan = core.plan is None
         core.adopt_plan(plan, manifest_json)
         if first_plan and self.data_dir is not None:
             atomic_write(self.data_dir / MANIFEST_FILE, manifest_json.encode())
-        if not core.add_fragment(fragment_id, values):
+        if not core.add_fragment(fragment_id, values, anchor_version or 0):
             return False
         self._track()
         if self.data_dir is not None:
             atomic_write(self.data_dir / initial_name(fragment_id), snapshot_files.dumps({"pieces": core.fragments[fragment_id].params}))
-        self._record("initialize", fragment=fragment_id, learner=learner_id, plan=plan.plan_hash)
-        logger.info("shard %d: fragment %d initialised from %s's values", core.cfg.shard_id, fragment_id, learner_id)
+        source = "initial values" if anchor_version is None else f"anchor at version {anchor_version}"
+        self._record("initialize", fragment=fragment_id, learner=learner_id, plan=plan.plan_hash,
+                     version=anchor_version or 0, source=source)
+        log = logger.info if anchor_version is None else logger.warning
+        log("shard %d: fragment %d takes %s's %s", core.cfg.shard_id, fragment_id, learner_id, source)
         return True
 
     def now(self) -> float:
@@ -383,6 +406,7 @@ class ShardRuntime:
         """Load a recorded state, then accept the pushes that were in flight at the cut."""
         now = self._monotonic()
         snapshot.restore(self.core, state, now)
+        self.anchors_only = False
         self._track()
         self.snapshot_epoch = snapshot_id
         outcomes = [self.core.accept(meta, payload, wire_bytes, now).outcome for meta, payload, wire_bytes in pushes]

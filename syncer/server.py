@@ -21,7 +21,7 @@ from syncer import snapshot
 from syncer.config import SyncerConfig
 from syncer.core.shard import ShardCore
 from syncer.pushlog import PushLogWriter, log_name
-from syncer.runtime import MarkerResult, ShardRuntime
+from syncer.runtime import MANIFEST_FILE, MarkerResult, ShardRuntime
 from syncer.service import SERVICE_NAME, SyncerServicer, add_to_server
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class ShardServer:
         self.runtime = ShardRuntime(core or ShardCore(cfg), tape, push_log, num_fragments=run.fragments, data_dir=data_dir)
         if server_cfg.restore:
             self.runtime.restore(*snapshot.load_for_restore(server_cfg.restore, server_cfg.snapshot_dir, cfg.shard_id))
+        elif core is None and data_dir is not None and (data_dir / MANIFEST_FILE).is_file():
+            self.runtime.expect_anchors((data_dir / MANIFEST_FILE).read_text())
         if server_cfg.static_learners:
             self.runtime.core.set_membership(set(server_cfg.static_learners), set())
         self.runtime.on_snapshot_recorded = self._report_snapshot

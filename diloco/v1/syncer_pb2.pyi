@@ -129,20 +129,24 @@ class BootstrapReply(_message.Message):
     def __init__(self, update: _Optional[_Union[FragmentUpdate, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class InitializeHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "manifest_json", "plan_hash", "tensors", "clock")
+    __slots__ = ("learner_id", "fragment", "manifest_json", "plan_hash", "tensors", "clock", "anchor", "anchor_version")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     manifest_json: str
     plan_hash: str
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorHeader]
     clock: _common_pb2.VectorClock
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., manifest_json: _Optional[str] = ..., plan_hash: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHeader, _Mapping]]] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
+    anchor: bool
+    anchor_version: int
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., manifest_json: _Optional[str] = ..., plan_hash: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHeader, _Mapping]]] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., anchor: _Optional[bool] = ..., anchor_version: _Optional[int] = ...) -> None: ...
 
 class InitializeRequest(_message.Message):
     __slots__ = ("header", "chunk")

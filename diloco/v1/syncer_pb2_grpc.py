@@ -85,7 +85,8 @@ class SyncerServicer:
         """A shard starts holding no model. The first learner that finds a fragment empty sends
         its own values of it (an InitializeHeader, then Chunks of fp32 payload): they become
         version 0. A fragment that already has a value is left alone (initialized = false)
-        and the learner bootstraps it instead.
+        and the learner bootstraps it instead. A shard that held a model before and restarted
+        without its state takes only a learner's anchor (the global values at their version).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

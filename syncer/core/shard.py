@@ -260,8 +260,10 @@ class ShardCore:
             return
         self.plan, self.manifest_json = plan, manifest_json
 
-    def add_fragment(self, fragment_id: int, values: Sequence[np.ndarray]) -> bool:
-        """Give an owned fragment its version-0 values; False if it already has some."""
+    def add_fragment(self, fragment_id: int, values: Sequence[np.ndarray], version: int = 0) -> bool:
+        """Give an owned fragment its values at ``version`` (0 for a run's initial values; a
+        learner's anchor version when the shard came back without its state); False if the
+        fragment already has values."""
         if self.plan is None:
             raise FailedPrecondition(f"shard {self.cfg.shard_id} has no fragment plan yet")
         if not 0 <= fragment_id < self.plan.num_fragments:
@@ -284,6 +286,7 @@ class ShardCore:
             residual=[np.zeros_like(p) for p in params],
             chain=deque(maxlen=self.cfg.merge.update_chain_length),
             merge_buffer=np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32),
+            version=version,
         )
         return True
 

@@ -13,6 +13,7 @@ from learner.api import Learner
 from learner.config import LearnerConfig
 from learner.membership import Membership
 from learner.runner import run_task
+from diloco.tape import read_tape
 from syncer import snapshot
 from syncer.config import RoundConfig, SyncerConfig
 from syncer.runtime import initial_name
@@ -126,6 +127,12 @@ def test_shard_outage_drops_pushes_keeps_training_and_resyncs(tmp_path):
             assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(learner.anchors()[fragment_id], state.params))
             restarted_from = snapshot.loads(tmp_path / initial_name(fragment_id))["pieces"]
             assert not all(np.array_equal(a, b.numpy()) for a, b in zip(restarted_from, plan.gather(fragment_id, seed)))
+        # The restarted shard knew from its data directory that it had held the model: it
+        # took the learner's anchors, at their versions, and rounds went on from there.
+        second.runtime.tape.flush()
+        lives = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] in ("recovering", "initialize")]
+        recovered = lives[lives.index(next(r for r in lives if r["kind"] == "recovering")) + 1:]
+        assert len(recovered) == 4 and all(r["source"].startswith("anchor at version") and r["version"] >= 1 for r in recovered)
 
     run(scenario())
 

@@ -12,6 +12,7 @@ import pytest
 from diloco import auth
 from diloco.codec import EncodedTensor, TensorSpec, checksum, encode
 from diloco.errors import DilocoError
+from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
 from syncer import snapshot
@@ -160,3 +161,34 @@ def test_a_fragment_of_another_shard_is_failed_precondition(tmp_path):
 
 
 assert DilocoError  # the statuses above are the table in diloco.rpc
+
+
+def test_a_shard_that_restarts_without_its_state_takes_only_an_anchor(tmp_path):
+    """Its data directory says it held the run's model: a new learner's fresh values would
+    silently reset its fragments, so only a learner's anchor (with its version) is taken."""
+    async def scenario():
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as c0:
+                assert await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+        async with empty_shard(tmp_path) as (server, address):
+            core = server.runtime.core
+            assert core.plan.plan_hash == PLAN.plan_hash and core.fragments == {}  # planned, holding nothing
+            async with client_for(address, "L1") as c1:
+                assert (await c1.status()).plan_hash == PLAN.plan_hash
+                with pytest.raises(grpc.aio.AioRpcError) as fresh:
+                    await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+                assert fresh.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "restarted without its state" in fresh.value.details() and core.fragments == {}
+                trained = [t + 0.25 for t in PLAN.gather(0, STATE)]
+                assert await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, trained), anchor_version=7)
+                (update,) = await c1.bootstrap([0])
+                assert update.version == 7
+                assert all((a == b).all() for a, b in zip(update.segments[-1].tensors, trained))
+                learner = FakeLearner.of(server, "L1", fragment=0)
+                learner.version = 7
+                assert (await learner.push(c1)).update.version == 8  # rounds go on from the anchor's version
+        records = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] in ("recovering", "initialize")]
+        assert [(r["kind"], r.get("source")) for r in records] == [
+            ("initialize", "initial values"), ("recovering", None), ("initialize", "anchor at version 7")]
+
+    run(scenario())
