@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from coordinator.core.membership import ACTIVE, DRAINING, FAILED, JOINING, LEFT, Change, HeartbeatStats, Learner
 from coordinator.core.snapshots import COMPLETE, FAILED as SNAPSHOT_FAILED, RUNNING, Snapshot, SnapshotFile
 from diloco.clock import VectorClock
@@ -71,8 +73,20 @@ def stats_from_proto(msg: coordinator_pb2.HeartbeatRequest) -> HeartbeatStats:
     return HeartbeatStats(msg.tokens, msg.inner_steps, msg.version_lag, msg.tokens_per_s)
 
 
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
 def files_from_proto(files) -> list[SnapshotFile]:
-    return [SnapshotFile(f.path, f.size_bytes, f.sha256) for f in files]
+    """A participant's snapshot files: plain names in the snapshot's directory (never a
+    path that leads elsewhere: restore reads them back), each with a hex SHA-256."""
+    out = []
+    for f in files:
+        if not _FILE_NAME.match(f.path) or f.path in (".", ".."):
+            raise InvalidArgument(f"snapshot file {f.path[:60]!r} is not a plain file name")
+        if not re.fullmatch(r"[0-9a-f]{64}", f.sha256):
+            raise InvalidArgument(f"snapshot file {f.path!r}: sha256 must be 64 hex digits")
+        out.append(SnapshotFile(f.path, f.size_bytes, f.sha256))
+    return out
 
 
 def snapshot_to_proto(snapshot: Snapshot) -> coordinator_pb2.SnapshotInfo:

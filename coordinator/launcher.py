@@ -26,6 +26,12 @@ logger = logging.getLogger(__name__)
 
 # Flags the launcher sets itself; an override may not replace them.
 RESERVED_FLAGS = ("coordinator", "join-token-file", "pool", "launch-id")
+LEARNER_SETTINGS = (
+    "device", "steps", "lr", "warmup-steps", "eval-every", "delta-codec", "block-size", "step-delay-s", "threads",
+    "slow-factor", "wire-delay-ms", "push-timeout-s", "max-inflight", "heartbeat-s",
+)
+"""The ``diloco learner`` settings an AddLearners caller may override (an allow-list: the
+joining flags, where the learner goes and what it presents, are the launcher's)."""
 _OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 
 
@@ -57,14 +63,17 @@ class Launcher(Protocol):
 
 
 def override_args(overrides: Mapping[str, str]) -> list[str]:
-    """``{"device": "cpu", "inner_lr": "3e-4"}`` -> ``--device cpu --inner-lr 3e-4``."""
+    """``{"device": "cpu", "warmup_steps": "10"}`` -> ``--device cpu --warmup-steps 10``."""
     args = []
     for key, value in sorted(overrides.items()):
         flag = key.replace("_", "-")
         if not _OVERRIDE_KEY.match(key):
-            raise InvalidArgument(f"override key must be a flag name like 'inner_lr', got {key!r}")
+            raise InvalidArgument(f"override key must be a flag name like 'warmup_steps', got {key!r}")
         if flag in RESERVED_FLAGS:
             raise InvalidArgument(f"--{flag} is set by the launcher and cannot be overridden")
+        if flag not in LEARNER_SETTINGS:
+            raise InvalidArgument(f"--{flag} is not a learner setting a launch may override "
+                                  f"(one of: {', '.join(LEARNER_SETTINGS)})")
         if "\0" in value or "\n" in value:
             raise InvalidArgument(f"override {key!r} has a control character in its value")
         args += [f"--{flag}", value]

@@ -95,7 +95,7 @@ class CoordinatorServer:
         return f"{self.cfg.host}:{self.port}"
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self.port = rpc.bind(self.server, f"{self.cfg.host}:{self.cfg.port}")
         write_secret_file(self.cfg.data_dir / JOIN_TOKEN_FILE, auth.join_token(self._secret))
         self.runtime.launcher = self._launcher_factory(self, self.cfg.advertise_address or self.address)
         await self.server.start()

@@ -1,5 +1,9 @@
 """Credentials: the coordinator signs a learner id with the run's secret; shards verify it
-with the same secret, so they need no call to the coordinator per push."""
+with the same secret, so they need no call to the coordinator per push.
+
+Each purpose signs its own domain (``diloco-learner-v1:<id>`` for process credentials,
+``diloco-join-v1`` for the join token), so no token of one kind is ever valid as another:
+the join token every launcher holds is not the credential of any id."""
 
 from __future__ import annotations
 
@@ -16,17 +20,24 @@ JOIN_METADATA = "x-diloco-join-token"
 # The coordinator's id (and vector clock process name); it signs it like a learner id
 # when it calls the shards (snapshot markers).
 COORDINATOR_ID = "C"
-# The join token is the run secret's signature of this word: a launcher can hand it to a
-# new learner without handing it the secret itself.
-_JOIN_SUBJECT = "join"
+# The join token is the run secret's signature of this string: a launcher can hand it to
+# a new learner without handing it the secret itself. Operators make it with
+# `printf %s diloco-join-v1 | openssl dgst -sha256 -hmac "$SECRET"`.
+_JOIN_DOMAIN = "diloco-join-v1"
+_CREDENTIAL_DOMAIN = "diloco-learner-v1:"
 
 
 def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+def _mac(secret: str, message: str) -> str:
+    return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
 def sign(secret: str, learner_id: str) -> str:
-    return hmac.new(secret.encode(), learner_id.encode(), hashlib.sha256).hexdigest()
+    """The credential of a process id (learners ``L<n>``, shards ``S<m>``, the coordinator)."""
+    return _mac(secret, _CREDENTIAL_DOMAIN + learner_id)
 
 
 def verify(secret: str, learner_id: str, credential: str | None) -> None:
@@ -47,7 +58,7 @@ def check_admin(token: str, presented: str | None) -> None:
 
 def join_token(secret: str) -> str:
     """What a learner presents (metadata x-diloco-join-token) to be allowed to Join."""
-    return sign(secret, _JOIN_SUBJECT)
+    return _mac(secret, _JOIN_DOMAIN)
 
 
 def check_join(secret: str, presented: str | None) -> None:

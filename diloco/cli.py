@@ -379,6 +379,7 @@ def _learner(args: argparse.Namespace) -> int:
 def _add_learner(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "learner",
+        allow_abbrev=False,  # launch overrides must not reach a reserved flag through a prefix (--coord)
         help="run one learner: the task's model trained with inner steps, fragments streamed to the shards",
         description="Run one learner. SIGTERM finishes in-flight pushes (bounded), leaves and exits 0. "
                     "With --coordinator the run's task comes from the coordinator's run config.",

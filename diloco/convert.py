@@ -3,6 +3,8 @@ that imports both the generated protos and the core types."""
 
 from __future__ import annotations
 
+import re
+
 from diloco.clock import VectorClock
 from diloco.codec import TensorSpec
 from diloco.errors import InvalidArgument
@@ -17,8 +19,26 @@ def clock_to_proto(clock: VectorClock) -> common_pb2.VectorClock:
     return common_pb2.VectorClock(entries=dict(clock.entries))
 
 
+MAX_CLOCK_ENTRIES = 4096
+"""More processes than any run has: a larger clock is hostile (every reply would carry it)."""
+MAX_CLOCK_VALUE = 1 << 53
+"""Far beyond any count of events; past it a counter could not be incremented or stored safely."""
+_PROCESS_NAME = re.compile(r"^(L\d{1,9}|S\d{1,6}|C)$")
+
+
 def clock_from_proto(msg: common_pb2.VectorClock) -> VectorClock:
-    return VectorClock(dict(msg.entries))
+    """A clock from the wire, bounded: at most ``MAX_CLOCK_ENTRIES`` entries, each named
+    after a process of a run (``L<n>``, ``S<m>``, ``C``) with a value below
+    ``MAX_CLOCK_VALUE``; anything else is InvalidArgument and changes nothing."""
+    entries = dict(msg.entries)
+    if len(entries) > MAX_CLOCK_ENTRIES:
+        raise InvalidArgument(f"vector clock with {len(entries)} entries (at most {MAX_CLOCK_ENTRIES})")
+    for name, value in entries.items():
+        if not _PROCESS_NAME.match(name):
+            raise InvalidArgument(f"vector clock entry {name[:20]!r} is not a process of a run (L<n>, S<m>, C)")
+        if value >= MAX_CLOCK_VALUE:
+            raise InvalidArgument(f"vector clock entry {name} = {value} is out of range (< 2**53)")
+    return VectorClock(entries)
 
 
 def spec_to_proto(spec: TensorSpec) -> common_pb2.TensorHeader:

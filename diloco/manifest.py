@@ -9,9 +9,10 @@ Policy, per state-dict entry:
 - floating-point parameters and buffers are synchronised; each storage once: a tensor
   reachable under several keys (tied weights) is synced under its first key and the
   other keys are recorded as aliases;
-- floating-point buffers (BatchNorm running statistics) are merged by the shards as the
-  weighted mean of the learners' values, without RDA or outer momentum (the "buffer" tag
-  of their pieces), since a running variance pushed by momentum could turn negative;
+- floating-point buffers (BatchNorm running statistics; the "buffer" tag of their pieces)
+  travel as values, not deltas, and the shards set them to the learners' weighted mean:
+  a convex combination, so a running variance can never turn negative (deltas against
+  stale anchors, outer momentum or int4 rounding could);
 - non-floating-point tensors (``num_batches_tracked``, integer masks) are not synced:
   each learner keeps its own; the manifest carries the registering learner's value of
   the small ones so that an export is complete.

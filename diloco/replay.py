@@ -108,6 +108,11 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
             compared.clear()
             for fragment_id in core.fragments:
                 capture(fragment_id)
+        elif r["kind"] == "round_failed":
+            raise FailedPrecondition(
+                f"tape {tape}: round {r['fragment']}@{r['version']} failed in the run ({r['error']}); a failed step "
+                "may have left part of its update, which replay cannot reproduce"
+            )
         elif r["kind"] == "push" and r["outcome"] != DUPLICATE:
             key = (r["learner"], r["fragment"], r["clock"][r["learner"]])
             if key not in logged:

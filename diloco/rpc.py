@@ -24,6 +24,7 @@ from opentelemetry.instrumentation.grpc.filters import service_prefix
 from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
 from diloco import errors
+from diloco.errors import Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,28 @@ async def mark_serving(health_servicer, service_names: Iterable[str], serving: b
 _TRACED = service_prefix("diloco.")
 
 
+SERVER_OPTIONS = (
+    # A busy port is an error at start, never a second server silently sharing it.
+    ("grpc.so_reuseport", 0),
+    # Bounded concurrency per connection: a client cannot hold unbounded streams open.
+    ("grpc.max_concurrent_streams", 256),
+)
+
+
 def server(options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Server:
     """A grpc.aio server whose handlers continue the caller's trace."""
-    return grpc.aio.server(options=list(options), interceptors=[aio_server_interceptor(filter_=_TRACED)])
+    return grpc.aio.server(options=[*SERVER_OPTIONS, *options], interceptors=[aio_server_interceptor(filter_=_TRACED)])
+
+
+def bind(server: grpc.aio.Server, address: str) -> int:
+    """Listen on ``address`` (port 0: any free port); a clear Unavailable if it cannot."""
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as error:
+        raise Unavailable(f"cannot listen on {address}: the port is in use or not available ({error})") from None
+    if not port:
+        raise Unavailable(f"cannot listen on {address}: the port is in use or not available")
+    return port
 
 
 def insecure_channel(address: str, options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Channel:

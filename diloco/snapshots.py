@@ -88,12 +88,14 @@ def read_manifest(path: Path) -> dict:
 def files_of(manifest_path: Path, manifest: dict, participant: str) -> dict[str, Path]:
     """The verified files ``participant`` recorded, by name: sizes and SHA-256 must match
     the manifest."""
-    root = Path(manifest_path).parent
+    root = Path(manifest_path).parent.resolve()
     found = {}
     for entry in manifest["files"]:
         if entry["participant"] != participant:
             continue
-        path = root / entry["path"]
+        path = (root / str(entry["path"])).resolve()
+        if path.parent != root:  # a name in the snapshot's directory, nothing else (no "..", no absolute path)
+            raise FailedPrecondition(f"snapshot file {entry['path']!r} of {participant} is outside {root}: refused")
         try:
             size = path.stat().st_size
         except OSError:

@@ -297,8 +297,11 @@ class Learner:
             sync = self.telemetry.start_sync(fragment_id, shard, state.base_version, step)
             pieces = self.plan.fragments[fragment_id].pieces
             encoded = [
-                encode(piece.name, d, encoding=self.cfg.delta_codec, block_size=self.cfg.block_size)
-                for piece, d in zip(pieces, delta(state.anchor, host))
+                # A buffer (running statistics) travels as its value, in fp32: the shard
+                # averages values (see syncer.core.shard._merge_buffer_values).
+                encode(piece.name, value, encoding="fp32") if piece.buffer
+                else encode(piece.name, d, encoding=self.cfg.delta_codec, block_size=self.cfg.block_size)
+                for piece, value, d in zip(pieces, host, delta(state.anchor, host))
             ]
             self.clock = self.clock.tick(self.learner_id)
             meta = PushMeta(

@@ -258,7 +258,17 @@ class ShardRuntime:
 
     async def _run_round(self, job: RoundJob) -> None:
         started = time.perf_counter()
-        update: Segment = await asyncio.to_thread(compute_round, job, self.core.cfg)
+        try:
+            update: Segment = await asyncio.to_thread(compute_round, job, self.core.cfg)
+        except Exception as error:  # a bug or an input nothing at the door foresaw: keep serving
+            logger.exception("fragment %d: round %d failed; its deltas are dropped", job.fragment.id, job.version)
+            self.core.fail_round(job, f"{type(error).__name__}: {error}"[:200], self._monotonic())
+            self._idle[job.fragment.id].set()
+            self._record("round_failed", fragment=job.fragment.id, version=job.version,
+                         participants=[p.meta.learner_id for p in job.pushes], error=f"{type(error).__name__}: {error}"[:500])
+            self._resolve(job.fragment.id)
+            self._evaluate(job.fragment.id)
+            return
         merge_s = time.perf_counter() - started
         self.core.finish_round(job, update, self._monotonic())
         self._idle[job.fragment.id].set()

@@ -92,7 +92,7 @@ class ShardServer:
         self._stopped = False
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(f"{self.server_cfg.host}:{self.server_cfg.port}")
+        self.port = rpc.bind(self.server, f"{self.server_cfg.host}:{self.server_cfg.port}")
         await self.server.start()
         await rpc.mark_serving(self.health, [SERVICE_NAME])
         self.runtime.evaluate_all()  # rounds restored from a snapshot may be ready to close

@@ -26,7 +26,7 @@ from diloco.codec import (
     expected_byte_length,
     norm_of,
 )
-from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from diloco.fragments import Fragment, FragmentPlan
 from syncer.config import SyncerConfig
 from syncer.core.merge import Contribution, merge_piece, token_weights
@@ -140,6 +140,8 @@ class FragmentState:
     last_reason: str = ""
     last_participants: int = 0
     full_cache: Segment | None = None
+    norm_cache: tuple[int, float] | None = None
+    """(version, the fragment's L2 norm at it): the bound a push's delta is held to."""
     merge_buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))
     """The round's fp32 merge buffer, as large as the fragment's largest piece, kept across
     rounds: a fresh one per round cost a page fault per 4 KiB, a fifth of the shard's CPU."""
@@ -178,6 +180,9 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
     m = cfg.merge
     encoded = []
     for index, piece in enumerate(job.fragment.pieces):
+        if piece.buffer:
+            encoded.append(_merge_buffer_values(job, index, piece))
+            continue
         delta = job.merge_buffer[: piece.numel]
         scale = 1.0
         if sum(job.weights) > 0:
@@ -195,16 +200,30 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
             delta.fill(0)
             momentum = np.zeros_like(delta)
         lr = m.outer_lr * (job.participation if m.scale_by == "live" else 1.0)
-        mu = m.outer_momentum
-        if piece.buffer:
-            # Running statistics: the participants' weighted mean, never extrapolated.
-            lr, mu = 1.0, 0.0
         packed, scales = outer_step_(
             delta, momentum, job.residual[index].reshape(-1), job.params[index].reshape(-1),
-            scale, lr, mu, m.block_size, m.scale_dtype,
+            scale, lr, m.outer_momentum, m.block_size, m.scale_dtype,
         )
         encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
     return Segment(job.version, "delta", tuple(encoded))
+
+
+def _merge_buffer_values(job: RoundJob, index: int, piece) -> EncodedTensor:
+    """A buffer piece (running statistics): learners push their values, not deltas, and
+    the global value becomes their weighted mean, a convex combination (a variance stays
+    non-negative; deltas against stale anchors, or int4 rounding, could cross zero). The
+    update is sent in fp32 and added exactly as the learners add it: bit-identical."""
+    params = job.params[index].reshape(-1)
+    update = job.merge_buffer[: piece.numel]
+    total = sum(job.weights)
+    if total > 0:
+        tensors = [p.payload.tensors[index] for p in job.pushes]
+        accumulate([(tensors[i], w / total) for i, w in enumerate(job.weights) if w], update, overwrite=True)
+        np.subtract(update, params, out=update)
+    else:
+        update.fill(0)
+    np.add(params, update, out=params)
+    return encode(piece.name, update.reshape(piece.shape), encoding="fp32")
 
 
 def _owned_copy(values) -> np.ndarray:
@@ -309,6 +328,13 @@ class ShardCore:
         """Reject a push before reading its payload. Raises; changes nothing."""
         state = self.state_of(meta.fragment)
         cfg = self.cfg
+        if meta.learner_id in self.failed:
+            raise PermissionDenied(f"{meta.learner_id} was marked failed or removed: it may no longer push")
+        if meta.learner_id not in self.live:
+            raise FailedPrecondition(
+                f"{meta.learner_id} is not a live member of the run as this shard knows it "
+                f"({len(self.live)} live learners): join the coordinator first"
+            )
         if meta.seq < 1:
             raise InvalidArgument(f"push clock lacks the learner's own entry {meta.learner_id!r}")
         if not (math.isfinite(meta.step_time_s) and meta.step_time_s >= 0):
@@ -334,6 +360,8 @@ class ShardCore:
                 raise InvalidArgument(f"tensor {piece.name!r}: shape {list(spec.shape)} != plan {list(piece.shape)}")
             if spec.dtype != "float32":
                 raise InvalidArgument(f"tensor {piece.name!r}: dtype {spec.dtype!r}, expected 'float32'")
+            if piece.buffer and spec.encoding != "fp32":
+                raise InvalidArgument(f"tensor {piece.name!r} is a buffer: its values travel in fp32, not {spec.encoding}")
             if spec.encoding == "int4" and spec.block_size != cfg.merge.block_size:
                 raise InvalidArgument(
                     f"tensor {piece.name!r}: block size {spec.block_size} != shard's {cfg.merge.block_size}"
@@ -356,12 +384,16 @@ class ShardCore:
             raise InvalidArgument(f"push carries {len(payload.tensors)} tensors, fragment {meta.fragment} has {len(state.fragment.pieces)}")
         if not all(math.isfinite(n) for n in payload.norms):
             raise InvalidArgument(f"push from {meta.learner_id} has a non-finite norm")
+        delta_norm = math.sqrt(sum(n * n for n in payload.norms))
+        bound = self.cfg.max_delta_ratio * max(self.fragment_norm(state), 1.0)
+        if not delta_norm <= bound:
+            raise InvalidArgument(
+                f"push from {meta.learner_id}: delta norm {delta_norm:.3g} exceeds {self.cfg.max_delta_ratio:g} x the "
+                f"fragment's norm ({bound:.3g}); refused"
+            )
         self.clock = self.clock.receive(self.process, meta.clock)
         if meta.seq <= state.last_seq.get(meta.learner_id, 0):
             return Ack(DUPLICATE, state.last_target.get(meta.learner_id, state.version))
-        if meta.learner_id not in self.failed:
-            # A push is proof of life for a learner the membership has not announced yet.
-            self.live.add(meta.learner_id)
         state.timings.observe("step_time_s", meta.step_time_s, self.cfg.rounds.ema_factor)
         pending = Pending(meta, payload, now, wire_bytes)
         self.pushes_received += 1
@@ -376,6 +408,14 @@ class ShardCore:
             target, outcome = state.version + 1, ACCEPTED
         state.last_target[meta.learner_id] = target
         return Ack(outcome, target)
+
+    def fragment_norm(self, state: FragmentState) -> float:
+        """The fragment's L2 norm, computed once per version (while a round is applying,
+        the last computed one)."""
+        if state.norm_cache is None or (state.norm_cache[0] != state.version and not state.applying):
+            norm = math.sqrt(sum(float(np.dot(p.reshape(-1), p.reshape(-1))) for p in state.params))
+            state.norm_cache = (state.version, norm)
+        return state.norm_cache[1]
 
     def _join_open(self, state: FragmentState, pending: Pending, now: float) -> None:
         if not state.open:
@@ -455,6 +495,24 @@ class ShardCore:
         state.last_participants = len(job.pushes)
         state.timings.observe("sync_time_s", now - job.closed_at, self.cfg.rounds.ema_factor)
         self.rounds_closed += 1
+        self.clock = self.clock.tick(self.process)
+        waiting, state.next = state.next, {}
+        for pending in waiting.values():
+            self._join_open(state, pending, now)
+
+    def fail_round(self, job: RoundJob, reason: str, now: float) -> None:
+        """A round whose computation failed: the fragment must keep serving. Its version
+        moves on with no update in the chain, so every learner (the round's pushers first)
+        gets the full values the shard holds now (which the failed step may have touched)
+        and stays identical to it; the failed round's deltas are dropped."""
+        state = self.state_of(job.fragment.id)
+        if not state.applying or job.version != state.version + 1:
+            raise FailedPrecondition(f"round for version {job.version} does not fit fragment at {state.version}")
+        state.version = job.version
+        state.chain.clear()
+        state.full_cache = state.norm_cache = None
+        state.applying = False
+        state.last_reason, state.last_participants = f"round failed ({reason}): its deltas were dropped", 0
         self.clock = self.clock.tick(self.process)
         waiting, state.next = state.next, {}
         for pending in waiting.values():

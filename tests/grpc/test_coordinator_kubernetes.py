@@ -215,7 +215,7 @@ def test_the_validator_rejects_a_broken_pod():
 def test_launch_creates_labelled_valid_pods_and_stop_deletes_them(api, template):
     async def scenario():
         launcher = launcher_for(api, template)
-        results = await launcher.launch(["a1", "a2"], "spot", {"inner_lr": "3e-4"})
+        results = await launcher.launch(["a1", "a2"], "spot", {"lr": "3e-4"})
         assert [(r.launch_id, r.ok, r.detail) for r in results] == [
             ("a1", True, "pod training/run-a-learner-a1"), ("a2", True, "pod training/run-a-learner-a2"),
         ]
@@ -243,7 +243,7 @@ def test_launch_creates_labelled_valid_pods_and_stop_deletes_them(api, template)
         assert container["args"] == [
             "--device", "xla", "--coordinator", "coordinator.training:7000",
             "--join-token-file", "/var/run/diloco/join-token", "--pool", "spot", "--launch-id", "a1",
-            "--inner-lr", "3e-4",
+            "--lr", "3e-4",
         ]
         assert pod["spec"]["restartPolicy"] == "Never"
         assert pod["spec"]["nodeSelector"]["cloud.google.com/gke-spot"] == "true"

@@ -2,6 +2,7 @@
 script that Joins and Heartbeats through the real RPCs: launch, drain, terminate
 (SIGTERM, then SIGKILL), launch failures in the reply, no orphans at shutdown."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -56,10 +57,11 @@ def test_add_drain_terminate_and_reap_learner_processes(tmp_path):
                 assert membership.learner(victim).state == "left"
                 await processes[by_id[victim].launch_id].wait()
 
-                # A learner that ignores SIGTERM is killed after the timeout.
+                # A learner that ignores SIGTERM is killed after the timeout (the operator's
+                # learner command says so: launch overrides are learner settings only).
+                launcher.cfg = dataclasses.replace(launcher.cfg, command=(*FAKE_LEARNER, "--ignore-sigterm", "1"))
                 reply = await stub.AddLearners(
-                    coordinator_pb2.AddLearnersRequest(count=1, overrides={"ignore_sigterm": "1", "heartbeat_s": "0.05"}),
-                    metadata=md,
+                    coordinator_pb2.AddLearnersRequest(count=1, overrides={"heartbeat_s": "0.05"}), metadata=md,
                 )
                 stubborn_launch = reply.launches[0].launch_id
                 stubborn = launcher.processes[stubborn_launch]

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +35,9 @@ def make_shard(quorum=1, grace_mode="off", chain=4, num_fragments=2, **merge):
         rounds=RoundConfig(quorum=quorum, grace_mode=grace_mode),
         merge=MergeConfig(update_chain_length=chain, **merge),
     )
-    return ShardCore(cfg, plan, initial), initial
+    shard = ShardCore(cfg, plan, initial)
+    shard.set_membership({"L0", "L1", "L2"}, set())  # pushes come only from live members
+    return shard, initial
 
 
 class Learner:
@@ -162,6 +165,7 @@ def test_failed_learner_has_zero_weight():
 def test_error_feedback_keeps_params_plus_residual_on_the_true_trajectory():
     shard, initial = make_shard()
     reference = make_shard()[0]  # the same rounds without quantizing the downlink
+    shard.set_membership({"L0"}, set())  # every round merges all live learners: lr unscaled
     learner = Learner("L0", shard, initial, 0)
     for rnd in range(5):
         _, payload, _ = learner.push(0, now=rnd)
@@ -235,6 +239,7 @@ def test_bad_headers_rejected_without_state_change(mutate, error, match):
     plan = plan_fragments(PARAMS, 2)
     shard, initial = make_shard()
     shard = ShardCore(dataclasses.replace(shard.cfg, num_shards=2), plan, initial)
+    shard.set_membership({"L0"}, set())
     before = (shard.clock, shard.pushes_received, {f: s.version for f, s in shard.fragments.items()})
     meta = header_case(shard, initial, mutate)
     with pytest.raises(error, match=match):
@@ -280,37 +285,45 @@ def test_outer_lr_scales_with_the_rounds_share_of_live_learners():
     assert ratio == pytest.approx(1 / 3, rel=0.02)
 
 
-def test_buffer_pieces_take_the_weighted_mean_without_outer_momentum_or_rda():
-    """Running statistics (BatchNorm) are the learners' weighted mean: with outer lr 0.7 and
-    momentum 0.9 a parameter's step is lr * (1 + mu) times its merged delta; a buffer's is
-    its merged delta, every round, whatever the momentum built up."""
+def test_buffer_pieces_become_the_weighted_mean_of_the_pushed_values():
+    """Running statistics (BatchNorm) travel as values and the global one is the learners'
+    weighted mean, a convex combination: whatever the outer lr and momentum, and however
+    stale a learner's base, a variance stays within the learners' values (never negative).
+    The fp32 update keeps learners bit-identical. A parameter takes its outer step."""
     params = [("block.w", (24, 8)), ("norm.running_var", (24,))]
     plan = plan_fragments(params, 1, is_buffer=lambda name: "running" in name)
     assert [p.buffer for p in plan.fragments[0].pieces] == [False, True]
-    g = torch.Generator().manual_seed(0)
-    initial = {0: [torch.randn(s, generator=g).abs() + 1 for _, s in params]}
+    initial = {0: [torch.full((24, 8), 0.5), torch.full((24,), 1.0)]}
     cfg = SyncerConfig(rounds=RoundConfig(quorum=2, grace_mode="off"),
                        merge=MergeConfig(merge="mean", outer_lr=0.7, outer_momentum=0.9, scale_by="round"))
     shard = ShardCore(cfg, plan, initial)
-    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(2)]
     shard.set_membership({"L0", "L1"}, set())
-    for rnd in range(3):
-        pushes = [learner.push(0, now=rnd, tokens=64 * (i + 1), steps=4) for i, learner in enumerate(learners)]
-        state = shard.fragments[0]
-        before = [p.copy() for p in state.params]
-        residual_before = [r.copy() for r in state.residual]
+    g = torch.Generator().manual_seed(0)
+    clocks = {"L0": VectorClock(), "L1": VectorClock()}
+    anchor = [t.clone() for t in initial[0]]
+    for rnd in range(4):
+        pushed = {}
+        for name, tokens in (("L0", 64), ("L1", 128)):
+            delta = torch.randn((24, 8), generator=g) * 0.01
+            values = torch.rand((24,), generator=g) * 0.05  # small variances, as a late layer's
+            encoded = [encode("block.w", delta), encode("norm.running_var", values, encoding="fp32")]
+            clocks[name] = clocks[name].tick(name)
+            meta = PushMeta(name, 0, 0, tokens, 4, 0.1, clocks[name], tuple(e.spec for e in encoded))  # base 0: stale
+            shard.check_header(meta)
+            shard.accept(meta, inspect_payload(meta.specs, b"".join(e.payload for e in encoded)), 1, now=rnd)
+            pushed[name] = (tokens * tokens / 4, values)
+        before = shard.fragments[0].params[0].copy()
         close(shard, 0, now=rnd + 0.5)
-        weights = [64.0 * 16, 128.0 * 32]  # tokens * tokens / steps
-        for index, buffer in enumerate((False, True)):
-            merged = sum(w * decode(p.tensors[index].spec, p.tensors[index].payload)
-                         for w, (_, p, _) in zip(weights, pushes)) / sum(weights)
-            # What the round took from the parameters (int4 part plus the residual kept).
-            step = torch.from_numpy(before[index] - state.params[index] + residual_before[index] - state.residual[index])
-            if buffer:  # every round: exactly its merged delta
-                assert torch.allclose(step, merged, atol=1e-6)
-            elif rnd == 0:  # a parameter's first Nesterov step: lr * (1 + mu) * delta
-                assert torch.allclose(step, 0.7 * 1.9 * merged, atol=1e-6)
-            else:  # momentum makes later parameter steps differ from lr * (1 + mu) * delta
-                assert not torch.allclose(step, 0.7 * 1.9 * merged, atol=1e-6)
-        for learner in learners:
-            learner.apply(shard.update_for(0, learner.version[0]))
+        state = shard.fragments[0]
+        (w0, v0), (w1, v1) = pushed.values()
+        expected = (w0 * v0 + w1 * v1) / (w0 + w1)
+        assert torch.allclose(torch.from_numpy(state.params[1]), expected, atol=1e-7)
+        assert (state.params[1] >= 0).all()
+        assert not np.array_equal(before, state.params[0])  # the parameter moved by its outer step
+        update = shard.update_for(0, rnd)
+        anchor = [a + decode(t.spec, t.payload) for a, t in zip(anchor, update.segments[-1].tensors)]
+        assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(anchor, state.params))
+    bad = [encode("block.w", torch.zeros(24, 8)), encode("norm.running_var", torch.zeros(24))]  # int4 buffer
+    clocks["L0"] = clocks["L0"].tick("L0")
+    with pytest.raises(InvalidArgument, match="buffer: its values travel in fp32"):
+        shard.check_header(PushMeta("L0", 0, 4, 64, 4, 0.1, clocks["L0"], tuple(e.spec for e in bad)))
