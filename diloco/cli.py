@@ -260,6 +260,8 @@ def _syncer(args: argparse.Namespace) -> int:
             update_chain_length=args.chain,
         ),
         max_push_bytes=args.max_push_mib * 1024 * 1024,
+        max_delta_ratio=args.max_delta_ratio,
+        stream_idle_timeout_s=args.stream_idle_timeout_s,
     )
     server_cfg = ShardServerConfig(
         secret=_secret(args),
@@ -310,6 +312,10 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-dtype", choices=["float16", "float32"], default="float16", help="int4 scale dtype")
     p.add_argument("--chain", type=int, default=4, help="int4 updates kept per fragment (default 4)")
     p.add_argument("--max-push-mib", type=int, default=512, help="largest accepted push, MiB (default 512)")
+    p.add_argument("--max-delta-ratio", type=float, default=10.0,
+                   help="refuse a push whose delta norm exceeds this many times its fragment's norm (default 10)")
+    p.add_argument("--stream-idle-timeout-s", type=float, default=60.0,
+                   help="close a push stream that sends nothing for this long (default 60 s)")
     p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory (for --restore latest or an id)")
     p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of waiting for a learner to give it one")
     _add_telemetry(p)

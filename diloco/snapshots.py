@@ -91,6 +91,8 @@ def files_of(manifest_path: Path, manifest: dict, participant: str) -> dict[str,
     root = Path(manifest_path).parent.resolve()
     found = {}
     for entry in manifest["files"]:
+        if not isinstance(entry, dict) or not {"participant", "path", "size_bytes", "sha256"} <= entry.keys():
+            raise InvalidArgument(f"snapshot manifest {manifest_path}: a file entry lacks participant, path, size or sha256")
         if entry["participant"] != participant:
             continue
         path = (root / str(entry["path"])).resolve()

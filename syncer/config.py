@@ -99,6 +99,8 @@ class SyncerConfig:
     """Largest accepted push payload (uncompressed); bigger pushes get RESOURCE_EXHAUSTED."""
     max_tokens_per_push: int = 10**12
     max_steps_per_push: int = 10**7
+    stream_idle_timeout_s: float = 60.0
+    """A push or initialize stream that sends nothing for this long is closed."""
     max_delta_ratio: float = 10.0
     """A push whose delta norm exceeds this many times its fragment's norm (taken as at
     least 1) is refused: an honest outer gradient is a fraction of the parameters, and a
@@ -111,5 +113,7 @@ class SyncerConfig:
             raise InvalidArgument(f"shard id must be in [0, {self.num_shards}), got {self.shard_id}")
         if self.max_push_bytes <= 0:
             raise InvalidArgument(f"max push bytes must be positive, got {self.max_push_bytes}")
+        if not (math.isfinite(self.stream_idle_timeout_s) and self.stream_idle_timeout_s > 0):
+            raise InvalidArgument(f"stream idle timeout must be a positive number, got {self.stream_idle_timeout_s}")
         if not (math.isfinite(self.max_delta_ratio) and self.max_delta_ratio > 0):
             raise InvalidArgument(f"max delta ratio must be a positive number, got {self.max_delta_ratio}")

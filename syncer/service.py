@@ -51,12 +51,23 @@ async def _drain(requests, limit_bytes: int, timeout_s: float = 5.0) -> None:
         pass
 
 
-async def _header(requests, what: str):
-    """The header that must open a client stream of header-then-chunks messages."""
+async def _next(requests, idle_timeout_s: float):
+    """The stream's next message, None at its end. A client that sends nothing for
+    ``idle_timeout_s`` loses the stream: it cannot hold a server's stream (and its buffer)
+    open by going quiet."""
     try:
-        first = await anext(requests)
+        return await asyncio.wait_for(anext(requests), idle_timeout_s)
     except StopAsyncIteration:
-        raise InvalidArgument(f"empty {what} stream: it starts with its header") from None
+        return None
+    except asyncio.TimeoutError:
+        raise InvalidArgument(f"the stream sent nothing for {idle_timeout_s:g} s: closed") from None
+
+
+async def _header(requests, what: str, idle_timeout_s: float):
+    """The header that must open a client stream of header-then-chunks messages."""
+    first = await _next(requests, idle_timeout_s)
+    if first is None:
+        raise InvalidArgument(f"empty {what} stream: it starts with its header")
     if first.WhichOneof("kind") != "header":
         raise InvalidArgument(f"a {what} stream starts with its header, not a chunk")
     return first.header
@@ -134,7 +145,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         limit = payload_bytes + _CHUNK_SLACK_BYTES * (1 + payload_bytes // MAX_CHUNK_BYTES)
         wire_bytes, inflating = 0, None
         try:
-            async for request in requests:
+            while (request := await _next(requests, self.runtime.core.cfg.stream_idle_timeout_s)) is not None:
                 if request.WhichOneof("kind") != "chunk":
                     raise InvalidArgument("only chunks may follow the push header")
                 data = request.chunk.data
@@ -161,7 +172,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         span = self.runtime.telemetry.start_push()  # a child of the RPC's span: the learner's trace
         try:
             learner_id = self._authenticate(context)
-            meta = convert.push_meta_from_proto(await _header(requests, "push"))
+            meta = convert.push_meta_from_proto(await _header(requests, "push", self.runtime.core.cfg.stream_idle_timeout_s))
             if meta.learner_id != learner_id:
                 raise PermissionDenied(f"credential is for {learner_id!r}, the push claims {meta.learner_id!r}")
             span.set_attributes(push_attributes(meta))
@@ -191,7 +202,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         reading = True
         try:
             learner_id = self._authenticate(context)
-            header = await _header(requests, "initialize")
+            header = await _header(requests, "initialize", self.runtime.core.cfg.stream_idle_timeout_s)
             if header.learner_id != learner_id:
                 raise PermissionDenied(f"credential is for {learner_id!r}, the request claims {header.learner_id!r}")
             plan = self.runtime.plan_from(header.manifest_json)

@@ -203,3 +203,24 @@ def test_a_busy_port_is_an_error_not_a_shared_listener():
             await first.stop(None)
     run(scenario())
 
+
+
+def test_a_push_stream_that_goes_quiet_is_closed(tmp_path):
+    """Finding 8: streams that sent only a header stayed open for over a minute."""
+    from diloco.v1.syncer_pb2_grpc import SyncerStub
+
+    async def scenario():
+        async with running_shard(tmp_path, learners=("L0",), stream_idle_timeout_s=0.5) as (server, address):
+            meta, _ = FakeLearner.of(server, "L0").next_push()
+            metadata = ((auth.LEARNER_METADATA, "L0"), (auth.CREDENTIAL_METADATA, auth.sign(SECRET, "L0")))
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = SyncerStub(channel).PushFragment(metadata=metadata, timeout=20)
+                await call.write(header_msg(meta))  # and then nothing, without closing
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in call:
+                        pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sent nothing for 0.5 s" in info.value.details()
+            assert server.runtime.counters.pushes == 0
+            async with client_for(address, "L0") as client:  # and the shard serves on
+                assert (await FakeLearner.of(server, "L0").push(client)).update.version == 1
+    run(scenario())
