@@ -26,7 +26,7 @@ from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
-from diloco.snapshots import MANIFEST, atomic_write_json, find_manifest, read_manifest
+from diloco.snapshots import MANIFEST, atomic_write_json, find_manifest, read_manifest, sign_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,12 @@ class CoordinatorRuntime:
         send_marker: MarkerSender,
         clock: Callable[[], float] = time.time,
         new_launch_id: Callable[[], str] = lambda: secrets.token_hex(4),
+        secret: str = "",
     ) -> None:
+        """``secret``: the run secret, which signs snapshot manifests (``mac``) and checks
+        the one ``--restore`` names."""
         self.cfg = cfg
+        self._secret = secret
         self.run = run
         self._send_marker = send_marker
         self._now = clock
@@ -127,7 +131,7 @@ class CoordinatorRuntime:
         self.snapshots.next_id = max([self.snapshots.next_id, *(i + 1 for i in on_disk)])
         if self.cfg.restore is not None:
             manifest_path = find_manifest(self.cfg.snapshots_path, self.cfg.restore)
-            manifest = read_manifest(manifest_path)
+            manifest = read_manifest(manifest_path, self._secret)
             if not self.run.manifest_json and manifest.get("run", {}).get("manifest"):
                 self.run.adopt(manifest["run"]["manifest"])
                 self.membership.plan_hash = self.run.plan_hash
@@ -199,7 +203,7 @@ class CoordinatorRuntime:
         path = Path(snapshot.directory) / MANIFEST
         run = {"plan_hash": self.run.plan_hash, "shards": list(self.cfg.shards), "run_config": self.run.run_config_json,
                "manifest": self.run.manifest_json}
-        atomic_write_json(path, manifest_of(snapshot, dict(self.vector_clock.entries), run))
+        atomic_write_json(path, sign_manifest(self._secret, manifest_of(snapshot, dict(self.vector_clock.entries), run)))
         self.snapshots.completed(snapshot.id, str(path))
         logger.info("snapshot %d complete: %s", snapshot.id, path)
 

@@ -74,7 +74,7 @@ class CoordinatorServer:
         self.cfg = cfg
         self._secret = secret
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        self.runtime = CoordinatorRuntime(cfg, RunInfo(run), self._send_marker, clock)
+        self.runtime = CoordinatorRuntime(cfg, RunInfo(run), self._send_marker, clock, secret=secret)
         self.server = rpc.server(
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 
 from diloco.errors import Unauthenticated
@@ -25,6 +26,7 @@ COORDINATOR_ID = "C"
 # `printf %s diloco-join-v1 | openssl dgst -sha256 -hmac "$SECRET"`.
 _JOIN_DOMAIN = "diloco-join-v1"
 _CREDENTIAL_DOMAIN = "diloco-learner-v1:"
+_SNAPSHOT_DOMAIN = "diloco-snapshot-v1:"
 
 
 def new_secret() -> str:
@@ -66,3 +68,10 @@ def check_join(secret: str, presented: str | None) -> None:
         raise Unauthenticated("missing join token (metadata x-diloco-join-token)")
     if not hmac.compare_digest(join_token(secret), presented):
         raise Unauthenticated("invalid join token")
+
+
+def manifest_mac(secret: str, manifest: dict) -> str:
+    """The run's authentication of a snapshot manifest (every field but ``mac``, in
+    canonical JSON): whoever can write the snapshot directory cannot forge one."""
+    body = json.dumps({k: v for k, v in manifest.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
+    return _mac(secret, _SNAPSHOT_DOMAIN + body)

@@ -64,7 +64,7 @@ def _last_life(records: list[dict], tape: Path) -> list[dict]:
 
 
 def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path | None,
-                 final: dict[str, torch.Tensor], final_versions: dict[int, int]) -> ShardReplay:
+                 final: dict[str, torch.Tensor], final_versions: dict[int, int], secret: str = "") -> ShardReplay:
     from syncer import snapshot as snapshot_files
     from syncer.core import snapshot
     from syncer.core.rounds import Close
@@ -100,7 +100,7 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
             core.add_fragment(r["fragment"], initial["pieces"])
             capture(r["fragment"])
         elif r["kind"] == "restore":
-            snapshot_id, state, channel = snapshot_files.load_for_restore(str(r["snapshot"]), snapshot_dir, cfg.shard_id)
+            snapshot_id, state, channel = snapshot_files.load_for_restore(str(r["snapshot"]), snapshot_dir, cfg.shard_id, secret)
             snapshot.restore(core, state, 0.0)
             for meta, payload, wire_bytes in channel:
                 core.accept(meta, payload, wire_bytes, 0.0)
@@ -162,6 +162,8 @@ def replay(run_dir: Path, snapshot_dir: Path | None = None) -> list[ShardReplay]
     if "final_versions" not in summary:
         raise InvalidArgument(f"{run_dir / 'summary.json'} has no final_versions (written by an older diloco)")
     final_versions = {int(f): int(v) for f, v in summary["final_versions"].items()}
+    # The run secret authenticates the snapshots a restarted shard came back from.
+    secret = (run_dir / "secret").read_text().strip() if (run_dir / "secret").is_file() else ""
     from safetensors.torch import load_file
 
     final = {k: v.float() for k, v in load_file(str(run_dir / "model.safetensors")).items()}
@@ -175,5 +177,5 @@ def replay(run_dir: Path, snapshot_dir: Path | None = None) -> list[ShardReplay]
         if not push_log.is_file():
             raise NotFound(f"no push log {push_log}: the shard ran without --push-log")
         results.append(replay_shard(run, tape, push_log, snapshot_dir or run_dir / "coordinator" / "snapshots",
-                                    final, final_versions))
+                                    final, final_versions, secret))
     return results

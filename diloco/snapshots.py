@@ -10,10 +10,12 @@ restored from.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 from pathlib import Path
 
+from diloco import auth
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound
 
 MANIFEST = "manifest.json"
@@ -75,14 +77,27 @@ def find_manifest(snapshot_dir: Path | None, spec: str) -> Path:
     return path
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path, secret: str | None = None) -> dict:
+    """A snapshot manifest; with the run ``secret``, only one the run itself signed."""
     try:
         manifest = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:
         raise InvalidArgument(f"cannot read snapshot manifest {path}: {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != 1 or "files" not in manifest:
+    if not isinstance(manifest, dict) or manifest.get("format") != 1 or not isinstance(manifest.get("files"), list):
         raise InvalidArgument(f"{path} is not a snapshot manifest (format 1)")
+    if secret is not None:
+        presented = manifest.get("mac")
+        if not isinstance(presented, str) or not hmac.compare_digest(presented, auth.manifest_mac(secret, manifest)):
+            raise FailedPrecondition(
+                f"snapshot manifest {path} is not authenticated by this run's secret ("
+                + ("it has no mac" if presented is None else "its mac does not match: modified, or another run's")
+                + "): refused"
+            )
     return manifest
+
+
+def sign_manifest(secret: str, manifest: dict) -> dict:
+    return {**manifest, "mac": auth.manifest_mac(secret, manifest)}
 
 
 def files_of(manifest_path: Path, manifest: dict, participant: str) -> dict[str, Path]:

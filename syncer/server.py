@@ -72,7 +72,8 @@ class ShardServer:
         data_dir = Path(server_cfg.data_dir) if server_cfg.data_dir is not None else None
         self.runtime = ShardRuntime(core or ShardCore(cfg), tape, push_log, num_fragments=run.fragments, data_dir=data_dir)
         if server_cfg.restore:
-            self.runtime.restore(*snapshot.load_for_restore(server_cfg.restore, server_cfg.snapshot_dir, cfg.shard_id))
+            self.runtime.restore(*snapshot.load_for_restore(server_cfg.restore, server_cfg.snapshot_dir, cfg.shard_id,
+                                                            server_cfg.secret))
         elif core is None and data_dir is not None and (data_dir / MANIFEST_FILE).is_file():
             self.runtime.expect_anchors((data_dir / MANIFEST_FILE).read_text())
         if server_cfg.static_learners:

@@ -106,12 +106,12 @@ def _load(path: Path) -> dict:
         raise InvalidArgument(f"cannot load snapshot file {path}: {error}") from None
 
 
-def load_for_restore(spec: str, snapshot_dir: Path | None, shard_id: int) -> tuple[int, dict, list]:
+def load_for_restore(spec: str, snapshot_dir: Path | None, shard_id: int, secret: str) -> tuple[int, dict, list]:
     """(snapshot id, recorded state, channel pushes) of this shard in the complete
     snapshot named by ``spec`` ("latest", an id, a directory or a manifest), checked
-    against the manifest's checksums."""
+    against the manifest's checksums, the manifest against the run ``secret``'s mac."""
     manifest_path = find_manifest(snapshot_dir, spec)
-    manifest = read_manifest(manifest_path)
+    manifest = read_manifest(manifest_path, secret)
     files = files_of(manifest_path, manifest, f"S{shard_id}")
     for name in (state_name(shard_id), channel_name(shard_id)):
         if name not in files:

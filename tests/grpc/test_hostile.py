@@ -224,3 +224,27 @@ def test_a_push_stream_that_goes_quiet_is_closed(tmp_path):
             async with client_for(address, "L0") as client:  # and the shard serves on
                 assert (await FakeLearner.of(server, "L0").push(client)).update.version == 1
     run(scenario())
+
+
+def test_a_snapshot_manifest_not_signed_by_the_run_is_refused(tmp_path):
+    """Finding 7, second half: the manifest's checksums were not keyed, so whoever could
+    write the snapshot directory could rewrite a snapshot and its manifest."""
+    import json
+
+    from diloco.snapshots import read_manifest, sign_manifest
+
+    path = tmp_path / "manifest.json"
+    manifest = {"format": 1, "snapshot_id": 3, "files": [{"participant": "S0", "path": "S0-state.npz",
+                                                         "size_bytes": 1, "sha256": "0" * 64}]}
+    path.write_text(json.dumps(sign_manifest(SECRET, manifest)))
+    assert read_manifest(path, SECRET)["snapshot_id"] == 3
+    with pytest.raises(FailedPrecondition, match="mac does not match"):
+        read_manifest(path, "another run's secret")
+    forged = json.loads(path.read_text())
+    forged["files"][0]["sha256"] = "1" * 64  # the attacker swapped the state file
+    path.write_text(json.dumps(forged))
+    with pytest.raises(FailedPrecondition, match="mac does not match"):
+        read_manifest(path, SECRET)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(FailedPrecondition, match="has no mac"):
+        read_manifest(path, SECRET)
