@@ -7,6 +7,8 @@ directory (``diloco timeline`` draws them).
   the dead one had left. Kill times form a Poisson process with the given mean.
 - scavenge: AddLearners(N) into the ``scavenged`` pool at a given time, as a user would.
 - restart-shard: take a snapshot, SIGKILL shard 0, start it again from that snapshot on
+  (or, with ``--restart-from learners``, SIGKILL it and start it with no snapshot: it
+  recovers from the learners' anchors)
   the same address; learners find it down, probe it and re-sync.
 
 Slow learners and wire delay are learner flags set at launch (``diloco.local``).
@@ -38,6 +40,9 @@ class ChaosConfig:
     kill_every_s: float | None = None
     """Mean seconds between two learner kills (None: no kills)."""
     restart_shard_at_s: float | None = None
+    restart_from: str = "snapshot"
+    """How the restarted shard comes back: ``snapshot`` (snapshot first, then --restore)
+    or ``learners`` (no snapshot, no --restore: it recovers from the learners' anchors)."""
     max_kills: int | None = None
     """Stop killing after this many kills (None: no limit)."""
     scavenge: tuple[int, float] | None = None
@@ -51,6 +56,8 @@ class ChaosConfig:
             raise InvalidArgument(f"--max-kills must be >= 0, got {self.max_kills}")
         if self.restart_shard_at_s is not None and not self.restart_shard_at_s >= 0:
             raise InvalidArgument(f"--restart-shard-at must be >= 0 seconds, got {self.restart_shard_at_s}")
+        if self.restart_from not in ("snapshot", "learners"):
+            raise InvalidArgument(f"--restart-from must be snapshot or learners, got {self.restart_from!r}")
         if self.scavenge is not None and (self.scavenge[0] < 1 or self.scavenge[1] < 0):
             raise InvalidArgument(f"--scavenge needs N >= 1 learners at SECONDS >= 0, got {self.scavenge}")
 

@@ -435,6 +435,7 @@ def _local(args: argparse.Namespace) -> int:
         merge=args.merge, scale_by=args.scale_by, delta_codec=args.delta_codec, out=Path(args.out) if args.out else None,
         chaos=ChaosConfig(
             kill_every_s=args.kill_learner_every, max_kills=args.max_kills, restart_shard_at_s=args.restart_shard_at,
+            restart_from=args.restart_from,
             scavenge=parse_scavenge(args.scavenge) if args.scavenge else None, seed=args.chaos_seed,
         ),
         slow_learners=tuple(parse_slow(x) for x in args.slow_learner or ()),
@@ -479,6 +480,9 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--delay-ms", type=float, default=0.0, help="delay added to every push and reply (default 0)")
     chaos.add_argument("--restart-shard-at", type=float, metavar="SECONDS",
                        help="snapshot, SIGKILL shard 0 and restart it from the snapshot at SECONDS")
+    chaos.add_argument("--restart-from", choices=["snapshot", "learners"], default="snapshot",
+                       help="the restarted shard comes back from a snapshot (default) or, with no state, from the "
+                            "learners' anchors")
     chaos.add_argument("--scavenge", metavar="N@SECONDS", help="add N learners through AddLearners at SECONDS")
     chaos.add_argument("--chaos-seed", type=int, default=0, help="seed of the kill schedule and victims (default 0)")
     _add_run_config(p)

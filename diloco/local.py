@@ -181,26 +181,36 @@ class Cluster:
         os.chmod(self.dir / "admin-token", 0o600)
 
     def restart_shard(self, m: int, admin, log) -> None:
-        """Snapshot the run, SIGKILL shard ``m``, start it again from the snapshot."""
-        snapshot_id = admin.start_snapshot()
+        """SIGKILL shard ``m`` and start it again: from a snapshot taken just before
+        (``restart_from`` snapshot), or with no state at all, to recover from the learners'
+        anchors (``learners``)."""
+        restore, snapshot_id = [], None
+        if self.cfg.chaos.restart_from == "snapshot":
+            snapshot_id = admin.start_snapshot()
 
-        def complete() -> bool:
-            state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")
-            if state == "failed":
-                raise Unavailable(f"snapshot {snapshot_id} failed: not restarting shard {m}")
-            return state == "complete"
+            def complete() -> bool:
+                state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")
+                if state == "failed":
+                    raise Unavailable(f"snapshot {snapshot_id} failed: not restarting shard {m}")
+                return state == "complete"
 
-        _wait(complete, 60, f"snapshot {snapshot_id}")
+            _wait(complete, 60, f"snapshot {snapshot_id}")
+            restore = ["--restore", str(snapshot_id)]
         old = self.shard_procs[m]
+        # Its versions just before the kill: what a recovery from the learners is measured
+        # against (its tape's last records may die unflushed with it).
+        status = _shard_status([self.shards[m]])[0]
+        versions = {} if isinstance(status, BaseException) else {f.fragment: f.version for f in status.fragments}
         killed = time.time()
         os.killpg(old.pid, signal.SIGKILL)
         old.wait(timeout=10)
-        new = self._spawn(f"shard{m}", [*self._shard_args(m), "--restore", str(snapshot_id)])
+        new = self._spawn(f"shard{m}", [*self._shard_args(m), *restore])
         self.shard_procs[m] = new
         self._wait_serving(self.shards[m], f"shard {m}", new)
         self._endpoint(f"shard{m}", self.shards[m], new.pid)
-        log("restart_shard", t=killed, shard=m, snapshot=snapshot_id, old_pid=old.pid, pid=new.pid,
-            down_s=round(time.time() - killed, 3))
+        log("restart_shard", t=killed, shard=m, snapshot=snapshot_id, source=self.cfg.chaos.restart_from,
+            versions_before={str(f): v for f, v in sorted(versions.items())},
+            old_pid=old.pid, pid=new.pid, down_s=round(time.time() - killed, 3))
 
     def _wait_serving(self, address: str, what: str, proc: subprocess.Popen) -> None:
         def serving() -> bool:

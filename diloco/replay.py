@@ -97,7 +97,8 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
     for r in life[1:]:
         if r["kind"] == "initialize":
             initial = snapshot_files.loads(data_dir / initial_name(r["fragment"]))
-            core.add_fragment(r["fragment"], initial["pieces"])
+            # A shard that came back without its state started from an anchor, at its version.
+            core.add_fragment(r["fragment"], initial["pieces"], r.get("version", 0))
             capture(r["fragment"])
         elif r["kind"] == "restore":
             snapshot_id, state, channel = snapshot_files.load_for_restore(str(r["snapshot"]), snapshot_dir, cfg.shard_id, secret)
