@@ -456,6 +456,10 @@ def run_local(cfg: LocalConfig) -> dict:
     from coordinator.client import AdminClient
     from diloco.timeline import draw_timeline
 
+    # The task first: one that does not build fails before any directory or process exists.
+    task = supervisor_task(cfg.run, cfg.learners)
+    unit = task.eval_unit
+    learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))
     run_dir = cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "learners").mkdir(exist_ok=True)
@@ -463,9 +467,6 @@ def run_local(cfg: LocalConfig) -> dict:
     (run_dir / "secret").write_text(secret)
     os.chmod(run_dir / "secret", 0o600)
     (run_dir / "run.json").write_text(cfg.run.to_json())
-    task = supervisor_task(cfg.run, cfg.learners)
-    unit = task.eval_unit
-    learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))
     resolved = {**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json()), "learner_steps": learner_steps}
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, default=str))
     console = Console(stderr=True)
