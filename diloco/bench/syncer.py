@@ -204,8 +204,14 @@ def grpc_noop_mbps(params: int, learners: int, rounds: int) -> float:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of a process's live threads, in nanoseconds of resolution (the clock
+    ticks of /proc/PID/stat are 10 ms: a short measurement could read 0); the ticks where
+    the kernel keeps no schedstat."""
+    try:
+        return sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
+    except (OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _peak_rss_bytes(pid: int) -> int:
