@@ -320,6 +320,24 @@ def _snapshots(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shards(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        shards = client.shards()
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(shards))
+        return 0
+    rows = []
+    for s in shards:
+        versions = sorted(s["versions"].values())
+        rows.append([str(s["shard_id"]), s["address"], s["error"] or s["model_state"],
+                     f"{versions[0]}–{versions[-1]}" if versions else "", str(s["rounds"]), str(len(s["live_learners"]))])
+    _table(f"{len(shards)} shards", ["shard", "address", "model", "versions", "rounds", "live learners"], rows)
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from diloco.export import export_model
 
@@ -387,6 +405,10 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     snapshots = verbs.add_parser("snapshots", help="list snapshots (running, complete, failed)")
     snapshots.add_argument("--json", action="store_true", help="print a JSON list")
     snapshots.set_defaults(func=_snapshots)
+
+    shards = verbs.add_parser("shards", help="every shard's model state (serving, empty, recovering), versions and rounds")
+    shards.add_argument("--json", action="store_true", help="print a JSON list")
+    shards.set_defaults(func=_shards)
 
     export = verbs.add_parser(
         "export", help="write the global model as model.safetensors (the keys of the task model's state_dict)",

@@ -178,6 +178,19 @@ class AdminClient:
         reply = self._call("ListSnapshots", self.stub.ListSnapshots, coordinator_pb2.ListSnapshotsRequest())
         return [snapshot_dict(s) for s in reply.snapshots]
 
+    def shards(self) -> list[dict]:
+        reply = self._call("ListShards", self.stub.ListShards, coordinator_pb2.ListShardsRequest())
+        return [
+            {
+                "shard_id": s.shard_id, "address": s.address, "error": s.error,
+                "model_state": s.status.model_state if not s.error else "",
+                "versions": {str(f.fragment): f.version for f in s.status.fragments},
+                "rounds": s.status.rounds_closed, "pushes": s.status.pushes_received,
+                "live_learners": list(s.status.live_learners), "plan_hash": s.status.plan_hash,
+            }
+            for s in reply.shards
+        ]
+
     def export_model(self, timeout_s: float = 600.0) -> list[coordinator_pb2.ExportModelReply]:
         """The global model as relayed from the shards (``diloco.export`` assembles it)."""
         try:

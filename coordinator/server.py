@@ -82,7 +82,7 @@ class CoordinatorServer:
             ]
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(self.runtime, secret, admin_token, self._bootstrap), self.server
+            CoordinatorServicer(self.runtime, secret, admin_token, self._bootstrap, self._shard_status), self.server
         )
         self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
         self._launcher_factory = launcher_factory
@@ -126,6 +126,10 @@ class CoordinatorServer:
             (auth.LEARNER_METADATA, auth.COORDINATOR_ID),
             (auth.CREDENTIAL_METADATA, auth.sign(self._secret, auth.COORDINATOR_ID)),
         )
+
+    async def _shard_status(self, address: str, timeout_s: float) -> syncer_pb2.StatusReply:
+        return await syncer_pb2_grpc.SyncerStub(self._shard_channel(address)).Status(
+            syncer_pb2.StatusRequest(), metadata=self._shard_metadata(), timeout=timeout_s)
 
     def _bootstrap(self, address: str, timeout_s: float):
         """A shard's Bootstrap stream (every fragment it owns), as the coordinator."""

@@ -19,6 +19,8 @@ from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 EXPORT_TIMEOUT_S = 600.0
 """Deadline of the Bootstrap of one shard while exporting."""
+SHARD_STATUS_TIMEOUT_S = 5.0
+"""Deadline of one shard's Status in ListShards."""
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -26,13 +28,15 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, runtime: CoordinatorRuntime, secret: str, admin_token: str, bootstrap=None) -> None:
+    def __init__(self, runtime: CoordinatorRuntime, secret: str, admin_token: str, bootstrap=None,
+                 shard_status=None) -> None:
         """``bootstrap(address, timeout_s)``: a shard's Bootstrap reply stream (ExportModel
-        relays it)."""
+        relays it); ``shard_status(address, timeout_s)``: a shard's Status (ListShards)."""
         self.runtime = runtime
         self._secret = secret
         self._admin_token = admin_token
         self._bootstrap = bootstrap
+        self._shard_status = shard_status
         self._topology: tuple[tuple, common_pb2.Topology] | None = None
         self._telemetry = CoordinatorTelemetry()
 
@@ -203,6 +207,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         yield coordinator_pb2.ExportModelReply(chunk=reply.chunk)
             except grpc.aio.AioRpcError as error:
                 await context.abort(error.code(), f"shard {m} at {address}: {error.details()}")
+
+    async def ListShards(self, request, context):
+        try:
+            self._admin(context)
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+            return
+        shards = []
+        for m, address in enumerate(self.runtime.cfg.shards):
+            entry = coordinator_pb2.ShardStatus(shard_id=m, address=address)
+            try:
+                if self._shard_status is None:
+                    raise FailedPrecondition("this coordinator cannot call its shards")
+                entry.status.CopyFrom(await self._shard_status(address, SHARD_STATUS_TIMEOUT_S))
+            except grpc.aio.AioRpcError as error:
+                entry.error = f"{error.code().name}: {error.details()}"
+            except DilocoError as error:
+                entry.error = str(error)
+            shards.append(entry)
+        return coordinator_pb2.ListShardsReply(shards=shards)
 
     def _topology_now(self) -> common_pb2.Topology:
         run = self.runtime.run

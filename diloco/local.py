@@ -289,6 +289,7 @@ def _progress_table(members: list[dict], statuses: list, events: dict[str, list[
         f"pushes {sum(s.pushes_received for s in ok)} · wire ↑{sum(s.bytes_received for s in ok) / 1e6:.1f} MB "
         f"↓{sum(s.bytes_sent for s in ok) / 1e6:.1f} MB"
         + (f" · {len(ok)}/{len(statuses)} shards up" if len(ok) < len(statuses) else "")
+        + "".join(f" · shard {s.shard_id}: {s.model_state}" for s in ok if not s.model_state.startswith("serving"))
     )
     return table
 

@@ -93,6 +93,8 @@ class ShardRuntime:
         self.data_dir = data_dir
         self.anchors_only = False
         """Set by ``expect_anchors``: fresh initial values are refused."""
+        self.recovered: dict[int, tuple[str, int]] = {}
+        """Fragments that came back from a learner's anchor: (learner, version)."""
         self.tape = tape
         self.push_log = push_log
         self.counters = Counters()
@@ -133,6 +135,21 @@ class ShardRuntime:
 
     # --- initial values --------------------------------------------------------------
 
+    def model_state(self) -> str:
+        """Where this shard's model stands, for Status: serving, empty or recovering, and
+        the fragments that came back from a learner's anchor."""
+        core = self.core
+        missing = sorted(f.id for f in core.owned if f.id not in core.fragments)
+        if core.plan is None or (missing and not self.anchors_only):
+            return "empty: waiting for the first learner's values" + (f" (fragments {missing})" if core.plan else "")
+        if missing:
+            return (f"recovering: restarted without its state; fragments {missing} wait for a learner's anchor "
+                    "(or restart with --restore)")
+        if self.recovered:
+            return "serving; recovered from anchors: " + ", ".join(
+                f"fragment {f} from {who} at version {v}" for f, (who, v) in sorted(self.recovered.items()))
+        return "serving"
+
     def plan_from(self, manifest_json: str) -> FragmentPlan:
         """The run's fragment plan from a manifest (parsed and bounded: it came over the wire)."""
         core = self.core
@@ -172,6 +189,8 @@ class ShardRuntime:
         if self.data_dir is not None:
             atomic_write(self.data_dir / initial_name(fragment_id), snapshot_files.dumps({"pieces": core.fragments[fragment_id].params}))
         source = "initial values" if anchor_version is None else f"anchor at version {anchor_version}"
+        if anchor_version is not None:
+            self.recovered[fragment_id] = (learner_id, anchor_version)
         self._record("initialize", fragment=fragment_id, learner=learner_id, plan=plan.plan_hash,
                      version=anchor_version or 0, source=source)
         log = logger.info if anchor_version is None else logger.warning

@@ -296,4 +296,5 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             bytes_sent=counters.bytes_sent,
             clock=convert.clock_to_proto(core.clock),
             plan_hash=core.plan.plan_hash if core.plan is not None else "",
+            model_state=self.runtime.model_state(),
         )

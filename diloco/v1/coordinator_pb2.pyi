@@ -153,6 +153,28 @@ class ExportModelRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ListShardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("shard_id", "address", "error", "status")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    address: str
+    error: str
+    status: _syncer_pb2.StatusReply
+    def __init__(self, shard_id: _Optional[int] = ..., address: _Optional[str] = ..., error: _Optional[str] = ..., status: _Optional[_Union[_syncer_pb2.StatusReply, _Mapping]] = ...) -> None: ...
+
+class ListShardsReply(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+
 class ExportHeader(_message.Message):
     __slots__ = ("manifest_json", "plan_hash", "fragments")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]

@@ -100,6 +100,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.ExportModelRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_coordinator__pb2.ExportModelReply.FromString,
                 _registered_method=True)
+        self.ListShards = channel.unary_unary(
+                '/diloco.v1.Coordinator/ListShards',
+                request_serializer=diloco_dot_v1_dot_coordinator__pb2.ListShardsRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_coordinator__pb2.ListShardsReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -192,6 +197,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListShards(self, request, context):
+        """Every shard's Status as the coordinator reaches it (its address, or why not).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +271,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ExportModel,
                     request_deserializer=diloco_dot_v1_dot_coordinator__pb2.ExportModelRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_coordinator__pb2.ExportModelReply.SerializeToString,
+            ),
+            'ListShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListShards,
+                    request_deserializer=diloco_dot_v1_dot_coordinator__pb2.ListShardsRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_coordinator__pb2.ListShardsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -612,6 +629,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/ExportModel',
             diloco_dot_v1_dot_coordinator__pb2.ExportModelRequest.SerializeToString,
             diloco_dot_v1_dot_coordinator__pb2.ExportModelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/ListShards',
+            diloco_dot_v1_dot_coordinator__pb2.ListShardsRequest.SerializeToString,
+            diloco_dot_v1_dot_coordinator__pb2.ListShardsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -205,7 +205,7 @@ class FragmentStatus(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., open_round_pushes: _Optional[int] = ..., round_state: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard_id", "fragments", "live_learners", "rounds_closed", "pushes_received", "bytes_received", "bytes_sent", "clock", "plan_hash")
+    __slots__ = ("shard_id", "fragments", "live_learners", "rounds_closed", "pushes_received", "bytes_received", "bytes_sent", "clock", "plan_hash", "model_state")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class StatusReply(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_STATE_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     live_learners: _containers.RepeatedScalarFieldContainer[str]
@@ -224,4 +225,5 @@ class StatusReply(_message.Message):
     bytes_sent: int
     clock: _common_pb2.VectorClock
     plan_hash: str
-    def __init__(self, shard_id: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_learners: _Optional[_Iterable[str]] = ..., rounds_closed: _Optional[int] = ..., pushes_received: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., plan_hash: _Optional[str] = ...) -> None: ...
+    model_state: str
+    def __init__(self, shard_id: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_learners: _Optional[_Iterable[str]] = ..., rounds_closed: _Optional[int] = ..., pushes_received: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., plan_hash: _Optional[str] = ..., model_state: _Optional[str] = ...) -> None: ...

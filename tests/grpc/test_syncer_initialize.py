@@ -50,7 +50,8 @@ def test_first_offer_wins_and_the_shard_then_serves_it(tmp_path):
                     await c0.bootstrap()
                 assert before.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                 assert "holds no model yet" in before.value.details()
-                assert (await c0.status()).plan_hash == ""
+                status = await c0.status()
+                assert status.plan_hash == "" and status.model_state == "empty: waiting for the first learner's values"
                 # Two learners offer different values at once: one wins per fragment.
                 other = [t + 1 for t in PLAN.gather(0, STATE)]
                 results = await asyncio.gather(
@@ -65,8 +66,10 @@ def test_first_offer_wins_and_the_shard_then_serves_it(tmp_path):
                 with pytest.raises(grpc.aio.AioRpcError) as missing:
                     await c0.bootstrap([1])
                 assert "fragment 1 has no value yet" in missing.value.details()
+                assert (await c0.status()).model_state == "empty: waiting for the first learner's values (fragments [1])"
                 assert await c0.initialize(1, MANIFEST.to_json(), PLAN.plan_hash, fp32(1))
-                assert (await c0.status()).plan_hash == PLAN.plan_hash
+                status = await c0.status()
+                assert status.plan_hash == PLAN.plan_hash and status.model_state == "serving"
                 learner = FakeLearner.of(server, "L0", fragment=1)
                 assert (await learner.push(c0)).update.version == 1  # trains from the offered values
             # The run's manifest and each fragment's initial values are kept for replay.
@@ -174,7 +177,9 @@ def test_a_shard_that_restarts_without_its_state_takes_only_an_anchor(tmp_path):
             core = server.runtime.core
             assert core.plan.plan_hash == PLAN.plan_hash and core.fragments == {}  # planned, holding nothing
             async with client_for(address, "L1") as c1:
-                assert (await c1.status()).plan_hash == PLAN.plan_hash
+                status = await c1.status()
+                assert status.plan_hash == PLAN.plan_hash and status.model_state.startswith(
+                    "recovering: restarted without its state; fragments [0, 1] wait for a learner's anchor")
                 with pytest.raises(grpc.aio.AioRpcError) as fresh:
                     await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
                 assert fresh.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -183,6 +188,7 @@ def test_a_shard_that_restarts_without_its_state_takes_only_an_anchor(tmp_path):
                 assert await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, trained), anchor_version=7)
                 (update,) = await c1.bootstrap([0])
                 assert update.version == 7
+                assert "fragments [1] wait" in (await c1.status()).model_state
                 assert all((a == b).all() for a, b in zip(update.segments[-1].tensors, trained))
                 learner = FakeLearner.of(server, "L1", fragment=0)
                 learner.version = 7
@@ -190,5 +196,33 @@ def test_a_shard_that_restarts_without_its_state_takes_only_an_anchor(tmp_path):
         records = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] in ("recovering", "initialize")]
         assert [(r["kind"], r.get("source")) for r in records] == [
             ("initialize", "initial values"), ("recovering", None), ("initialize", "anchor at version 7")]
+
+    run(scenario())
+
+
+def test_the_operator_sees_each_shards_model_state_through_the_coordinator(tmp_path):
+    """``diloco admin shards``: every shard's Status relayed by the coordinator, or why it
+    could not be reached."""
+    from coordinator.client import AdminClient
+    from tests.grpc.coordinator_fixtures import ADMIN, running_coordinator
+
+    async def scenario():
+        async with empty_shard(tmp_path / "shard") as (server, address):
+            async with running_coordinator(tmp_path, shards=(address, "127.0.0.1:1")) as coordinator:
+                def listing():
+                    admin = AdminClient(coordinator.address, ADMIN, timeout_s=30)
+                    try:
+                        return admin.shards()
+                    finally:
+                        admin.close()
+
+                first, second = await asyncio.to_thread(listing)
+                assert first["model_state"] == "empty: waiting for the first learner's values" and not first["error"]
+                assert second["address"] == "127.0.0.1:1" and second["error"].startswith("UNAVAILABLE")
+                async with client_for(address, "L0") as c0:
+                    for fragment in (0, 1):
+                        assert await c0.initialize(fragment, MANIFEST.to_json(), PLAN.plan_hash, fp32(fragment))
+                first, _ = await asyncio.to_thread(listing)
+                assert first["model_state"] == "serving" and first["versions"] == {"0": 0, "1": 0}
 
     run(scenario())
