@@ -34,7 +34,7 @@ class Exported:
 
 def assemble(replies) -> Exported:
     """The model from an ``ExportModel`` reply stream (header, then updates and chunks)."""
-    from syncer.client import _decode_update
+    from syncer.client import decode_update
 
     replies = list(replies)
     if not replies or replies[0].WhichOneof("kind") != "header":
@@ -55,7 +55,7 @@ def assemble(replies) -> Exported:
             chunks.append(reply.chunk.data)
             continue
         if update is not None:
-            decoded = _decode_update(update, chunks)
+            decoded = decode_update(update, chunks)
             if decoded.fragment >= plan.num_fragments or not decoded.segments or decoded.segments[-1].kind != "full":
                 raise InvalidArgument(f"export stream: unexpected update of fragment {decoded.fragment}")
             for view, value in zip(plan.gather(decoded.fragment, synced), decoded.segments[-1].tensors):
@@ -98,15 +98,6 @@ def save(exported: Exported, path: Path) -> None:
     save_file({k: v.contiguous() for k, v in exported.state.items()}, str(tmp),
               metadata={"format": "pt", "diloco_versions": versions})
     tmp.replace(path)
-
-
-def load_versions(path: Path) -> dict[int, int]:
-    """The fragment versions recorded in an exported file's metadata."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        raw = (f.metadata() or {}).get("diloco_versions", "")
-    return {int(a): int(b) for a, b in (pair.split(":") for pair in raw.split(",") if pair)}
 
 
 def export_model(admin, path: Path, timeout_s: float = 600.0) -> Exported:

@@ -172,16 +172,12 @@ def checked_loss(spec: str, value: Any) -> torch.Tensor:
 
 
 def checked_tokens(spec: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        try:
-            import torch
+    """A batch's token count: a non-negative int (or a one-element integer tensor)."""
+    import torch
 
-            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-                value = int(value)
-                if value >= 0:
-                    return value
-        except ImportError:  # pragma: no cover
-            pass
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TaskError(f"task {spec!r}: tokens(batch) returned {value!r}, not a non-negative int")
     return value
 

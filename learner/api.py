@@ -249,17 +249,20 @@ class Learner:
         """The fragment's current values as fp32 host tensors (whatever the model's dtype)."""
         return [self.device.to_host(t) for t in self.plan.gather(fragment_id, self.tensors)]
 
+    def _fp32(self, fragment_id: int, values: list[torch.Tensor]):
+        """A fragment's values, encoded raw fp32 (what Initialize carries)."""
+        return [encode(p.name, t, encoding="fp32") for p, t in zip(self.plan.fragments[fragment_id].pieces, values)]
+
     def _bootstrap(self) -> None:
         """Offer our values to shards that hold none yet, then start from the global state
         the shards hold, never from a private init."""
         by_shard = {s: [f.id for f in self.plan.owned_by(s, self.num_shards)] for s in range(self.num_shards)}
 
-        def encode_fp32(fragment_id: int):
-            pieces = self.plan.fragments[fragment_id].pieces
-            return [encode(p.name, t, encoding="fp32") for p, t in zip(pieces, self._host(fragment_id))]
+        def encode_own(fragment_id: int):
+            return self._fp32(fragment_id, self._host(fragment_id))
 
         for shard, fragments in by_shard.items():
-            taken = self.streamer.initialize(shard, self.manifest_json, self.plan.plan_hash, fragments, encode_fp32)
+            taken = self.streamer.initialize(shard, self.manifest_json, self.plan.plan_hash, fragments, encode_own)
             self.summary.initialized_fragments += taken
         updates = self.streamer.bootstrap(by_shard)
         fragments = {}
@@ -273,10 +276,9 @@ class Learner:
         self.book = SyncBook(fragments, self.run.overlap_steps)
 
         def encode_anchor(fragment_id: int):
-            pieces = self.plan.fragments[fragment_id].pieces
             state = self.book.fragments[fragment_id]  # replaced, never mutated, by the training thread
             anchor, version = state.anchor, state.base_version
-            return [encode(p.name, t, encoding="fp32") for p, t in zip(pieces, anchor)], version
+            return self._fp32(fragment_id, anchor), version
 
         self.streamer.reoffer = (self.manifest_json, self.plan.plan_hash, encode_anchor)
         logger.info("%s bootstrapped %d fragments at versions %s%s", self.learner_id, len(fragments),

@@ -94,7 +94,7 @@ async def write_all(call, requests) -> None:
         pass
 
 
-def _decode_update(first: syncer_pb2.FragmentUpdate, chunks: list[bytes]) -> DecodedUpdate:
+def decode_update(first: syncer_pb2.FragmentUpdate, chunks: list[bytes]) -> DecodedUpdate:
     specs = [[spec_from_proto(t) for t in s.tensors] for s in first.segments]
     expected = sum(spec.byte_length for seg in specs for spec in seg)
     payload = unframe(chunks, expected)
@@ -164,7 +164,7 @@ class SyncerClient:
                     on_ack(outcome, target)
             else:
                 received = time.perf_counter()
-                update = await asyncio.to_thread(_decode_update, message, update_chunks)
+                update = await asyncio.to_thread(decode_update, message, update_chunks)
         if outcome is None or update is None:
             raise InvalidArgument("push stream ended without an ack and an update")
         return PushResult(
@@ -176,7 +176,7 @@ class SyncerClient:
         call = self.stub.Bootstrap(
             syncer_pb2.BootstrapRequest(fragments=list(fragments)), metadata=self.metadata, timeout=self.timeout_s
         )
-        return [await asyncio.to_thread(_decode_update, header, chunks) async for header, chunks in _updates(call)]
+        return [await asyncio.to_thread(decode_update, header, chunks) async for header, chunks in _updates(call)]
 
     async def initialize(self, fragment: int, manifest_json: str, plan_hash: str, encoded: Sequence[EncodedTensor],
                          anchor_version: int | None = None) -> bool:

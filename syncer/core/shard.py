@@ -26,7 +26,7 @@ from diloco.codec import (
     expected_byte_length,
     norm_of,
 )
-from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import Fragment, FragmentPlan
 from syncer.config import SyncerConfig
 from syncer.core.merge import Contribution, merge_piece, token_weights
@@ -262,11 +262,6 @@ class ShardCore:
     @property
     def owned(self) -> list[Fragment]:
         return self.plan.owned_by(self.cfg.shard_id, self.cfg.num_shards) if self.plan is not None else []
-
-    @property
-    def initialized(self) -> bool:
-        """Every fragment the shard owns has a value."""
-        return self.plan is not None and len(self.fragments) == len(self.owned)
 
     def adopt_plan(self, plan: FragmentPlan, manifest_json: str) -> None:
         """Fix the shard's plan (from the run's manifest); a different one is refused."""
