@@ -159,7 +159,10 @@ class LocalProcessLauncher:
         try:
             await asyncio.wait_for(process.wait(), self.cfg.terminate_timeout_s)
         except asyncio.TimeoutError:
-            logger.warning("learner %s ignored SIGTERM for %.1f s: SIGKILL", launch_id, self.cfg.terminate_timeout_s)
+            logger.warning("learner %s ignored SIGTERM for %.1f s: its threads' stacks go to its log, then SIGKILL",
+                           launch_id, self.cfg.terminate_timeout_s)
+            _signal_group(process.pid, signal.SIGUSR1)  # diloco processes dump their stacks (faulthandler)
+            await asyncio.sleep(0.5)
             _signal_group(process.pid, signal.SIGKILL)
             await process.wait()
 

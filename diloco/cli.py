@@ -8,9 +8,11 @@ configures logging handlers (and, later, reads environment variables).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -704,7 +706,6 @@ def _exit_with_parent() -> None:
     """SIGTERM this process (its graceful shutdown) once its parent process is gone: a
     run's processes never outlive the process that started them, however it ended
     (SIGKILL included, which no handler of the parent sees)."""
-    import signal
     import threading
     import time
 
@@ -727,6 +728,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.exit_with_parent:
         _exit_with_parent()
+    # A supervisor that gives up on a process sends SIGUSR1 before SIGKILL: the stacks of
+    # every thread go to the log, so a hang says where it was.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except DilocoError as error:

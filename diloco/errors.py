@@ -44,3 +44,11 @@ class ResourceExhausted(DilocoError):
 
 class Unavailable(DilocoError):
     """Draining or shutting down; the caller may retry elsewhere or later."""
+
+
+class DeadlineExceeded(DilocoError):
+    """Waited longer than the operation's bound (a shard busy with one fragment too long)."""
+
+
+class Cancelled(DilocoError):
+    """Stopped on purpose before it finished (a drain or a signal while starting)."""

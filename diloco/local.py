@@ -232,6 +232,8 @@ class Cluster:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGUSR1)  # its threads' stacks go to its log (faulthandler)
+                time.sleep(0.5)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
 
@@ -533,7 +535,9 @@ def run_local(cfg: LocalConfig) -> dict:
         state, versions = None, {}
         try:
             if admin is not None:
-                exported = export_model(AdminClient(cluster.coordinator, token, timeout_s=60), run_dir / "model.safetensors")
+                console.print("exporting the trained model from the shards")
+                exported = export_model(AdminClient(cluster.coordinator, token, timeout_s=60), run_dir / "model.safetensors",
+                                        timeout_s=120)
                 state, versions = exported.state, exported.versions
         except DilocoError as error:  # the cluster may already be gone after Ctrl-C
             logger.warning("could not export the final model: %s", error)

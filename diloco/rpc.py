@@ -38,6 +38,8 @@ STATUS_FOR_ERROR: tuple[tuple[type[errors.DilocoError], grpc.StatusCode], ...] =
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Cancelled, grpc.StatusCode.CANCELLED),
 )
 
 

@@ -108,18 +108,20 @@ class Learner:
         events: TapeWriter | None = None,
         heartbeats: Heartbeats | None = None,
         sync: bool = True,
+        stop: threading.Event | None = None,
     ) -> None:
         """``optimizer``: recorded in snapshots with the model. ``coordinator``: heartbeat
         to it and register the model's manifest with it (``heartbeats``: already beating,
         started before the model was built). ``sync`` False: train alone (the benchmark's
-        no-sync baseline)."""
+        no-sync baseline). ``stop``: the event that asks this learner to leave (a signal
+        handler's), honoured from the start: set while bootstrapping, it ends the wait."""
         self.model, self.member, self.cfg = model, member, config or LearnerConfig()
         self.run: RunConfig = member.run
         self.learner_id = member.learner_id
         self.optimizer = optimizer
         self.device = device or Device(self.cfg.device)
         self.events = events
-        self.stop = threading.Event()
+        self.stop = stop or threading.Event()
         self.stop_reason = ""
         self.summary = Summary(self.learner_id)
         self.telemetry = LearnerTelemetry(self.learner_id)
@@ -262,9 +264,10 @@ class Learner:
             return self._fp32(fragment_id, self._host(fragment_id))
 
         for shard, fragments in by_shard.items():
-            taken = self.streamer.initialize(shard, self.manifest_json, self.plan.plan_hash, fragments, encode_own)
+            taken = self.streamer.initialize(shard, self.manifest_json, self.plan.plan_hash, fragments, encode_own,
+                                             stop=self.stop)
             self.summary.initialized_fragments += taken
-        updates = self.streamer.bootstrap(by_shard)
+        updates = self.streamer.bootstrap(by_shard, stop=self.stop)
         fragments = {}
         for update in updates:
             values = update.segments[-1].tensors

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 
 import torch
@@ -112,7 +113,8 @@ class TaskRunner:
 
 def run_task(member: Membership, cfg: LearnerConfig, *, coordinator: str | None = None, num_learners: int = 1,
              events: TapeWriter | None = None, heartbeats: Heartbeats | None = None, sync: bool = True,
-             on_learner: Callable[[Learner], None] = lambda learner: None) -> Learner:
+             on_learner: Callable[[Learner], None] = lambda learner: None,
+             stop: threading.Event | None = None) -> Learner:
     """Build the run's task for this learner, train it to the end (or a stop), close the
     learner and evaluate once more. Returns the closed learner (``.summary``)."""
     run = member.run
@@ -122,7 +124,7 @@ def run_task(member: Membership, cfg: LearnerConfig, *, coordinator: str | None 
     task.model.to(device.torch)
     optimizer, schedule = inner_optimizer(task, cfg)
     learner = Learner(task.model, member, cfg, optimizer=optimizer, coordinator=coordinator, device=device,
-                      events=events, heartbeats=heartbeats, sync=sync)
+                      events=events, heartbeats=heartbeats, sync=sync, stop=stop)
     on_learner(learner)
     runner = TaskRunner(run.task, task, learner, optimizer, schedule)
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from diloco.config import RunConfig
 from diloco.tape import TapeWriter
+from diloco.errors import Cancelled
 from learner.api import Learner, Summary
 from learner.config import LearnerConfig
 from learner.membership import Heartbeats, Membership, join
@@ -38,10 +39,10 @@ def run_learner(
     ``<dir>/<id>.events.jsonl``; ``started_t``: when the process started (wall clock)."""
     # Heartbeats start before the task is built: loading data and bootstrapping can take
     # longer than a lease. Until the learner exists, a drain only stops it from starting.
-    early_stop: list[str] = []
+    stopping = threading.Event()
     heartbeats = None
     if coordinator:
-        heartbeats = Heartbeats(coordinator, member, cfg.heartbeat_interval_s, dict, early_stop.append)
+        heartbeats = Heartbeats(coordinator, member, cfg.heartbeat_interval_s, dict, lambda reason: stopping.set())
         heartbeats.start()
     events = None
     if events_dir is not None:
@@ -49,13 +50,10 @@ def run_learner(
         events.append("state", started_t or time.time(), state="starting", pid=os.getpid(),
                       slow_factor=cfg.slow_factor, steps=cfg.steps)
     learner = None
-    interrupted = threading.Event()
 
     def stop(signum, _frame):
         logger.info("%s: %s, finishing in-flight pushes", member.learner_id, signal.Signals(signum).name)
-        interrupted.set()
-        if learner is not None:
-            learner.stop.set()
+        stopping.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
@@ -63,12 +61,15 @@ def run_learner(
     def attach(created: Learner) -> None:
         nonlocal learner
         learner = created
-        if early_stop or interrupted.is_set():
-            learner.stop.set()
 
     try:
         summary = run_task(member, cfg, coordinator=coordinator, num_learners=num_learners, events=events,
-                           heartbeats=heartbeats, on_learner=attach).summary
+                           heartbeats=heartbeats, on_learner=attach, stop=stopping).summary
+    except Cancelled as error:  # asked to leave (a drain, a signal) before training started
+        logger.warning("%s: %s: left before training", member.learner_id, error)
+        if heartbeats is not None:
+            heartbeats.stop_and_leave(f"stopped before training: {error}")
+        summary = Summary(member.learner_id)
     except BaseException as error:
         if learner is None and heartbeats is not None:
             heartbeats.stop_and_leave(f"failed to start: {error}")

@@ -13,6 +13,7 @@ model; the first learner to offer wins, the others bootstrap from it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -25,7 +26,7 @@ import torch
 from opentelemetry import context as otel_context
 
 from diloco.codec import EncodedTensor
-from diloco.errors import FailedPrecondition
+from diloco.errors import Cancelled, DeadlineExceeded, FailedPrecondition
 from learner.core.sync import Reply
 from learner.telemetry import SyncTrace
 from syncer.client import DecodedUpdate, SyncerClient, open_channel
@@ -104,12 +105,31 @@ class Streamer:
         future.add_done_callback(self._tasks.discard)
         return True
 
-    def bootstrap(self, fragments_by_shard: dict[int, list[int]], timeout_s: float = 120.0) -> list[DecodedUpdate]:
+    def _blocking(self, coroutine, what: str, timeout_s: float, stop: threading.Event | None):
+        """Run ``coroutine`` on the network loop and wait for it from the calling thread,
+        for at most ``timeout_s`` and only while ``stop`` is not set (a drain or a signal
+        that arrives before training starts ends the wait at once)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.result(timeout=0.25)
+            except concurrent.futures.TimeoutError:
+                if stop is not None and stop.is_set():
+                    future.cancel()
+                    raise Cancelled(f"stopped while waiting for {what}") from None
+                if time.monotonic() >= deadline:
+                    future.cancel()
+                    raise DeadlineExceeded(f"{what} took more than {timeout_s:.0f} s") from None
+
+    def bootstrap(self, fragments_by_shard: dict[int, list[int]], timeout_s: float = 120.0,
+                  stop: threading.Event | None = None) -> list[DecodedUpdate]:
         """Full fragments from their shards; blocks (only used before training starts)."""
-        return asyncio.run_coroutine_threadsafe(self._bootstrap(fragments_by_shard), self._loop).result(timeout_s)
+        return self._blocking(self._bootstrap(fragments_by_shard), "the shards' bootstrap", timeout_s, stop)
 
     def initialize(self, shard: int, manifest_json: str, plan_hash: str, fragments: list[int],
-                   encode: Callable[[int], list[EncodedTensor]], timeout_s: float = 300.0) -> list[int]:
+                   encode: Callable[[int], list[EncodedTensor]], timeout_s: float = 300.0,
+                   stop: threading.Event | None = None) -> list[int]:
         """Offer our values (``encode(fragment)``, fp32) of the shard's fragments that have
         none yet; returns those that took ours. Blocks (only used before training starts)."""
 
@@ -131,7 +151,7 @@ class Streamer:
                     taken.append(fragment)
             return taken
 
-        return asyncio.run_coroutine_threadsafe(offer(), self._loop).result(timeout_s)
+        return self._blocking(offer(), f"shard {shard}'s initial values", timeout_s, stop)
 
     def inflight(self) -> int:
         with self._lock:

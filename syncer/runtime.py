@@ -18,7 +18,7 @@ from pathlib import Path
 from opentelemetry.trace import SpanContext
 
 from diloco.clock import VectorClock
-from diloco.errors import DilocoError, FailedPrecondition
+from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
 from diloco.snapshots import atomic_write
@@ -276,21 +276,31 @@ class ShardRuntime:
         task.add_done_callback(self._rounds.discard)
 
     async def _run_round(self, job: RoundJob) -> None:
+        """Compute and apply one round. Whatever happens, the fragment is idle again at
+        the end and its waiters are answered: a round never leaves a fragment busy."""
+        try:
+            await self._apply_round(job)
+        except Exception:  # a bug after the merge: log it, drop the round, keep serving
+            logger.exception("fragment %d: applying round %d failed", job.fragment.id, job.version)
+            if self.core.fragments[job.fragment.id].applying:
+                self.core.fail_round(job, "internal error while applying", self._monotonic())
+        finally:
+            self._idle[job.fragment.id].set()
+            self._resolve(job.fragment.id)
+            self._evaluate(job.fragment.id)
+
+    async def _apply_round(self, job: RoundJob) -> None:
         started = time.perf_counter()
         try:
             update: Segment = await asyncio.to_thread(compute_round, job, self.core.cfg)
         except Exception as error:  # a bug or an input nothing at the door foresaw: keep serving
             logger.exception("fragment %d: round %d failed; its deltas are dropped", job.fragment.id, job.version)
             self.core.fail_round(job, f"{type(error).__name__}: {error}"[:200], self._monotonic())
-            self._idle[job.fragment.id].set()
             self._record("round_failed", fragment=job.fragment.id, version=job.version,
                          participants=[p.meta.learner_id for p in job.pushes], error=f"{type(error).__name__}: {error}"[:500])
-            self._resolve(job.fragment.id)
-            self._evaluate(job.fragment.id)
             return
         merge_s = time.perf_counter() - started
         self.core.finish_round(job, update, self._monotonic())
-        self._idle[job.fragment.id].set()
         self.counters.rounds += 1
         self._trace_round(job, merge_s)
         participants = [p.meta.learner_id for p in job.pushes]
@@ -312,8 +322,6 @@ class ShardRuntime:
             opened_t=self._wall() - (self._monotonic() - job.opened_at),
             clock=dict(self.core.clock.entries),
         )
-        self._resolve(job.fragment.id)
-        self._evaluate(job.fragment.id)
 
     def _trace_round(self, job: RoundJob, merge_s: float) -> None:
         links = [self._push_spans.pop(key) for key in map(_push_key, job.pushes) if key in self._push_spans]
@@ -341,10 +349,18 @@ class ShardRuntime:
                 still.append(waiter)
         self._waiters[fragment_id] = still
 
-    async def full(self, fragment_id: int) -> Segment:
-        """The full fp32 fragment, read only between rounds (rounds update it in place)."""
+    async def full(self, fragment_id: int, timeout_s: float = 60.0) -> Segment:
+        """The full fp32 fragment, read only between rounds (rounds update it in place).
+        A round that is not applied within ``timeout_s`` is reported, not waited on forever."""
         self.core.state_of(fragment_id)
-        await self._idle[fragment_id].wait()
+        try:
+            await asyncio.wait_for(self._idle[fragment_id].wait(), timeout_s)
+        except asyncio.TimeoutError:
+            state = self.core.fragments[fragment_id]
+            logger.error("fragment %d: a read waited %.0f s for round %d to be applied (held %d, rounds in flight %d)",
+                         fragment_id, timeout_s, state.version + 1, self._held, len(self._rounds))
+            raise DeadlineExceeded(f"fragment {fragment_id} of shard {self.core.cfg.shard_id} has been busy with a "
+                                   f"round for more than {timeout_s:.0f} s") from None
         return self.core.full(fragment_id)
 
     def evaluate_all(self) -> None:

@@ -6,6 +6,7 @@ starts in a fraction of a second.
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ async def main() -> int:
     stop = asyncio.Event()
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # as diloco's processes do
     else:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     session = LearnerSession(args.coordinator, timeout_s=5)

@@ -69,6 +69,9 @@ def test_add_drain_terminate_and_reap_learner_processes(tmp_path):
                 (stubborn_id,) = [l.id for l in membership.live() if l.launch_id == stubborn_launch]
                 await stub.RemoveLearners(coordinator_pb2.RemoveLearnersRequest(learner_ids=[stubborn_id]), metadata=md)
                 assert await stubborn.wait() == -9
+                # Before the SIGKILL it was asked for its threads' stacks: a hang says where it was.
+                stubborn_log = (tmp_path / "coordinator" / "learners" / f"{stubborn_launch}.log").read_text()
+                assert "most recent call first" in stubborn_log
             survivors = [p for p in launcher.processes.values()]
             assert len(survivors) == 1
         # The coordinator stopped: its last child was stopped with it, none is left behind.
