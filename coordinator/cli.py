@@ -16,10 +16,16 @@ import shlex
 import time
 from pathlib import Path
 
+from coordinator.config import CoordinatorConfig
 from diloco.errors import InvalidArgument, NotFound
 
 ENDPOINTS_FILE = "endpoints.json"
 ADMIN_TOKEN_FILE = "admin-token"
+
+
+def _default(name: str):
+    """The coordinator setting's default, from its one source (``CoordinatorConfig``)."""
+    return CoordinatorConfig.__dataclass_fields__[name].default
 
 
 # --- diloco coordinator ----------------------------------------------------------------
@@ -77,7 +83,9 @@ def _coordinator(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout_s,
         join_timeout_s=args.join_timeout_s,
         snapshot_timeout_s=args.snapshot_timeout_s,
-        snapshot_dir=Path(args.snapshot_dir) if args.snapshot_dir else None,
+        snapshot_dir=args.snapshot_dir or None,
+        snapshot_every_s=args.snapshot_every_s,
+        snapshot_keep=args.snapshot_keep,
         restore=args.restore,
         host=args.host,
         port=args.port,
@@ -135,7 +143,12 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=60.0, help="stop a draining learner after this long (default 60 s)")
     p.add_argument("--join-timeout-s", type=float, default=300.0, help="a launch not joined by then frees its slot (default 300 s)")
     p.add_argument("--snapshot-timeout-s", type=float, default=120.0, help="fail a snapshot not complete by then (default 120 s)")
-    p.add_argument("--snapshot-dir", help="where snapshots go (default DATA_DIR/snapshots); shards must see the same path")
+    p.add_argument("--snapshot-dir", help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
+                   "(default DATA_DIR/snapshots); shards and learners must reach the same place")
+    p.add_argument("--snapshot-every-s", type=float, default=_default('snapshot_every_s'), metavar="S",
+                   help="take a snapshot every S seconds once the run has a model (default 0: only on demand)")
+    p.add_argument("--snapshot-keep", type=int, default=_default('snapshot_keep'), metavar="N",
+                   help="keep the newest N complete snapshots, delete older ones (default 0: keep all)")
     p.add_argument("--restore", metavar="latest|ID", help="restart the run from a complete snapshot (learners re-join)")
     p.add_argument("--launcher", choices=["local", "kubernetes", "none"], default="local", help="how AddLearners starts learners")
     p.add_argument("--release", default="diloco", help="owner label of launched pods (the Helm release)")

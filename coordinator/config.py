@@ -87,8 +87,14 @@ class CoordinatorConfig:
     """A launched learner that has not joined after this long frees its slot under the cap."""
     snapshot_timeout_s: float = 120.0
     """A snapshot whose participants have not all reported after this long is marked failed."""
-    snapshot_dir: Path | None = None
-    """Where snapshots are written (one directory per snapshot); None: data_dir/snapshots."""
+    snapshot_dir: str | None = None
+    """Where snapshots are written (one directory per snapshot): a directory or an fsspec
+    URL (``s3://bucket/prefix``); None: data_dir/snapshots."""
+    snapshot_every_s: float = 0.0
+    """Take a snapshot this often once the run has a model (0: only on demand)."""
+    snapshot_keep: int = 0
+    """Keep the newest this many complete snapshots, delete older ones and older unfinished
+    ones after each completes (0: keep every snapshot)."""
     restore: str | None = None
     """"latest" or a snapshot id: the run restarts from it (learners re-join)."""
     host: str = "127.0.0.1"
@@ -107,6 +113,10 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgument(f"{name} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.snapshot_every_s) and self.snapshot_every_s >= 0):
+            raise InvalidArgument(f"snapshot every must be a finite number of seconds >= 0, got {self.snapshot_every_s}")
+        if self.snapshot_keep < 0:
+            raise InvalidArgument(f"snapshot keep must be >= 0, got {self.snapshot_keep}")
         if self.max_learners < 1:
             raise InvalidArgument(f"max learners must be >= 1, got {self.max_learners}")
         if not self.pools:
@@ -132,5 +142,5 @@ class CoordinatorConfig:
         return self.pools[0]
 
     @property
-    def snapshots_path(self) -> Path:
-        return self.snapshot_dir if self.snapshot_dir is not None else self.data_dir / "snapshots"
+    def snapshots_path(self) -> str:
+        return self.snapshot_dir if self.snapshot_dir is not None else str(self.data_dir / "snapshots")

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 RESERVED_FLAGS = ("coordinator", "join-token-file", "pool", "launch-id")
 LEARNER_SETTINGS = (
     "device", "steps", "lr", "warmup-steps", "eval-every", "delta-codec", "block-size", "step-delay-s", "threads",
-    "slow-factor", "wire-delay-ms", "push-timeout-s", "max-inflight", "heartbeat-s",
+    "slow-factor", "wire-delay-ms", "push-timeout-s", "max-inflight", "heartbeat-s", "coordinator-loss-timeout-s",
 )
 """The ``diloco learner`` settings an AddLearners caller may override (an allow-list: the
 joining flags, where the learner goes and what it presents, are the launcher's)."""

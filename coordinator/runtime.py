@@ -26,7 +26,10 @@ from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
-from diloco.snapshots import MANIFEST, atomic_write_json, find_manifest, read_manifest, sign_manifest
+from diloco.snapshots import (
+    MANIFEST, atomic_write_json, find_manifest, join, pins, prepare, read_manifest, remove_snapshot, sign_manifest, snapshot_ids,
+    write_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,8 @@ class CoordinatorRuntime:
         self._watchers: set[asyncio.Queue] = set()
         self._tasks: set[asyncio.Task] = set()
         self._timer: asyncio.TimerHandle | None = None
+        self._next_periodic: float | None = None
+        """When the next scheduled snapshot is due (``snapshot_every_s``), once the run has a model."""
         self._closed = False
         self._load()
 
@@ -127,8 +132,8 @@ class CoordinatorRuntime:
             self.restored_from = state.get("restored_from")
             self.membership.renew_all(now)
             logger.info("resumed from %s: %d live learners", self.state_path, len(self.membership.live()))
-        on_disk = [int(p.name) for p in self.cfg.snapshots_path.glob("[0-9]*") if p.name.isdigit()]
-        self.snapshots.next_id = max([self.snapshots.next_id, *(i + 1 for i in on_disk)])
+        stored = snapshot_ids(self.cfg.snapshots_path)
+        self.snapshots.next_id = max([self.snapshots.next_id, *(i + 1 for i in stored)])
         if self.cfg.restore is not None:
             manifest_path = find_manifest(self.cfg.snapshots_path, self.cfg.restore)
             manifest = read_manifest(manifest_path, self._secret)
@@ -200,12 +205,66 @@ class CoordinatorRuntime:
         if snapshot.state != COMPLETE:
             logger.warning("snapshot %d failed: %s", snapshot.id, snapshot.detail)
             return
-        path = Path(snapshot.directory) / MANIFEST
+        path = join(snapshot.directory, MANIFEST)
         run = {"plan_hash": self.run.plan_hash, "shards": list(self.cfg.shards), "run_config": self.run.run_config_json,
                "manifest": self.run.manifest_json}
-        atomic_write_json(path, sign_manifest(self._secret, manifest_of(snapshot, dict(self.vector_clock.entries), run)))
-        self.snapshots.completed(snapshot.id, str(path))
+        manifest = sign_manifest(self._secret, manifest_of(snapshot, dict(self.vector_clock.entries), run))
+        try:
+            write_file(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        except DilocoError as error:
+            self.snapshots.manifest_failed(snapshot.id, f"its manifest could not be written: {error}")
+            logger.error("snapshot %d failed: its manifest could not be written: %s", snapshot.id, error)
+            return
+        self.snapshots.completed(snapshot.id, path)
         logger.info("snapshot %d complete: %s", snapshot.id, path)
+        if self.cfg.snapshot_keep:
+            self._spawn(self._retain(snapshot.id))
+
+    async def _retain(self, newest: int) -> None:
+        """Keep the newest ``snapshot_keep`` complete snapshots; delete older ones, and
+        unfinished ones older than the newest complete. Off the event loop (object stores
+        answer slowly); a failure is logged and retried after the next snapshot."""
+        root = self.cfg.snapshots_path
+        try:
+            stored = await asyncio.to_thread(snapshot_ids, root)
+            complete = [i for i, done in stored.items() if done and i <= newest]
+            keep = set(complete[-self.cfg.snapshot_keep:])
+            doomed = []
+            for snapshot_id in (i for i in stored if i < newest and i not in keep):
+                if await asyncio.to_thread(pins, root, snapshot_id):
+                    continue  # a shard restored from it: replaying its tape starts there
+                doomed.append(snapshot_id)
+            for snapshot_id in doomed:
+                await asyncio.to_thread(remove_snapshot, root, snapshot_id)
+                self.snapshots.forget(snapshot_id)
+        except (DilocoError, OSError) as error:
+            logger.warning("deleting old snapshots in %s failed (retried after the next snapshot): %s", root, error)
+            return
+        if doomed:
+            logger.info("deleted snapshots %s (keeping the newest %d complete: %s)", doomed, self.cfg.snapshot_keep, sorted(keep))
+            self._settle(save=True)
+
+    def _periodic(self) -> None:
+        """Start the scheduled snapshot when it is due (none running, the run has a model)."""
+        every = self.cfg.snapshot_every_s
+        if not every or not self.run.manifest_json or not self.cfg.shards or self._closed:
+            self._next_periodic = None
+            return
+        now = self._now()
+        if self._next_periodic is None:
+            self._next_periodic = now + every
+        if now < self._next_periodic:
+            return
+        self._next_periodic = now + every
+        if self.snapshots.running() is not None:
+            return  # one at a time: the next is due a period later
+        logger.info("scheduled snapshot (every %.0f s)", every)
+        self.start_snapshot()
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._periodic()
+        self._settle()
 
     def _schedule(self) -> None:
         if self._timer is not None:
@@ -213,10 +272,13 @@ class CoordinatorRuntime:
             self._timer = None
         if self._closed:
             return
-        deadlines = [d for d in (self.membership.next_deadline(), self.snapshots.next_deadline()) if d is not None]
+        if self._next_periodic is None and self.cfg.snapshot_every_s and self.run.manifest_json:
+            self._next_periodic = self._now() + self.cfg.snapshot_every_s
+        deadlines = [self.membership.next_deadline(), self.snapshots.next_deadline(), self._next_periodic]
+        deadlines = [d for d in deadlines if d is not None]
         if deadlines:
             delay = max(0.0, min(deadlines) - self._now())
-            self._timer = asyncio.get_running_loop().call_later(delay + 0.001, self._settle)
+            self._timer = asyncio.get_running_loop().call_later(delay + 0.001, self._tick)
 
     def start(self) -> None:
         """Arm the timers (called on the event loop once serving)."""
@@ -341,7 +403,7 @@ class CoordinatorRuntime:
         self.membership.expire(now)
         shards = [f"S{m}" for m in range(len(self.cfg.shards))]
         snapshot = self.snapshots.start(shards, [l.id for l in self.membership.live()], now)
-        Path(snapshot.directory).mkdir(parents=True, exist_ok=True)
+        prepare(snapshot.directory)
         clock = self.vector_clock = self.vector_clock.tick(auth.COORDINATOR_ID)
         logger.info("snapshot %d started: %s", snapshot.id, ", ".join(snapshot.participants) or "no participants")
         for name, address in zip(shards, self.cfg.shards):

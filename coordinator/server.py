@@ -9,7 +9,6 @@ elsewhere, ``snapshots/``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time

@@ -8,7 +8,9 @@ configures logging handlers (and, later, reads environment variables).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import json
 import logging
 import os
@@ -272,7 +274,7 @@ def _syncer(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir) if args.data_dir else None,
         static_learners=tuple(x for x in args.learners.split(",") if x) if args.learners else (),
         coordinator=args.coordinator,
-        snapshot_dir=Path(args.snapshot_dir) if args.snapshot_dir else None,
+        snapshot_dir=args.snapshot_dir or None,
         restore=args.restore,
         push_log=args.push_log,
     )
@@ -318,7 +320,7 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
                    help="refuse a push whose delta norm exceeds this many times its fragment's norm (default 10)")
     p.add_argument("--stream-idle-timeout-s", type=float, default=60.0,
                    help="close a push stream that sends nothing for this long (default 60 s)")
-    p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory (for --restore latest or an id)")
+    p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory or URL, s3://... (for --restore latest or an id)")
     p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of waiting for a learner to give it one")
     _add_telemetry(p)
     _add_run_config(p)
@@ -349,6 +351,7 @@ def _learner(args: argparse.Namespace) -> int:
         block_size=args.block_size, step_delay_s=args.step_delay_s, slow_factor=args.slow_factor,
         wire_delay_ms=args.wire_delay_ms, push_timeout_s=args.push_timeout_s,
         max_inflight_pushes=args.max_inflight, heartbeat_interval_s=args.heartbeat_s,
+        coordinator_loss_timeout_s=args.coordinator_loss_timeout_s,
     )
     if args.coordinator:
         if not args.join_token_file:
@@ -417,6 +420,9 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
     t.add_argument("--push-timeout-s", type=float, default=120.0, help="deadline of one push (default 120 s)")
     t.add_argument("--max-inflight", type=int, default=16, help="pushes in flight before new ones are dropped")
     t.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval (default 1 s)")
+    t.add_argument("--coordinator-loss-timeout-s", type=float, default=300.0, metavar="S",
+                   help="leave after S seconds with every heartbeat failing (default 300; a coordinator "
+                        "restart shorter than that is trained through)")
     t.add_argument("--summary", help="write the JSON summary here at exit")
     t.add_argument("--summary-dir", help="write the JSON summary to DIR/<learner id>.json at exit")
     t.add_argument("--events-dir", help="write the event tape (states, evaluations) to DIR/<learner id>.events.jsonl")
@@ -445,6 +451,7 @@ def _local(args: argparse.Namespace) -> int:
         child_env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint,
                    "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
         learner_threads=args.learner_threads,
+        snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_keep=args.snapshot_keep,
     )
     summary = run_local(cfg)
     print(json.dumps(summary, indent=1))
@@ -473,6 +480,14 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="run directory (default ./runs/<timestamp>)")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
+    snapshots = p.add_argument_group("snapshots")
+    snapshots.add_argument("--snapshot-dir", metavar="DIR|URL",
+                           help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
+                                "(default RUN_DIR/coordinator/snapshots)")
+    snapshots.add_argument("--snapshot-every-s", type=float, default=0.0, metavar="S",
+                           help="the coordinator takes a snapshot every S seconds (default 0: only on demand)")
+    snapshots.add_argument("--snapshot-keep", type=int, default=0, metavar="N",
+                           help="keep the newest N complete snapshots (default 0: all)")
     chaos = p.add_argument_group("chaos")
     chaos.add_argument("--kill-learner-every", type=float, metavar="SECONDS",
                        help="SIGKILL a random learner every SECONDS on average (Poisson; times count from the launch of the learners); a replacement is launched")
@@ -501,7 +516,7 @@ def _timeline(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from diloco.replay import replay
 
-    results = replay(Path(args.run_dir), Path(args.snapshot_dir) if args.snapshot_dir else None)
+    results = replay(Path(args.run_dir), args.snapshot_dir or None)
     worst = max(r.max_abs_diff for r in results)
     if args.json:
         print(json.dumps({"max_abs_diff": worst, "shards": [r.__dict__ for r in results]}))
@@ -558,7 +573,7 @@ def _add_run_tools(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_timeline)
     p = commands.add_parser("replay", help="re-run a diloco local run's rounds from its tapes; compare with its final model")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--snapshot-dir", help="where the run's snapshots are (default RUN_DIR/coordinator/snapshots)")
+    p.add_argument("--snapshot-dir", help="where the run's snapshots are, a directory or URL (default RUN_DIR/coordinator/snapshots)")
     p.add_argument("--check", action="store_true", help="exit 1 unless the replay matches bit for bit")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_replay)
@@ -730,7 +745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _exit_with_parent()
     # A supervisor that gives up on a process sends SIGUSR1 before SIGKILL: the stacks of
     # every thread go to the log, so a hang says where it was.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr not a file: in-process callers
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except DilocoError as error:

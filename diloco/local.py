@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from diloco import auth
-from diloco.chaos import SCAVENGED_POOL, ChaosConfig, ChaosMonkey, learner_pid
+from diloco.chaos import SCAVENGED_POOL, ChaosConfig, ChaosMonkey
 from diloco.config import RunConfig
-from diloco.errors import DilocoError, InvalidArgument, Unavailable
+from diloco.errors import AlreadyExists, DilocoError, InvalidArgument, Unavailable
 from diloco.export import export_model
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
@@ -82,6 +82,12 @@ class LocalConfig:
     there as OTEL_EXPORTER_OTLP_ENDPOINT."""
     learner_threads: int | None = None
     """torch threads per learner (None: the cores shared out among learners, at least 1)."""
+    snapshot_dir: str | None = None
+    """Where the run's snapshots go, a directory or fsspec URL (None: RUN_DIR/coordinator/snapshots)."""
+    snapshot_every_s: float = 0.0
+    """The coordinator takes a snapshot this often (0: only on demand and for --restart-shard-at)."""
+    snapshot_keep: int = 0
+    """The coordinator keeps the newest this many complete snapshots (0: all)."""
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.shards < 1 or self.steps < 1 or self.quorum < 1:
@@ -150,8 +156,12 @@ class Cluster:
             "--data-dir", str(self.dir / f"shard{m}"), "--push-log", "--coordinator", self.coordinator,
             "--quorum", str(self.cfg.quorum), "--grace", self.cfg.grace,
             "--outer-lr", str(self.cfg.outer_lr), "--outer-momentum", str(self.cfg.outer_momentum),
-            "--merge", self.cfg.merge, "--scale-by", self.cfg.scale_by, "--snapshot-dir", str(self.dir / "coordinator" / "snapshots"), *self.common,
+            "--merge", self.cfg.merge, "--scale-by", self.cfg.scale_by, "--snapshot-dir", self.snapshot_dir, *self.common,
         ]
+
+    @property
+    def snapshot_dir(self) -> str:
+        return self.cfg.snapshot_dir or str(self.dir / "coordinator" / "snapshots")
 
     def start(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -165,7 +175,8 @@ class Cluster:
         coord = self._spawn("coordinator", [
             "coordinator", "--port", self.coordinator.rsplit(":", 1)[1], "--data-dir", str(self.dir / "coordinator"),
             "--shards", ",".join(self.shards), "--learner-command", learner_cmd,
-            "--pools", f"default,{SCAVENGED_POOL}", *self.common,
+            "--pools", f"default,{SCAVENGED_POOL}", "--snapshot-dir", self.snapshot_dir,
+            "--snapshot-every-s", str(self.cfg.snapshot_every_s), "--snapshot-keep", str(self.cfg.snapshot_keep), *self.common,
         ])
         self.shard_procs = []
         for m, address in enumerate(self.shards):
@@ -186,7 +197,15 @@ class Cluster:
         anchors (``learners``)."""
         restore, snapshot_id = [], None
         if self.cfg.chaos.restart_from == "snapshot":
-            snapshot_id = admin.start_snapshot()
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    snapshot_id = admin.start_snapshot()
+                    break
+                except AlreadyExists:  # a scheduled snapshot is running: ours starts after it
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
 
             def complete() -> bool:
                 state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")

@@ -63,7 +63,7 @@ def _last_life(records: list[dict], tape: Path) -> list[dict]:
     return life
 
 
-def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path | None,
+def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str | Path | None,
                  final: dict[str, torch.Tensor], final_versions: dict[int, int], secret: str = "") -> ShardReplay:
     from syncer import snapshot as snapshot_files
     from syncer.core import snapshot
@@ -153,7 +153,7 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: Path 
     return ShardReplay(cfg.shard_id, rounds, restored_from, diff, {f: final_versions[f] for f in sorted(compared)})
 
 
-def replay(run_dir: Path, snapshot_dir: Path | None = None) -> list[ShardReplay]:
+def replay(run_dir: Path, snapshot_dir: str | Path | None = None) -> list[ShardReplay]:
     run_dir = Path(run_dir)
     for name in ("run.json", "model.safetensors", "summary.json"):
         if not (run_dir / name).is_file():

@@ -30,16 +30,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from diloco.clock import VectorClock
 from diloco.codec import encode
 from diloco.config import RunConfig
-from diloco.errors import FailedPrecondition
+from diloco.errors import DilocoError, FailedPrecondition
 from diloco.manifest import Manifest, manifest_of, synced_tensors
-from diloco.snapshots import atomic_write
+from diloco import snapshots as snapshot_store
 from diloco.tape import TapeWriter
 from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, send_offsets
@@ -140,7 +139,8 @@ class Learner:
         try:
             if coordinator:
                 if self.heartbeats is None:
-                    self.heartbeats = Heartbeats(coordinator, member, self.cfg.heartbeat_interval_s, self._stats, self._drain)
+                    self.heartbeats = Heartbeats(coordinator, member, self.cfg.heartbeat_interval_s, self._stats, self._drain,
+                                                 loss_timeout_s=self.cfg.coordinator_loss_timeout_s)
                     self.heartbeats.start()
                 self.heartbeats.stats, self.heartbeats.on_drain = self._stats, self._drain
                 self.heartbeats.on_snapshot = lambda snapshot_id, directory: self.markers.put((snapshot_id, directory))
@@ -386,7 +386,11 @@ class Learner:
             buffer = io.BytesIO()
             torch.save(state, buffer)
             data = buffer.getvalue()
-            atomic_write(Path(directory) / name, data)
+            try:
+                snapshot_store.write_file(snapshot_store.join(directory, name), data)
+            except DilocoError as error:  # the snapshot fails (we never report); training goes on
+                logger.error("%s could not record snapshot %d: %s", self.learner_id, snapshot_id, error)
+                continue
             self.snapshot_epoch = snapshot_id
             self.on_recorded(snapshot_id, self.clock, [(name, len(data), hashlib.sha256(data).hexdigest())])
             logger.info("%s recorded snapshot %d at inner step %d", self.learner_id, snapshot_id, self._step)

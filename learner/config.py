@@ -39,6 +39,10 @@ class LearnerConfig:
     max_inflight_pushes: int = 16
     """Pushes queued or in flight; beyond it a send is dropped and counted, never waited for."""
     heartbeat_interval_s: float = 1.0
+    coordinator_loss_timeout_s: float = 300.0
+    """A learner whose heartbeats have all failed (coordinator unreachable) for this long
+    leaves: nothing is left running when a run's coordinator is gone for good. Shorter
+    outages (a restart) it trains through."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -48,7 +52,7 @@ class LearnerConfig:
         for name in ("steps", "eval_every_steps", "max_inflight_pushes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "push_timeout_s", "heartbeat_interval_s"):
+        for name in ("lr", "push_timeout_s", "heartbeat_interval_s", "coordinator_loss_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgument(f"{name} must be a positive number, got {value}")

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,8 +92,12 @@ class Heartbeats:
     coordinator asks this learner to leave."""
 
     def __init__(self, address: str, member: Membership, interval_s: float, stats: Callable[[], dict],
-                 on_drain: Callable[[str], None], on_snapshot: Callable[[int, str], None] = lambda *_: None) -> None:
+                 on_drain: Callable[[str], None], on_snapshot: Callable[[int, str], None] = lambda *_: None,
+                 loss_timeout_s: float = 300.0) -> None:
+        """``loss_timeout_s``: after this long with every heartbeat failing (the coordinator
+        unreachable), ``on_drain`` is called: the learner leaves."""
         self.address, self.member, self.interval_s = address, member, interval_s
+        self.loss_timeout_s = loss_timeout_s
         self.stats, self.on_drain, self.on_snapshot = stats, on_drain, on_snapshot
         self.reports: queue.SimpleQueue[coordinator_pb2.ReportSnapshotRequest] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -109,6 +114,7 @@ class Heartbeats:
     async def _run(self) -> None:
         async with _channel(self.address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            last_ok = time.monotonic()
             while not self._stop.is_set():
                 await self._send_reports(stub)
                 try:
@@ -122,6 +128,7 @@ class Heartbeats:
                             self.on_drain(directive.drain.reason or "asked by the coordinator")
                         elif kind == "snapshot":
                             self.on_snapshot(directive.snapshot.snapshot_id, directive.snapshot.directory)
+                    last_ok = time.monotonic()
                 except grpc.aio.AioRpcError as error:
                     self.failures += 1
                     if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
@@ -130,7 +137,13 @@ class Heartbeats:
                         # starts a fresh learner if the run wants one.
                         self.on_drain(f"the coordinator refused our heartbeat: {error.details()}")
                         return
-                    logger.warning("heartbeat failed: %s %s", error.code().name, error.details())
+                    lost_s = time.monotonic() - last_ok
+                    if lost_s > self.loss_timeout_s:
+                        self.on_drain(f"lost the coordinator at {self.address} for {lost_s:.0f} s "
+                                      f"(--coordinator-loss-timeout-s {self.loss_timeout_s:g})")
+                        return
+                    logger.warning("heartbeat failed (coordinator unreachable for %.0f s of %g): %s %s", lost_s,
+                                   self.loss_timeout_s, error.code().name, error.details())
                 await asyncio.to_thread(self._stop.wait, self.interval_s)
 
     def report(self, snapshot_id: int, clock: VectorClock, files: list[tuple[str, int, str]]) -> None:

@@ -42,7 +42,8 @@ def run_learner(
     stopping = threading.Event()
     heartbeats = None
     if coordinator:
-        heartbeats = Heartbeats(coordinator, member, cfg.heartbeat_interval_s, dict, lambda reason: stopping.set())
+        heartbeats = Heartbeats(coordinator, member, cfg.heartbeat_interval_s, dict, lambda reason: stopping.set(),
+                                loss_timeout_s=cfg.coordinator_loss_timeout_s)
         heartbeats.start()
     events = None
     if events_dir is not None:

@@ -119,7 +119,7 @@ class ShardRuntime:
         self.on_snapshot_recorded: SnapshotReporter | None = None
         self._markers: dict[int, asyncio.Future] = {}
         self._snapshot_tasks: set[asyncio.Task] = set()
-        self._recorded: dict[int, tuple[MarkerResult, Path]] = {}
+        self._recorded: dict[int, tuple[MarkerResult, str]] = {}
         self._record(
             "start", shard=core.cfg.shard_id, fragments=sorted(core.fragments),
             plan=core.plan.plan_hash if core.plan is not None else "", config=asdict(core.cfg),
@@ -383,7 +383,7 @@ class ShardRuntime:
             if not self._held:
                 self.evaluate_all()
 
-    async def marker(self, snapshot_id: int, directory: Path, learners: list[str], clock: VectorClock) -> MarkerResult:
+    async def marker(self, snapshot_id: int, directory: str, learners: list[str], clock: VectorClock) -> MarkerResult:
         """Record the shard's state for snapshot ``snapshot_id`` and start recording its
         channel state. A repeated marker (a retried RPC) gets the same answer."""
         if snapshot_id in self._markers:
@@ -416,7 +416,7 @@ class ShardRuntime:
             raise
         result = MarkerResult(snapshot_id, cut_clock, (written,))
         if self.snapshot_epoch == snapshot_id:  # not overtaken by a newer marker meanwhile
-            self._recorded[snapshot_id] = (result, Path(directory))
+            self._recorded[snapshot_id] = (result, directory)
         future.set_result(result)
         logger.info("snapshot %d: state recorded at %s; channels open: %s", snapshot_id, cut_clock, sorted(recorder.open_channels))
         self._maybe_finish_snapshot()

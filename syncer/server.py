@@ -45,8 +45,9 @@ class ShardServerConfig:
     static_learners: tuple[str, ...] = ()
     """Live learners when running without a coordinator (tests, benchmarks)."""
     coordinator: str | None = None
-    snapshot_dir: Path | None = None
-    """Where snapshots live (the coordinator's snapshot directory); needed by restore by id."""
+    snapshot_dir: str | None = None
+    """Where snapshots live, a directory or an fsspec URL (the coordinator's); needed by
+    restore by id or "latest"."""
     restore: str | None = None
     """Start from a complete snapshot: "latest", an id, a snapshot directory or manifest."""
     report_timeout_s: float = 30.0
@@ -73,7 +74,7 @@ class ShardServer:
         self.runtime = ShardRuntime(core or ShardCore(cfg), tape, push_log, num_fragments=run.fragments, data_dir=data_dir)
         if server_cfg.restore:
             self.runtime.restore(*snapshot.load_for_restore(server_cfg.restore, server_cfg.snapshot_dir, cfg.shard_id,
-                                                            server_cfg.secret))
+                                                            server_cfg.secret, pin=True))
         elif core is None and data_dir is not None and (data_dir / MANIFEST_FILE).is_file():
             self.runtime.expect_anchors((data_dir / MANIFEST_FILE).read_text())
         if server_cfg.static_learners:

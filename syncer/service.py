@@ -6,7 +6,6 @@ import asyncio
 import logging
 import weakref
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -263,7 +262,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             if request.snapshot_id < 1 or not request.directory:
                 raise InvalidArgument("a marker needs a snapshot id >= 1 and a directory")
             result = await self.runtime.marker(
-                request.snapshot_id, Path(request.directory), list(request.learners), convert.clock_from_proto(request.clock)
+                request.snapshot_id, request.directory, list(request.learners), convert.clock_from_proto(request.clock)
             )
             return syncer_pb2.MarkerReply(
                 participant=self.runtime.core.process,

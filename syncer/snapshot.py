@@ -14,14 +14,16 @@ import hashlib
 import io
 import json
 import logging
+import posixpath
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from diloco.errors import FailedPrecondition, InvalidArgument
-from diloco.snapshots import atomic_write, files_of, find_manifest, read_manifest
+from diloco.errors import InvalidArgument
+from diloco import snapshots
+from diloco.snapshots import files_of, find_manifest, join, read_manifest, write_file
 from syncer.core.shard import PushMeta, PushPayload
 from syncer.core.snapshot import FORMAT, push_in, push_out
 
@@ -84,41 +86,43 @@ def loads(source) -> dict:
         return fill(tree)
 
 
-def write(directory: Path, name: str, value: dict) -> WrittenFile:
-    """Serialise, write atomically, checksum. Heavy: call it off the event loop."""
+def write(directory: str, name: str, value: dict) -> WrittenFile:
+    """Serialise, write atomically (a directory or an fsspec URL), checksum. Heavy: call
+    it off the event loop."""
     data = dumps(value)
-    try:
-        atomic_write(Path(directory) / name, data)
-    except OSError as error:
-        raise FailedPrecondition(f"cannot write snapshot file {Path(directory) / name}: {error.strerror}") from None
+    write_file(join(directory, name), data)
     return WrittenFile(name, len(data), hashlib.sha256(data).hexdigest())
 
 
-def write_channel(directory: Path, shard_id: int, snapshot_id: int, pushes: list[tuple[PushMeta, PushPayload]]) -> WrittenFile:
+def write_channel(directory: str, shard_id: int, snapshot_id: int, pushes: list[tuple[PushMeta, PushPayload]]) -> WrittenFile:
     value = {"format": FORMAT, "snapshot_id": snapshot_id, "shard_id": shard_id, "pushes": [push_out(m, p) for m, p in pushes]}
     return write(directory, channel_name(shard_id), value)
 
 
-def _load(path: Path) -> dict:
+def _load(name: str, data: bytes) -> dict:
     try:
-        return loads(path)
+        return loads(io.BytesIO(data))
     except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as error:
-        raise InvalidArgument(f"cannot load snapshot file {path}: {error}") from None
+        raise InvalidArgument(f"cannot load snapshot file {name}: {error}") from None
 
 
-def load_for_restore(spec: str, snapshot_dir: Path | None, shard_id: int, secret: str) -> tuple[int, dict, list]:
+def load_for_restore(spec: str, snapshot_dir: str | Path | None, shard_id: int, secret: str,
+                     pin: bool = False) -> tuple[int, dict, list]:
     """(snapshot id, recorded state, channel pushes) of this shard in the complete
     snapshot named by ``spec`` ("latest", an id, a directory or a manifest), checked
-    against the manifest's checksums, the manifest against the run ``secret``'s mac."""
+    against the manifest's checksums, the manifest against the run ``secret``'s mac.
+    ``pin``: mark the snapshot as restored from, so retention keeps it."""
     manifest_path = find_manifest(snapshot_dir, spec)
     manifest = read_manifest(manifest_path, secret)
     files = files_of(manifest_path, manifest, f"S{shard_id}")
     for name in (state_name(shard_id), channel_name(shard_id)):
         if name not in files:
             raise InvalidArgument(f"snapshot {manifest['snapshot_id']} lacks {name}")
-    state = _load(files[state_name(shard_id)])
-    channel = _load(files[channel_name(shard_id)])
+    state = _load(state_name(shard_id), files[state_name(shard_id)])
+    channel = _load(channel_name(shard_id), files[channel_name(shard_id)])
     pushes = [push_in(raw) for raw in channel["pushes"]]
+    if pin:
+        snapshots.pin(posixpath.dirname(manifest_path), f"S{shard_id}")
     logger.info(
         "restoring shard %d from snapshot %d (%s): %d in-flight pushes",
         shard_id, manifest["snapshot_id"], manifest_path, len(pushes),

@@ -184,6 +184,15 @@ class Snapshots:
     def completed(self, snapshot_id: int, manifest_path: str) -> None:
         self.get(snapshot_id).manifest = manifest_path
 
+    def manifest_failed(self, snapshot_id: int, reason: str) -> None:
+        """Every participant recorded, but the manifest could not be written: never complete."""
+        snapshot = self.get(snapshot_id)
+        snapshot.state, snapshot.detail = FAILED, reason
+
+    def forget(self, snapshot_id: int) -> None:
+        """A snapshot whose files were deleted (retention)."""
+        self.snapshots.pop(snapshot_id, None)
+
     def resolve(self, spec: str) -> Snapshot:
         """The complete snapshot named by ``spec``: "latest" or an id."""
         if spec == "latest":

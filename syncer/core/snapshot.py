@@ -177,9 +177,9 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
     if core.plan is None and state["manifest"]:
         # A shard that starts from a snapshot learns the run's model from it.
         core.adopt_plan(Manifest.from_json(state["manifest"]).plan(int(state["num_fragments"])), state["manifest"])
-        for fragment in core.owned:
-            if fragment.id in recorded:
-                core.add_fragment(fragment.id, [np.zeros(p.shape, dtype=np.float32) for p in fragment.pieces])
+    for fragment in core.owned:  # the recorded values are put in below
+        if fragment.id in recorded and fragment.id not in core.fragments:
+            core.add_fragment(fragment.id, [np.zeros(p.shape, dtype=np.float32) for p in fragment.pieces])
     if state["plan_hash"] != (core.plan.plan_hash if core.plan is not None else ""):
         raise FailedPrecondition("snapshot was taken with another fragment plan: check the model flags")
     if set(recorded) != set(core.fragments):

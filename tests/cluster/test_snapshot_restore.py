@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from coordinator.client import AdminClient
 from diloco.tasks.byte_gpt import GPT, ModelConfig
-from diloco.snapshots import find_manifest
+from diloco.snapshots import find_manifest, read_manifest
 from syncer import snapshot as snapshot_files
 from syncer.client import SyncerClient, open_channel
 
@@ -109,7 +109,7 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
         snap = poll(lambda: next((s for s in admin.snapshots() if s["id"] == snapshot_id and s["state"] != "running"),
                                  None), "the snapshot")
         assert snap["state"] == "complete", snap
-        manifest = json.loads(find_manifest(tmp_path / "coord" / "snapshots", "latest").read_text())
+        manifest = read_manifest(find_manifest(tmp_path / "coord" / "snapshots", "latest"))
         recorded = {}
         for m in range(2):
             state = snapshot_files.loads(tmp_path / "coord" / "snapshots" / f"{snapshot_id:06d}" / f"S{m}-state.npz")

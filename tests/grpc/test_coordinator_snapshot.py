@@ -5,12 +5,12 @@ bit for bit, with every push counted once."""
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 
 import numpy as np
 import torch
 
-from diloco.snapshots import sha256_of
 from diloco.tape import read_tape
 from diloco.v1 import coordinator_pb2
 from syncer.config import RoundConfig, SyncerConfig
@@ -92,7 +92,7 @@ def test_snapshot_records_in_flight_pushes_and_restore_counts_each_once(tmp_path
             files = {f["path"]: f for f in manifest["files"]}
             assert set(files) == {"S0-state.npz", "S0-channel.npz"}
             for name, entry in files.items():
-                assert sha256_of(tmp_path / "coordinator" / "snapshots" / "000001" / name) == entry["sha256"]
+                assert hashlib.sha256((tmp_path / "coordinator" / "snapshots" / "000001" / name).read_bytes()).hexdigest() == entry["sha256"]
             shard.runtime.tape.flush()  # the tape fsyncs in batches
             marker = [r for r in read_tape(tmp_path / "shard" / "tape-S0.jsonl") if r["kind"] in ("marker", "snapshot")]
             assert [(r["kind"], r["snapshot"]) for r in marker] == [("marker", 1), ("snapshot", 1)]

@@ -6,6 +6,7 @@ that misbehave: each fails that learner with one TaskError line, the shards lose
 import asyncio
 import contextlib
 import dataclasses
+import io
 from pathlib import Path
 
 import numpy as np
@@ -201,5 +202,49 @@ def test_join_a_coordinator_train_leave_and_a_different_model_is_refused(tmp_pat
                     gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
                     assert {l.learner_id: l.state for l in gone.learners} == {
                         "L0": common_pb2.LEARNER_STATE_LEFT, "L1": common_pb2.LEARNER_STATE_LEFT}
+
+    run(scenario())
+
+
+def test_a_learner_records_snapshots_through_fsspec_and_survives_a_failed_write(tmp_path):
+    """A marker's directory may be any fsspec URL (memory:// here: this process's store).
+    A write that fails is logged and leaves the snapshot unreported (it fails at the
+    coordinator); the learner keeps training."""
+    import fsspec
+
+    from diloco import snapshots
+
+    async def scenario():
+        async with shards(tmp_path, 1, ("L0",)) as (run_cfg, servers):
+            member = Membership("L0", auth.sign(SECRET, "L0"), run_cfg, {0: servers[0][1]}, 0.0)
+            model = Net()
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+            reports = []
+
+            def train():
+                with diloco.Learner(model, member, diloco.LearnerConfig(), optimizer=optimizer) as learner:
+                    learner.on_recorded = lambda snapshot_id, clock, files: reports.append((snapshot_id, files))
+                    blocker = tmp_path / "not-a-directory"
+                    blocker.write_text("")
+                    learner.markers.put((1, str(blocker / "000001")))  # cannot be written
+                    learner.markers.put((2, "memory://snapshots/000002"))
+                    for _ in range(12):
+                        x = torch.randint(0, 16, (32,))
+                        loss = nn.functional.cross_entropy(model(x), (x + 1) % 16)
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        learner.step(tokens=x.numel())
+                    return learner
+
+            learner = await asyncio.to_thread(train)
+            assert learner.summary.inner_steps == 12
+            assert [r[0] for r in reports] == [2] and learner.snapshot_epoch == 2
+            [(name, size, sha256)] = reports[0][1]
+            data = snapshots.read_file(f"memory://snapshots/000002/{name}")
+            assert name == "L0.pt" and len(data) == size
+            state = torch.load(io.BytesIO(data), weights_only=True)
+            assert state["learner_id"] == "L0" and set(state["model"]) == set(model.state_dict())
+            fsspec.filesystem("memory").rm("/snapshots", recursive=True)
 
     run(scenario())

@@ -6,7 +6,6 @@ whole fragments). A learner asked to stop while it bootstraps stops waiting."""
 import asyncio
 import threading
 
-import grpc
 import pytest
 
 from diloco.errors import Cancelled, DeadlineExceeded

@@ -51,6 +51,12 @@ VARIANTS = {
         "coordinator": {"persistence": {"enabled": False}}, "syncer": {"persistence": {"enabled": False}},
         "snapshots": {"enabled": False}, "networkPolicy": {"enabled": False},
     }),
+    # Snapshots in object storage on a schedule, credentials from a Secret, restored from.
+    "object-storage": merge(EXISTING_SECRET, {
+        "restore": "latest",
+        "snapshots": {"url": "s3://diloco-runs/run-a", "credentialsSecret": "s3-credentials", "everySeconds": 600,
+                      "keep": 3},
+    }),
     "restore-pinned": merge(EXISTING_SECRET, {
         "fullnameOverride": "run-b", "restore": "latest",
         "image": {"repository": "us-docker.pkg.dev/p/r/diloco", "digest": DIGEST},

@@ -119,6 +119,42 @@ def test_coordinator_args_parse_and_name_mounted_files(presets, name):
 
 
 @pytest.mark.parametrize("name", PRESETS)
+def test_learners_write_their_snapshot_files_on_the_same_claim(presets, name):
+    """A snapshot marker names a directory under the coordinator's --snapshot-dir; every
+    learner (static and scavenged) writes its model there, so it mounts the same claim."""
+    rendered = presets[name]
+    pod = coordinator_pod(rendered)
+    snapshot_dir = build_parser().parse_args(args(pod, container(pod, "coordinator"))).snapshot_dir
+    claim = mounted(pod, container(pod, "coordinator"), snapshot_dir)
+    learners = [*([job_pod(rendered)] if rendered.all("Job") else []),
+                *(templated_pod(t, "p") for t in rendered.pod_templates().values())]
+    assert learners
+    for learner in learners:
+        assert mounted(learner, container(learner, "learner"), f"{snapshot_dir}/000001/L0.pt") == \
+            Mounted("persistentVolumeClaim", claim.source, "000001/L0.pt")
+
+
+def test_snapshots_in_object_storage_reach_every_process_with_its_credentials(variants):
+    rendered = variants["object-storage"]
+    snapshots = rendered.values["snapshots"]
+    assert not [c for c in rendered.all("PersistentVolumeClaim") if c["metadata"]["name"].endswith("-snapshots")]
+    coordinator = coordinator_pod(rendered)
+    parsed = build_parser().parse_args(args(coordinator, container(coordinator, "coordinator")))
+    assert (parsed.snapshot_dir, parsed.snapshot_every_s, parsed.snapshot_keep, parsed.restore) == \
+        (snapshots["url"], 600.0, 3, "latest")
+    shard = statefulset_pod(rendered.one("StatefulSet", "-syncer"), 0)
+    shard_args = build_parser().parse_args(args(shard, container(shard, "syncer")))
+    assert (shard_args.snapshot_dir, shard_args.restore) == (snapshots["url"], "latest")
+    pods = {"coordinator": (coordinator, "coordinator"), "shard": (shard, "syncer"),
+            **{f"template/{k}": (templated_pod(t, "p"), "learner") for k, t in rendered.pod_templates().items()},
+            **({"static learner": (job_pod(rendered), "learner")} if rendered.all("Job") else {})}
+    for what, (pod, name) in pods.items():
+        c = container(pod, name)
+        assert c.get("envFrom") == [{"secretRef": {"name": "s3-credentials"}}], what
+        assert all(v["name"] != "snapshots" for v in pod["spec"]["volumes"]), what
+
+
+@pytest.mark.parametrize("name", PRESETS)
 def test_every_process_reads_the_same_run_config(presets, name):
     rendered = presets[name]
     configmap = rendered.one("ConfigMap", "-run")

@@ -34,6 +34,8 @@ BAD = {
                                "at '/syncer/resources/limits': missing property 'memory'"),
     "bad grace": ({"syncer": {"grace": "sometimes"}}, "/syncer/grace"),
     "bad restore": ({"restore": "yesterday"}, "/restore"),
+    "snapshot url without a scheme": ({"snapshots": {"url": "bucket/run"}}, "/snapshots/url"),
+    "negative snapshot retention": ({"snapshots": {"keep": -1}}, "/snapshots/keep"),
     "OTLP endpoint without a scheme": ({"otel": {"endpoint": "collector:4317"}}, "/otel/endpoint"),
     "unknown sampler": ({"otel": {"sampler": "sometimes"}}, "/otel/sampler"),
     "env var without a name": ({"otel": {"extraEnv": [{"value": "x"}]}}, "at '/otel/extraEnv/0': missing property 'name'"),
@@ -113,6 +115,7 @@ TEMPLATE_ERRORS = {
                                                  "width 130 must be divisible by heads 4"),
     "a pool listed twice": ({"scavenging": {"pools": [{"name": "spot"}, {"name": "spot"}]}}, 'pool "spot" is listed twice'),
     "restore without a snapshot volume": ({"restore": "latest", "snapshots": {"enabled": False}}, "restore needs snapshots.enabled"),
+    "object-store credentials without a url": ({"snapshots": {"credentialsSecret": "s3"}}, "set snapshots.url too"),
 }
 
 

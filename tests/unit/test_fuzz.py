@@ -191,5 +191,5 @@ def test_a_snapshot_manifest_never_leads_outside_its_directory(tmp_path_factory,
         found = files_of(root / "manifest.json", {"snapshot_id": 1, "files": files}, "S0")
     except DilocoError:
         return
-    assert all(path.resolve().parent == root.resolve() for path in found.values())
+    assert all((root / name).resolve().parent == root.resolve() for name in found)
 

@@ -340,6 +340,9 @@ spec:
         {{- with $v.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+      {{- with (include "diloco.snapshotsEnvFrom" $root) }}
+      {{- . | nindent 6 }}
+      {{- end }}
       {{- with (include "diloco.metricsPort" $root) }}
       ports:
         {{- . | nindent 8 }}
@@ -363,6 +366,11 @@ spec:
           readOnly: true
         - name: tmp
           mountPath: /tmp
+        {{- if include "diloco.snapshotsVolume" $root }}
+        # A learner writes its model, optimizer and data cursor into each snapshot.
+        - name: snapshots
+          mountPath: /var/lib/diloco/snapshots
+        {{- end }}
         {{- with $v.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -375,6 +383,11 @@ spec:
           - key: join-token
             path: join-token
     {{- include "diloco.tmpVolume" . | nindent 4 }}
+    {{- if include "diloco.snapshotsVolume" $root }}
+    - name: snapshots
+      persistentVolumeClaim:
+        claimName: {{ include "diloco.snapshotsClaim" $root }}
+    {{- end }}
     {{- with $v.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -402,6 +415,25 @@ add-learners launches by default), then the learners' own pool. */}}
 {{- $names = append $names .Values.learners.pool -}}
 {{- end -}}
 {{- join "," $names -}}
+{{- end -}}
+
+{{/* Where snapshots go: the object-storage URL, or the claim's mount path. */}}
+{{- define "diloco.snapshotDir" -}}
+{{- .Values.snapshots.url | default "/var/lib/diloco/snapshots" -}}
+{{- end -}}
+
+{{/* "true" when snapshots live on the ReadWriteMany claim (enabled, no url). */}}
+{{- define "diloco.snapshotsVolume" -}}
+{{- if and .Values.snapshots.enabled (not .Values.snapshots.url) }}true{{ end -}}
+{{- end -}}
+
+{{/* envFrom of every process that touches snapshots: the object store's credentials. */}}
+{{- define "diloco.snapshotsEnvFrom" -}}
+{{- if and .Values.snapshots.enabled .Values.snapshots.url .Values.snapshots.credentialsSecret -}}
+envFrom:
+  - secretRef:
+      name: {{ .Values.snapshots.credentialsSecret }}
+{{- end -}}
 {{- end -}}
 
 {{- define "diloco.snapshotsClaim" -}}
