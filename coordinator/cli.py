@@ -351,6 +351,26 @@ def _shards(args: argparse.Namespace) -> int:
     return 0
 
 
+def _accept_initial_values(args: argparse.Namespace) -> int:
+    if not args.yes:
+        raise InvalidArgument(
+            f"accept-initial-values makes shard {args.shard}'s missing fragments restart from a learner's initial model, "
+            "discarding what they had trained; restarting the shard with --restore (a snapshot) loses less. "
+            "Pass --yes to do it anyway"
+        )
+    client = _client(args)
+    try:
+        result = client.accept_initial_values(args.shard, args.reason)
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"shard {args.shard}: fragments {result['fragments']} take the next learner's initial values "
+              f"({result['model_state']})")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from diloco.export import export_model
 
@@ -422,6 +442,20 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     shards = verbs.add_parser("shards", help="every shard's model state (serving, empty, recovering), versions and rounds")
     shards.add_argument("--json", action="store_true", help="print a JSON list")
     shards.set_defaults(func=_shards)
+
+    accept = verbs.add_parser(
+        "accept-initial-values",
+        help="let a shard that came back without its state (and got no learner's anchor) start its missing "
+             "fragments from fresh initial values",
+        description="A shard restarted without its state takes its fragments only from learners' anchors or a "
+                    "snapshot (--restore). When neither exists, this operator decision lets the next learner's "
+                    "initial values in: those fragments restart from an untrained model.",
+    )
+    accept.add_argument("shard", type=int, metavar="SHARD", help="the shard id (diloco admin shards)")
+    accept.add_argument("--reason", default="", help="kept on the shard's tape")
+    accept.add_argument("--yes", action="store_true", help="confirm: the fragments' training is lost")
+    accept.add_argument("--json", action="store_true", help="print {shard_id, fragments, model_state} as JSON")
+    accept.set_defaults(func=_accept_initial_values)
 
     export = verbs.add_parser(
         "export", help="write the global model as model.safetensors (the keys of the task model's state_dict)",

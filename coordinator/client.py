@@ -191,6 +191,13 @@ class AdminClient:
             for s in reply.shards
         ]
 
+    def accept_initial_values(self, shard_id: int, reason: str) -> dict:
+        """An operator's decision: shard ``shard_id``, back without its state, takes fresh
+        initial values for the fragments it lacks."""
+        request = coordinator_pb2.AcceptShardInitialValuesRequest(shard_id=shard_id, reason=reason)
+        reply = self._call("AcceptInitialValues", self.stub.AcceptInitialValues, request)
+        return {"shard_id": shard_id, "fragments": list(reply.shard.fragments), "model_state": reply.shard.model_state}
+
     def export_model(self, timeout_s: float = 600.0) -> list[coordinator_pb2.ExportModelReply]:
         """The global model as relayed from the shards (``diloco.export`` assembles it)."""
         try:

@@ -60,6 +60,44 @@ def write_secret_file(path: Path, value: str) -> None:
     os.replace(tmp, path)
 
 
+class ShardCalls:
+    """The coordinator's calls to its shards, made as the coordinator (credential ``C``)
+    over one channel per shard."""
+
+    def __init__(self, secret: str) -> None:
+        self._secret = secret
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> syncer_pb2_grpc.SyncerStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = rpc.channel_options(_MAX_MESSAGE_BYTES, "diloco.v1.Syncer")
+            channel = self._channels[address] = rpc.insecure_channel(address, options)
+        return syncer_pb2_grpc.SyncerStub(channel)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (
+            (auth.LEARNER_METADATA, auth.COORDINATOR_ID),
+            (auth.CREDENTIAL_METADATA, auth.sign(self._secret, auth.COORDINATOR_ID)),
+        )
+
+    async def status(self, address: str, timeout_s: float) -> syncer_pb2.StatusReply:
+        return await self.stub(address).Status(syncer_pb2.StatusRequest(), metadata=self.metadata, timeout=timeout_s)
+
+    def bootstrap(self, address: str, timeout_s: float):
+        """A shard's Bootstrap stream (every fragment it owns)."""
+        return self.stub(address).Bootstrap(syncer_pb2.BootstrapRequest(), metadata=self.metadata, timeout=timeout_s)
+
+    async def accept_initial_values(self, address: str, reason: str, timeout_s: float) -> syncer_pb2.AcceptInitialValuesReply:
+        return await self.stub(address).AcceptInitialValues(
+            syncer_pb2.AcceptInitialValuesRequest(reason=reason), metadata=self.metadata, timeout=timeout_s)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
 class CoordinatorServer:
     def __init__(
         self,
@@ -80,12 +118,12 @@ class CoordinatorServer:
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
             ]
         )
+        self.shard_calls = ShardCalls(secret)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(self.runtime, secret, admin_token, self._bootstrap, self._shard_status), self.server
+            CoordinatorServicer(self.runtime, secret, admin_token, self.shard_calls), self.server
         )
         self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
         self._launcher_factory = launcher_factory
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self.port = 0
         self._stopped = False
 
@@ -110,42 +148,17 @@ class CoordinatorServer:
         await rpc.mark_serving(self.health, [SERVICE_NAME], serving=False)
         await self.runtime.close()
         await self.server.stop(self.cfg.shutdown_grace_s)
-        for channel in self._channels.values():
-            await channel.close()
-
-    def _shard_channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            options = rpc.channel_options(_MAX_MESSAGE_BYTES, "diloco.v1.Syncer")
-            channel = self._channels[address] = rpc.insecure_channel(address, options)
-        return channel
-
-    def _shard_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (
-            (auth.LEARNER_METADATA, auth.COORDINATOR_ID),
-            (auth.CREDENTIAL_METADATA, auth.sign(self._secret, auth.COORDINATOR_ID)),
-        )
-
-    async def _shard_status(self, address: str, timeout_s: float) -> syncer_pb2.StatusReply:
-        return await syncer_pb2_grpc.SyncerStub(self._shard_channel(address)).Status(
-            syncer_pb2.StatusRequest(), metadata=self._shard_metadata(), timeout=timeout_s)
-
-    def _bootstrap(self, address: str, timeout_s: float):
-        """A shard's Bootstrap stream (every fragment it owns), as the coordinator."""
-        stub = syncer_pb2_grpc.SyncerStub(self._shard_channel(address))
-        return stub.Bootstrap(syncer_pb2.BootstrapRequest(), metadata=self._shard_metadata(), timeout=timeout_s)
+        await self.shard_calls.close()
 
     async def _send_marker(
         self, name: str, address: str, snapshot_id: int, directory: str, learners: list[str], clock: VectorClock
     ) -> None:
-        channel = self._shard_channel(address)
-        metadata = self._shard_metadata()
         request = syncer_pb2.MarkerRequest(
             snapshot_id=snapshot_id, directory=directory, learners=learners, clock=convert.clock_to_proto(clock)
         )
         try:
-            reply = await syncer_pb2_grpc.SyncerStub(channel).Marker(
-                request, metadata=metadata, timeout=self.cfg.snapshot_timeout_s
+            reply = await self.shard_calls.stub(address).Marker(
+                request, metadata=self.shard_calls.metadata, timeout=self.cfg.snapshot_timeout_s
             )
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error, f"marker to {name}") from None

@@ -7,6 +7,8 @@ for that id; admin calls need the admin token.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from coordinator import convert
@@ -16,6 +18,7 @@ from diloco import auth, rpc
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
+logger = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT_S = 600.0
 """Deadline of the Bootstrap of one shard while exporting."""
@@ -28,15 +31,13 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, runtime: CoordinatorRuntime, secret: str, admin_token: str, bootstrap=None,
-                 shard_status=None) -> None:
-        """``bootstrap(address, timeout_s)``: a shard's Bootstrap reply stream (ExportModel
-        relays it); ``shard_status(address, timeout_s)``: a shard's Status (ListShards)."""
+    def __init__(self, runtime: CoordinatorRuntime, secret: str, admin_token: str, shards=None) -> None:
+        """``shards``: the coordinator's calls to its shards (``coordinator.server.ShardCalls``:
+        ``status``, ``bootstrap``, ``accept_initial_values``); None: it cannot call them."""
         self.runtime = runtime
         self._secret = secret
         self._admin_token = admin_token
-        self._bootstrap = bootstrap
-        self._shard_status = shard_status
+        self._shards = shards
         self._topology: tuple[tuple, common_pb2.Topology] | None = None
         self._telemetry = CoordinatorTelemetry()
 
@@ -190,7 +191,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             run = self.runtime.run
             if not run.manifest_json:
                 raise FailedPrecondition("no learner has registered a model yet: there is nothing to export")
-            if self._bootstrap is None or not self.runtime.cfg.shards:
+            if self._shards is None or not self.runtime.cfg.shards:
                 raise FailedPrecondition("this coordinator knows no shards to export from")
         except DilocoError as error:
             await rpc.abort_with(context, error)
@@ -199,7 +200,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             manifest_json=run.manifest_json, plan_hash=run.plan_hash, fragments=run.run.fragments))
         for m, address in enumerate(self.runtime.cfg.shards):
             try:
-                async for reply in self._bootstrap(address, EXPORT_TIMEOUT_S):
+                async for reply in self._shards.bootstrap(address, EXPORT_TIMEOUT_S):
                     kind = reply.WhichOneof("kind")
                     if kind == "update":
                         yield coordinator_pb2.ExportModelReply(update=reply.update)
@@ -207,6 +208,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         yield coordinator_pb2.ExportModelReply(chunk=reply.chunk)
             except grpc.aio.AioRpcError as error:
                 await context.abort(error.code(), f"shard {m} at {address}: {error.details()}")
+
+    async def AcceptInitialValues(self, request, context):
+        try:
+            self._admin(context)
+            shards = self.runtime.cfg.shards
+            if not 0 <= request.shard_id < len(shards):
+                raise InvalidArgument(f"shard {request.shard_id} does not exist (this run has shards 0..{len(shards) - 1})")
+            if self._shards is None:
+                raise FailedPrecondition("this coordinator cannot call its shards")
+            reason = request.reason or "an operator's decision"
+            logger.warning("shard %d: accepting fresh initial values (%s)", request.shard_id, reason)
+            try:
+                reply = await self._shards.accept_initial_values(shards[request.shard_id], reason, SHARD_STATUS_TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                await context.abort(error.code(), f"shard {request.shard_id} at {shards[request.shard_id]}: {error.details()}")
+            return coordinator_pb2.AcceptShardInitialValuesReply(shard=reply)
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
 
     async def ListShards(self, request, context):
         try:
@@ -218,9 +237,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         for m, address in enumerate(self.runtime.cfg.shards):
             entry = coordinator_pb2.ShardStatus(shard_id=m, address=address)
             try:
-                if self._shard_status is None:
+                if self._shards is None:
                     raise FailedPrecondition("this coordinator cannot call its shards")
-                entry.status.CopyFrom(await self._shard_status(address, SHARD_STATUS_TIMEOUT_S))
+                entry.status.CopyFrom(await self._shards.status(address, SHARD_STATUS_TIMEOUT_S))
             except grpc.aio.AioRpcError as error:
                 entry.error = f"{error.code().name}: {error.details()}"
             except DilocoError as error:

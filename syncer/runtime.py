@@ -168,6 +168,21 @@ class ShardRuntime:
         logger.warning("shard %d restarted without its state: its fragments come back from the learners' anchors "
                        "(restart it with --restore to start from a snapshot instead)", self.core.cfg.shard_id)
 
+    def accept_initial_values(self, reason: str) -> list[int]:
+        """An operator's decision for a shard that restarted without its state and waits
+        for anchors that will not come (no learner holds one, no snapshot will do): the
+        fragments it lacks take the next learner's fresh initial values. Returns them."""
+        core = self.core
+        missing = sorted(f.id for f in core.owned if f.id not in core.fragments)
+        if not self.anchors_only or not missing:
+            raise FailedPrecondition(f"shard {core.cfg.shard_id} is not waiting for anchors ({self.model_state()}): "
+                                     "nothing to accept")
+        self.anchors_only = False
+        self._record("accept_initial_values", fragments=missing, reason=reason)
+        logger.warning("shard %d: an operator accepted fresh initial values for fragments %s (%s): they restart from "
+                       "a learner's initial model", core.cfg.shard_id, missing, reason or "no reason given")
+        return missing
+
     def initialize(self, learner_id: str, manifest_json: str, plan: FragmentPlan, fragment_id: int, values,
                    anchor_version: int | None = None) -> bool:
         """A learner's values of a fragment that has none become its state (True): its own
@@ -195,6 +210,8 @@ class ShardRuntime:
                      version=anchor_version or 0, source=source)
         log = logger.info if anchor_version is None else logger.warning
         log("shard %d: fragment %d takes %s's %s", core.cfg.shard_id, fragment_id, learner_id, source)
+        self.telemetry.fragment_values(fragment_id, anchor_version or 0, "initial" if anchor_version is None else "anchor",
+                                       learner_id)
         return True
 
     def now(self) -> float:
@@ -457,6 +474,8 @@ class ShardRuntime:
         outcomes = [self.core.accept(meta, payload, wire_bytes, now).outcome for meta, payload, wire_bytes in pushes]
         versions = {f: s.version for f, s in self.core.fragments.items()}
         self._record("restore", snapshot=snapshot_id, versions=versions, channel_pushes=outcomes)
+        for fragment_id, version in sorted(versions.items()):
+            self.telemetry.fragment_values(fragment_id, version, "snapshot", str(snapshot_id))
 
     # --- membership ------------------------------------------------------------------
 

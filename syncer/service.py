@@ -272,6 +272,15 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         except DilocoError as error:
             await rpc.abort_with(context, error)
 
+    async def AcceptInitialValues(self, request, context):
+        try:
+            if self._authenticate(context) != auth.COORDINATOR_ID:
+                raise PermissionDenied("only the coordinator relays an operator's decision")
+            fragments = self.runtime.accept_initial_values(request.reason[:500])
+            return syncer_pb2.AcceptInitialValuesReply(fragments=fragments, model_state=self.runtime.model_state())
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
     async def Status(self, request, context):
         core, counters = self.runtime.core, self.runtime.counters
         fragments = []

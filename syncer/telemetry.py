@@ -3,7 +3,9 @@ installed providers, see ``diloco.telemetry``).
 
 Spans: ``push`` (one per PushFragment, a child of the RPC's server span and so of the
 learner's ``sync fragment``) and ``round`` (one per closed round, linked to every push
-it merged). Metrics: ``diloco.push.received``, ``diloco.wire.bytes``,
+it merged), and ``fragment values`` (one each time a fragment gets its values: a
+learner's initial values, a learner's anchor after a restart without state, or a
+snapshot; attribute ``diloco.source``). Metrics: ``diloco.push.received``, ``diloco.wire.bytes``,
 ``diloco.round.participants``, ``diloco.round.quorum_wait``, ``diloco.round.grace``,
 ``diloco.round.merge``, ``diloco.round.merged_steps``.
 """
@@ -71,6 +73,15 @@ class ShardTelemetry:
 
     def bytes_sent(self, count: int) -> None:
         self._bytes.add(count, {"diloco.direction": "down"})
+
+    def fragment_values(self, fragment: int, version: int, source: str, origin: str) -> None:
+        """Where a fragment's values came from: ``source`` initial | anchor | snapshot,
+        ``origin`` the learner id or the snapshot id."""
+        self.tracer.start_span(
+            "fragment values", context=context.Context(),
+            attributes={SHARD_ID: self.shard_id, "diloco.fragment": fragment, "diloco.version": version,
+                        "diloco.source": source, "diloco.origin": origin},
+        ).end()
 
     def round_closed(
         self, job: RoundJob, merge_s: float, links: Sequence[trace.SpanContext], opened_ns: int, finished_ns: int

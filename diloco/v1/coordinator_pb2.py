@@ -26,7 +26,7 @@ from diloco.v1 import common_pb2 as diloco_dot_v1_dot_common__pb2
 from diloco.v1 import syncer_pb2 as diloco_dot_v1_dot_syncer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64iloco/v1/coordinator.proto\x12\tdiloco.v1\x1a\x16\x64iloco/v1/common.proto\x1a\x16\x64iloco/v1/syncer.proto\"y\n\x0bJoinRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tlaunch_id\x18\x03 \x01(\t\x12\x11\n\tplan_hash\x18\x04 \x01(\t\x12%\n\x05\x63lock\x18\x05 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x92\x01\n\tJoinReply\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12%\n\x08topology\x18\x03 \x01(\x0b\x32\x13.diloco.v1.Topology\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12%\n\x05\x63lock\x18\x05 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x9d\x01\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x13\n\x0binner_steps\x18\x03 \x01(\x04\x12\x13\n\x0bversion_lag\x18\x04 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x05 \x01(\x01\x12%\n\x05\x63lock\x18\x06 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"n\n\tDirective\x12*\n\x05\x64rain\x18\x01 \x01(\x0b\x32\x19.diloco.v1.DrainDirectiveH\x00\x12-\n\x08snapshot\x18\x02 \x01(\x0b\x32\x19.diloco.v1.SnapshotMarkerH\x00\x42\x06\n\x04kind\" \n\x0e\x44rainDirective\x12\x0e\n\x06reason\x18\x01 \x01(\t\"8\n\x0eSnapshotMarker\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x11\n\tdirectory\x18\x02 \x01(\t\"\x8a\x01\n\x0eHeartbeatReply\x12(\n\ndirectives\x18\x01 \x03(\x0b\x32\x14.diloco.v1.Directive\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x16\n\x0etopology_epoch\x18\x03 \x01(\x04\x12%\n\x05\x63lock\x18\x04 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"Y\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x0c\n\nLeaveReply\"\x14\n\x12GetTopologyRequest\"h\n\x14RegisterModelRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"b\n\x12RegisterModelReply\x12%\n\x08topology\x18\x01 \x01(\x0b\x32\x13.diloco.v1.Topology\x12%\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x14\n\x12\x45xportModelRequest\"\x13\n\x11ListShardsRequest\"g\n\x0bShardStatus\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12&\n\x06status\x18\x04 \x01(\x0b\x32\x16.diloco.v1.StatusReply\"9\n\x0fListShardsReply\x12&\n\x06shards\x18\x01 \x03(\x0b\x32\x16.diloco.v1.ShardStatus\"K\n\x0c\x45xportHeader\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x11\n\tplan_hash\x18\x02 \x01(\t\x12\x11\n\tfragments\x18\x03 \x01(\r\"\x95\x01\n\x10\x45xportModelReply\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.diloco.v1.ExportHeaderH\x00\x12+\n\x06update\x18\x02 \x01(\x0b\x32\x19.diloco.v1.FragmentUpdateH\x00\x12!\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"P\n\x16WatchMembershipRequest\x12\x0f\n\x07watcher\x18\x01 \x01(\t\x12%\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x90\x01\n\x0fMembershipEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.diloco.v1.MembershipEventKind\x12(\n\x08learners\x18\x02 \x03(\x0b\x32\x16.diloco.v1.LearnerInfo\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x90\x01\n\x15ReportSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x13\n\x0bparticipant\x18\x02 \x01(\t\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12&\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x17.diloco.v1.SnapshotFile\"\x15\n\x13ReportSnapshotReply\"\xa4\x01\n\x12\x41\x64\x64LearnersRequest\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12?\n\toverrides\x18\x03 \x03(\x0b\x32,.diloco.v1.AddLearnersRequest.OverridesEntry\x1a\x30\n\x0eOverridesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\x0cLaunchResult\x12\x11\n\tlaunch_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"=\n\x10\x41\x64\x64LearnersReply\x12)\n\x08launches\x18\x01 \x03(\x0b\x32\x17.diloco.v1.LaunchResult\"J\n\x15RemoveLearnersRequest\x12\x13\n\x0blearner_ids\x18\x01 \x03(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\"*\n\x13RemoveLearnersReply\x12\x13\n\x0blearner_ids\x18\x01 \x03(\t\"+\n\x13ListLearnersRequest\x12\x14\n\x0cinclude_gone\x18\x01 \x01(\x08\"=\n\x11ListLearnersReply\x12(\n\x08learners\x18\x01 \x03(\x0b\x32\x16.diloco.v1.LearnerInfo\"\x16\n\x14StartSnapshotRequest\")\n\x12StartSnapshotReply\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\"\x16\n\x14ListSnapshotsRequest\"\xc9\x01\n\x0cSnapshotInfo\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.diloco.v1.SnapshotState\x12\x17\n\x0fstarted_unix_ms\x18\x03 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x04 \x01(\x03\x12\x14\n\x0cparticipants\x18\x05 \x03(\t\x12\x10\n\x08reported\x18\x06 \x03(\t\x12\x10\n\x08manifest\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\"@\n\x12ListSnapshotsReply\x12*\n\tsnapshots\x18\x01 \x03(\x0b\x32\x17.diloco.v1.SnapshotInfo*\xe8\x01\n\x13MembershipEventKind\x12%\n!MEMBERSHIP_EVENT_KIND_UNSPECIFIED\x10\x00\x12\"\n\x1eMEMBERSHIP_EVENT_KIND_SNAPSHOT\x10\x01\x12 \n\x1cMEMBERSHIP_EVENT_KIND_JOINED\x10\x02\x12 \n\x1cMEMBERSHIP_EVENT_KIND_FAILED\x10\x03\x12\x1e\n\x1aMEMBERSHIP_EVENT_KIND_LEFT\x10\x04\x12\"\n\x1eMEMBERSHIP_EVENT_KIND_DRAINING\x10\x05*\x83\x01\n\rSnapshotState\x12\x1e\n\x1aSNAPSHOT_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SNAPSHOT_STATE_RUNNING\x10\x01\x12\x1b\n\x17SNAPSHOT_STATE_COMPLETE\x10\x02\x12\x19\n\x15SNAPSHOT_STATE_FAILED\x10\x03\x32\xa1\x08\n\x0b\x43oordinator\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12\x43\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x19.diloco.v1.HeartbeatReply\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12\x41\n\x0bGetTopology\x12\x1d.diloco.v1.GetTopologyRequest\x1a\x13.diloco.v1.Topology\x12O\n\rRegisterModel\x12\x1f.diloco.v1.RegisterModelRequest\x1a\x1d.diloco.v1.RegisterModelReply\x12R\n\x0fWatchMembership\x12!.diloco.v1.WatchMembershipRequest\x1a\x1a.diloco.v1.MembershipEvent0\x01\x12R\n\x0eReportSnapshot\x12 .diloco.v1.ReportSnapshotRequest\x1a\x1e.diloco.v1.ReportSnapshotReply\x12I\n\x0b\x41\x64\x64Learners\x12\x1d.diloco.v1.AddLearnersRequest\x1a\x1b.diloco.v1.AddLearnersReply\x12R\n\x0eRemoveLearners\x12 .diloco.v1.RemoveLearnersRequest\x1a\x1e.diloco.v1.RemoveLearnersReply\x12L\n\x0cListLearners\x12\x1e.diloco.v1.ListLearnersRequest\x1a\x1c.diloco.v1.ListLearnersReply\x12O\n\rStartSnapshot\x12\x1f.diloco.v1.StartSnapshotRequest\x1a\x1d.diloco.v1.StartSnapshotReply\x12O\n\rListSnapshots\x12\x1f.diloco.v1.ListSnapshotsRequest\x1a\x1d.diloco.v1.ListSnapshotsReply\x12K\n\x0b\x45xportModel\x12\x1d.diloco.v1.ExportModelRequest\x1a\x1b.diloco.v1.ExportModelReply0\x01\x12\x46\n\nListShards\x12\x1c.diloco.v1.ListShardsRequest\x1a\x1a.diloco.v1.ListShardsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64iloco/v1/coordinator.proto\x12\tdiloco.v1\x1a\x16\x64iloco/v1/common.proto\x1a\x16\x64iloco/v1/syncer.proto\"y\n\x0bJoinRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tlaunch_id\x18\x03 \x01(\t\x12\x11\n\tplan_hash\x18\x04 \x01(\t\x12%\n\x05\x63lock\x18\x05 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x92\x01\n\tJoinReply\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12%\n\x08topology\x18\x03 \x01(\x0b\x32\x13.diloco.v1.Topology\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12%\n\x05\x63lock\x18\x05 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x9d\x01\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x13\n\x0binner_steps\x18\x03 \x01(\x04\x12\x13\n\x0bversion_lag\x18\x04 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x05 \x01(\x01\x12%\n\x05\x63lock\x18\x06 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"n\n\tDirective\x12*\n\x05\x64rain\x18\x01 \x01(\x0b\x32\x19.diloco.v1.DrainDirectiveH\x00\x12-\n\x08snapshot\x18\x02 \x01(\x0b\x32\x19.diloco.v1.SnapshotMarkerH\x00\x42\x06\n\x04kind\" \n\x0e\x44rainDirective\x12\x0e\n\x06reason\x18\x01 \x01(\t\"8\n\x0eSnapshotMarker\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x11\n\tdirectory\x18\x02 \x01(\t\"\x8a\x01\n\x0eHeartbeatReply\x12(\n\ndirectives\x18\x01 \x03(\x0b\x32\x14.diloco.v1.Directive\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x16\n\x0etopology_epoch\x18\x03 \x01(\x04\x12%\n\x05\x63lock\x18\x04 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"Y\n\x0cLeaveRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x0c\n\nLeaveReply\"\x14\n\x12GetTopologyRequest\"h\n\x14RegisterModelRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"b\n\x12RegisterModelReply\x12%\n\x08topology\x18\x01 \x01(\x0b\x32\x13.diloco.v1.Topology\x12%\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x14\n\x12\x45xportModelRequest\"\x13\n\x11ListShardsRequest\"g\n\x0bShardStatus\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12&\n\x06status\x18\x04 \x01(\x0b\x32\x16.diloco.v1.StatusReply\"9\n\x0fListShardsReply\x12&\n\x06shards\x18\x01 \x03(\x0b\x32\x16.diloco.v1.ShardStatus\"C\n\x1f\x41\x63\x63\x65ptShardInitialValuesRequest\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"S\n\x1d\x41\x63\x63\x65ptShardInitialValuesReply\x12\x32\n\x05shard\x18\x01 \x01(\x0b\x32#.diloco.v1.AcceptInitialValuesReply\"K\n\x0c\x45xportHeader\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x11\n\tplan_hash\x18\x02 \x01(\t\x12\x11\n\tfragments\x18\x03 \x01(\r\"\x95\x01\n\x10\x45xportModelReply\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.diloco.v1.ExportHeaderH\x00\x12+\n\x06update\x18\x02 \x01(\x0b\x32\x19.diloco.v1.FragmentUpdateH\x00\x12!\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"P\n\x16WatchMembershipRequest\x12\x0f\n\x07watcher\x18\x01 \x01(\t\x12%\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x90\x01\n\x0fMembershipEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.diloco.v1.MembershipEventKind\x12(\n\x08learners\x18\x02 \x03(\x0b\x32\x16.diloco.v1.LearnerInfo\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"\x90\x01\n\x15ReportSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x13\n\x0bparticipant\x18\x02 \x01(\t\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12&\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x17.diloco.v1.SnapshotFile\"\x15\n\x13ReportSnapshotReply\"\xa4\x01\n\x12\x41\x64\x64LearnersRequest\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12?\n\toverrides\x18\x03 \x03(\x0b\x32,.diloco.v1.AddLearnersRequest.OverridesEntry\x1a\x30\n\x0eOverridesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\x0cLaunchResult\x12\x11\n\tlaunch_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"=\n\x10\x41\x64\x64LearnersReply\x12)\n\x08launches\x18\x01 \x03(\x0b\x32\x17.diloco.v1.LaunchResult\"J\n\x15RemoveLearnersRequest\x12\x13\n\x0blearner_ids\x18\x01 \x03(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\"*\n\x13RemoveLearnersReply\x12\x13\n\x0blearner_ids\x18\x01 \x03(\t\"+\n\x13ListLearnersRequest\x12\x14\n\x0cinclude_gone\x18\x01 \x01(\x08\"=\n\x11ListLearnersReply\x12(\n\x08learners\x18\x01 \x03(\x0b\x32\x16.diloco.v1.LearnerInfo\"\x16\n\x14StartSnapshotRequest\")\n\x12StartSnapshotReply\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\"\x16\n\x14ListSnapshotsRequest\"\xc9\x01\n\x0cSnapshotInfo\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.diloco.v1.SnapshotState\x12\x17\n\x0fstarted_unix_ms\x18\x03 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x04 \x01(\x03\x12\x14\n\x0cparticipants\x18\x05 \x03(\t\x12\x10\n\x08reported\x18\x06 \x03(\t\x12\x10\n\x08manifest\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\"@\n\x12ListSnapshotsReply\x12*\n\tsnapshots\x18\x01 \x03(\x0b\x32\x17.diloco.v1.SnapshotInfo*\xe8\x01\n\x13MembershipEventKind\x12%\n!MEMBERSHIP_EVENT_KIND_UNSPECIFIED\x10\x00\x12\"\n\x1eMEMBERSHIP_EVENT_KIND_SNAPSHOT\x10\x01\x12 \n\x1cMEMBERSHIP_EVENT_KIND_JOINED\x10\x02\x12 \n\x1cMEMBERSHIP_EVENT_KIND_FAILED\x10\x03\x12\x1e\n\x1aMEMBERSHIP_EVENT_KIND_LEFT\x10\x04\x12\"\n\x1eMEMBERSHIP_EVENT_KIND_DRAINING\x10\x05*\x83\x01\n\rSnapshotState\x12\x1e\n\x1aSNAPSHOT_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SNAPSHOT_STATE_RUNNING\x10\x01\x12\x1b\n\x17SNAPSHOT_STATE_COMPLETE\x10\x02\x12\x19\n\x15SNAPSHOT_STATE_FAILED\x10\x03\x32\x8e\t\n\x0b\x43oordinator\x12\x34\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x14.diloco.v1.JoinReply\x12\x43\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x19.diloco.v1.HeartbeatReply\x12\x37\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x15.diloco.v1.LeaveReply\x12\x41\n\x0bGetTopology\x12\x1d.diloco.v1.GetTopologyRequest\x1a\x13.diloco.v1.Topology\x12O\n\rRegisterModel\x12\x1f.diloco.v1.RegisterModelRequest\x1a\x1d.diloco.v1.RegisterModelReply\x12R\n\x0fWatchMembership\x12!.diloco.v1.WatchMembershipRequest\x1a\x1a.diloco.v1.MembershipEvent0\x01\x12R\n\x0eReportSnapshot\x12 .diloco.v1.ReportSnapshotRequest\x1a\x1e.diloco.v1.ReportSnapshotReply\x12I\n\x0b\x41\x64\x64Learners\x12\x1d.diloco.v1.AddLearnersRequest\x1a\x1b.diloco.v1.AddLearnersReply\x12R\n\x0eRemoveLearners\x12 .diloco.v1.RemoveLearnersRequest\x1a\x1e.diloco.v1.RemoveLearnersReply\x12L\n\x0cListLearners\x12\x1e.diloco.v1.ListLearnersRequest\x1a\x1c.diloco.v1.ListLearnersReply\x12O\n\rStartSnapshot\x12\x1f.diloco.v1.StartSnapshotRequest\x1a\x1d.diloco.v1.StartSnapshotReply\x12O\n\rListSnapshots\x12\x1f.diloco.v1.ListSnapshotsRequest\x1a\x1d.diloco.v1.ListSnapshotsReply\x12K\n\x0b\x45xportModel\x12\x1d.diloco.v1.ExportModelRequest\x1a\x1b.diloco.v1.ExportModelReply0\x01\x12\x46\n\nListShards\x12\x1c.diloco.v1.ListShardsRequest\x1a\x1a.diloco.v1.ListShardsReply\x12k\n\x13\x41\x63\x63\x65ptInitialValues\x12*.diloco.v1.AcceptShardInitialValuesRequest\x1a(.diloco.v1.AcceptShardInitialValuesReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADDLEARNERSREQUEST_OVERRIDESENTRY']._loaded_options = None
   _globals['_ADDLEARNERSREQUEST_OVERRIDESENTRY']._serialized_options = b'8\001'
-  _globals['_MEMBERSHIPEVENTKIND']._serialized_start=2918
-  _globals['_MEMBERSHIPEVENTKIND']._serialized_end=3150
-  _globals['_SNAPSHOTSTATE']._serialized_start=3153
-  _globals['_SNAPSHOTSTATE']._serialized_end=3284
+  _globals['_MEMBERSHIPEVENTKIND']._serialized_start=3072
+  _globals['_MEMBERSHIPEVENTKIND']._serialized_end=3304
+  _globals['_SNAPSHOTSTATE']._serialized_start=3307
+  _globals['_SNAPSHOTSTATE']._serialized_end=3438
   _globals['_JOINREQUEST']._serialized_start=90
   _globals['_JOINREQUEST']._serialized_end=211
   _globals['_JOINREPLY']._serialized_start=214
@@ -71,44 +71,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDSTATUS']._serialized_end=1346
   _globals['_LISTSHARDSREPLY']._serialized_start=1348
   _globals['_LISTSHARDSREPLY']._serialized_end=1405
-  _globals['_EXPORTHEADER']._serialized_start=1407
-  _globals['_EXPORTHEADER']._serialized_end=1482
-  _globals['_EXPORTMODELREPLY']._serialized_start=1485
-  _globals['_EXPORTMODELREPLY']._serialized_end=1634
-  _globals['_WATCHMEMBERSHIPREQUEST']._serialized_start=1636
-  _globals['_WATCHMEMBERSHIPREQUEST']._serialized_end=1716
-  _globals['_MEMBERSHIPEVENT']._serialized_start=1719
-  _globals['_MEMBERSHIPEVENT']._serialized_end=1863
-  _globals['_REPORTSNAPSHOTREQUEST']._serialized_start=1866
-  _globals['_REPORTSNAPSHOTREQUEST']._serialized_end=2010
-  _globals['_REPORTSNAPSHOTREPLY']._serialized_start=2012
-  _globals['_REPORTSNAPSHOTREPLY']._serialized_end=2033
-  _globals['_ADDLEARNERSREQUEST']._serialized_start=2036
-  _globals['_ADDLEARNERSREQUEST']._serialized_end=2200
-  _globals['_ADDLEARNERSREQUEST_OVERRIDESENTRY']._serialized_start=2152
-  _globals['_ADDLEARNERSREQUEST_OVERRIDESENTRY']._serialized_end=2200
-  _globals['_LAUNCHRESULT']._serialized_start=2202
-  _globals['_LAUNCHRESULT']._serialized_end=2263
-  _globals['_ADDLEARNERSREPLY']._serialized_start=2265
-  _globals['_ADDLEARNERSREPLY']._serialized_end=2326
-  _globals['_REMOVELEARNERSREQUEST']._serialized_start=2328
-  _globals['_REMOVELEARNERSREQUEST']._serialized_end=2402
-  _globals['_REMOVELEARNERSREPLY']._serialized_start=2404
-  _globals['_REMOVELEARNERSREPLY']._serialized_end=2446
-  _globals['_LISTLEARNERSREQUEST']._serialized_start=2448
-  _globals['_LISTLEARNERSREQUEST']._serialized_end=2491
-  _globals['_LISTLEARNERSREPLY']._serialized_start=2493
-  _globals['_LISTLEARNERSREPLY']._serialized_end=2554
-  _globals['_STARTSNAPSHOTREQUEST']._serialized_start=2556
-  _globals['_STARTSNAPSHOTREQUEST']._serialized_end=2578
-  _globals['_STARTSNAPSHOTREPLY']._serialized_start=2580
-  _globals['_STARTSNAPSHOTREPLY']._serialized_end=2621
-  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=2623
-  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=2645
-  _globals['_SNAPSHOTINFO']._serialized_start=2648
-  _globals['_SNAPSHOTINFO']._serialized_end=2849
-  _globals['_LISTSNAPSHOTSREPLY']._serialized_start=2851
-  _globals['_LISTSNAPSHOTSREPLY']._serialized_end=2915
-  _globals['_COORDINATOR']._serialized_start=3287
-  _globals['_COORDINATOR']._serialized_end=4344
+  _globals['_ACCEPTSHARDINITIALVALUESREQUEST']._serialized_start=1407
+  _globals['_ACCEPTSHARDINITIALVALUESREQUEST']._serialized_end=1474
+  _globals['_ACCEPTSHARDINITIALVALUESREPLY']._serialized_start=1476
+  _globals['_ACCEPTSHARDINITIALVALUESREPLY']._serialized_end=1559
+  _globals['_EXPORTHEADER']._serialized_start=1561
+  _globals['_EXPORTHEADER']._serialized_end=1636
+  _globals['_EXPORTMODELREPLY']._serialized_start=1639
+  _globals['_EXPORTMODELREPLY']._serialized_end=1788
+  _globals['_WATCHMEMBERSHIPREQUEST']._serialized_start=1790
+  _globals['_WATCHMEMBERSHIPREQUEST']._serialized_end=1870
+  _globals['_MEMBERSHIPEVENT']._serialized_start=1873
+  _globals['_MEMBERSHIPEVENT']._serialized_end=2017
+  _globals['_REPORTSNAPSHOTREQUEST']._serialized_start=2020
+  _globals['_REPORTSNAPSHOTREQUEST']._serialized_end=2164
+  _globals['_REPORTSNAPSHOTREPLY']._serialized_start=2166
+  _globals['_REPORTSNAPSHOTREPLY']._serialized_end=2187
+  _globals['_ADDLEARNERSREQUEST']._serialized_start=2190
+  _globals['_ADDLEARNERSREQUEST']._serialized_end=2354
+  _globals['_ADDLEARNERSREQUEST_OVERRIDESENTRY']._serialized_start=2306
+  _globals['_ADDLEARNERSREQUEST_OVERRIDESENTRY']._serialized_end=2354
+  _globals['_LAUNCHRESULT']._serialized_start=2356
+  _globals['_LAUNCHRESULT']._serialized_end=2417
+  _globals['_ADDLEARNERSREPLY']._serialized_start=2419
+  _globals['_ADDLEARNERSREPLY']._serialized_end=2480
+  _globals['_REMOVELEARNERSREQUEST']._serialized_start=2482
+  _globals['_REMOVELEARNERSREQUEST']._serialized_end=2556
+  _globals['_REMOVELEARNERSREPLY']._serialized_start=2558
+  _globals['_REMOVELEARNERSREPLY']._serialized_end=2600
+  _globals['_LISTLEARNERSREQUEST']._serialized_start=2602
+  _globals['_LISTLEARNERSREQUEST']._serialized_end=2645
+  _globals['_LISTLEARNERSREPLY']._serialized_start=2647
+  _globals['_LISTLEARNERSREPLY']._serialized_end=2708
+  _globals['_STARTSNAPSHOTREQUEST']._serialized_start=2710
+  _globals['_STARTSNAPSHOTREQUEST']._serialized_end=2732
+  _globals['_STARTSNAPSHOTREPLY']._serialized_start=2734
+  _globals['_STARTSNAPSHOTREPLY']._serialized_end=2775
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=2777
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=2799
+  _globals['_SNAPSHOTINFO']._serialized_start=2802
+  _globals['_SNAPSHOTINFO']._serialized_end=3003
+  _globals['_LISTSNAPSHOTSREPLY']._serialized_start=3005
+  _globals['_LISTSNAPSHOTSREPLY']._serialized_end=3069
+  _globals['_COORDINATOR']._serialized_start=3441
+  _globals['_COORDINATOR']._serialized_end=4607
 # @@protoc_insertion_point(module_scope)

@@ -175,6 +175,20 @@ class ListShardsReply(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
 
+class AcceptShardInitialValuesRequest(_message.Message):
+    __slots__ = ("shard_id", "reason")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    reason: str
+    def __init__(self, shard_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AcceptShardInitialValuesReply(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: _syncer_pb2.AcceptInitialValuesReply
+    def __init__(self, shard: _Optional[_Union[_syncer_pb2.AcceptInitialValuesReply, _Mapping]] = ...) -> None: ...
+
 class ExportHeader(_message.Message):
     __slots__ = ("manifest_json", "plan_hash", "fragments")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]

@@ -105,6 +105,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.ListShardsRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_coordinator__pb2.ListShardsReply.FromString,
                 _registered_method=True)
+        self.AcceptInitialValues = channel.unary_unary(
+                '/diloco.v1.Coordinator/AcceptInitialValues',
+                request_serializer=diloco_dot_v1_dot_coordinator__pb2.AcceptShardInitialValuesRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_coordinator__pb2.AcceptShardInitialValuesReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -204,6 +209,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AcceptInitialValues(self, request, context):
+        """The operator's decision for a shard that restarted without its state when no learner
+        holds an anchor and no snapshot will do: its missing fragments take fresh initial
+        values (relayed to the shard's AcceptInitialValues).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -276,6 +290,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListShards,
                     request_deserializer=diloco_dot_v1_dot_coordinator__pb2.ListShardsRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_coordinator__pb2.ListShardsReply.SerializeToString,
+            ),
+            'AcceptInitialValues': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcceptInitialValues,
+                    request_deserializer=diloco_dot_v1_dot_coordinator__pb2.AcceptShardInitialValuesRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_coordinator__pb2.AcceptShardInitialValuesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -656,6 +675,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/ListShards',
             diloco_dot_v1_dot_coordinator__pb2.ListShardsRequest.SerializeToString,
             diloco_dot_v1_dot_coordinator__pb2.ListShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcceptInitialValues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/AcceptInitialValues',
+            diloco_dot_v1_dot_coordinator__pb2.AcceptShardInitialValuesRequest.SerializeToString,
+            diloco_dot_v1_dot_coordinator__pb2.AcceptShardInitialValuesReply.FromString,
             options,
             channel_credentials,
             insecure,

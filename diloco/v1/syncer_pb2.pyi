@@ -188,6 +188,20 @@ class MarkerReply(_message.Message):
     files: _containers.RepeatedCompositeFieldContainer[_common_pb2.SnapshotFile]
     def __init__(self, participant: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., files: _Optional[_Iterable[_Union[_common_pb2.SnapshotFile, _Mapping]]] = ...) -> None: ...
 
+class AcceptInitialValuesRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class AcceptInitialValuesReply(_message.Message):
+    __slots__ = ("fragments", "model_state")
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_STATE_FIELD_NUMBER: _ClassVar[int]
+    fragments: _containers.RepeatedScalarFieldContainer[int]
+    model_state: str
+    def __init__(self, fragments: _Optional[_Iterable[int]] = ..., model_state: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -59,6 +59,11 @@ class SyncerStub:
                 request_serializer=diloco_dot_v1_dot_syncer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_syncer__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.AcceptInitialValues = channel.unary_unary(
+                '/diloco.v1.Syncer/AcceptInitialValues',
+                request_serializer=diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesReply.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -105,6 +110,15 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AcceptInitialValues(self, request, context):
+        """From the coordinator, on an operator's decision: a shard that restarted without its
+        state and waits for learners' anchors takes fresh initial values for the fragments it
+        still lacks (those fragments restart from a learner's initial model).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +146,11 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=diloco_dot_v1_dot_syncer__pb2.StatusRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_syncer__pb2.StatusReply.SerializeToString,
+            ),
+            'AcceptInitialValues': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcceptInitialValues,
+                    request_deserializer=diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +288,33 @@ class Syncer:
             '/diloco.v1.Syncer/Status',
             diloco_dot_v1_dot_syncer__pb2.StatusRequest.SerializeToString,
             diloco_dot_v1_dot_syncer__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcceptInitialValues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Syncer/AcceptInitialValues',
+            diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesRequest.SerializeToString,
+            diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -226,3 +226,52 @@ def test_the_operator_sees_each_shards_model_state_through_the_coordinator(tmp_p
                 assert first["model_state"] == "serving" and first["versions"] == {"0": 0, "1": 0}
 
     run(scenario())
+
+
+def test_an_operator_lets_a_shard_without_anchors_take_fresh_initial_values(tmp_path):
+    """A shard back without its state and no learner left with an anchor: it refuses fresh
+    values until ``diloco admin accept-initial-values`` says so (through the coordinator);
+    then the next learner's values are taken and the decision is on the tape."""
+    from coordinator.client import AdminClient
+    from diloco.errors import FailedPrecondition, InvalidArgument
+    from tests.grpc.coordinator_fixtures import ADMIN, running_coordinator
+
+    async def scenario():
+        async with empty_shard(tmp_path / "shard") as (server, address):
+            async with client_for(address, "L0") as c0:
+                for fragment in (0, 1):
+                    assert await c0.initialize(fragment, MANIFEST.to_json(), PLAN.plan_hash, fp32(fragment))
+        async with empty_shard(tmp_path / "shard") as (server, address):  # restarted: anchors only
+            async with running_coordinator(tmp_path, shards=(address,)) as coordinator:
+                def accept(shard_id):
+                    admin = AdminClient(coordinator.address, ADMIN, timeout_s=30)
+                    try:
+                        return admin.accept_initial_values(shard_id, "all learners and snapshots lost")
+                    finally:
+                        admin.close()
+
+                async with client_for(address, "L1") as c1:
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+                    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    with pytest.raises(InvalidArgument, match="shard 3 does not exist"):
+                        await asyncio.to_thread(accept, 3)
+                    result = await asyncio.to_thread(accept, 0)
+                    assert result["fragments"] == [0, 1] and result["model_state"].startswith("empty")
+                    assert await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+                    assert await c1.initialize(1, MANIFEST.to_json(), PLAN.plan_hash, fp32(1))
+                    assert (await c1.status()).model_state == "serving"
+                    with pytest.raises(FailedPrecondition, match="not waiting for anchors"):
+                        await asyncio.to_thread(accept, 0)
+        records = [r for r in read_tape(tmp_path / "shard" / "tape-S0.jsonl") if r["kind"] == "accept_initial_values"]
+        assert [(r["fragments"], r["reason"]) for r in records] == [([0, 1], "all learners and snapshots lost")]
+
+    run(scenario())
+
+
+def test_accept_initial_values_needs_a_confirmation(capsys):
+    from diloco import cli
+
+    assert cli.main(["admin", "--coordinator", "127.0.0.1:1", "--token-file", "/dev/null", "accept-initial-values", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "Pass --yes" in err and "Traceback" not in err

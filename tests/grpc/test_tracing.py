@@ -208,3 +208,26 @@ def test_a_push_rejected_by_the_shard_ends_its_span_with_the_status(tmp_path, te
     assert server.context.trace_id == sync.context.trace_id
     push = one(spans, "push")
     assert push.parent.span_id == server.context.span_id and push.status.status_code == trace.StatusCode.ERROR
+
+
+def test_where_each_fragment_s_values_came_from_is_traced(tmp_path, telemetry):
+    """A fragment's values from a learner's initial offer, and, on a shard that restarted
+    without its state, from a learner's anchor: each a ``fragment values`` span."""
+    from tests.grpc.test_syncer_initialize import MANIFEST, PLAN, empty_shard, fp32
+
+    exporter, _ = telemetry
+
+    async def scenario():
+        async with empty_shard(tmp_path / "fresh") as (server, address):
+            async with client_for(address, "L1") as client:
+                assert await client.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+        async with empty_shard(tmp_path / "fresh") as (server, address):  # same data dir: it held the model
+            assert server.runtime.anchors_only
+            async with client_for(address, "L0") as client:
+                assert await client.initialize(1, MANIFEST.to_json(), PLAN.plan_hash, fp32(1), anchor_version=7)
+
+    run(scenario())
+    spans = wait_for_spans(exporter, lambda s: sum(x.name == "fragment values" for x in s) == 2, "two fragment values spans")
+    values = sorted((dict(s.attributes) for s in spans if s.name == "fragment values"), key=lambda a: a["diloco.fragment"])
+    assert [(a["diloco.fragment"], a["diloco.source"], a["diloco.origin"], a["diloco.version"]) for a in values] == \
+        [(0, "initial", "L1", 0), (1, "anchor", "L0", 7)]
