@@ -265,6 +265,7 @@ def _syncer(args: argparse.Namespace) -> int:
         ),
         max_push_bytes=args.max_push_mib * 1024 * 1024,
         max_delta_ratio=args.max_delta_ratio,
+        anchor_window_s=args.anchor_window_s,
         stream_idle_timeout_s=args.stream_idle_timeout_s,
     )
     server_cfg = ShardServerConfig(
@@ -316,6 +317,9 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-dtype", choices=["float16", "float32"], default="float16", help="int4 scale dtype")
     p.add_argument("--chain", type=int, default=4, help="int4 updates kept per fragment (default 4)")
     p.add_argument("--max-push-mib", type=int, default=512, help="largest accepted push, MiB (default 512)")
+    p.add_argument("--anchor-window-s", type=float, default=5.0, metavar="S",
+                   help="back without its state, collect learners' anchors of a fragment for S seconds and take the "
+                        "newest (default 5)")
     p.add_argument("--max-delta-ratio", type=float, default=10.0,
                    help="refuse a push whose delta norm exceeds this many times its fragment's norm (default 10)")
     p.add_argument("--stream-idle-timeout-s", type=float, default=60.0,

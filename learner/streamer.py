@@ -259,13 +259,15 @@ class Streamer:
         if self.reoffer is None:
             return
         manifest_json, plan_hash, encode_anchor = self.reoffer
-        for fragment in self.fragments_of.get(shard, []):
-            if fragment in held:
-                continue
+
+        async def offer(fragment: int) -> None:
             encoded, version = await asyncio.to_thread(encode_anchor, fragment)
             if await self._client(shard).initialize(fragment, manifest_json, plan_hash, encoded, version):
                 logger.warning("shard %d came back without fragment %d: it restarts from our anchor at version %d",
                                shard, fragment, version)
+
+        # At once for every fragment: the shard collects each fragment's anchors for a while.
+        await asyncio.gather(*(offer(f) for f in self.fragments_of.get(shard, []) if f not in held))
 
     async def _bootstrap(self, fragments_by_shard: dict[int, list[int]]) -> list[DecodedUpdate]:
         results = await asyncio.gather(

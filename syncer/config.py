@@ -101,6 +101,10 @@ class SyncerConfig:
     max_steps_per_push: int = 10**7
     stream_idle_timeout_s: float = 60.0
     """A push or initialize stream that sends nothing for this long is closed."""
+    anchor_window_s: float = 5.0
+    """A shard back without its state collects learners' anchors of a fragment for this
+    long after the first offer and takes the newest (a learner probes a down shard at
+    least every 5 s): fewer rounds lost than taking the first."""
     max_delta_ratio: float = 10.0
     """A push whose delta norm exceeds this many times its fragment's norm (taken as at
     least 1) is refused: an honest outer gradient is a fraction of the parameters, and a
@@ -115,5 +119,7 @@ class SyncerConfig:
             raise InvalidArgument(f"max push bytes must be positive, got {self.max_push_bytes}")
         if not (math.isfinite(self.stream_idle_timeout_s) and self.stream_idle_timeout_s > 0):
             raise InvalidArgument(f"stream idle timeout must be a positive number, got {self.stream_idle_timeout_s}")
+        if not (math.isfinite(self.anchor_window_s) and self.anchor_window_s >= 0):
+            raise InvalidArgument(f"anchor window must be a finite number of seconds >= 0, got {self.anchor_window_s}")
         if not (math.isfinite(self.max_delta_ratio) and self.max_delta_ratio > 0):
             raise InvalidArgument(f"max delta ratio must be a positive number, got {self.max_delta_ratio}")

@@ -67,6 +67,16 @@ def _push_key(pending) -> tuple[str, int, int]:
 
 
 @dataclass
+class _AnchorOffers:
+    """Anchors offered for one fragment of a shard back without its state."""
+
+    taken: asyncio.Future
+    """Resolved with the learner whose anchor became the fragment's state."""
+    best: tuple[str, object, int] | None = None
+    offered: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
 class _Waiter:
     target_version: int
     base_version: int
@@ -95,6 +105,7 @@ class ShardRuntime:
         """Set by ``expect_anchors``: fresh initial values are refused."""
         self.recovered: dict[int, tuple[str, int]] = {}
         """Fragments that came back from a learner's anchor: (learner, version)."""
+        self._anchor_offers: dict[int, _AnchorOffers] = {}
         self.tape = tape
         self.push_log = push_log
         self.counters = Counters()
@@ -183,11 +194,43 @@ class ShardRuntime:
                        "a learner's initial model", core.cfg.shard_id, missing, reason or "no reason given")
         return missing
 
+    async def offer_anchor(self, learner_id: str, manifest_json: str, plan: FragmentPlan, fragment_id: int, values,
+                           version: int) -> bool:
+        """A learner's anchor of a fragment this shard lacks: offers are collected for
+        ``anchor_window_s`` after the first one and the newest becomes the fragment's
+        state (True for its learner). A fragment that has values takes none (False)."""
+        if fragment_id in self.core.fragments:
+            return False
+        offers = self._anchor_offers.get(fragment_id)
+        if offers is None:
+            offers = self._anchor_offers[fragment_id] = _AnchorOffers(asyncio.get_running_loop().create_future())
+            logger.info("shard %d: collecting anchors of fragment %d for %.1f s", self.core.cfg.shard_id, fragment_id,
+                        self.core.cfg.anchor_window_s)
+            asyncio.get_running_loop().call_later(self.core.cfg.anchor_window_s, self._take_newest_anchor,
+                                                  fragment_id, manifest_json, plan)
+        offers.offered.append((learner_id, version))
+        if offers.best is None or version > offers.best[2]:
+            offers.best = (learner_id, values, version)
+        winner = await asyncio.shield(offers.taken)
+        return winner == learner_id
+
+    def _take_newest_anchor(self, fragment_id: int, manifest_json: str, plan: FragmentPlan) -> None:
+        offers = self._anchor_offers.pop(fragment_id)
+        learner_id, values, version = offers.best
+        try:
+            self.initialize(learner_id, manifest_json, plan, fragment_id, values, version,
+                            offered=sorted(offers.offered, key=lambda o: o[1]))
+        except Exception as error:  # every offer of the window gets the reason
+            offers.taken.set_exception(error)
+            return
+        offers.taken.set_result(learner_id)
+
     def initialize(self, learner_id: str, manifest_json: str, plan: FragmentPlan, fragment_id: int, values,
-                   anchor_version: int | None = None) -> bool:
+                   anchor_version: int | None = None, offered: list[tuple[str, int]] | None = None) -> bool:
         """A learner's values of a fragment that has none become its state (True): its own
-        initial values as version 0, or its anchor at ``anchor_version``. False when the
-        fragment already has values."""
+        initial values as version 0, or its anchor at ``anchor_version`` (``offered``: every
+        anchor offered in the window, for the tape). False when the fragment already has
+        values."""
         core = self.core
         if anchor_version is None and self.anchors_only and fragment_id not in core.fragments:
             raise FailedPrecondition(
@@ -207,7 +250,8 @@ class ShardRuntime:
         if anchor_version is not None:
             self.recovered[fragment_id] = (learner_id, anchor_version)
         self._record("initialize", fragment=fragment_id, learner=learner_id, plan=plan.plan_hash,
-                     version=anchor_version or 0, source=source)
+                     version=anchor_version or 0, source=source,
+                     **({"offered": [list(o) for o in offered]} if offered else {}))
         log = logger.info if anchor_version is None else logger.warning
         log("shard %d: fragment %d takes %s's %s", core.cfg.shard_id, fragment_id, learner_id, source)
         self.telemetry.fragment_values(fragment_id, anchor_version or 0, "initial" if anchor_version is None else "anchor",

@@ -229,8 +229,12 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             payload, _ = await self._receive(requests, specs, payload_bytes)
             reading = False
             values = [np.frombuffer(t.payload, dtype="<f4").reshape(t.spec.shape) for t in payload.tensors]
-            added = self.runtime.initialize(learner_id, header.manifest_json, plan, header.fragment, values,
-                                            header.anchor_version if header.anchor else None)
+            if header.anchor and self.runtime.anchors_only:  # the newest anchor offered in a window wins
+                added = await self.runtime.offer_anchor(learner_id, header.manifest_json, plan, header.fragment, values,
+                                                        header.anchor_version)
+            else:
+                added = self.runtime.initialize(learner_id, header.manifest_json, plan, header.fragment, values,
+                                                header.anchor_version if header.anchor else None)
             return syncer_pb2.InitializeReply(initialized=added, version=core.fragments[header.fragment].version,
                                               clock=convert.clock_to_proto(core.clock))
         except DilocoError as error:

@@ -27,8 +27,8 @@ MANIFEST, PLAN, STATE = model_plan(TINY)
 
 
 @contextlib.asynccontextmanager
-async def empty_shard(tmp_path, shard_id=0, num_shards=1):
-    cfg = SyncerConfig(shard_id=shard_id, num_shards=num_shards)
+async def empty_shard(tmp_path, shard_id=0, num_shards=1, anchor_window_s=0.2):
+    cfg = SyncerConfig(shard_id=shard_id, num_shards=num_shards, anchor_window_s=anchor_window_s)
     server = ShardServer(TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=("L0", "L1")))
     port = await server.start()
     try:
@@ -275,3 +275,34 @@ def test_accept_initial_values_needs_a_confirmation(capsys):
     assert cli.main(["admin", "--coordinator", "127.0.0.1:1", "--token-file", "/dev/null", "accept-initial-values", "0"]) == 2
     err = capsys.readouterr().err
     assert "Pass --yes" in err and "Traceback" not in err
+
+
+def test_a_shard_back_without_its_state_takes_the_newest_anchor_offered_in_its_window(tmp_path):
+    """Anchors of a fragment are collected for anchor_window_s after the first offer: an
+    older anchor that arrives first loses to a newer one that arrives within the window,
+    every offerer gets its answer when the window closes, and the tape lists the offers."""
+    async def scenario():
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as c0:
+                for fragment in (0, 1):
+                    assert await c0.initialize(fragment, MANIFEST.to_json(), PLAN.plan_hash, fp32(fragment))
+        async with empty_shard(tmp_path, anchor_window_s=1.5) as (server, address):
+            older = [t + 0.1 for t in PLAN.gather(0, STATE)]
+            newer = [t + 0.2 for t in PLAN.gather(0, STATE)]
+            async with client_for(address, "L0") as c0, client_for(address, "L1") as c1:
+                async def late_newer():
+                    await asyncio.sleep(0.5)
+                    return await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, newer), anchor_version=12)
+
+                started = asyncio.get_running_loop().time()
+                first, second = await asyncio.gather(
+                    c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, older), anchor_version=9), late_newer())
+                assert asyncio.get_running_loop().time() - started >= 1.4  # both answered when the window closed
+                assert (first, second) == (False, True)
+                (update,) = await c0.bootstrap([0])
+                assert update.version == 12 and all((a == b).all() for a, b in zip(update.segments[-1].tensors, newer))
+                assert server.runtime.recovered[0] == ("L1", 12)
+        [record] = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "initialize" and r["version"] == 12]
+        assert record["learner"] == "L1" and record["offered"] == [["L0", 9], ["L1", 12]]
+
+    run(scenario())
