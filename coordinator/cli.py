@@ -213,7 +213,11 @@ def _token(args: argparse.Namespace) -> str:
 
 def _client(args: argparse.Namespace):
     from coordinator.client import AdminClient
+    from diloco import rpc
 
+    run_dir = _run_dir(args)
+    if not rpc.tls_enabled() and run_dir is not None and (run_dir / "tls").is_dir():
+        rpc.use_tls(rpc.Tls.from_dir(run_dir / "tls"))  # a `diloco local --tls` run: its certificates
     return AdminClient(_coordinator_address(args), _token(args), timeout_s=args.timeout_s)
 
 

@@ -72,7 +72,7 @@ class LearnerSession:
     on every send, merged on every reply) and, after Join, its credential."""
 
     def __init__(self, address: str, timeout_s: float = 10.0) -> None:
-        self.channel = rpc.insecure_channel(address, rpc.channel_options(_MAX_MESSAGE_BYTES, SERVICE))
+        self.channel = rpc.channel(address, rpc.channel_options(_MAX_MESSAGE_BYTES, SERVICE))
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.timeout_s = timeout_s
         self.learner_id = ""

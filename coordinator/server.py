@@ -72,7 +72,7 @@ class ShardCalls:
         channel = self._channels.get(address)
         if channel is None:
             options = rpc.channel_options(_MAX_MESSAGE_BYTES, "diloco.v1.Syncer")
-            channel = self._channels[address] = rpc.insecure_channel(address, options)
+            channel = self._channels[address] = rpc.channel(address, options)
         return syncer_pb2_grpc.SyncerStub(channel)
 
     @property

@@ -456,6 +456,7 @@ def _local(args: argparse.Namespace) -> int:
                    "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
         learner_threads=args.learner_threads,
         snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_keep=args.snapshot_keep,
+        tls=args.tls,
     )
     summary = run_local(cfg)
     print(json.dumps(summary, indent=1))
@@ -484,6 +485,8 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="run directory (default ./runs/<timestamp>)")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS between every process of the run (a CA and certificate made in RUN_DIR/tls)")
     snapshots = p.add_argument_group("snapshots")
     snapshots.add_argument("--snapshot-dir", metavar="DIR|URL",
                            help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
@@ -568,6 +571,30 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario as it finishes")
     _add_run_config(p)
     p.set_defaults(func=_compare)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from diloco.certs import make_certs
+
+    hosts = [h.strip() for h in (args.hosts or "").split(",") if h.strip()]
+    files = make_certs(Path(args.out), hosts, days=args.days, overwrite=args.overwrite)
+    print(f"wrote {', '.join(str(f) for f in files)}: give every process of the run --tls-dir {args.out} "
+          f"(keep {files[1].name} to yourself; it signs more certificates)")
+    return 0
+
+
+def _add_certs(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "certs", help="make a run's CA and certificate for mutual TLS (--tls-dir)",
+        description="Write ca.crt, ca.key, tls.crt and tls.key: a CA for one run and one certificate, signed by "
+                    "it, that every process of the run presents (as server and client) with --tls-dir DIR.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write (created; keys are 0600)")
+    p.add_argument("--hosts", metavar="H1,H2", help="extra DNS names or IPs the certificate names (channels verify "
+                   "the name 'diloco', which it always carries)")
+    p.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    p.add_argument("--overwrite", action="store_true", help="replace certificates already in DIR")
+    p.set_defaults(func=_certs)
 
 
 def _add_run_tools(commands: argparse._SubParsersAction) -> None:
@@ -706,8 +733,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-with-parent", action="store_true",
         help="stop (as on SIGTERM) when the parent process is gone (diloco local starts every process of its run so)",
     )
+    parser.add_argument(
+        "--tls-dir", metavar="DIR", default=os.environ.get("DILOCO_TLS_DIR"),
+        help="mutual TLS for every server and channel of this process: DIR holds ca.crt, tls.crt and tls.key "
+             "(`diloco certs`, or a cert-manager Secret; default $DILOCO_TLS_DIR, else plaintext)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_local(commands)
+    _add_certs(commands)
     _add_run_tools(commands)
     _add_compare(commands)
     _add_baseline(commands)
@@ -752,6 +785,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr not a file: in-process callers
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        if args.tls_dir:
+            from diloco import rpc
+
+            rpc.use_tls(rpc.Tls.from_dir(args.tls_dir))
         return args.func(args)
     except DilocoError as error:
         print(f"diloco: error: {error}", file=sys.stderr)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from diloco import auth
+from diloco import auth, rpc
+from diloco.certs import make_certs
 from diloco.chaos import SCAVENGED_POOL, ChaosConfig, ChaosMonkey
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, InvalidArgument, Unavailable
@@ -88,6 +89,8 @@ class LocalConfig:
     """The coordinator takes a snapshot this often (0: only on demand and for --restart-shard-at)."""
     snapshot_keep: int = 0
     """The coordinator keeps the newest this many complete snapshots (0: all)."""
+    tls: bool = False
+    """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls."""
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.shards < 1 or self.steps < 1 or self.quorum < 1:
@@ -130,13 +133,15 @@ class Cluster:
         self.cfg, self.dir = cfg, run_dir
         self.learner_steps = learner_steps
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._plain: rpc.Tls | None = None
         self.endpoints: list[dict] = []
         self.coordinator = f"127.0.0.1:{_free_port()}"
         self.shards = [f"127.0.0.1:{_free_port()}" for _ in range(cfg.shards)]
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
         log = open(self.dir / "logs" / f"{role}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "--exit-with-parent", "--log-level", "INFO", *args],
+        tls = ["--tls-dir", str(self.dir / "tls")] if self.cfg.tls else []
+        proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "--exit-with-parent", "--log-level", "INFO", *tls, *args],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(self.cfg.child_env) if self.cfg.child_env is not None else None)
         log.close()
@@ -166,7 +171,11 @@ class Cluster:
     def start(self) -> None:
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.common = ["--secret-file", str(self.dir / "secret"), "--run-config", str(self.dir / "run.json")]
-        learner_cmd = (f"{sys.executable} -m diloco.cli --exit-with-parent --log-level INFO learner --steps {self.learner_steps} "
+        if self.cfg.tls:
+            make_certs(self.dir / "tls", ["localhost", "127.0.0.1"])
+            self._plain = rpc.use_tls(rpc.Tls.from_dir(self.dir / "tls"))  # this supervisor's own calls, until stop
+        tls = f"--tls-dir {self.dir / 'tls'} " if self.cfg.tls else ""
+        learner_cmd = (f"{sys.executable} -m diloco.cli --exit-with-parent --log-level INFO {tls}learner --steps {self.learner_steps} "
                        f"--eval-every {max(self.learner_steps // 6, 1)} --num-learners {self.cfg.learners} "
                        f"--summary-dir {self.dir / 'learners'} --events-dir {self.dir / 'learners'} "
                        f"--delta-codec {self.cfg.delta_codec} --threads {self.cfg.threads_per_learner}")
@@ -243,6 +252,8 @@ class Cluster:
 
     def stop(self) -> None:
         """SIGTERM everything (the coordinator reaps its learners), SIGKILL what lingers."""
+        if self.cfg.tls:
+            rpc.use_tls(self._plain)
         for _, proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

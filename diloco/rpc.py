@@ -3,6 +3,13 @@
 channels every process opens, instrumented with OpenTelemetry (trace context travels in
 the call metadata; with no tracer provider installed the interceptors' spans are no-ops).
 
+Transport security is the process's: after ``use_tls`` (the CLI's ``--tls-dir``) every
+server listens with mutual TLS (a client must present a certificate of the run's CA) and
+every channel presents the process's certificate and checks the server's against the
+same CA. Certificates name the run by ``TLS_SERVER_NAME``, which channels verify whatever
+address they dial (pods, loopback, load balancers): membership of the run's CA is the
+identity, and the run secret's credentials still say which process is which.
+
 This is the kernel's service layer; core modules never import it.
 """
 
@@ -14,6 +21,7 @@ import logging
 import os
 import signal
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -24,7 +32,7 @@ from opentelemetry.instrumentation.grpc.filters import service_prefix
 from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
 from diloco import errors
-from diloco.errors import Unavailable
+from diloco.errors import InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +97,55 @@ SERVER_OPTIONS = (
 )
 
 
+TLS_SERVER_NAME = "diloco"
+"""The DNS name every certificate of a run carries and every channel verifies."""
+TLS_FILES = ("ca.crt", "tls.crt", "tls.key")
+"""A TLS directory's files (the keys of a cert-manager Certificate's Secret)."""
+
+
+@dataclass(frozen=True)
+class Tls:
+    """The run's CA and this process's certificate and key (PEM)."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Tls:
+        contents = []
+        for name in TLS_FILES:
+            path = Path(directory) / name
+            try:
+                data = path.read_bytes()
+            except OSError as error:
+                raise InvalidArgument(f"TLS directory {directory}: cannot read {name} ({error.strerror}); "
+                                      "`diloco certs --out DIR` writes ca.crt, tls.crt and tls.key") from None
+            if b"-----BEGIN " not in data:
+                raise InvalidArgument(f"TLS directory {directory}: {name} is not PEM")
+            contents.append(data)
+        return cls(*contents)
+
+
+_tls: Tls | None = None
+
+
+def use_tls(tls: Tls | None) -> Tls | None:
+    """Every server and channel this process opens from now on uses mutual TLS with
+    ``tls`` (None: plaintext, the default). Returns the previous setting."""
+    global _tls
+    previous, _tls = _tls, tls
+    return previous
+
+
+def tls_enabled() -> bool:
+    return _tls is not None
+
+
+def _tls_options(options: Iterable[tuple[str, object]]) -> list[tuple[str, object]]:
+    return [*options, ("grpc.ssl_target_name_override", TLS_SERVER_NAME)] if _tls is not None else list(options)
+
+
 def server(options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Server:
     """A grpc.aio server whose handlers continue the caller's trace."""
     return grpc.aio.server(options=[*SERVER_OPTIONS, *options], interceptors=[aio_server_interceptor(filter_=_TRACED)])
@@ -97,7 +154,12 @@ def server(options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Server:
 def bind(server: grpc.aio.Server, address: str) -> int:
     """Listen on ``address`` (port 0: any free port); a clear Unavailable if it cannot."""
     try:
-        port = server.add_insecure_port(address)
+        if _tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            credentials = grpc.ssl_server_credentials(
+                [(_tls.key, _tls.cert)], root_certificates=_tls.ca, require_client_auth=True)
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as error:
         raise Unavailable(f"cannot listen on {address}: the port is in use or not available ({error})") from None
     if not port:
@@ -105,15 +167,27 @@ def bind(server: grpc.aio.Server, address: str) -> int:
     return port
 
 
-def insecure_channel(address: str, options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    """A grpc.aio channel whose calls are client spans and carry the current trace context
-    (every call kind, streams included: the aio interceptors cover all four)."""
-    return grpc.aio.insecure_channel(address, options=list(options), interceptors=aio_client_interceptors(filter_=_TRACED))
+def _credentials() -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=_tls.ca, private_key=_tls.key, certificate_chain=_tls.cert)
+
+
+def channel(address: str, options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A grpc.aio channel (mutual TLS after ``use_tls``) whose calls are client spans and
+    carry the current trace context (every call kind, streams included: the aio
+    interceptors cover all four)."""
+    interceptors = aio_client_interceptors(filter_=_TRACED)
+    if _tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, _credentials(), options=_tls_options(options), interceptors=interceptors)
 
 
 def blocking_channel(address: str, options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
-    """The blocking counterpart of ``insecure_channel`` (the admin CLI)."""
-    return intercept_channel(grpc.insecure_channel(address, options=list(options)), client_interceptor(filter_=_TRACED))
+    """The blocking counterpart of ``channel`` (the admin CLI)."""
+    if _tls is None:
+        raw = grpc.insecure_channel(address, options=list(options))
+    else:
+        raw = grpc.secure_channel(address, _credentials(), options=_tls_options(options))
+    return intercept_channel(raw, client_interceptor(filter_=_TRACED))
 
 
 def channel_options(max_message_bytes: int, service: str) -> list[tuple[str, object]]:

@@ -34,7 +34,7 @@ class Membership:
 
 
 def _channel(address: str) -> grpc.aio.Channel:
-    return rpc.insecure_channel(address, rpc.channel_options(4 * 1024 * 1024, "diloco.v1.Coordinator"))
+    return rpc.channel(address, rpc.channel_options(4 * 1024 * 1024, "diloco.v1.Coordinator"))
 
 
 async def _join(address: str, join_token: str, pool: str, launch_id: str, host: str, timeout_s: float) -> Membership:

@@ -79,7 +79,7 @@ def credentials_metadata(learner_id: str, credential: str) -> tuple[tuple[str, s
 
 
 def open_channel(address: str, max_message_bytes: int = 8 * 1024 * 1024) -> grpc.aio.Channel:
-    return rpc.insecure_channel(address, rpc.channel_options(max_message_bytes, "diloco.v1.Syncer"))
+    return rpc.channel(address, rpc.channel_options(max_message_bytes, "diloco.v1.Syncer"))
 
 
 async def write_all(call, requests) -> None:

@@ -138,7 +138,7 @@ class ShardServer:
             files=[common_pb2.SnapshotFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in result.files],
         )
         options = rpc.channel_options(self.server_cfg.max_message_bytes, "diloco.v1.Coordinator")
-        async with rpc.insecure_channel(self.server_cfg.coordinator, options) as channel:
+        async with rpc.channel(self.server_cfg.coordinator, options) as channel:
             try:
                 await coordinator_pb2_grpc.CoordinatorStub(channel).ReportSnapshot(
                     request, metadata=self._credentials(), timeout=self.server_cfg.report_timeout_s
@@ -154,7 +154,7 @@ class ShardServer:
         backoff = 0.2
         while True:
             try:
-                async with rpc.insecure_channel(self.server_cfg.coordinator) as channel:
+                async with rpc.channel(self.server_cfg.coordinator) as channel:
                     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                     stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher=name), metadata=metadata)
                     async for event in stream:

@@ -1,0 +1,69 @@
+"""Mutual TLS (``--tls-dir``): a real shard on 127.0.0.1 serving with the run's
+certificate answers only clients that present a certificate of the same CA; a plaintext
+client, a client of another run's CA, and a server of another run's CA all fail the
+handshake. ``diloco certs`` writes the files with private keys 0600."""
+
+import asyncio
+import stat
+
+import grpc
+import pytest
+
+from diloco import rpc
+from diloco.certs import make_certs
+from diloco.cli import main
+from diloco.errors import AlreadyExists, InvalidArgument
+from diloco.v1 import syncer_pb2, syncer_pb2_grpc
+from tests.grpc.conftest import running_shard
+
+
+@pytest.fixture
+def run_certs(tmp_path):
+    make_certs(tmp_path / "run", ["localhost"])
+    make_certs(tmp_path / "other", [])
+    yield rpc.Tls.from_dir(tmp_path / "run"), rpc.Tls.from_dir(tmp_path / "other")
+    rpc.use_tls(None)
+
+
+async def status_with(address, tls):
+    """A Status call over a channel opened with ``tls`` (None: plaintext)."""
+    previous = rpc.use_tls(tls)
+    try:
+        async with rpc.channel(address) as channel:
+            return await syncer_pb2_grpc.SyncerStub(channel).Status(syncer_pb2.StatusRequest(), timeout=5)
+    finally:
+        rpc.use_tls(previous)
+
+
+def test_a_tls_shard_answers_only_clients_of_its_run_s_ca(tmp_path, run_certs):
+    ours, theirs = run_certs
+
+    async def scenario():
+        rpc.use_tls(ours)
+        async with running_shard(tmp_path / "shard") as (server, address):
+            assert (await status_with(address, ours)).plan_hash  # same CA: served
+            for who, tls in (("a plaintext client", None), ("another run's client", theirs)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await status_with(address, tls)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, who
+        rpc.use_tls(theirs)  # a server of another CA: our client refuses it
+        async with running_shard(tmp_path / "impostor") as (server, address):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await status_with(address, ours)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_certs_are_written_private_and_never_overwritten_by_accident(tmp_path, capsys):
+    assert main(["certs", "--out", str(tmp_path / "tls"), "--hosts", "shard-0.diloco.ml.svc,10.0.0.7"]) == 0
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "tls").iterdir()}
+    assert modes == {"ca.crt": 0o644, "ca.key": 0o600, "tls.crt": 0o644, "tls.key": 0o600}
+    with pytest.raises(AlreadyExists, match="--overwrite"):
+        make_certs(tmp_path / "tls")
+    with pytest.raises(InvalidArgument, match="not a host name"):
+        make_certs(tmp_path / "bad", ["a host"])
+    capsys.readouterr()
+    assert main(["--tls-dir", str(tmp_path / "missing"), "admin", "--coordinator", "127.0.0.1:1", "members"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read ca.crt" in err and "Traceback" not in err
