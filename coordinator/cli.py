@@ -88,6 +88,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         snapshot_keep=args.snapshot_keep,
         restore=args.restore,
         host=args.host,
+        health_port=args.health_port,
         port=args.port,
         advertise_address=args.advertise_address or "",
         release=args.release,
@@ -130,6 +131,9 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--health-port", type=int, metavar="PORT",
+                   help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
+                        "makes the main port mutual TLS)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--advertise-address", metavar="HOST:PORT", help="address launched learners use (default: the bound one)")

@@ -99,6 +99,9 @@ class CoordinatorConfig:
     """"latest" or a snapshot id: the run restarts from it (learners re-join)."""
     host: str = "127.0.0.1"
     port: int = 0
+    health_port: int | None = None
+    """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
+    TLS); None: only on the main port."""
     advertise_address: str = ""
     """Address learners are told to reach the coordinator at; empty: host:port."""
     release: str = "diloco"

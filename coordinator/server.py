@@ -124,6 +124,7 @@ class CoordinatorServer:
         )
         self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
         self._launcher_factory = launcher_factory
+        self._probes: grpc.aio.Server | None = None
         self.port = 0
         self._stopped = False
 
@@ -136,6 +137,8 @@ class CoordinatorServer:
         write_secret_file(self.cfg.data_dir / JOIN_TOKEN_FILE, auth.join_token(self._secret))
         self.runtime.launcher = self._launcher_factory(self, self.cfg.advertise_address or self.address)
         await self.server.start()
+        if self.cfg.health_port is not None:
+            self._probes, _ = await rpc.health_server(self.health, f"{self.cfg.host}:{self.cfg.health_port}")
         await rpc.mark_serving(self.health, [SERVICE_NAME])
         self.runtime.start()
         logger.info("coordinator listening on %s (%d shards)", self.address, len(self.cfg.shards))
@@ -148,6 +151,8 @@ class CoordinatorServer:
         await rpc.mark_serving(self.health, [SERVICE_NAME], serving=False)
         await self.runtime.close()
         await self.server.stop(self.cfg.shutdown_grace_s)
+        if self._probes is not None:
+            await self._probes.stop(0)
         await self.shard_calls.close()
 
     async def _send_marker(

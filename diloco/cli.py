@@ -271,6 +271,7 @@ def _syncer(args: argparse.Namespace) -> int:
     server_cfg = ShardServerConfig(
         secret=_secret(args),
         host=args.host,
+        health_port=args.health_port,
         port=args.port,
         data_dir=Path(args.data_dir) if args.data_dir else None,
         static_learners=tuple(x for x in args.learners.split(",") if x) if args.learners else (),
@@ -295,6 +296,9 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-id", type=int, default=0, help="this shard's id m (default 0)")
     p.add_argument("--shards", type=int, default=1, help="S: number of shards (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--health-port", type=int, metavar="PORT",
+                   help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
+                        "makes the main port mutual TLS)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--data-dir", help="directory for the event tape (default: keep no tape)")

@@ -78,6 +78,22 @@ def add_standard_services(server: grpc.aio.Server, service_names: Iterable[str])
     return health_servicer
 
 
+async def health_server(health_servicer, address: str) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server with grpc.health.v1 only, answering from ``health_servicer`` (the
+    main server's statuses), for probes that cannot present a client certificate
+    (kubelet's gRPC probes) while the main port requires mutual TLS."""
+    probe_server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe_server)
+    try:
+        port = probe_server.add_insecure_port(address)
+    except RuntimeError as error:
+        raise Unavailable(f"cannot listen on {address} for health probes: {error}") from None
+    if not port:
+        raise Unavailable(f"cannot listen on {address} for health probes: the port is in use or not available")
+    await probe_server.start()
+    return probe_server, port
+
+
 async def mark_serving(health_servicer, service_names: Iterable[str], serving: bool = True) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:

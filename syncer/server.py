@@ -40,6 +40,9 @@ class ShardServerConfig:
     secret: str
     host: str = "127.0.0.1"
     port: int = 0
+    health_port: int | None = None
+    """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
+    TLS); None: only on the main port."""
     data_dir: Path | None = None
     """Where the event tape (and, later, snapshots) go; None keeps no tape."""
     static_learners: tuple[str, ...] = ()
@@ -90,12 +93,15 @@ class ShardServer:
         add_to_server(self.servicer, self.server)
         self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
         self.port = 0
+        self._probes: grpc.aio.Server | None = None
         self._watch: asyncio.Task | None = None
         self._stopped = False
 
     async def start(self) -> int:
         self.port = rpc.bind(self.server, f"{self.server_cfg.host}:{self.server_cfg.port}")
         await self.server.start()
+        if self.server_cfg.health_port is not None:
+            self._probes, _ = await rpc.health_server(self.health, f"{self.server_cfg.host}:{self.server_cfg.health_port}")
         await rpc.mark_serving(self.health, [SERVICE_NAME])
         self.runtime.evaluate_all()  # rounds restored from a snapshot may be ready to close
         if self.server_cfg.coordinator:
@@ -120,6 +126,8 @@ class ShardServer:
             self._watch.cancel()
         await self.runtime.drain()
         await self.server.stop(self.server_cfg.shutdown_grace_s)
+        if self._probes is not None:
+            await self._probes.stop(0)
 
     def _credentials(self) -> tuple[tuple[str, str], ...]:
         name = f"S{self.cfg.shard_id}"

@@ -67,3 +67,45 @@ def test_certs_are_written_private_and_never_overwritten_by_accident(tmp_path, c
     assert main(["--tls-dir", str(tmp_path / "missing"), "admin", "--coordinator", "127.0.0.1:1", "members"]) == 2
     err = capsys.readouterr().err
     assert "cannot read ca.crt" in err and "Traceback" not in err
+
+
+def test_a_tls_shard_answers_plaintext_health_probes_on_its_health_port(tmp_path, run_certs):
+    """Kubelet's gRPC probes present no certificate: --health-port serves grpc.health.v1
+    alone, in plaintext, with the main server's statuses; nothing else is reachable there."""
+    import socket
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from syncer.config import SyncerConfig
+    from syncer.server import SERVICE_NAME, ShardServer, ShardServerConfig
+    from tests.grpc.conftest import SECRET, TINY
+    from tests.seeded import seeded_core
+
+    ours, _ = run_certs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        health_port = s.getsockname()[1]
+
+    async def scenario():
+        rpc.use_tls(ours)
+        cfg = SyncerConfig()
+        server = ShardServer(TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, health_port=health_port),
+                             seeded_core(TINY, cfg))
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as other:
+                    await syncer_pb2_grpc.SyncerStub(channel).Status(syncer_pb2.StatusRequest(), timeout=5)
+                assert other.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            await server.stop()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as gone:  # the probe port goes with the server
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+            assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

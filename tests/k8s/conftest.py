@@ -51,6 +51,8 @@ VARIANTS = {
         "coordinator": {"persistence": {"enabled": False}}, "syncer": {"persistence": {"enabled": False}},
         "snapshots": {"enabled": False}, "networkPolicy": {"enabled": False},
     }),
+    # Mutual TLS from a cert-manager Secret; probes on the plaintext health port.
+    "tls": merge(EXISTING_SECRET, {"tls": {"enabled": True, "existingSecret": "diloco-tls"}}),
     # Snapshots in object storage on a schedule, credentials from a Secret, restored from.
     "object-storage": merge(EXISTING_SECRET, {
         "restore": "latest",

@@ -347,6 +347,35 @@ def test_grpc_probes_ask_the_services_the_servers_register(presets, name):
         assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(c), "learners serve no port"
 
 
+def test_with_tls_every_process_gets_the_run_s_certificates_and_probes_use_the_health_port(variants):
+    """tls.enabled: every container that opens a gRPC server or channel (coordinator,
+    shards, static and launched learners, the helm test) reads ca.crt, tls.crt and
+    tls.key from the Secret through DILOCO_TLS_DIR (the CLI's --tls-dir); kubelet's
+    probes, which present no certificate, ask the plaintext --health-port."""
+    rendered = variants["tls"]
+    secret = rendered.values["tls"]["existingSecret"]
+    health_port = rendered.values["tls"]["healthPort"]
+    pods = {"coordinator": (coordinator_pod(rendered), "coordinator", COORDINATOR_SERVICE),
+            "shard": (statefulset_pod(rendered.one("StatefulSet", "-syncer"), 0), "syncer", SYNCER_SERVICE),
+            "static learner": (job_pod(rendered), "learner", None),
+            **{f"template/{k}": (templated_pod(t, "p"), "learner", None) for k, t in rendered.pod_templates().items()}}
+    test_pod = next(p for p in rendered.all("Pod") if p["metadata"]["name"].endswith("-test-health"))
+    pods["helm test"] = (test_pod, "health", None)
+    for what, (pod, name, service) in pods.items():
+        c = container(pod, name)
+        tls_dir = environment(pod, c)["DILOCO_TLS_DIR"]
+        for file in ("ca.crt", "tls.crt", "tls.key"):
+            assert mounted(pod, c, f"{tls_dir}/{file}") == Mounted("secret", secret, file), what
+        if service is None:
+            continue
+        parsed = build_parser().parse_args(args(pod, c))
+        assert parsed.health_port == health_port and parsed.port != health_port, what
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["health"] == health_port
+        for probe in ("startupProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": health_port, "service": service}, (what, probe)
+        assert c["livenessProbe"]["grpc"] == {"port": health_port}
+
+
 @pytest.mark.parametrize("name", [*PRESETS, "observability", "restore-pinned"])
 def test_security_context_and_resources_everywhere(renders, launched, name):
     rendered = renders[name]
@@ -483,6 +512,51 @@ def test_helm_test_script_passes_only_when_every_service_serves(presets):
     finally:
         server.stop(None)
 
+
+
+def test_helm_test_script_speaks_mutual_tls_with_the_run_s_certificates(variants, tmp_path):
+    """With tls.enabled the script, run here against a real mutual-TLS shard, passes with
+    the run's certificates in DILOCO_TLS_DIR and fails without them."""
+    import asyncio
+    import os
+    import threading
+
+    from diloco import rpc
+    from diloco.certs import make_certs
+    from tests.grpc.conftest import running_shard
+
+    c = container(variants["tls"].one("Pod", "-test-health"), "health")
+    make_certs(tmp_path / "tls")
+    served, stop, ready = {}, threading.Event(), threading.Event()
+
+    def serve():
+        async def main():
+            rpc.use_tls(rpc.Tls.from_dir(tmp_path / "tls"))
+            try:
+                async with running_shard(tmp_path / "shard") as (_, address):
+                    served["address"] = address
+                    ready.set()
+                    await asyncio.to_thread(stop.wait, 120)
+            finally:
+                rpc.use_tls(None)
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        assert ready.wait(60)
+        targets = [served["address"], SYNCER_SERVICE]
+        env = {**os.environ, "DILOCO_TLS_DIR": str(tmp_path / "tls")}
+        ok = subprocess.run([sys.executable, "-c", c["command"][2], *targets], capture_output=True, text=True,
+                            timeout=60, env=env)
+        assert ok.returncode == 0 and f"{served['address']} {SYNCER_SERVICE}: SERVING" in ok.stdout, ok.stdout + ok.stderr
+        env.pop("DILOCO_TLS_DIR")
+        plain = subprocess.run([sys.executable, "-c", c["command"][2].replace("timeout=30", "timeout=3"), *targets],
+                               capture_output=True, text=True, timeout=60, env=env)
+        assert plain.returncode == 1 and "SERVING" not in plain.stdout.replace("NOT_SERVING", ""), plain.stdout
+    finally:
+        stop.set()
+        thread.join(timeout=60)
 
 
 @pytest.mark.parametrize("name", ["defaults", "scavenged-only", "custom-task", "restore-pinned"])

@@ -70,7 +70,7 @@ def test_references_resolve(renders, name):
     is one the values name as existing), and every mount has its volume."""
     rendered = renders[name]
     values = rendered.values
-    existing_secret = values["auth"]["existingSecret"]
+    existing_secrets = {values["auth"]["existingSecret"], values["tls"]["existingSecret"]} - {""}
     existing_claims = {values["snapshots"]["existingClaim"], values["coordinator"]["persistence"]["existingClaim"]} - {""}
     sts_claims = {t["metadata"]["name"] for s in rendered.all("StatefulSet") for t in s["spec"].get("volumeClaimTemplates", [])}
     pods = {**rendered.workload_pods(), **{f"template/{k}": v for k, v in rendered.pod_templates().items()}} \
@@ -84,7 +84,7 @@ def test_references_resolve(renders, name):
             if "configMap" in v:
                 assert rendered.named("ConfigMap", v["configMap"]["name"]), f"{where}: {v}"
             if "secret" in v:
-                assert v["secret"]["secretName"] == existing_secret or rendered.named("Secret", v["secret"]["secretName"])
+                assert v["secret"]["secretName"] in existing_secrets or rendered.named("Secret", v["secret"]["secretName"])
             if "persistentVolumeClaim" in v:
                 claim = v["persistentVolumeClaim"]["claimName"]
                 assert claim in existing_claims or rendered.named("PersistentVolumeClaim", claim), f"{where}: {claim}"

@@ -169,6 +169,11 @@ Kubernetes expands $(VAR) from variables defined earlier in the list.
     fieldRef: {fieldPath: spec.nodeName}
 - name: HOME
   value: /tmp
+{{- if $root.Values.tls.enabled }}
+# diloco reads it as --tls-dir: mutual TLS on every server and channel.
+- name: DILOCO_TLS_DIR
+  value: /var/run/diloco-tls
+{{- end }}
 - name: MPLCONFIGDIR
   value: /tmp/matplotlib
 - name: OTEL_SERVICE_NAME
@@ -366,6 +371,7 @@ spec:
           readOnly: true
         - name: tmp
           mountPath: /tmp
+        {{- include "diloco.tlsMount" $root | nindent 8 }}
         {{- if include "diloco.snapshotsVolume" $root }}
         # A learner writes its model, optimizer and data cursor into each snapshot.
         - name: snapshots
@@ -383,6 +389,7 @@ spec:
           - key: join-token
             path: join-token
     {{- include "diloco.tmpVolume" . | nindent 4 }}
+    {{- include "diloco.tlsVolume" $root | nindent 4 }}
     {{- if include "diloco.snapshotsVolume" $root }}
     - name: snapshots
       persistentVolumeClaim:
@@ -415,6 +422,29 @@ add-learners launches by default), then the learners' own pool. */}}
 {{- $names = append $names .Values.learners.pool -}}
 {{- end -}}
 {{- join "," $names -}}
+{{- end -}}
+
+{{/* The TLS Secret's mount (a volumeMounts item) and volume (a volumes item). */}}
+{{- define "diloco.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /var/run/diloco-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "diloco.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.enabled needs tls.existingSecret (a Secret with ca.crt, tls.crt and tls.key)" .Values.tls.existingSecret }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{/* The port kubelet's gRPC probes use: the plaintext health port under TLS. */}}
+{{- define "diloco.probePort" -}}
+{{- if .root.Values.tls.enabled }}{{ .root.Values.tls.healthPort }}{{ else }}{{ .port }}{{ end -}}
 {{- end -}}
 
 {{/* Where snapshots go: the object-storage URL, or the claim's mount path. */}}
