@@ -460,8 +460,10 @@ def _local(args: argparse.Namespace) -> int:
                    "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
         learner_threads=args.learner_threads,
         snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_keep=args.snapshot_keep,
-        tls=args.tls,
+        tls=not args.insecure,
     )
+    if args.insecure:
+        logger.warning("--insecure: the run's processes talk plaintext gRPC (tokens and credentials in clear)")
     summary = run_local(cfg)
     print(json.dumps(summary, indent=1))
     return 0 if not summary["interrupted"] else 130
@@ -489,8 +491,9 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="run directory (default ./runs/<timestamp>)")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
-    p.add_argument("--tls", action="store_true",
-                   help="mutual TLS between every process of the run (a CA and certificate made in RUN_DIR/tls)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext gRPC between the run's processes instead of mutual TLS with a CA and certificate "
+                        "made for the run in RUN_DIR/tls (the default)")
     snapshots = p.add_argument_group("snapshots")
     snapshots.add_argument("--snapshot-dir", metavar="DIR|URL",
                            help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
@@ -793,6 +796,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from diloco import rpc
 
             rpc.use_tls(rpc.Tls.from_dir(args.tls_dir))
+        elif args.command in ("coordinator", "syncer", "learner"):
+            logger.warning("plaintext gRPC: tokens and credentials cross the network in clear; give every process "
+                           "of the run --tls-dir DIR (diloco certs --out DIR makes one)")
         return args.func(args)
     except DilocoError as error:
         print(f"diloco: error: {error}", file=sys.stderr)

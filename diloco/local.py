@@ -89,8 +89,9 @@ class LocalConfig:
     """The coordinator takes a snapshot this often (0: only on demand and for --restart-shard-at)."""
     snapshot_keep: int = 0
     """The coordinator keeps the newest this many complete snapshots (0: all)."""
-    tls: bool = False
-    """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls."""
+    tls: bool = True
+    """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls
+    (False: plaintext gRPC on 127.0.0.1, ``--insecure``)."""
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.shards < 1 or self.steps < 1 or self.quorum < 1:

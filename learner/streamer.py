@@ -135,12 +135,17 @@ class Streamer:
 
         async def offer() -> list[int]:
             client = self._client(shard)
-            status = await client.status()
+            status = await self._until_up(shard, client.status)
             if status.plan_hash and status.plan_hash != plan_hash:
                 raise FailedPrecondition(
                     f"shard {shard} holds another model (plan {status.plan_hash[:12]}; this learner's model gives "
                     f"{plan_hash[:12]}): every learner of a run trains the same model"
                 )
+            if status.anchors_only:  # recovering: it takes other learners' anchors, never our fresh values
+                logger.warning("shard %d is recovering its fragments from learners' anchors: waiting for them", shard)
+                while status.anchors_only and not set(fragments) <= {f.fragment for f in status.fragments}:
+                    await asyncio.sleep(0.5)
+                    status = await self._until_up(shard, client.status)
             have = {f.fragment for f in status.fragments}
             taken = []
             for fragment in fragments:
@@ -269,9 +274,24 @@ class Streamer:
         # At once for every fragment: the shard collects each fragment's anchors for a while.
         await asyncio.gather(*(offer(f) for f in self.fragments_of.get(shard, []) if f not in held))
 
+    async def _until_up(self, shard: int, call):
+        """``call()``, retried with backoff while the shard is down (UNAVAILABLE): a learner
+        that starts during a shard's restart waits for it (bounded by the caller's wait)."""
+        delay = 0.2
+        while True:
+            try:
+                return await call()
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                logger.warning("shard %d is unreachable (%s): retrying in %.1f s", shard, error.details(), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     async def _bootstrap(self, fragments_by_shard: dict[int, list[int]]) -> list[DecodedUpdate]:
         results = await asyncio.gather(
-            *(self._client(shard).bootstrap(fragments) for shard, fragments in fragments_by_shard.items())
+            *(self._until_up(shard, lambda s=shard, f=fragments: self._client(s).bootstrap(f))
+              for shard, fragments in fragments_by_shard.items())
         )
         updates = [u for shard_updates in results for u in shard_updates]
         with self._lock:

@@ -309,4 +309,5 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             clock=convert.clock_to_proto(core.clock),
             plan_hash=core.plan.plan_hash if core.plan is not None else "",
             model_state=self.runtime.model_state(),
+            anchors_only=self.runtime.anchors_only,
         )

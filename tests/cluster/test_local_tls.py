@@ -1,5 +1,5 @@
-"""`diloco local --tls`: every process of the run talks mutual TLS with the run's own CA
-(RUN_DIR/tls). The run trains and replays bit for bit; a plaintext client is refused by
+"""`diloco local` runs over mutual TLS by default: every process of the run talks mutual
+TLS with the run's own CA (RUN_DIR/tls). The run trains and replays bit for bit; a plaintext client is refused by
 the coordinator and the shards; `diloco admin --run-dir` uses the run's certificates."""
 
 import asyncio
@@ -17,7 +17,7 @@ from tests.cluster.test_snapshot_restore import TINY
 def test_a_local_run_over_mutual_tls(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "local", "--tls", "--learners", "2", "--shards", "2", "--steps", "300",
+        [sys.executable, "-m", "diloco.cli", "local", "--learners", "2", "--shards", "2", "--steps", "300",
          "--batch-size", "8", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=300,
     )
@@ -33,7 +33,7 @@ def test_a_local_run_over_mutual_tls(tmp_path):
 def test_a_tls_run_refuses_plaintext_and_admin_uses_the_run_s_certificates(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "local", "--tls", "--learners", "1", "--shards", "1", "--steps", "100000",
+        [sys.executable, "-m", "diloco.cli", "local", "--learners", "1", "--shards", "1", "--steps", "100000",
          "--out", str(out), *TINY],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )

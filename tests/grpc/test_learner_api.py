@@ -248,3 +248,34 @@ def test_a_learner_records_snapshots_through_fsspec_and_survives_a_failed_write(
             fsspec.filesystem("memory").rm("/snapshots", recursive=True)
 
     run(scenario())
+
+
+def test_a_learner_that_starts_while_a_shard_is_down_waits_for_it(tmp_path):
+    """A shard restarting when a learner starts: the learner retries (with backoff) until
+    the shard answers, then initialises, bootstraps and trains, instead of failing with
+    UNAVAILABLE."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        late_port = s.getsockname()[1]
+
+    async def scenario():
+        run_cfg = RunConfig(fragments=2, sync_every_steps=6, overlap_steps=2)
+        cfg = SyncerConfig(shard_id=0, num_shards=1, rounds=RoundConfig(quorum=1, grace_mode="off"))
+        late = ShardServer(run_cfg, cfg, ShardServerConfig(secret=SECRET, port=late_port, data_dir=tmp_path / "s0",
+                                                           static_learners=("L0",)))
+        training = asyncio.ensure_future(asyncio.to_thread(own_loop, run_cfg, [f"127.0.0.1:{late_port}"], "L0", Net(), 12))
+        await asyncio.sleep(1.5)  # the learner is retrying meanwhile
+        assert not training.done()
+        started = time.monotonic()
+        await late.start()
+        try:
+            learner, _ = await asyncio.wait_for(training, 60)
+            assert learner.summary.inner_steps == 12 and learner.summary.replies_applied > 0
+            assert time.monotonic() - started < 30
+        finally:
+            await late.stop()
+
+    run(scenario())
