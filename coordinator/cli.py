@@ -89,6 +89,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         restore=args.restore,
         host=args.host,
         health_port=args.health_port,
+        reflection=args.reflection,
         port=args.port,
         advertise_address=args.advertise_address or "",
         release=args.release,
@@ -134,6 +135,8 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--health-port", type=int, metavar="PORT",
                    help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
                         "makes the main port mutual TLS)")
+    p.add_argument("--reflection", action="store_true",
+                   help="serve gRPC reflection (grpcurl without the .proto files); off by default")
     p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--advertise-address", metavar="HOST:PORT", help="address launched learners use (default: the bound one)")

@@ -102,6 +102,8 @@ class CoordinatorConfig:
     health_port: int | None = None
     """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
     TLS); None: only on the main port."""
+    reflection: bool = False
+    """Serve gRPC reflection (off: it lists every method to anyone who connects)."""
     advertise_address: str = ""
     """Address learners are told to reach the coordinator at; empty: host:port."""
     release: str = "diloco"

@@ -122,7 +122,7 @@ class CoordinatorServer:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorServicer(self.runtime, secret, admin_token, self.shard_calls), self.server
         )
-        self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
+        self.health = rpc.add_standard_services(self.server, [SERVICE_NAME], cfg.reflection)
         self._launcher_factory = launcher_factory
         self._probes: grpc.aio.Server | None = None
         self.port = 0

@@ -272,6 +272,7 @@ def _syncer(args: argparse.Namespace) -> int:
         secret=_secret(args),
         host=args.host,
         health_port=args.health_port,
+        reflection=args.reflection,
         port=args.port,
         data_dir=Path(args.data_dir) if args.data_dir else None,
         static_learners=tuple(x for x in args.learners.split(",") if x) if args.learners else (),
@@ -299,6 +300,8 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--health-port", type=int, metavar="PORT",
                    help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
                         "makes the main port mutual TLS)")
+    p.add_argument("--reflection", action="store_true",
+                   help="serve gRPC reflection (grpcurl without the .proto files); off by default")
     p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--data-dir", help="directory for the event tape (default: keep no tape)")

@@ -166,6 +166,11 @@ class Cluster:
         ]
 
     @property
+    def secret(self) -> str:
+        """The run secret (written before the cluster starts)."""
+        return (self.dir / "secret").read_text().strip()
+
+    @property
     def snapshot_dir(self) -> str:
         return self.cfg.snapshot_dir or str(self.dir / "coordinator" / "snapshots")
 
@@ -228,7 +233,7 @@ class Cluster:
         old = self.shard_procs[m]
         # Its versions just before the kill: what a recovery from the learners is measured
         # against (its tape's last records may die unflushed with it).
-        status = _shard_status([self.shards[m]])[0]
+        status = _shard_status([self.shards[m]], self.secret)[0]
         versions = {} if isinstance(status, BaseException) else {f.fragment: f.version for f in status.fragments}
         killed = time.time()
         os.killpg(old.pid, signal.SIGKILL)
@@ -280,12 +285,15 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
 # --- progress ------------------------------------------------------------------------
 
 
-def _shard_status(addresses: list[str]) -> list:
+def _shard_status(addresses: list[str], secret: str) -> list:
+    """Each shard's Status (or the exception), asked as the coordinator: the supervisor
+    holds the run secret it made."""
     from syncer.client import SyncerClient, open_channel
 
     async def one(address):
         async with open_channel(address) as channel:
-            return await SyncerClient(channel, "", "", timeout_s=2).status()
+            return await SyncerClient(channel, auth.COORDINATOR_ID, auth.sign(secret, auth.COORDINATOR_ID),
+                                      timeout_s=2).status()
 
     async def all_():
         return await asyncio.gather(*(one(a) for a in addresses), return_exceptions=True)
@@ -533,7 +541,8 @@ def run_local(cfg: LocalConfig) -> dict:
                 if time.monotonic() - last_stats > 5:
                     steps = {m["id"]: m["inner_steps"] for m in members}
                     goodput, last_stats = tape_stats(run_dir, cfg.run.fragments, steps)["step_goodput"], time.monotonic()
-                live.update(_progress_table(members, _shard_status(cluster.shards), events, goodput, started, unit))
+                live.update(_progress_table(members, _shard_status(cluster.shards, cluster.secret), events, goodput,
+                                            started, unit))
                 if cfg.tokens is not None and sum(m["tokens"] for m in members) >= cfg.tokens:
                     # The budget is spent: drain everyone (and anyone who joins late).
                     if monkey is not None:

@@ -69,12 +69,15 @@ async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) ->
     await context.abort(code, message)
 
 
-def add_standard_services(server: grpc.aio.Server, service_names: Iterable[str]) -> health.HealthServicer:
-    """Register grpc.health.v1 (every service SERVING) and server reflection."""
+def add_standard_services(server: grpc.aio.Server, service_names: Iterable[str],
+                          with_reflection: bool = False) -> health.HealthServicer:
+    """Register grpc.health.v1 and, when asked (``--reflection``: grpcurl without the
+    .proto files), server reflection, which otherwise tells anyone every method."""
     names = list(service_names)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if with_reflection:
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return health_servicer
 
 

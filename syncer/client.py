@@ -195,4 +195,4 @@ class SyncerClient:
         return reply.initialized
 
     async def status(self) -> syncer_pb2.StatusReply:
-        return await self.stub.Status(syncer_pb2.StatusRequest(), timeout=self.timeout_s)
+        return await self.stub.Status(syncer_pb2.StatusRequest(), metadata=self.metadata, timeout=self.timeout_s)

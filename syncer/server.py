@@ -43,6 +43,8 @@ class ShardServerConfig:
     health_port: int | None = None
     """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
     TLS); None: only on the main port."""
+    reflection: bool = False
+    """Serve gRPC reflection (off: it lists every method to anyone who connects)."""
     data_dir: Path | None = None
     """Where the event tape (and, later, snapshots) go; None keeps no tape."""
     static_learners: tuple[str, ...] = ()
@@ -91,7 +93,7 @@ class ShardServer:
         )
         self.servicer = SyncerServicer(self.runtime, server_cfg.secret)
         add_to_server(self.servicer, self.server)
-        self.health = rpc.add_standard_services(self.server, [SERVICE_NAME])
+        self.health = rpc.add_standard_services(self.server, [SERVICE_NAME], self.server_cfg.reflection)
         self.port = 0
         self._probes: grpc.aio.Server | None = None
         self._watch: asyncio.Task | None = None

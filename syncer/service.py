@@ -286,6 +286,10 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             await rpc.abort_with(context, error)
 
     async def Status(self, request, context):
+        try:
+            self._authenticate(context)  # any process of the run: it lists live learner ids and counters
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
         core, counters = self.runtime.core, self.runtime.counters
         fragments = []
         for fragment_id, state in sorted(core.fragments.items()):

@@ -41,7 +41,7 @@ def shard_versions(address: str) -> dict[int, int]:
     """A shard's fragment versions; raises if it does not answer (no silent empty answer)."""
     async def status():
         async with open_channel(address) as channel:
-            reply = await SyncerClient(channel, "L0", "", timeout_s=5).status()
+            reply = await SyncerClient(channel, "C", auth.sign(SECRET, "C"), timeout_s=5).status()
             return {f.fragment: f.version for f in reply.fragments}
 
     return asyncio.run(status())

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from diloco import auth
 from syncer.client import SyncerClient, open_channel
 
 pytestmark = pytest.mark.cluster
@@ -27,7 +28,7 @@ def wait_for(predicate, timeout_s, what):
 def shard_pushes(address):
     async def status():
         async with open_channel(address) as channel:
-            return (await SyncerClient(channel, "L0", "", timeout_s=5).status()).pushes_received
+            return (await SyncerClient(channel, "C", auth.sign("s", "C"), timeout_s=5).status()).pushes_received
 
     return asyncio.run(status())
 

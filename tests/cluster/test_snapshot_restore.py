@@ -15,6 +15,7 @@ import pytest
 
 from safetensors.torch import load_file
 
+from diloco import auth
 from coordinator.client import AdminClient
 from diloco.tasks.byte_gpt import GPT, ModelConfig
 from diloco.snapshots import find_manifest, read_manifest
@@ -43,7 +44,7 @@ def poll(predicate, what, timeout_s=90.0):
 def versions(address: str) -> dict[int, int]:
     async def status():
         async with open_channel(address) as channel:
-            reply = await SyncerClient(channel, "L0", "", timeout_s=5).status()
+            reply = await SyncerClient(channel, "C", auth.sign("cluster-secret", "C"), timeout_s=5).status()
             return {f.fragment: f.version for f in reply.fragments}
 
     try:

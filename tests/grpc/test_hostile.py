@@ -248,3 +248,21 @@ def test_a_snapshot_manifest_not_signed_by_the_run_is_refused(tmp_path):
     path.write_text(json.dumps(manifest))
     with pytest.raises(FailedPrecondition, match="has no mac"):
         read_manifest(path, SECRET)
+
+
+def test_shard_status_needs_a_credential_of_the_run(tmp_path):
+    """Finding 9: an unauthenticated Status listed live learner ids, the plan hash and
+    counters to anyone who connected."""
+    from diloco.v1 import syncer_pb2_grpc
+
+    async def scenario():
+        async with running_shard(tmp_path, learners=("L0",)) as (server, address):
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = syncer_pb2_grpc.SyncerStub(channel)
+                for metadata in ((), ((auth.LEARNER_METADATA, "L0"), (auth.CREDENTIAL_METADATA, "forged"))):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await stub.Status(syncer_pb2.StatusRequest(), metadata=metadata, timeout=5)
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            async with client_for(address, "L0") as client:
+                assert list((await client.status()).live_learners) == ["L0"]
+    run(scenario())

@@ -1,4 +1,5 @@
-"""Every server gets grpc.health.v1 and reflection; domain errors map to status codes."""
+"""Every server gets grpc.health.v1, and reflection only when asked; domain errors map to
+status codes."""
 
 import asyncio
 
@@ -10,9 +11,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from diloco import errors, rpc
 
 
-async def _serve_standard():
+async def _serve_standard(with_reflection=True):
     server = grpc.aio.server()
-    servicer = rpc.add_standard_services(server, ["diloco.v1.Syncer"])
+    servicer = rpc.add_standard_services(server, ["diloco.v1.Syncer"], with_reflection)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await rpc.mark_serving(servicer, ["diloco.v1.Syncer"])
@@ -37,6 +38,23 @@ def test_health_and_reflection_over_a_real_server():
                     names = {s.name for s in response.list_services_response.service}
                     assert {"diloco.v1.Syncer", "grpc.health.v1.Health"} <= names
                     break
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_reflection_is_off_unless_asked():
+    async def scenario():
+        server, port = await _serve_standard(with_reflection=False)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                request = reflection_pb2.ServerReflectionRequest(list_services="")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.ServerReflectionInfo(iter([request]), timeout=5):
+                        pass
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
         finally:
             await server.stop(None)
 

@@ -9,12 +9,14 @@ import stat
 import grpc
 import pytest
 
-from diloco import rpc
+from diloco import auth, rpc
 from diloco.certs import make_certs
 from diloco.cli import main
 from diloco.errors import AlreadyExists, InvalidArgument
 from diloco.v1 import syncer_pb2, syncer_pb2_grpc
-from tests.grpc.conftest import running_shard
+from tests.grpc.conftest import SECRET, running_shard
+
+CREDENTIAL = ((auth.LEARNER_METADATA, "L0"), (auth.CREDENTIAL_METADATA, auth.sign(SECRET, "L0")))
 
 
 @pytest.fixture
@@ -30,7 +32,8 @@ async def status_with(address, tls):
     previous = rpc.use_tls(tls)
     try:
         async with rpc.channel(address) as channel:
-            return await syncer_pb2_grpc.SyncerStub(channel).Status(syncer_pb2.StatusRequest(), timeout=5)
+            return await syncer_pb2_grpc.SyncerStub(channel).Status(syncer_pb2.StatusRequest(), metadata=CREDENTIAL,
+                                                                    timeout=5)
     finally:
         rpc.use_tls(previous)
 
