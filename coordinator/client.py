@@ -14,7 +14,7 @@ import grpc
 
 from diloco import auth, rpc
 from diloco.clock import VectorClock
-from diloco.errors import DilocoError
+from diloco.errors import DilocoError, Unavailable
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 SERVICE = "diloco.v1.Coordinator"
@@ -156,6 +156,10 @@ class AdminClient:
         try:
             return method(request, metadata=self.metadata, timeout=self.timeout_s)
         except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                raise Unavailable(
+                    f"no coordinator answers at {self.address} ({what}): is it running, and is this its address "
+                    f"(--coordinator, or the run directory's endpoints.json)? {error.details()}") from None
             raise error_from_rpc(error, f"{what} at {self.address}") from None
 
     def members(self, include_gone: bool = False) -> list[dict]:

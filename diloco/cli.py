@@ -21,7 +21,7 @@ from pathlib import Path
 
 from coordinator.cli import add_admin_parser, add_coordinator_parser
 from diloco import __version__
-from diloco.errors import DilocoError
+from diloco.errors import DilocoError, InvalidArgument
 from diloco.task import DEFAULT_TASK
 
 logger = logging.getLogger(__name__)
@@ -691,6 +691,10 @@ def _tape_show(args: argparse.Namespace) -> int:
 
     records = list(read_tape(args.path))
     if args.kind:
+        present = sorted({r["kind"] for r in records})
+        unknown = sorted(set(args.kind) - set(present))
+        if unknown:
+            raise InvalidArgument(f"{args.path} has no records of kind {', '.join(unknown)}; its kinds: {', '.join(present)}")
         records = [r for r in records if r["kind"] in args.kind]
     if args.json:
         print(json.dumps(records))
@@ -782,9 +786,21 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="diloco-parent-watch", daemon=True).start()
 
 
+def _deepest_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command given, so its usage, not the top level's, is shown."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return _deepest_parser(chosen, args)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _deepest_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -113,7 +113,7 @@ def test_bad_input_raises_one_line_errors(tmp_path, monkeypatch):
             (directory / "admin-token").write_text("wrong\n")
             with pytest.raises(Unauthenticated, match="invalid admin token"):
                 await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "members")
-        with pytest.raises(DilocoError, match="UNAVAILABLE"):
+        with pytest.raises(DilocoError, match="no coordinator answers at"):
             await asyncio.to_thread(diloco, "admin", "--coordinator", server.address, "--token-file", directory / "admin-token",
                                     "--timeout-s", 2, "members")
 
@@ -134,3 +134,30 @@ def test_coordinator_flags_become_a_validated_config(tmp_path):
     args = parser().parse_args(["coordinator", "--pools", "default,Spot!", "--data-dir", str(tmp_path)])
     with pytest.raises(InvalidArgument, match="pool must be lowercase"):
         args.func(args)
+
+
+def test_what_an_operator_gets_wrong_is_said_plainly(tmp_path, capsys):
+    """No coordinator at the address, a tape kind that is not there, an unknown flag: one
+    line naming the problem and what to check, exit code 2, the usage of the command given."""
+    import socket
+
+    from diloco import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    (tmp_path / "token").write_text("t")
+    assert cli.main(["admin", "--coordinator", closed, "--token-file", str(tmp_path / "token"), "members"]) == 2
+    err = capsys.readouterr().err
+    assert f"no coordinator answers at {closed}" in err and "endpoints.json" in err and "Traceback" not in err
+
+    tape = tmp_path / "tape.jsonl"
+    tape.write_text('{"kind": "start", "t": 1.0}\n{"kind": "round", "t": 2.0}\n')
+    assert cli.main(["tape", "show", str(tape), "--kind", "bogus"]) == 2
+    assert "no records of kind bogus; its kinds: round, start" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["local", "--bogus"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: diloco local" in err and "diloco local: error: unrecognized arguments: --bogus" in err
