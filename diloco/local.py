@@ -14,6 +14,7 @@ the running cluster), ``logs/``, ``shard<m>/tape-S<m>.jsonl``, ``learners/<id>.j
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -309,6 +310,21 @@ def learner_events(run_dir: Path) -> dict[str, list[dict]]:
     return events
 
 
+def _progress_line(members: list[dict], statuses: list, events: dict[str, list[dict]], started: float, unit: str) -> str:
+    """The progress table's essentials on one line (for logs, where a live table is not drawn)."""
+    ok = [s for s in statuses if not isinstance(s, BaseException)]
+    versions = [f.version for s in ok for f in s.fragments]
+    evals = [e["loss"] for m in members for e in events.get(m["id"], [])[-20:] if e["kind"] == "eval"]
+    states = {}
+    for m in members:
+        states[m["state"]] = states.get(m["state"], 0) + 1
+    return (f"[{time.monotonic() - started:5.0f} s] tokens {sum(m.get('tokens', 0) for m in members):,} · learners "
+            + (", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none joined yet")
+            + f" · outer versions {min(versions, default=0)}–{max(versions, default=0)} · rounds "
+            f"{sum(s.rounds_closed for s in ok)} · latest eval {f'{evals[-1]:.3f} {unit}' if evals else '–'}"
+            + (f" · {len(ok)}/{len(statuses)} shards up" if len(ok) < len(statuses) else ""))
+
+
 def _progress_table(members: list[dict], statuses: list, events: dict[str, list[dict]], goodput: float | None,
                     started: float, unit: str):
     from rich.table import Table
@@ -533,16 +549,21 @@ def run_local(cfg: LocalConfig) -> dict:
             monkey = ChaosMonkey(cfg.chaos, chaos_admin, lambda m: cluster.restart_shard(m, chaos_admin, monkey.record),
                                  learner_steps, run_dir / "chaos.jsonl", time.monotonic())
             monkey.start()
-        last_stats, goodput, idle_since = 0.0, None, None
-        with Live(console=console, refresh_per_second=2) as live:
+        last_stats, goodput, idle_since, last_line = 0.0, None, None, 0.0
+        # On a terminal a live table; in a log (CI, nohup, kubectl logs) one line every 10 s.
+        with Live(console=console, refresh_per_second=2) if console.is_terminal else contextlib.nullcontext() as live:
             while True:
                 members = admin.members(include_gone=True)
                 events = learner_events(run_dir)
                 if time.monotonic() - last_stats > 5:
                     steps = {m["id"]: m["inner_steps"] for m in members}
                     goodput, last_stats = tape_stats(run_dir, cfg.run.fragments, steps)["step_goodput"], time.monotonic()
-                live.update(_progress_table(members, _shard_status(cluster.shards, cluster.secret), events, goodput,
-                                            started, unit))
+                statuses = _shard_status(cluster.shards, cluster.secret)
+                if live is not None:
+                    live.update(_progress_table(members, statuses, events, goodput, started, unit))
+                elif time.monotonic() - last_line >= 10:
+                    console.print(_progress_line(members, statuses, events, started, unit), soft_wrap=True)
+                    last_line = time.monotonic()
                 if cfg.tokens is not None and sum(m["tokens"] for m in members) >= cfg.tokens:
                     # The budget is spent: drain everyone (and anyone who joins late).
                     if monkey is not None:
@@ -565,6 +586,8 @@ def run_local(cfg: LocalConfig) -> dict:
                 else:
                     idle_since = None
                 time.sleep(1.0)
+            if live is None:  # the log ends with the whole table once
+                console.print(_progress_table(members, statuses, events, goodput, started, unit))
     except KeyboardInterrupt:
         interrupted = True
         console.print("interrupted: stopping every process")

@@ -22,6 +22,12 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # stderr is not a terminal: progress comes as plain lines, then the final table, each on its own line.
+    lines = proc.stderr.splitlines()
+    progress = [line for line in lines if line.startswith("[") and "] tokens " in line]
+    assert progress and " · learners " in progress[0], proc.stderr[-2000:]
+    assert "exporting the trained model from the shards" in lines  # a line of its own, not glued to the table
+    assert json.loads(proc.stdout)["run_dir"] == str(out)  # stdout is the summary alone
     summary = json.loads((out / "summary.json").read_text())
     for key in ("tokens", "wall_s", "eval_loss_start", "eval_loss_final", "goodput", "uptime", "global_stall_s",
                 "bytes_up", "bytes_down", "rounds", "mean_participants", "mean_grace_s", "learners_joined",

@@ -1,6 +1,8 @@
 """The pure parts of diloco local: chaos flag parsing, goodput's slot time, uptime, and
 the timeline's state spans."""
 
+import time
+
 import pytest
 
 from diloco.chaos import ChaosConfig, learner_pid, parse_scavenge, parse_slow
@@ -57,3 +59,17 @@ def test_timeline_spans_from_state_changes_and_death():
         (0, 1, "starting"), (1, 2, "bootstrapping"), (2, 6, "computing"), (6, 10, "dead")]
     left = events + [{"kind": "state", "t": 8, "state": "draining"}, {"kind": "state", "t": 9, "state": "left"}]
     assert learner_intervals(left, end=10, death=None)[-1] == (8, 9, "draining")
+
+
+def test_the_progress_line_for_logs_carries_the_table_s_essentials():
+    from types import SimpleNamespace
+
+    from diloco.local import _progress_line
+
+    shard = SimpleNamespace(fragments=[SimpleNamespace(version=3), SimpleNamespace(version=5)], rounds_closed=7)
+    members = [{"id": "L0", "state": "active", "tokens": 1000}, {"id": "L1", "state": "left", "tokens": 500}]
+    events = {"L0": [{"kind": "eval", "loss": 4.25}]}
+    line = _progress_line(members, [shard, RuntimeError("down")], events, time.monotonic() - 12, "bits/byte")
+    assert line.startswith("[   12 s] tokens 1,500 · learners 1 active, 1 left · outer versions 3–5 · rounds 7")
+    assert "latest eval 4.250 bits/byte" in line and line.endswith("1/2 shards up")
+    assert "learners none joined yet" in _progress_line([], [], {}, time.monotonic(), "bits/byte")
