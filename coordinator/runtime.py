@@ -327,9 +327,10 @@ class CoordinatorRuntime:
             directives.append(Directive("snapshot", snapshot_id=snapshot.id, directory=snapshot.directory))
         return learner, directives
 
-    def leave(self, learner_id: str, reason: str) -> None:
+    def leave(self, learner_id: str, reason: str, final: tuple[int, int] | None = None) -> None:
+        """``final``: the learner's last (tokens, inner steps), sent with its Leave."""
         try:
-            self.membership.leave(learner_id, reason, self._now())
+            self.membership.leave(learner_id, reason, self._now(), final)
         finally:
             self._settle()
 

@@ -93,7 +93,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Leave(self, request, context):
         try:
             self._caller(context, request.learner_id)
-            self.runtime.leave(request.learner_id, request.reason)
+            final = (request.tokens, request.inner_steps) if request.HasField("tokens") and request.HasField("inner_steps") else None
+            self.runtime.leave(request.learner_id, request.reason, final)
             self._telemetry.membership("left")
             self._clock(request.clock)
             return coordinator_pb2.LeaveReply()

@@ -176,10 +176,12 @@ class Heartbeats:
         self._stop.set()
         self._thread.join(timeout=10)
 
+        final = {k: v for k, v in self.stats().items() if k in ("tokens", "inner_steps")}
+
         async def leave():
             async with _channel(self.address) as channel:
                 await coordinator_pb2_grpc.CoordinatorStub(channel).Leave(
-                    coordinator_pb2.LeaveRequest(learner_id=self.member.learner_id, reason=reason),
+                    coordinator_pb2.LeaveRequest(learner_id=self.member.learner_id, reason=reason, **final),
                     metadata=self._metadata(), timeout=5,
                 )
 

@@ -174,10 +174,13 @@ class Membership:
             self._emit("active", learner, "first heartbeat")
         return learner
 
-    def leave(self, learner_id: str, reason: str, now: float) -> None:
-        """Idempotent: leaving twice, or after being marked failed, changes nothing."""
+    def leave(self, learner_id: str, reason: str, now: float, final: tuple[int, int] | None = None) -> None:
+        """Idempotent: leaving twice, or after being marked failed, changes nothing.
+        ``final``: the learner's last (tokens, inner steps), newer than its last heartbeat."""
         learner = self.learner(learner_id)
         if learner.live:
+            if final is not None:
+                learner.tokens, learner.inner_steps = max(learner.tokens, final[0]), max(learner.inner_steps, final[1])
             self._depart(learner, LEFT, reason or "left", now, gently=True)
 
     # --- time ------------------------------------------------------------------------

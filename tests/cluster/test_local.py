@@ -29,6 +29,12 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     assert "exporting the trained model from the shards" in lines  # a line of its own, not glued to the table
     assert json.loads(proc.stdout)["run_dir"] == str(out)  # stdout is the summary alone
     summary = json.loads((out / "summary.json").read_text())
+    # The final table agrees with the summary: each learner's Leave carried its final counts.
+    rows = {cells[0]: cells for line in lines if line.startswith("│")
+            for cells in [[c.strip() for c in line.strip("│").split("│")]]}
+    for learner in summary["learners"]:
+        assert rows[learner["id"]][5] == f"{learner['inner_steps']:,}" == "48", (rows, summary["learners"])
+        assert rows[learner["id"]][3] == f"{learner['tokens']:,}"
     for key in ("tokens", "wall_s", "eval_loss_start", "eval_loss_final", "goodput", "uptime", "global_stall_s",
                 "bytes_up", "bytes_down", "rounds", "mean_participants", "mean_grace_s", "learners_joined",
                 "learners_failed"):

@@ -181,3 +181,20 @@ def test_state_round_trip_and_fresh_leases_after_a_restart():
 def test_corrupt_state_is_refused():
     with pytest.raises(InvalidArgument, match="corrupt coordinator state"):
         Membership.from_state(membership().cfg, PLAN, {"learners": [{"id": "L0", "state": "dancing"}]})
+
+
+def test_a_leave_carries_the_learner_s_final_counts():
+    """The last heartbeat can be a second old when a learner finishes: its Leave carries
+    its final tokens and steps, so members (and the run's final table) match its summary.
+    Counts never go down (a stale or hostile Leave cannot shrink them)."""
+    m = membership()
+    m.join("", "host:1", "", PLAN, now=100.0)
+    m.join("", "host:2", "", PLAN, now=100.0)
+    m.heartbeat("L0", HeartbeatStats(tokens=64, inner_steps=2), now=101.0)
+    m.heartbeat("L1", HeartbeatStats(tokens=640, inner_steps=20), now=101.0)
+    m.leave("L0", "finished", now=102.0, final=(1920, 60))
+    m.leave("L1", "finished", now=102.0, final=(64, 2))
+    assert (m.learner("L0").tokens, m.learner("L0").inner_steps) == (1920, 60)
+    assert (m.learner("L1").tokens, m.learner("L1").inner_steps) == (640, 20)
+    m.leave("L0", "again", now=103.0, final=(10**9, 10**9))  # already left: nothing changes
+    assert m.learner("L0").tokens == 1920
