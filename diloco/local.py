@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -257,22 +257,29 @@ class Cluster:
 
         _wait(serving, self.cfg.startup_timeout_s, what)
 
-    def stop(self) -> None:
-        """SIGTERM everything (the coordinator reaps its learners), SIGKILL what lingers."""
+    def stop(self, say: Callable[[str], None] = lambda line: None) -> None:
+        """SIGTERM everything (the coordinator reaps its learners), SIGKILL what lingers
+        after 30 s; ``say`` hears, every 5 s, which processes are still being waited for."""
         if self.cfg.tls:
             rpc.use_tls(self._plain)
         for _, proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGUSR1)  # its threads' stacks go to its log (faulthandler)
-                time.sleep(0.5)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        started = time.monotonic()
+        deadline, next_say = started + 30, started + 5
+        while (waiting := [(role, proc) for role, proc in self.procs if proc.poll() is None]) and time.monotonic() < deadline:
+            if time.monotonic() >= next_say:
+                say(f"stopping: waiting {time.monotonic() - started:.0f} s for "
+                    + ", ".join(f"{role} (pid {proc.pid})" for role, proc in waiting)
+                    + f"; SIGKILL at {deadline - started:.0f} s")
+                next_say += 5
+            time.sleep(0.1)
+        for role, proc in waiting:
+            say(f"stopping: {role} (pid {proc.pid}) ignored SIGTERM for 30 s: its stacks go to its log, then SIGKILL")
+            proc.send_signal(signal.SIGUSR1)  # its threads' stacks go to its log (faulthandler)
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 def _wait(predicate, timeout_s: float, what: str) -> None:
@@ -607,7 +614,7 @@ def run_local(cfg: LocalConfig) -> dict:
         members = admin.members(include_gone=True) if admin is not None and not interrupted else []
         if admin is not None:
             admin.close()
-        cluster.stop()
+        cluster.stop(say=console.print)
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
     wall_s = time.monotonic() - started

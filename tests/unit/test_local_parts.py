@@ -73,3 +73,27 @@ def test_the_progress_line_for_logs_carries_the_table_s_essentials():
     assert line.startswith("[   12 s] tokens 1,500 · learners 1 active, 1 left · outer versions 3–5 · rounds 7")
     assert "latest eval 4.250 bits/byte" in line and line.endswith("1/2 shards up")
     assert "learners none joined yet" in _progress_line([], [], {}, time.monotonic(), "bits/byte")
+
+
+def test_stopping_says_which_processes_it_waits_for(tmp_path):
+    """SIGTERM to every process of the run; one that takes its time is named every 5 s
+    (issue: Ctrl-C took about 30 s with no feedback)."""
+    import subprocess
+    import sys
+
+    from diloco.local import Cluster, LocalConfig
+
+    cluster = Cluster(LocalConfig(tls=False), tmp_path, 1)
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    slow = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                                   "print('ready', flush=True); time.sleep(7)"],
+                            stdout=subprocess.PIPE, text=True)
+    assert slow.stdout.readline().strip() == "ready"  # its SIGTERM handler is in place
+    cluster.procs = [("coordinator", quick), ("shard0", slow)]
+    said = []
+    started = time.monotonic()
+    cluster.stop(say=said.append)
+    assert quick.returncode is not None and slow.returncode == 0  # the slow one finished by itself, no SIGKILL
+    assert 6 < time.monotonic() - started < 20
+    assert said and all(line.startswith("stopping: waiting") and f"shard0 (pid {slow.pid})" in line for line in said)
+    assert not any("coordinator" in line for line in said)  # it had stopped at once
