@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -166,9 +167,9 @@ class Cluster:
             "--merge", self.cfg.merge, "--scale-by", self.cfg.scale_by, "--snapshot-dir", self.snapshot_dir, *self.common,
         ]
 
-    @property
+    @functools.cached_property
     def secret(self) -> str:
-        """The run secret (written before the cluster starts)."""
+        """The run secret (written before the cluster starts; read once, not every poll)."""
         return (self.dir / "secret").read_text().strip()
 
     @property
