@@ -13,10 +13,12 @@ import argparse
 import json
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
+from diloco import auth
 from diloco.errors import InvalidArgument, NotFound
 
 ENDPOINTS_FILE = "endpoints.json"
@@ -79,6 +81,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         shards=tuple(x for x in (args.shards or "").split(",") if x),
         pools=tuple(x for x in args.pools.split(",") if x),
         lease_s=args.lease_s,
+        credential_lifetime_s=args.credential_lifetime_s,
         max_learners=args.max_learners,
         drain_timeout_s=args.drain_timeout_s,
         join_timeout_s=args.join_timeout_s,
@@ -95,7 +98,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         release=args.release,
         launcher=args.launcher,
         local=LocalLauncherConfig(
-            command=tuple(shlex.split(args.learner_command)) if args.learner_command else (),
+            command=(tuple(shlex.split(args.learner_command)) if args.learner_command
+                     else (sys.executable, "-m", "diloco.cli", *args.transport, "learner")),
             terminate_timeout_s=args.terminate_timeout_s,
         ),
         kubernetes=KubernetesLauncherConfig(
@@ -146,6 +150,9 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--shards", metavar="HOST:PORT,...", help="every shard's address, in shard id order")
     p.add_argument("--pools", default="default", help="pools learners may join, comma-separated; the first is the default")
     p.add_argument("--lease-s", type=float, default=5.0, help="heartbeat lease (default 5 s)")
+    p.add_argument("--credential-lifetime-s", type=float, default=auth.CREDENTIAL_LIFETIME_S, metavar="S",
+                   help=f"learner credentials expire after S seconds; every heartbeat reply renews them "
+                        f"(default {auth.CREDENTIAL_LIFETIME_S:g})")
     p.add_argument("--max-learners", type=int, default=64, help="cap on learners joined or launching (default 64)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0, help="stop a draining learner after this long (default 60 s)")
     p.add_argument("--join-timeout-s", type=float, default=300.0, help="a launch not joined by then frees its slot (default 300 s)")
@@ -160,7 +167,8 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--launcher", choices=["local", "kubernetes", "none"], default="local", help="how AddLearners starts learners")
     p.add_argument("--release", default="diloco", help="owner label of launched pods (the Helm release)")
     local = p.add_argument_group("local launcher")
-    local.add_argument("--learner-command", help="command line that starts a learner (default: this Python's -m diloco.cli learner)")
+    local.add_argument("--learner-command", help="command line that starts a learner (default: this Python's -m diloco.cli learner, "
+                                                   "with this coordinator's --tls-dir or --insecure)")
     local.add_argument("--terminate-timeout-s", type=float, default=10.0, help="SIGKILL a learner this long after SIGTERM")
     k8s = p.add_argument_group("kubernetes launcher")
     k8s.add_argument("--namespace", help="namespace of learner pods (default $POD_NAMESPACE, else default)")
@@ -174,7 +182,7 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
                           "(default $DILOCO_OWNER_CONFIGMAP, else none: pods outlive everything)")
     _add_telemetry(p)
     _add_run_config(p)
-    p.set_defaults(func=_coordinator)
+    p.set_defaults(func=_coordinator, transport=[])  # --tls-dir or --insecure, for the learners it launches
 
 
 # --- diloco admin ----------------------------------------------------------------------

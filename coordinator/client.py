@@ -112,6 +112,7 @@ class LearnerSession:
             tokens_per_s=tokens_per_s, clock=self._send(),
         )
         reply = await self._call("Heartbeat", self.stub.Heartbeat, request, self.metadata)
+        self.credential = reply.credential or self.credential  # renewed: credentials expire
         self._received(reply.clock)
         return reply
 

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco import auth
 from diloco.errors import InvalidArgument
 
 LAUNCHERS = ("local", "kubernetes", "none")
@@ -79,6 +80,8 @@ class CoordinatorConfig:
     """Pools learners may join and be launched into; the first is the default."""
     lease_s: float = 5.0
     """A learner that has not heartbeated for this long is marked failed."""
+    credential_lifetime_s: float = auth.CREDENTIAL_LIFETIME_S
+    """Learner credentials are issued for this long; every heartbeat reply renews them."""
     max_learners: int = 64
     """Cap on learners joined or being launched; AddLearners beyond it is refused."""
     drain_timeout_s: float = 60.0
@@ -118,6 +121,9 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgument(f"{name} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.credential_lifetime_s) and self.credential_lifetime_s >= 2 * self.lease_s):
+            raise InvalidArgument(f"credential lifetime must be at least two leases ({2 * self.lease_s:g} s: a learner "
+                                  f"renews it with its heartbeats), got {self.credential_lifetime_s}")
         if not (math.isfinite(self.snapshot_every_s) and self.snapshot_every_s >= 0):
             raise InvalidArgument(f"snapshot every must be a finite number of seconds >= 0, got {self.snapshot_every_s}")
         if self.snapshot_keep < 0:

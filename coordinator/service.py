@@ -53,6 +53,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise PermissionDenied(f"credential is for {caller!r}, the request is for {claimed!r}")
         return caller
 
+    def _credential(self, learner_id: str) -> str:
+        return auth.sign(self._secret, learner_id, self.runtime.cfg.credential_lifetime_s)
+
     def _admin(self, context) -> None:
         auth.check_admin(self._admin_token, _metadata(context).get(auth.ADMIN_METADATA))
 
@@ -68,7 +71,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._telemetry.membership("joined", request.pool)
             return coordinator_pb2.JoinReply(
                 learner_id=learner.id,
-                credential=auth.sign(self._secret, learner.id),
+                credential=self._credential(learner.id),
                 topology=self._topology_now(),
                 lease_s=self.runtime.cfg.lease_s,
                 clock=self._clock(request.clock),
@@ -86,6 +89,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 lease_s=self.runtime.cfg.lease_s,
                 topology_epoch=self.runtime.topology_epoch,
                 clock=self._clock(request.clock),
+                credential=self._credential(request.learner_id),
             )
         except DilocoError as error:
             await rpc.abort_with(context, error)

@@ -463,9 +463,9 @@ def _local(args: argparse.Namespace) -> int:
                    "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
         learner_threads=args.learner_threads,
         snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_keep=args.snapshot_keep,
-        tls=not args.insecure,
+        tls=not (args.insecure or args.plaintext),
     )
-    if args.insecure:
+    if not cfg.tls:
         logger.warning("--insecure: the run's processes talk plaintext gRPC (tokens and credentials in clear)")
     summary = run_local(cfg)
     print(json.dumps(summary, indent=1))
@@ -747,10 +747,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-with-parent", action="store_true",
         help="stop (as on SIGTERM) when the parent process is gone (diloco local starts every process of its run so)",
     )
-    parser.add_argument(
-        "--tls-dir", metavar="DIR", default=os.environ.get("DILOCO_TLS_DIR"),
+    transport = parser.add_mutually_exclusive_group()
+    transport.add_argument(
+        "--tls-dir", metavar="DIR",
         help="mutual TLS for every server and channel of this process: DIR holds ca.crt, tls.crt and tls.key "
-             "(`diloco certs`, or a cert-manager Secret; default $DILOCO_TLS_DIR, else plaintext)",
+             "(`diloco certs`, or a cert-manager Secret; default $DILOCO_TLS_DIR)",
+    )
+    transport.add_argument(
+        "--insecure", dest="plaintext", action="store_true",
+        help="plaintext gRPC for this process: tokens and credentials cross the network in clear "
+             "(default $DILOCO_INSECURE). coordinator, syncer, learner and admin refuse to start "
+             "with neither this nor --tls-dir",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_local(commands)
@@ -796,6 +803,35 @@ def _deepest_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return parser
 
 
+_NETWORKED = ("coordinator", "syncer", "learner", "admin")
+"""The commands that open gRPC servers or channels: they need --tls-dir or --insecure."""
+
+
+def _choose_transport(args: argparse.Namespace) -> None:
+    """Mutual TLS from --tls-dir, or plaintext only when asked for (--insecure). The
+    choice is kept as ``args.transport`` (flags), so what the process launches (the
+    coordinator's local learners) talks the same way."""
+    from diloco import rpc
+
+    tls_dir, plaintext = args.tls_dir, args.plaintext  # a flag wins over the environment
+    if not tls_dir and not plaintext:
+        tls_dir = os.environ.get("DILOCO_TLS_DIR") or None
+        plaintext = os.environ.get("DILOCO_INSECURE", "").lower() in ("1", "true", "yes")
+    if tls_dir:
+        rpc.use_tls(rpc.Tls.from_dir(tls_dir))
+        args.transport = ["--tls-dir", str(Path(tls_dir).resolve())]
+    elif plaintext:
+        if args.command in _NETWORKED:
+            logger.warning("--insecure: plaintext gRPC, tokens and credentials cross the network in clear")
+        args.transport = ["--insecure"]
+    elif args.command in _NETWORKED and not (args.command == "admin" and args.run_dir):
+        # (admin --run-dir follows the run: its RUN_DIR/tls, or plaintext for a run made --insecure)
+        raise InvalidArgument(
+            f"{args.command} refuses plaintext gRPC: give --tls-dir DIR (mutual TLS; `diloco certs --out DIR` "
+            "makes one for a run) or --insecure (tokens and credentials then cross the network in clear); "
+            "both go before the command, e.g. `diloco --tls-dir DIR " + args.command + " ...`")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -811,13 +847,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr not a file: in-process callers
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        if args.tls_dir:
-            from diloco import rpc
-
-            rpc.use_tls(rpc.Tls.from_dir(args.tls_dir))
-        elif args.command in ("coordinator", "syncer", "learner"):
-            logger.warning("plaintext gRPC: tokens and credentials cross the network in clear; give every process "
-                           "of the run --tls-dir DIR (diloco certs --out DIR makes one)")
+        _choose_transport(args)
         return args.func(args)
     except DilocoError as error:
         print(f"diloco: error: {error}", file=sys.stderr)

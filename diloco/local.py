@@ -143,7 +143,7 @@ class Cluster:
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
         log = open(self.dir / "logs" / f"{role}.log", "ab")
-        tls = ["--tls-dir", str(self.dir / "tls")] if self.cfg.tls else []
+        tls = ["--tls-dir", str(self.dir / "tls")] if self.cfg.tls else ["--insecure"]
         proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "--exit-with-parent", "--log-level", "INFO", *tls, *args],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(self.cfg.child_env) if self.cfg.child_env is not None else None)
@@ -182,7 +182,7 @@ class Cluster:
         if self.cfg.tls:
             make_certs(self.dir / "tls", ["localhost", "127.0.0.1"])
             self._plain = rpc.use_tls(rpc.Tls.from_dir(self.dir / "tls"))  # this supervisor's own calls, until stop
-        tls = f"--tls-dir {self.dir / 'tls'} " if self.cfg.tls else ""
+        tls = f"--tls-dir {self.dir / 'tls'} " if self.cfg.tls else "--insecure "
         learner_cmd = (f"{sys.executable} -m diloco.cli --exit-with-parent --log-level INFO {tls}learner --steps {self.learner_steps} "
                        f"--eval-every {max(self.learner_steps // 6, 1)} --num-learners {self.cfg.learners} "
                        f"--summary-dir {self.dir / 'learners'} --events-dir {self.dir / 'learners'} "
@@ -301,7 +301,7 @@ def _shard_status(addresses: list[str], secret: str) -> list:
 
     async def one(address):
         async with open_channel(address) as channel:
-            return await SyncerClient(channel, auth.COORDINATOR_ID, auth.sign(secret, auth.COORDINATOR_ID),
+            return await SyncerClient(channel, auth.Credential(auth.COORDINATOR_ID, secret=secret),
                                       timeout_s=2).status()
 
     async def all_():

@@ -160,7 +160,7 @@ class Learner:
             self.book = SyncBook({}, self.run.overlap_steps)
             if sync:
                 owned = {s: [f.id for f in self.plan.owned_by(s, self.num_shards)] for s in member.shards}
-                self.streamer = Streamer(member.shards, self.learner_id, member.credential, self.cfg.push_timeout_s,
+                self.streamer = Streamer(member.shards, member.credential, self.cfg.push_timeout_s,
                                          self.cfg.max_inflight_pushes, owned, wire_delay_s=self.cfg.wire_delay_ms / 1000)
                 self.event("state", state="bootstrapping")
                 self._bootstrap()

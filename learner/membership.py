@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Membership:
     learner_id: str
-    credential: str
+    credential: auth.Credential
+    """Renewed in place by heartbeat replies; every channel reads it per call."""
     run: RunConfig
     shards: dict[int, str]
     lease_s: float
@@ -57,7 +58,7 @@ async def _join(address: str, join_token: str, pool: str, launch_id: str, host: 
     topology = reply.topology
     return Membership(
         reply.learner_id,
-        reply.credential,
+        auth.Credential(reply.learner_id, reply.credential),
         RunConfig.from_json(topology.run_config_json),
         {s.shard_id: s.address for s in topology.shards},
         reply.lease_s,
@@ -78,7 +79,7 @@ def register_model(address: str, member: Membership, manifest_json: str, timeout
 
     async def call() -> common_pb2.Topology:
         session = LearnerSession(address, timeout_s)
-        session.learner_id, session.credential = member.learner_id, member.credential
+        session.learner_id, session.credential = member.learner_id, member.credential.value
         try:
             return await session.register_model(manifest_json)
         finally:
@@ -109,7 +110,7 @@ class Heartbeats:
         self._thread.start()
 
     def _metadata(self):
-        return ((auth.LEARNER_METADATA, self.member.learner_id), (auth.CREDENTIAL_METADATA, self.member.credential))
+        return self.member.credential.metadata()
 
     async def _run(self) -> None:
         async with _channel(self.address) as channel:
@@ -122,6 +123,7 @@ class Heartbeats:
                         coordinator_pb2.HeartbeatRequest(learner_id=self.member.learner_id, **self.stats()),
                         metadata=self._metadata(), timeout=max(self.interval_s, 1.0),
                     )
+                    self.member.credential.renew(reply.credential)  # every channel uses it from now on
                     for directive in reply.directives:
                         kind = directive.WhichOneof("kind")
                         if kind == "drain":

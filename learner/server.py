@@ -100,7 +100,7 @@ def write_summary(summary: Summary, path: Path) -> None:
 def static_membership(run: RunConfig, learner_id: str, secret: str, shards: list[str]) -> Membership:
     from diloco import auth
 
-    return Membership(learner_id, auth.sign(secret, learner_id), run, dict(enumerate(shards)), 0.0)
+    return Membership(learner_id, auth.Credential(learner_id, secret=secret), run, dict(enumerate(shards)), 0.0)
 
 
 def joined_membership(coordinator: str, join_token: str, pool: str, launch_id: str) -> Membership:

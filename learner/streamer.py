@@ -25,6 +25,7 @@ import grpc
 import torch
 from opentelemetry import context as otel_context
 
+from diloco import auth
 from diloco.codec import EncodedTensor
 from diloco.errors import Cancelled, DeadlineExceeded, FailedPrecondition
 from learner.core.sync import Reply
@@ -62,8 +63,7 @@ class Streamer:
     def __init__(
         self,
         shards: dict[int, str],
-        learner_id: str,
-        credential: str,
+        credential: auth.Credential,
         timeout_s: float = 120.0,
         max_inflight: int = 16,
         fragments_of: dict[int, list[int]] | None = None,
@@ -72,7 +72,7 @@ class Streamer:
         self.shards = dict(shards)
         self.wire_delay_s = wire_delay_s
         self.fragments_of = fragments_of or {}
-        self.learner_id, self.credential, self.timeout_s = learner_id, credential, timeout_s
+        self.credential, self.timeout_s = credential, timeout_s
         self.max_inflight = max_inflight
         self.replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         self.stats = StreamStats()
@@ -178,7 +178,7 @@ class Streamer:
         if client is None:
             channel = open_channel(self.shards[shard])
             self._channels.append(channel)
-            client = self._clients[shard] = SyncerClient(channel, self.learner_id, self.credential, self.timeout_s)
+            client = self._clients[shard] = SyncerClient(channel, self.credential, self.timeout_s)
         return client
 
     async def _push(self, job: PushJob) -> None:

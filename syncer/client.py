@@ -74,10 +74,6 @@ class PushResult:
     decode_s: float = 0.0
 
 
-def credentials_metadata(learner_id: str, credential: str) -> tuple[tuple[str, str], ...]:
-    return ((auth.LEARNER_METADATA, learner_id), (auth.CREDENTIAL_METADATA, credential))
-
-
 def open_channel(address: str, max_message_bytes: int = 8 * 1024 * 1024) -> grpc.aio.Channel:
     return rpc.channel(address, rpc.channel_options(max_message_bytes, "diloco.v1.Syncer"))
 
@@ -134,9 +130,10 @@ async def _updates(replies):
 class SyncerClient:
     """One learner's connection to one shard."""
 
-    def __init__(self, channel: grpc.aio.Channel, learner_id: str, credential: str, timeout_s: float = 60.0):
+    def __init__(self, channel: grpc.aio.Channel, credential: auth.Credential, timeout_s: float = 60.0):
+        """``credential``: read per call, so a renewed one is used from the next call on."""
         self.stub = syncer_pb2_grpc.SyncerStub(channel)
-        self.metadata = credentials_metadata(learner_id, credential)
+        self.credential = credential
         self.timeout_s = timeout_s
 
     async def push(
@@ -153,7 +150,7 @@ class SyncerClient:
 
         requests = [syncer_pb2.PushRequest(header=push_meta_to_proto(meta))]
         requests += [syncer_pb2.PushRequest(chunk=common_pb2.Chunk(data=data)) for data in chunks]
-        call = self.stub.PushFragment(metadata=self.metadata, timeout=self.timeout_s)
+        call = self.stub.PushFragment(metadata=self.credential.metadata(), timeout=self.timeout_s)
         await write_all(call, requests)
         sent = received = time.perf_counter()
         outcome, target, update = None, 0, None
@@ -174,7 +171,7 @@ class SyncerClient:
 
     async def bootstrap(self, fragments: Sequence[int] = ()) -> list[DecodedUpdate]:
         call = self.stub.Bootstrap(
-            syncer_pb2.BootstrapRequest(fragments=list(fragments)), metadata=self.metadata, timeout=self.timeout_s
+            syncer_pb2.BootstrapRequest(fragments=list(fragments)), metadata=self.credential.metadata(), timeout=self.timeout_s
         )
         return [await asyncio.to_thread(decode_update, header, chunks) async for header, chunks in _updates(call)]
 
@@ -185,14 +182,14 @@ class SyncerClient:
         if the shard took them, False if the fragment already had values."""
         chunks = await asyncio.to_thread(lambda: list(frame([e.payload for e in encoded])))
         header = syncer_pb2.InitializeHeader(
-            learner_id=self.metadata[0][1], fragment=fragment, manifest_json=manifest_json, plan_hash=plan_hash,
+            learner_id=self.credential.id, fragment=fragment, manifest_json=manifest_json, plan_hash=plan_hash,
             tensors=[spec_to_proto(e.spec) for e in encoded],
             anchor=anchor_version is not None, anchor_version=anchor_version or 0,
         )
         requests = [syncer_pb2.InitializeRequest(header=header)]
         requests += [syncer_pb2.InitializeRequest(chunk=common_pb2.Chunk(data=data)) for data in chunks]
-        reply = await self.stub.Initialize(iter(requests), metadata=self.metadata, timeout=self.timeout_s)
+        reply = await self.stub.Initialize(iter(requests), metadata=self.credential.metadata(), timeout=self.timeout_s)
         return reply.initialized
 
     async def status(self) -> syncer_pb2.StatusReply:
-        return await self.stub.Status(syncer_pb2.StatusRequest(), metadata=self.metadata, timeout=self.timeout_s)
+        return await self.stub.Status(syncer_pb2.StatusRequest(), metadata=self.credential.metadata(), timeout=self.timeout_s)

@@ -160,13 +160,13 @@ class ShardServer:
         """Follow WatchMembership; reconnect with backoff while the coordinator is away
         (rounds keep closing on the membership last known)."""
         name = f"S{self.cfg.shard_id}"
-        metadata = self._credentials()
         backoff = 0.2
         while True:
             try:
                 async with rpc.channel(self.server_cfg.coordinator) as channel:
                     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                    stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher=name), metadata=metadata)
+                    stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher=name),
+                                                  metadata=self._credentials())  # signed afresh: credentials expire
                     async for event in stream:
                         backoff = 0.2
                         self._apply_membership(event)

@@ -43,7 +43,7 @@ _SECRET = "bench-secret"
 
 
 def _train(run: RunConfig, cfg: LearnerConfig, address: str, sync: bool = True):
-    member = Membership("L0", auth.sign(_SECRET, "L0"), run, {0: address}, 0.0)
+    member = Membership("L0", auth.Credential("L0", secret=_SECRET), run, {0: address}, 0.0)
     return run_task(member, cfg, sync=sync)
 
 
@@ -52,7 +52,7 @@ def _start_shard(tmp: Path, run: RunConfig) -> tuple[subprocess.Popen, str]:
     (tmp / "secret").write_text(_SECRET)
     port_file = tmp / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "syncer", "--run-config", str(tmp / "run.json"), "--learners", "L0",
+        [sys.executable, "-m", "diloco.cli", "--insecure", "syncer", "--run-config", str(tmp / "run.json"), "--learners", "L0",
          "--secret-file", str(tmp / "secret"), "--port-file", str(port_file)],
         stdout=subprocess.DEVNULL,
     )

@@ -95,7 +95,7 @@ def _client(index: int, address: str, secret: str, params: int, rounds: int, bar
 
     async def main():
         channel = open_channel(address)
-        client = SyncerClient(channel, name, auth.sign(secret, name), timeout_s=120)
+        client = SyncerClient(channel, auth.Credential(name, secret=secret), timeout_s=120)
         version, clock, timings = 0, VectorClock(), []
         for r in range(1 + rounds):
             clock = clock.tick(name)
@@ -285,7 +285,7 @@ def _initialize(address: str, secret: str, params: int) -> None:
 
     async def main():
         async with open_channel(address) as channel:
-            await SyncerClient(channel, "L0", auth.sign(secret, "L0"), timeout_s=120).initialize(
+            await SyncerClient(channel, auth.Credential("L0", secret=secret), timeout_s=120).initialize(
                 0, manifest.to_json(), plan.plan_hash, encoded)
 
     asyncio.run(main())
@@ -303,7 +303,7 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> d
         port_file, secret_file = Path(tmp) / "port", Path(tmp) / "secret"
         secret_file.write_text(secret)
         shard = subprocess.Popen(
-            [sys.executable, "-m", "diloco.cli", "syncer", "--fragments", "1",
+            [sys.executable, "-m", "diloco.cli", "--insecure", "syncer", "--fragments", "1",
              "--learners", ",".join(f"L{i}" for i in range(learners)), "--grace", "off",
              "--port-file", str(port_file), "--secret-file", str(secret_file)],
             stdout=subprocess.DEVNULL,

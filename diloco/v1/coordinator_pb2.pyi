@@ -102,16 +102,18 @@ class SnapshotMarker(_message.Message):
     def __init__(self, snapshot_id: _Optional[int] = ..., directory: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("directives", "lease_s", "topology_epoch", "clock")
+    __slots__ = ("directives", "lease_s", "topology_epoch", "clock", "credential")
     DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     directives: _containers.RepeatedCompositeFieldContainer[Directive]
     lease_s: float
     topology_epoch: int
     clock: _common_pb2.VectorClock
-    def __init__(self, directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., lease_s: _Optional[float] = ..., topology_epoch: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
+    credential: str
+    def __init__(self, directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., lease_s: _Optional[float] = ..., topology_epoch: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "reason", "clock", "tokens", "inner_steps")

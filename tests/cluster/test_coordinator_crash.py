@@ -41,7 +41,7 @@ def shard_versions(address: str) -> dict[int, int]:
     """A shard's fragment versions; raises if it does not answer (no silent empty answer)."""
     async def status():
         async with open_channel(address) as channel:
-            reply = await SyncerClient(channel, "C", auth.sign(SECRET, "C"), timeout_s=5).status()
+            reply = await SyncerClient(channel, auth.Credential("C", secret=SECRET), timeout_s=5).status()
             return {f.fragment: f.version for f in reply.fragments}
 
     return asyncio.run(status())
@@ -74,7 +74,7 @@ class Run:
 
     def spawn(self, name, args):
         log = open(self.tmp / f"{name}.log", "a")
-        return subprocess.Popen([sys.executable, "-m", "diloco.cli", "--log-level", "INFO", *args], stdout=log, stderr=log)
+        return subprocess.Popen([sys.executable, "-m", "diloco.cli", "--insecure", "--log-level", "INFO", *args], stdout=log, stderr=log)
 
     def start_coordinator(self) -> AdminClient:
         self.coordinator = self.spawn("coordinator", [

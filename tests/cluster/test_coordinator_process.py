@@ -42,7 +42,7 @@ def start(tmp_path):
     port_file = tmp_path / "port"
     port_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "coordinator", "--data-dir", str(tmp_path / "data"),
+        [sys.executable, "-m", "diloco.cli", "--insecure", "coordinator", "--data-dir", str(tmp_path / "data"),
          "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret"), "--lease-s", "3",
          "--learner-command", f"{sys.executable} {TESTS / 'fake_learner.py'} --heartbeat-s 0.1", *TINY_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -80,3 +80,38 @@ def test_sigterm_reaps_learners_and_a_restart_resumes(tmp_path):
         admin.close()
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_tls_coordinator_launches_learners_that_speak_its_tls(tmp_path):
+    """No --learner-command: the learners the coordinator launches get its --tls-dir. The
+    learner joins over mutual TLS (a plaintext one would never join), then exits for want
+    of shards, which the coordinator records as its end."""
+    from diloco import rpc
+    from diloco.certs import make_certs
+
+    (tmp_path / "secret").write_text(SECRET)
+    make_certs(tmp_path / "tls", ["localhost"])
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "--tls-dir", str(tmp_path / "tls"), "--log-level", "INFO", "coordinator",
+         "--data-dir", str(tmp_path / "data"), "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret"),
+         *TINY_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    previous = rpc.use_tls(rpc.Tls.from_dir(tmp_path / "tls"))
+    admin = None
+    try:
+        address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", proc=proc)
+        admin = AdminClient(address, (tmp_path / "data" / "admin-token").read_text().strip(), timeout_s=10)
+        [launch] = admin.add_learners(1)
+        assert launch["ok"]
+        joined = poll(lambda: [m for m in admin.members(include_gone=True) if m["id"] == "L0"], "L0 to join", proc=proc)
+        assert joined[0]["pool"] == "default"
+        log = (tmp_path / "data" / "learners" / f"{launch['launch_id']}.log")
+        assert "refuses plaintext" not in log.read_text()
+    finally:
+        rpc.use_tls(previous)
+        if admin is not None:
+            admin.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -28,7 +28,7 @@ def wait_for(predicate, timeout_s, what):
 def shard_pushes(address):
     async def status():
         async with open_channel(address) as channel:
-            return (await SyncerClient(channel, "C", auth.sign("s", "C"), timeout_s=5).status()).pushes_received
+            return (await SyncerClient(channel, auth.Credential("C", secret="s"), timeout_s=5).status()).pushes_received
 
     return asyncio.run(status())
 
@@ -37,7 +37,7 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
     (tmp_path / "secret").write_text("s")
     common = ["--secret-file", str(tmp_path / "secret"), *TINY]
     shard = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
+        [sys.executable, "-m", "diloco.cli", "--insecure", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
          "--port-file", str(tmp_path / "port"), *common],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -45,7 +45,7 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
     try:
         wait_for(lambda: (tmp_path / "port").exists(), 60, "the shard")
         learner = subprocess.Popen(
-            [sys.executable, "-m", "diloco.cli", "--log-level", "INFO", "learner", "--shards",
+            [sys.executable, "-m", "diloco.cli", "--insecure", "--log-level", "INFO", "learner", "--shards",
              (tmp_path / "port").read_text().strip(), "--learner-id", "L0", "--steps", "100000",
              "--batch-size", "4", "--summary", str(tmp_path / "summary.json"), *common],
             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"),

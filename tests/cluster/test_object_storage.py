@@ -132,7 +132,7 @@ def test_a_shard_restored_from_s3_mid_run_replays_bit_for_bit(s3_run, s3):
 def _restore(out, url, env, spec="latest"):
     """A shard process asked to --restore from the bucket; it exits at once when refused."""
     return subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "syncer", "--shard-id", "0", "--shards", "2", "--port", "0",
+        [sys.executable, "-m", "diloco.cli", "--tls-dir", str(out / "tls"), "syncer", "--shard-id", "0", "--shards", "2", "--port", "0",
          "--secret-file", str(out / "secret"), "--run-config", str(out / "run.json"),
          "--snapshot-dir", url, "--restore", spec],
         capture_output=True, text=True, timeout=60, env=env,

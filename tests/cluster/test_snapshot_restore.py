@@ -44,7 +44,7 @@ def poll(predicate, what, timeout_s=90.0):
 def versions(address: str) -> dict[int, int]:
     async def status():
         async with open_channel(address) as channel:
-            reply = await SyncerClient(channel, "C", auth.sign("cluster-secret", "C"), timeout_s=5).status()
+            reply = await SyncerClient(channel, auth.Credential("C", secret="cluster-secret"), timeout_s=5).status()
             return {f.fragment: f.version for f in reply.fragments}
 
     try:
@@ -62,7 +62,7 @@ class Cluster:
 
     def spawn(self, name, args):
         log = open(self.tmp / f"{name}.log", "a")
-        proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", *args], stdout=log, stderr=log)
+        proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "--insecure", *args], stdout=log, stderr=log)
         self.procs.append(proc)
         return proc
 
@@ -72,7 +72,7 @@ class Cluster:
         self.spawn("coordinator", [
             "coordinator", "--port", str(self.coordinator_port), "--data-dir", str(self.tmp / "coord"),
             "--shards", ",".join(self.shards), *restore_flags,
-            "--learner-command", f"{sys.executable} -m diloco.cli learner --steps 100000 --heartbeat-s 0.3",
+            "--learner-command", f"{sys.executable} -m diloco.cli --insecure learner --steps 100000 --heartbeat-s 0.3",
             *common,
         ])
         for m, port in enumerate(self.shard_ports):
@@ -131,7 +131,7 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
              and all(v >= restored[f] + 2 for f, v in now.items()), "training to continue after the restore")
         # The operator exports the live global model; it loads into a fresh byte GPT.
         export = subprocess.run(
-            [sys.executable, "-m", "diloco.cli", "admin", "--coordinator", cluster.coordinator, "--token-file",
+            [sys.executable, "-m", "diloco.cli", "--insecure", "admin", "--coordinator", cluster.coordinator, "--token-file",
              str(tmp_path / "coord" / "admin-token"), "export", "--out", str(tmp_path / "model.safetensors"), "--json"],
             capture_output=True, text=True, timeout=120,
         )

@@ -35,7 +35,7 @@ async def running_shard(tmp_path, learners=("L0", "L1", "L2"), run=TINY, shard_i
 async def client_for(address, learner_id, credential=None):
     channel = open_channel(address)
     try:
-        yield SyncerClient(channel, learner_id, credential or auth.sign(SECRET, learner_id), timeout_s=20)
+        yield SyncerClient(channel, auth.Credential(learner_id, credential or auth.sign(SECRET, learner_id)), timeout_s=20)
     finally:
         await channel.close()
 

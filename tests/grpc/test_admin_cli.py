@@ -147,7 +147,7 @@ def test_what_an_operator_gets_wrong_is_said_plainly(tmp_path, capsys):
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
     (tmp_path / "token").write_text("t")
-    assert cli.main(["admin", "--coordinator", closed, "--token-file", str(tmp_path / "token"), "members"]) == 2
+    assert cli.main(["--insecure", "admin", "--coordinator", closed, "--token-file", str(tmp_path / "token"), "members"]) == 2
     err = capsys.readouterr().err
     assert f"no coordinator answers at {closed}" in err and "endpoints.json" in err and "Traceback" not in err
 

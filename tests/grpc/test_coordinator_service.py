@@ -25,7 +25,9 @@ def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
         async with running_coordinator(tmp_path, shards=shards, pools=("default", "spot")) as server:
             session = LearnerSession(server.address)
             reply = await session.join(auth.join_token(SECRET), pool="spot", address="host:42")
-            assert reply.learner_id == "L0" and reply.credential == auth.sign(SECRET, "L0") and reply.lease_s == 5.0
+            assert reply.learner_id == "L0" and reply.lease_s == 5.0
+            auth.verify(SECRET, "L0", reply.credential)  # the run's, for L0, valid for the default lifetime
+            assert abs(auth.expiry(reply.credential) - time.time() - auth.CREDENTIAL_LIFETIME_S) < 5
             # No learner has registered a model yet: no manifest, no plan, shards without fragments.
             assert reply.topology.manifest_json == "" and not reply.topology.plan.fragments
             assert [list(s.fragments) for s in reply.topology.shards] == [[], []]

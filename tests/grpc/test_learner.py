@@ -41,7 +41,7 @@ async def shards(tmp_path, count, learners, **rounds):
 
 
 def member(name, addresses, run=RUN) -> Membership:
-    return Membership(name, auth.sign(SECRET, name), run, dict(enumerate(addresses)), 0.0)
+    return Membership(name, auth.Credential(name, secret=SECRET), run, dict(enumerate(addresses)), 0.0)
 
 
 def train(name, addresses, run=RUN, on_learner=lambda learner: None, **overrides) -> Learner:

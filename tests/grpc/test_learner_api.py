@@ -59,7 +59,7 @@ async def shards(tmp_path, count, learners, fragments=3):
 
 def own_loop(run_cfg, addresses, name, model, steps=30, seed=0):
     """What a user writes: their model, optimizer and loss; one ``step`` per optimizer step."""
-    member = Membership(name, auth.sign(SECRET, name), run_cfg, dict(enumerate(addresses)), 0.0)
+    member = Membership(name, auth.Credential(name, secret=SECRET), run_cfg, dict(enumerate(addresses)), 0.0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(seed)
     losses = []
@@ -119,7 +119,7 @@ def test_a_learner_whose_model_differs_is_refused_naming_the_tensor(tmp_path):
             addresses = [a for _, a in servers]
             await asyncio.to_thread(own_loop, run_cfg, addresses, "L0", Net(), 6)
             other = nn.Sequential(nn.Linear(3, 3))
-            member = Membership("L1", auth.sign(SECRET, "L1"), run_cfg, dict(enumerate(addresses)), 0.0)
+            member = Membership("L1", auth.Credential("L1", secret=SECRET), run_cfg, dict(enumerate(addresses)), 0.0)
             with pytest.raises(FailedPrecondition, match="shard 0 holds another model"):
                 await asyncio.to_thread(diloco.Learner, other, member)
 
@@ -143,7 +143,7 @@ def test_a_misbehaving_task_fails_its_learner_and_the_shards_lose_nothing(tmp_pa
             cfg = diloco.LearnerConfig(steps=24, eval_every_steps=12, warmup_steps=2)
 
             def learn(name):
-                member = Membership(name, auth.sign(SECRET, name), run_cfg, dict(enumerate(addresses)), 0.0)
+                member = Membership(name, auth.Credential(name, secret=SECRET), run_cfg, dict(enumerate(addresses)), 0.0)
                 return run_task(member, cfg)
 
             good = await asyncio.to_thread(learn, "L0")
@@ -216,7 +216,7 @@ def test_a_learner_records_snapshots_through_fsspec_and_survives_a_failed_write(
 
     async def scenario():
         async with shards(tmp_path, 1, ("L0",)) as (run_cfg, servers):
-            member = Membership("L0", auth.sign(SECRET, "L0"), run_cfg, {0: servers[0][1]}, 0.0)
+            member = Membership("L0", auth.Credential("L0", secret=SECRET), run_cfg, {0: servers[0][1]}, 0.0)
             model = Net()
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
             reports = []

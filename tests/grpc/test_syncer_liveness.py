@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from diloco import auth
 from diloco.errors import Cancelled, DeadlineExceeded
 from learner.streamer import Streamer
 from tests.grpc.conftest import client_for, run, running_shard
@@ -69,7 +70,7 @@ def test_a_read_that_waits_too_long_for_a_round_gets_deadline_exceeded(tmp_path,
 
 
 def test_a_stop_ends_a_learner_s_blocking_wait_at_once():
-    streamer = Streamer({}, "L0", "credential", timeout_s=5, max_inflight=1)
+    streamer = Streamer({}, auth.Credential("L0", "credential"), timeout_s=5, max_inflight=1)
     try:
         stop = threading.Event()
         threading.Timer(0.3, stop.set).start()

@@ -112,3 +112,42 @@ def test_a_tls_shard_answers_plaintext_health_probes_on_its_health_port(tmp_path
             assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+@pytest.mark.parametrize("command", [
+    ["coordinator", "--data-dir", "{tmp}/coord"],
+    ["syncer", "--learners", "L0"],
+    ["learner", "--coordinator", "127.0.0.1:1", "--join-token-file", "{tmp}/join"],
+    ["admin", "--coordinator", "127.0.0.1:1", "members"],
+])
+def test_every_networked_command_refuses_plaintext_unless_asked(tmp_path, monkeypatch, capsys, command):
+    """Neither --tls-dir nor --insecure (nor $DILOCO_TLS_DIR / $DILOCO_INSECURE): exit 2
+    with one line saying what to give, before anything listens or dials."""
+    monkeypatch.delenv("DILOCO_TLS_DIR", raising=False)
+    monkeypatch.delenv("DILOCO_INSECURE", raising=False)
+    argv = [part.format(tmp=tmp_path) for part in command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{argv[0]} refuses plaintext gRPC: give --tls-dir DIR" in err and "--insecure" in err
+    assert "Traceback" not in err and not (tmp_path / "coord").exists()
+
+
+def test_the_environment_chooses_the_transport_and_a_flag_overrides_it(tmp_path, monkeypatch, capsys, caplog):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    (tmp_path / "token").write_text("t")
+    admin = ["admin", "--coordinator", closed, "--token-file", str(tmp_path / "token"), "members"]
+    monkeypatch.delenv("DILOCO_TLS_DIR", raising=False)
+    monkeypatch.setenv("DILOCO_INSECURE", "1")  # plaintext asked for by the environment: it dials
+    assert main(admin) == 2
+    err = capsys.readouterr().err
+    assert f"no coordinator answers at {closed}" in err
+    assert "--insecure: plaintext gRPC, tokens and credentials cross the network in clear" in caplog.text
+    monkeypatch.setenv("DILOCO_TLS_DIR", str(tmp_path / "missing"))  # TLS from the environment wins over it
+    assert main(admin) == 2
+    assert "cannot read ca.crt" in capsys.readouterr().err
+    assert main(["--insecure", *admin]) == 2  # and an explicit flag over the environment
+    assert f"no coordinator answers at {closed}" in capsys.readouterr().err

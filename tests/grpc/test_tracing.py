@@ -82,7 +82,7 @@ def test_sync_span_is_the_parent_of_the_shards_push_span_and_the_round_links_eve
     async def scenario():
         async with running_shard(tmp_path, learners=("L0", "L1"), quorum=2, grace_mode="off") as (server, address):
             # L0: the learner's own path, a SyncTrace through the streamer's event loop thread.
-            streamer = Streamer({0: address}, "L0", auth.sign(SECRET, "L0"), timeout_s=20)
+            streamer = Streamer({0: address}, auth.Credential("L0", secret=SECRET), timeout_s=20)
             learner_telemetry = LearnerTelemetry("L0")
             try:
                 fake = FakeLearner.of(server, "L0")
@@ -172,7 +172,7 @@ def test_sync_span_is_the_parent_of_the_shards_push_span_and_the_round_links_eve
 def test_a_push_the_streamer_drops_ends_its_span_as_dropped(telemetry):
     exporter, reader = telemetry
     # No shard behind the address: with no push in flight allowed, the streamer drops it at once.
-    streamer = Streamer({0: "127.0.0.1:1"}, "L0", "x", timeout_s=5, max_inflight=0)
+    streamer = Streamer({0: "127.0.0.1:1"}, auth.Credential("L0", "x"), timeout_s=5, max_inflight=0)
     try:
         sync = LearnerTelemetry("L0").start_sync(fragment=1, shard=0, base_version=3, step=2)
         assert not streamer.submit(PushJob(0, None, [], [], 2, sync))
@@ -188,7 +188,7 @@ def test_a_push_rejected_by_the_shard_ends_its_span_with_the_status(tmp_path, te
 
     async def scenario():
         async with running_shard(tmp_path, learners=("L0",)) as (server, address):
-            streamer = Streamer({0: address}, "L0", "not-the-credential", timeout_s=20)
+            streamer = Streamer({0: address}, auth.Credential("L0", "not-the-credential"), timeout_s=20)
             try:
                 fake = FakeLearner.of(server, "L0")
                 meta, encoded = fake.next_push()

@@ -20,8 +20,8 @@ PRESETS = ("values-tpu-v5e.yaml", "values-tpu-v6e.yaml", "values-cpu-dev.yaml")
 RELEASE = "diloco"
 NAMESPACE = "ml"
 CLUSTER_DOMAIN = "cluster.local"
-# Kinds kubernetes-validate has no schema for (CRDs of the monitoring stacks).
-CRD_KINDS = {"PodMonitoring", "ServiceMonitor"}
+# Kinds kubernetes-validate has no schema for (CRDs of the monitoring stacks, cert-manager).
+CRD_KINDS = {"PodMonitoring", "ServiceMonitor", "Certificate"}
 EXISTING_SECRET = {"auth": {"existingSecret": "diloco-auth"}}
 JOIN_TOKEN = "0" * 64
 INLINE_SECRET = {"auth": {"secret": "run-secret", "joinToken": JOIN_TOKEN, "adminToken": "admin-token"}}

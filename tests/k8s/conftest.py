@@ -51,8 +51,11 @@ VARIANTS = {
         "coordinator": {"persistence": {"enabled": False}}, "syncer": {"persistence": {"enabled": False}},
         "snapshots": {"enabled": False}, "networkPolicy": {"enabled": False},
     }),
-    # Mutual TLS from a cert-manager Secret; probes on the plaintext health port.
+    # Mutual TLS from the user's Secret; probes on the plaintext health port. (The
+    # defaults have TLS with certificates Helm generates.)
     "tls": merge(EXISTING_SECRET, {"tls": {"enabled": True, "existingSecret": "diloco-tls"}}),
+    "tls-cert-manager": merge(EXISTING_SECRET, {"tls": {"certManager": {"issuerName": "run-ca", "issuerKind": "ClusterIssuer"}}}),
+    "plaintext": merge(EXISTING_SECRET, {"tls": {"enabled": False}}),
     # Snapshots in object storage on a schedule, credentials from a Secret, restored from.
     "object-storage": merge(EXISTING_SECRET, {
         "restore": "latest",

@@ -37,6 +37,15 @@ from tests.k8s.conftest import configmap_uid
 TPU_PRESETS = {"values-tpu-v5e.yaml": ("tpu-v5-lite-podslice", "2x4"), "values-tpu-v6e.yaml": ("tpu-v6e-slice", "2x4")}
 
 
+def tls_secret_name(rendered):
+    """The Secret the run's certificates are in: the user's, or the one the chart makes
+    (generated, or a cert-manager Certificate's)."""
+    if rendered.values["tls"]["existingSecret"]:
+        return rendered.values["tls"]["existingSecret"]
+    kind = "Certificate" if rendered.values["tls"]["certManager"]["issuerName"] else "Secret"
+    return rendered.one(kind, "-tls")["metadata"]["name"]
+
+
 def coordinator_pod(rendered):
     deployment = rendered.one("Deployment", "-coordinator")
     return templated_pod(deployment["spec"]["template"], "diloco-coordinator-5d9f-x2x4z")
@@ -187,9 +196,12 @@ def test_static_learners_join_the_coordinator_with_the_join_token(presets, name)
     assert mounted(pod, c, parsed.join_token_file) == Mounted("secret", rendered.values["auth"]["existingSecret"], "join-token")
     assert parsed.block_size == rendered.values["syncer"]["blockSize"]
     assert parsed.device == {"tpu": "xla", "gpu": "cuda", "cpu": "cpu"}[values["accelerator"]]
-    # A learner never holds the run secret: only the join token is projected into it.
-    secret_items = [i["key"] for v in pod["spec"]["volumes"] if "secret" in v for i in v["secret"]["items"]]
-    assert secret_items == ["join-token"]
+    # A learner never holds the run secret: only the join token is projected into it
+    # (beside the TLS Secret, which holds no token).
+    secrets = {v["secret"]["secretName"]: v["secret"].get("items") for v in pod["spec"]["volumes"] if "secret" in v}
+    auth = rendered.values["auth"]["existingSecret"]
+    assert [i["key"] for i in secrets.pop(auth)] == ["join-token"]
+    assert list(secrets) == [tls_secret_name(rendered)]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -336,8 +348,11 @@ def test_grpc_probes_ask_the_services_the_servers_register(presets, name):
     }
     for name_, (pod, service) in servers.items():
         c = container(pod, name_)
-        port = build_parser().parse_args(args(pod, c)).port
-        assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == port
+        parsed = build_parser().parse_args(args(pod, c))
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == parsed.port
+        # Under TLS (the presets') kubelet asks the plaintext health port; plaintext: the main one.
+        port = parsed.health_port if rendered.values["tls"]["enabled"] else parsed.port
+        assert port
         for probe in ("startupProbe", "readinessProbe"):
             assert c[probe]["grpc"] == {"port": port, "service": service}, (name_, probe)
         # Liveness asks for the server as a whole (""), which stays SERVING while it drains.
@@ -347,23 +362,32 @@ def test_grpc_probes_ask_the_services_the_servers_register(presets, name):
         assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(c), "learners serve no port"
 
 
-def test_with_tls_every_process_gets_the_run_s_certificates_and_probes_use_the_health_port(variants):
-    """tls.enabled: every container that opens a gRPC server or channel (coordinator,
-    shards, static and launched learners, the helm test) reads ca.crt, tls.crt and
-    tls.key from the Secret through DILOCO_TLS_DIR (the CLI's --tls-dir); kubelet's
-    probes, which present no certificate, ask the plaintext --health-port."""
-    rendered = variants["tls"]
-    secret = rendered.values["tls"]["existingSecret"]
-    health_port = rendered.values["tls"]["healthPort"]
+def grpc_processes(rendered):
+    """Every container that opens a gRPC server or channel: what -> (pod, container, service)."""
     pods = {"coordinator": (coordinator_pod(rendered), "coordinator", COORDINATOR_SERVICE),
             "shard": (statefulset_pod(rendered.one("StatefulSet", "-syncer"), 0), "syncer", SYNCER_SERVICE),
             "static learner": (job_pod(rendered), "learner", None),
             **{f"template/{k}": (templated_pod(t, "p"), "learner", None) for k, t in rendered.pod_templates().items()}}
     test_pod = next(p for p in rendered.all("Pod") if p["metadata"]["name"].endswith("-test-health"))
     pods["helm test"] = (test_pod, "health", None)
-    for what, (pod, name, service) in pods.items():
+    return pods
+
+
+@pytest.mark.parametrize("name", ["defaults", "tls", "tls-cert-manager"])
+def test_with_tls_every_process_gets_the_run_s_certificates_and_probes_use_the_health_port(variants, name):
+    """tls.enabled (the default; certificates generated, the user's Secret, or
+    cert-manager's): every container that opens a gRPC server or channel (coordinator,
+    shards, static and launched learners, the helm test) reads ca.crt, tls.crt and
+    tls.key from the Secret through DILOCO_TLS_DIR (the CLI's --tls-dir); kubelet's
+    probes, which present no certificate, ask the plaintext --health-port."""
+    rendered = variants[name]
+    secret = tls_secret_name(rendered)
+    health_port = rendered.values["tls"]["healthPort"]
+    for what, (pod, name, service) in grpc_processes(rendered).items():
         c = container(pod, name)
-        tls_dir = environment(pod, c)["DILOCO_TLS_DIR"]
+        env = environment(pod, c)
+        assert "DILOCO_INSECURE" not in env, what
+        tls_dir = env["DILOCO_TLS_DIR"]
         for file in ("ca.crt", "tls.crt", "tls.key"):
             assert mounted(pod, c, f"{tls_dir}/{file}") == Mounted("secret", secret, file), what
         if service is None:
@@ -374,6 +398,71 @@ def test_with_tls_every_process_gets_the_run_s_certificates_and_probes_use_the_h
         for probe in ("startupProbe", "readinessProbe"):
             assert c[probe]["grpc"] == {"port": health_port, "service": service}, (what, probe)
         assert c["livenessProbe"]["grpc"] == {"port": health_port}
+
+
+def test_plaintext_is_asked_for_explicitly_in_every_process(variants):
+    """tls.enabled=false: every gRPC process is told DILOCO_INSECURE=1 (diloco refuses
+    plaintext otherwise), mounts no certificates, and is probed on its main port."""
+    rendered = variants["plaintext"]
+    assert not rendered.all("Certificate") and not [s for s in rendered.all("Secret") if s["metadata"]["name"].endswith("-tls")]
+    for what, (pod, name, service) in grpc_processes(rendered).items():
+        c = container(pod, name)
+        env = environment(pod, c)
+        assert "DILOCO_TLS_DIR" not in env, what
+        if what != "helm test":  # (a plain grpc script, not the diloco CLI)
+            assert env.get("DILOCO_INSECURE") == "1", what
+        assert not [v for v in pod["spec"]["volumes"] if v["name"] == "tls"], what
+        if service is not None:
+            parsed = build_parser().parse_args(args(pod, c))
+            assert c["readinessProbe"]["grpc"] == {"port": parsed.port, "service": service}, what
+
+
+def test_the_chart_s_generated_certificates_carry_mutual_tls(variants, tmp_path):
+    """The default install's Secret (a CA and a certificate Helm generates): written out as
+    the pods see it, a real shard serving with it answers a client holding it, and
+    refuses a plaintext client and a client of another CA."""
+    import asyncio
+    import base64
+
+    from diloco import rpc
+    from diloco.certs import make_certs
+    from tests.grpc.conftest import running_shard
+    from tests.grpc.test_tls import status_with
+
+    secret = variants["defaults"].one("Secret", "-tls")
+    assert secret["type"] == "kubernetes.io/tls" and sorted(secret["data"]) == ["ca.crt", "tls.crt", "tls.key"]
+    (tmp_path / "tls").mkdir()
+    for key, value in secret["data"].items():
+        (tmp_path / "tls" / key).write_bytes(base64.b64decode(value))
+    ours = rpc.Tls.from_dir(tmp_path / "tls")
+    make_certs(tmp_path / "other")
+    theirs = rpc.Tls.from_dir(tmp_path / "other")
+
+    async def scenario():
+        rpc.use_tls(ours)
+        try:
+            async with running_shard(tmp_path / "shard") as (_, address):
+                assert (await status_with(address, ours)).plan_hash
+                for tls in (None, theirs):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await status_with(address, tls)
+                    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            rpc.use_tls(None)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_cert_manager_is_asked_for_a_certificate_every_process_can_use(variants):
+    rendered = variants["tls-cert-manager"]
+    certificate = rendered.one("Certificate", "-tls")
+    spec = certificate["spec"]
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    assert spec["secretName"] == certificate["metadata"]["name"] == tls_secret_name(rendered)
+    assert "diloco" in spec["dnsNames"]  # the name every channel verifies (rpc.TLS_SERVER_NAME)
+    assert {"server auth", "client auth"} <= set(spec["usages"])  # each process is both
+    assert spec["issuerRef"] == {"group": "cert-manager.io", "kind": "ClusterIssuer", "name": "run-ca"}
+    assert not [s for s in rendered.all("Secret") if s["metadata"]["name"] == spec["secretName"]]
 
 
 @pytest.mark.parametrize("name", [*PRESETS, "observability", "restore-pinned"])

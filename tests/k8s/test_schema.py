@@ -116,7 +116,6 @@ TEMPLATE_ERRORS = {
     "a pool listed twice": ({"scavenging": {"pools": [{"name": "spot"}, {"name": "spot"}]}}, 'pool "spot" is listed twice'),
     "restore without a snapshot volume": ({"restore": "latest", "snapshots": {"enabled": False}}, "restore needs snapshots.enabled"),
     "object-store credentials without a url": ({"snapshots": {"credentialsSecret": "s3"}}, "set snapshots.url too"),
-    "tls without its Secret": ({"tls": {"enabled": True}}, "tls.enabled needs tls.existingSecret"),
 }
 
 

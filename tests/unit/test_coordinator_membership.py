@@ -89,7 +89,7 @@ def test_plan_hash_must_match():
 
 
 def test_launch_requests_are_checked_and_hold_slots_until_join():
-    m = membership(max_learners=3, join_timeout_s=60.0, lease_s=1000.0)
+    m = membership(max_learners=3, join_timeout_s=60.0, lease_s=1000.0, credential_lifetime_s=2000.0)
     with pytest.raises(InvalidArgument, match="count must be >= 1"):
         m.check_launch(0, "")
     with pytest.raises(NotFound, match="unknown pool 'gpu'; pools: default, spot"):
@@ -145,7 +145,7 @@ def test_select_for_removal():
 
 
 def test_drain_then_leave_or_time_out():
-    m = membership(drain_timeout_s=30.0, lease_s=100.0)
+    m = membership(drain_timeout_s=30.0, lease_s=100.0, credential_lifetime_s=200.0)
     m.add_launch("x0", "default", now=0.0)
     m.join("", "", "x0", "", now=0.0)
     m.join("", "", "", "", now=0.0)

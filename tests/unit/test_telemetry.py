@@ -105,7 +105,7 @@ def test_prometheus_endpoint_serves_the_metrics_with_the_resource():
 def test_prometheus_flag_without_the_extra_fails_with_a_message_not_a_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.prometheus", None)  # import raises ImportError
     (tmp_path / "secret").write_text("s")
-    code = cli.main(["syncer", "--prometheus", "0", "--secret-file", str(tmp_path / "secret"), "--learners", "L0"])
+    code = cli.main(["--insecure", "syncer", "--prometheus", "0", "--secret-file", str(tmp_path / "secret"), "--learners", "L0"])
     assert code == 2
     err = capsys.readouterr().err
     assert "diloco[metrics]" in err and "Traceback" not in err

@@ -65,6 +65,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- .Values.auth.existingSecret | default (printf "%s-auth" (include "diloco.fullname" .)) -}}
 {{- end -}}
 
+{{- define "diloco.tlsSecretName" -}}
+{{- .Values.tls.existingSecret | default (printf "%s-tls" (include "diloco.fullname" .)) -}}
+{{- end -}}
+
 {{- define "diloco.serviceAccountName" -}}
 {{- printf "%s-coordinator" (include "diloco.fullname" .) -}}
 {{- end -}}
@@ -173,6 +177,10 @@ Kubernetes expands $(VAR) from variables defined earlier in the list.
 # diloco reads it as --tls-dir: mutual TLS on every server and channel.
 - name: DILOCO_TLS_DIR
   value: /var/run/diloco-tls
+{{- else }}
+# tls.enabled=false: plaintext gRPC, asked for explicitly (diloco refuses it otherwise).
+- name: DILOCO_INSECURE
+  value: "1"
 {{- end }}
 - name: MPLCONFIGDIR
   value: /tmp/matplotlib
@@ -437,7 +445,7 @@ add-learners launches by default), then the learners' own pool. */}}
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ required "tls.enabled needs tls.existingSecret (a Secret with ca.crt, tls.crt and tls.key)" .Values.tls.existingSecret }}
+    secretName: {{ include "diloco.tlsSecretName" . }}
     defaultMode: 0440
 {{- end }}
 {{- end -}}
