@@ -255,7 +255,7 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 def _members(args: argparse.Namespace) -> int:
     client = _client(args)
     try:
-        learners = client.members(include_gone=args.all)
+        learners, launches = client.listing(include_gone=args.all)
     finally:
         client.close()
     if args.json:
@@ -268,6 +268,9 @@ def _members(args: argparse.Namespace) -> int:
         for l in learners
     ]
     _table(f"{len(learners)} learners", ["id", "state", "pool", "address", "heartbeat", "tokens", "steps", "lag"], rows)
+    if launches:
+        _table("launches not joined", ["launch id", "state", "pool", "since", "detail"],
+               [[x["launch_id"], x["state"], x["pool"], _ago(x["since_unix_ms"], now), x["detail"]] for x in launches])
     return 0
 
 
@@ -284,16 +287,46 @@ def _overrides(pairs: list[str] | None) -> dict[str, str]:
 def _add_learners(args: argparse.Namespace) -> int:
     if args.count <= 0:
         raise InvalidArgument(f"count must be >= 1, got {args.count}")
+    if not (args.wait_s >= 0):
+        raise InvalidArgument(f"--wait-s must be >= 0, got {args.wait_s}")
     client = _client(args)
     try:
         launches = client.add_learners(args.count, args.pool or "", _overrides(args.set))
+        outcomes = _joined_or_failed(client, launches, args.wait_s)
     finally:
         client.close()
     if args.json:
-        print(json.dumps(launches))
+        print(json.dumps(outcomes))
     else:
-        _table("launches", ["launch id", "ok", "detail"], [[x["launch_id"], "yes" if x["ok"] else "NO", x["detail"]] for x in launches])
-    return 0 if all(x["ok"] for x in launches) else 1
+        _table("launches", ["launch id", "outcome", "detail"], [[x["launch_id"], x["outcome"], x["detail"]] for x in outcomes])
+    return 0 if all(x["outcome"] in ("joined", "launched") for x in outcomes) else 1
+
+
+def _joined_or_failed(client, launches: list[dict], wait_s: float) -> list[dict]:
+    """Each launch's outcome: joined (as which learner), failed (and why: its exit and the
+    last lines of its log, from the coordinator), not joined within ``wait_s``, or, with
+    ``wait_s`` 0, launched (not waited for)."""
+    outcomes = {x["launch_id"]: {**x, "outcome": "launched" if x["ok"] else "failed", "learner_id": ""} for x in launches}
+    pending = {i for i, x in outcomes.items() if x["ok"]} if wait_s > 0 else set()
+    deadline = time.monotonic() + wait_s
+    while pending:
+        learners, not_joined = client.listing(include_gone=True)
+        for learner in learners:
+            if learner["launch_id"] in pending:
+                outcomes[learner["launch_id"]].update(outcome="joined", learner_id=learner["id"],
+                                                      detail=f"as {learner['id']} ({outcomes[learner['launch_id']]['detail']})")
+        for launch in not_joined:
+            if launch["launch_id"] in pending and launch["state"] == "failed":
+                outcomes[launch["launch_id"]].update(outcome="failed", detail=launch["detail"])
+        pending = {i for i in pending if outcomes[i]["outcome"] == "launched"}
+        if pending and time.monotonic() >= deadline:
+            for i in pending:
+                outcomes[i].update(outcome="not joined",
+                                   detail=f"not joined within {wait_s:g} s (`diloco admin members` shows it); {outcomes[i]['detail']}")
+            break
+        if pending:
+            time.sleep(0.5)  # polling a remote state on a human's behalf
+    return list(outcomes.values())
 
 
 def _remove_learners(args: argparse.Namespace) -> int:
@@ -439,6 +472,9 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     add.add_argument("count", type=int, metavar="N")
     add.add_argument("--pool", help="pool to launch into (default: the coordinator's first pool)")
     add.add_argument("--set", action="append", metavar="KEY=VALUE", help="learner flag override, e.g. device=cpu (repeatable)")
+    add.add_argument("--wait-s", type=float, default=120.0, metavar="S",
+                     help="wait up to S seconds for each learner to join, and say which failed and why; exit 1 "
+                          "unless all joined (default 120; 0: return once launched)")
     add.add_argument("--json", action="store_true", help="print the launch results as JSON")
     add.set_defaults(func=_add_learners)
 

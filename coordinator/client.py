@@ -48,6 +48,7 @@ def learner_dict(info: common_pb2.LearnerInfo) -> dict:
         "address": info.address,
         "last_heartbeat_unix_ms": info.last_heartbeat_unix_ms,
         "joined_unix_ms": info.joined_unix_ms,
+        "launch_id": info.launch_id,
         "tokens": info.tokens,
         "inner_steps": info.inner_steps,
         "version_lag": info.version_lag,
@@ -164,8 +165,14 @@ class AdminClient:
             raise error_from_rpc(error, f"{what} at {self.address}") from None
 
     def members(self, include_gone: bool = False) -> list[dict]:
+        return self.listing(include_gone)[0]
+
+    def listing(self, include_gone: bool = False) -> tuple[list[dict], list[dict]]:
+        """The learners, and the launches not joined (launching, or failed and why)."""
         reply = self._call("ListLearners", self.stub.ListLearners, coordinator_pb2.ListLearnersRequest(include_gone=include_gone))
-        return [learner_dict(l) for l in reply.learners]
+        launches = [{"launch_id": x.launch_id, "pool": x.pool, "state": x.state, "detail": x.detail,
+                     "since_unix_ms": x.since_unix_ms} for x in reply.launches]
+        return [learner_dict(l) for l in reply.learners], launches
 
     def add_learners(self, count: int, pool: str = "", overrides: Mapping[str, str] | None = None) -> list[dict]:
         request = coordinator_pb2.AddLearnersRequest(count=count, pool=pool, overrides=dict(overrides or {}))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-from coordinator.core.membership import ACTIVE, DRAINING, FAILED, JOINING, LEFT, Change, HeartbeatStats, Learner
+from coordinator.core.membership import (
+    ACTIVE, DRAINING, FAILED, JOINING, LEFT, Change, FailedLaunch, HeartbeatStats, Launch, Learner,
+)
 from coordinator.core.snapshots import COMPLETE, FAILED as SNAPSHOT_FAILED, RUNNING, Snapshot, SnapshotFile
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
@@ -52,7 +54,16 @@ def learner_to_proto(learner: Learner) -> common_pb2.LearnerInfo:
         inner_steps=learner.inner_steps,
         version_lag=learner.version_lag,
         joined_unix_ms=_ms(learner.joined_s),
+        launch_id=learner.launch_id,
     )
+
+
+def launch_to_proto(launch: Launch | FailedLaunch) -> coordinator_pb2.LaunchInfo:
+    if isinstance(launch, FailedLaunch):
+        return coordinator_pb2.LaunchInfo(launch_id=launch.launch_id, pool=launch.pool, state="failed",
+                                          detail=launch.detail, since_unix_ms=_ms(launch.failed_s))
+    return coordinator_pb2.LaunchInfo(launch_id=launch.launch_id, pool=launch.pool, state="launching",
+                                      since_unix_ms=_ms(launch.launched_s))
 
 
 def membership_snapshot(learners: list[Learner], clock: VectorClock) -> coordinator_pb2.MembershipEvent:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 import signal
@@ -26,12 +27,40 @@ logger = logging.getLogger(__name__)
 
 # Flags the launcher sets itself; an override may not replace them.
 RESERVED_FLAGS = ("coordinator", "join-token-file", "pool", "launch-id")
-LEARNER_SETTINGS = (
-    "device", "steps", "lr", "warmup-steps", "eval-every", "delta-codec", "block-size", "step-delay-s", "threads",
-    "slow-factor", "wire-delay-ms", "push-timeout-s", "max-inflight", "heartbeat-s", "coordinator-loss-timeout-s",
-)
+
+
+def _number(kind: type, minimum: float, above: bool = False) -> Callable[[str], object]:
+    def check(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > minimum if above else value >= minimum)):
+            raise ValueError(f"must be {'>' if above else '>='} {minimum:g}")
+        return value
+    return check
+
+
+def _choice(*choices: str) -> Callable[[str], object]:
+    def check(text: str) -> object:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text
+    return check
+
+
+LEARNER_SETTINGS: dict[str, Callable[[str], object]] = {
+    "device": _choice("cpu", "cuda", "xla"), "steps": _number(int, 1), "lr": _number(float, 0, above=True),
+    "warmup-steps": _number(int, 0), "eval-every": _number(int, 1), "delta-codec": _choice("int4", "fp32"),
+    "block-size": _number(int, 1), "step-delay-s": _number(float, 0), "threads": _number(int, 1),
+    "slow-factor": _number(float, 0, above=True), "wire-delay-ms": _number(float, 0),
+    "push-timeout-s": _number(float, 0, above=True), "max-inflight": _number(int, 0),
+    "heartbeat-s": _number(float, 0, above=True), "coordinator-loss-timeout-s": _number(float, 0, above=True),
+}
 """The ``diloco learner`` settings an AddLearners caller may override (an allow-list: the
-joining flags, where the learner goes and what it presents, are the launcher's)."""
+joining flags, where the learner goes and what it presents, are the launcher's), each
+with the check its value must pass before anything is launched (tests keep these in step
+with the learner's own flags)."""
 _OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
 
 
@@ -76,6 +105,10 @@ def override_args(overrides: Mapping[str, str]) -> list[str]:
                                   f"(one of: {', '.join(LEARNER_SETTINGS)})")
         if "\0" in value or "\n" in value:
             raise InvalidArgument(f"override {key!r} has a control character in its value")
+        try:
+            LEARNER_SETTINGS[flag](value)
+        except ValueError as error:
+            raise InvalidArgument(f"--set {key}={value}: {error}") from None
         args += [f"--{flag}", value]
     return args
 
@@ -91,6 +124,19 @@ def describe_exit(returncode: int) -> str:
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
     return f"exit code {returncode}"
+
+
+def log_tail(path: Path, lines: int = 2, max_chars: int = 400) -> str:
+    """The last non-empty lines of a log, joined with " | " (what an operator reads first)."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - 8192))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    tail = " | ".join([line.strip() for line in text.splitlines() if line.strip()][-lines:])
+    return tail if len(tail) <= max_chars else "..." + tail[-max_chars:]
 
 
 class LocalProcessLauncher:
@@ -139,8 +185,12 @@ class LocalProcessLauncher:
     async def _watch(self, launch_id: str, process: asyncio.subprocess.Process) -> None:
         returncode = await process.wait()
         self.processes.pop(launch_id, None)
-        logger.info("learner %s (pid %d) ended: %s", launch_id, process.pid, describe_exit(returncode))
-        self.on_exit(launch_id, describe_exit(returncode))
+        detail = describe_exit(returncode)
+        if returncode != 0:  # say why: the learner's last words
+            tail = log_tail(self.log_dir / f"{launch_id}.log")
+            detail += f": {tail}" if tail else ""
+        logger.info("learner %s (pid %d) ended: %s", launch_id, process.pid, detail)
+        self.on_exit(launch_id, detail)
 
     async def stop(self, launch_ids: Sequence[str], gently: bool = False) -> None:
         await asyncio.gather(*(self._stop_one(i, gently) for i in launch_ids))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
-from coordinator.core.membership import DRAINING, Change, HeartbeatStats, Learner, Membership
+from coordinator.core.membership import DRAINING, Change, FailedLaunch, HeartbeatStats, Launch, Learner, Membership
 from coordinator.core.snapshots import COMPLETE, Snapshot, SnapshotFile, Snapshots, manifest_of
 from coordinator.launcher import Launcher, LaunchResult, override_args
 from diloco import auth
@@ -396,6 +396,10 @@ class CoordinatorRuntime:
     def list_learners(self, include_gone: bool) -> list[Learner]:
         self._settle()
         return self.membership.listing(include_gone)
+
+    def list_launches(self) -> list[Launch | FailedLaunch]:
+        """Launches not joined: the pending ones, then the failures the core remembers."""
+        return [*self.membership.launches.values(), *self.membership.failed_launches.values()]
 
     def start_snapshot(self) -> Snapshot:
         """Register snapshot n and send the markers (in the background): the shards by

@@ -169,7 +169,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             self._admin(context)
             learners = self.runtime.list_learners(request.include_gone)
-            return coordinator_pb2.ListLearnersReply(learners=[convert.learner_to_proto(l) for l in learners])
+            return coordinator_pb2.ListLearnersReply(
+                learners=[convert.learner_to_proto(l) for l in learners],
+                launches=[convert.launch_to_proto(x) for x in self.runtime.list_launches()],
+            )
         except DilocoError as error:
             await rpc.abort_with(context, error)
 

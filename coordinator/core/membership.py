@@ -74,6 +74,20 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class FailedLaunch:
+    """A launch that ended before its learner joined (what ``members`` shows for it)."""
+
+    launch_id: str
+    pool: str
+    detail: str
+    failed_s: float
+
+
+FAILED_LAUNCHES_KEPT = 100
+"""The most recent failed launches the coordinator remembers (in memory)."""
+
+
+@dataclass(frozen=True)
 class HeartbeatStats:
     tokens: int = 0
     inner_steps: int = 0
@@ -108,6 +122,7 @@ class Membership:
         self.next_number = next_number
         self.learners: dict[str, Learner] = {}
         self.launches: dict[str, Launch] = {}
+        self.failed_launches: dict[str, FailedLaunch] = {}
         self._changes: list[Change] = []
 
     # --- reading ---------------------------------------------------------------------
@@ -199,6 +214,7 @@ class Membership:
         for launch in list(self.launches.values()):
             if now >= launch.launched_s + self.cfg.join_timeout_s:
                 del self.launches[launch.launch_id]
+                self._launch_failed(launch, f"did not join within {self.cfg.join_timeout_s:g} s", now)
                 self._changes.append(
                     Change("launch_ended", None, f"launch {launch.launch_id} did not join within "
                            f"{self.cfg.join_timeout_s:g} s", stop_launch=launch.launch_id)
@@ -234,12 +250,19 @@ class Membership:
     def launch_ended(self, launch_id: str, detail: str, now: float) -> None:
         """A launched process or pod ended. Before joining, it frees its slot; after, its
         learner fails now rather than a lease later."""
-        if self.launches.pop(launch_id, None) is not None:
+        launch = self.launches.pop(launch_id, None)
+        if launch is not None:
+            self._launch_failed(launch, f"ended before joining: {detail}", now)
             self._changes.append(Change("launch_ended", None, f"launch {launch_id} ended before joining: {detail}"))
             return
         for learner in self.learners.values():
             if learner.launch_id == launch_id and learner.live:
                 self._depart(learner, FAILED, f"process ended: {detail}", now)
+
+    def _launch_failed(self, launch: Launch, detail: str, now: float) -> None:
+        self.failed_launches[launch.launch_id] = FailedLaunch(launch.launch_id, launch.pool, detail, now)
+        while len(self.failed_launches) > FAILED_LAUNCHES_KEPT:
+            del self.failed_launches[next(iter(self.failed_launches))]
 
     def select(self, learner_ids: list[str], count: int) -> list[Learner]:
         """Learners to remove: the ones named, or the ``count`` newest live ones not yet

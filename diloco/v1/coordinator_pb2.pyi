@@ -305,10 +305,26 @@ class ListLearnersRequest(_message.Message):
     def __init__(self, include_gone: _Optional[bool] = ...) -> None: ...
 
 class ListLearnersReply(_message.Message):
-    __slots__ = ("learners",)
+    __slots__ = ("learners", "launches")
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHES_FIELD_NUMBER: _ClassVar[int]
     learners: _containers.RepeatedCompositeFieldContainer[_common_pb2.LearnerInfo]
-    def __init__(self, learners: _Optional[_Iterable[_Union[_common_pb2.LearnerInfo, _Mapping]]] = ...) -> None: ...
+    launches: _containers.RepeatedCompositeFieldContainer[LaunchInfo]
+    def __init__(self, learners: _Optional[_Iterable[_Union[_common_pb2.LearnerInfo, _Mapping]]] = ..., launches: _Optional[_Iterable[_Union[LaunchInfo, _Mapping]]] = ...) -> None: ...
+
+class LaunchInfo(_message.Message):
+    __slots__ = ("launch_id", "pool", "state", "detail", "since_unix_ms")
+    LAUNCH_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    launch_id: str
+    pool: str
+    state: str
+    detail: str
+    since_unix_ms: int
+    def __init__(self, launch_id: _Optional[str] = ..., pool: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., since_unix_ms: _Optional[int] = ...) -> None: ...
 
 class StartSnapshotRequest(_message.Message):
     __slots__ = ()

@@ -1,6 +1,7 @@
 """`diloco coordinator` as a real process launching fake learner processes: SIGTERM
 stops its children (no orphans) and exits 0; a restart resumes from its state file."""
 
+import json
 import os
 import signal
 import subprocess
@@ -113,5 +114,62 @@ def test_a_tls_coordinator_launches_learners_that_speak_its_tls(tmp_path):
         rpc.use_tls(previous)
         if admin is not None:
             admin.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_add_learners_says_which_launches_joined_and_why_the_others_failed(tmp_path, capsys):
+    """A learner command that dies before joining: add-learners waits, names the failure
+    with the exit status and the learner's last log line, exits 1; members lists it. A
+    bad --set value is refused before anything is launched. A learner that joins: exit 0."""
+    from diloco import cli
+
+    (tmp_path / "secret").write_text(SECRET)
+    port_file = tmp_path / "port"
+    dies = f"{sys.executable} -c \"import sys; sys.exit('diloco: error: cannot build the task (no such file)')\""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "--insecure", "coordinator", "--data-dir", str(tmp_path / "data"),
+         "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret"), "--pools", "default,good",
+         "--learner-command", dies, *TINY_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", proc=proc)
+        admin = ["--insecure", "admin", "--coordinator", address, "--token-file", str(tmp_path / "data" / "admin-token")]
+        assert cli.main([*admin, "add-learners", "2", "--wait-s", "60", "--json"]) == 1
+        outcomes = json.loads(capsys.readouterr().out)
+        assert [x["outcome"] for x in outcomes] == ["failed", "failed"]
+        assert all(x["detail"] == "ended before joining: exit code 1: diloco: error: cannot build the task (no such file)"
+                   for x in outcomes), outcomes
+        assert cli.main([*admin, "members"]) == 0
+        table = capsys.readouterr().out
+        assert "launches not joined" in table and all(x["launch_id"] in table for x in outcomes)
+
+        assert cli.main([*admin, "add-learners", "1", "--set", "steps=abc"]) == 2
+        assert "--set steps=abc: not an integer" in capsys.readouterr().err
+        assert cli.main([*admin, "add-learners", "1", "--set", "device=tpu"]) == 2
+        assert "must be one of cpu, cuda, xla" in capsys.readouterr().err
+        launched = cli.main([*admin, "members", "--json"])
+        assert launched == 0 and json.loads(capsys.readouterr().out) == []  # nothing was launched for them
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_add_learners_reports_the_learner_each_launch_joined_as(tmp_path, capsys):
+    from diloco import cli
+
+    (tmp_path / "secret").write_text(SECRET)
+    proc, client = start(tmp_path)
+    try:
+        admin = ["--insecure", "admin", "--coordinator", client.address, "--token-file",
+                 str(tmp_path / "data" / "admin-token")]
+        assert cli.main([*admin, "add-learners", "2", "--json"]) == 0
+        outcomes = json.loads(capsys.readouterr().out)
+        assert sorted((x["outcome"], x["learner_id"]) for x in outcomes) == [("joined", "L0"), ("joined", "L1")]
+        members = {m["id"]: m["launch_id"] for m in client.members()}
+        assert {x["learner_id"]: x["launch_id"] for x in outcomes} == members
+    finally:
+        client.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -100,13 +100,16 @@ def test_launch_failures_come_back_in_the_reply(tmp_path):
 
 def test_a_launched_learner_that_crashes_before_joining_frees_its_slot(tmp_path):
     async def scenario():
-        async with running_coordinator(tmp_path, **local()) as server:
+        crashes = (sys.executable, "-c", "import sys; print('starting'); sys.exit('diloco: error: no such task')")
+        cfg = {"launcher": "local", "local": LocalLauncherConfig(command=crashes)}
+        async with running_coordinator(tmp_path, **cfg) as server:
             async with admin_stub(server.address) as (stub, md):
-                # The fake learner fails at once on a bad coordinator address in its flags.
-                reply = await stub.AddLearners(
-                    coordinator_pb2.AddLearnersRequest(count=1, overrides={"heartbeat_s": "not-a-number"}), metadata=md
-                )
+                reply = await stub.AddLearners(coordinator_pb2.AddLearnersRequest(count=1), metadata=md)
             assert reply.launches[0].ok
             await wait_for(lambda: server.runtime.membership.occupied() == 0, "the slot to be freed")
+            # ... and is listed with how it ended and its last log lines.
+            [failed] = server.runtime.list_launches()
+            assert failed.launch_id == reply.launches[0].launch_id
+            assert failed.detail == "ended before joining: exit code 1: starting | diloco: error: no such task"
 
     run(scenario())

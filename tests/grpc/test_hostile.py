@@ -266,3 +266,27 @@ def test_shard_status_needs_a_credential_of_the_run(tmp_path):
             async with client_for(address, "L0") as client:
                 assert list((await client.status()).live_learners) == ["L0"]
     run(scenario())
+
+
+def test_launch_override_values_are_checked_as_the_learner_would_before_anything_starts():
+    """`--set steps=abc` used to launch a learner that died at once ("invalid int value")
+    while AddLearners said ok. Each setting's check agrees with the learner's own flag: a
+    value it takes parses there to the same value, a value it refuses for its type is
+    refused there too."""
+    from coordinator.launcher import LEARNER_SETTINGS
+
+    parser = build_parser()
+    for flag, check in LEARNER_SETTINGS.items():
+        dest = flag.replace("-", "_")
+        for good in (("cpu", "xla") if flag == "device" else ("int4", "fp32") if flag == "delta-codec" else ("1", "3")):
+            assert getattr(parser.parse_args(["learner", f"--{flag}", good]), dest) == check(good), flag
+        for bad in ("abc", "1.5x", ""):
+            with pytest.raises(ValueError):
+                check(bad)
+            with pytest.raises(SystemExit):
+                parser.parse_args(["learner", f"--{flag}", bad])
+    for key, value, why in (("steps", "abc", "not an integer"), ("steps", "0", "must be >= 1"), ("lr", "-1", "must be > 0"),
+                            ("lr", "nan", "must be > 0"), ("device", "tpu", "must be one of cpu, cuda, xla"),
+                            ("threads", "2.5", "not an integer")):
+        with pytest.raises(InvalidArgument, match=f"--set {key}={value}: {why}"):
+            override_args({key: value})

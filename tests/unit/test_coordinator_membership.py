@@ -6,6 +6,7 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core.membership import (
+    FAILED_LAUNCHES_KEPT,
     ACTIVE,
     DRAINING,
     FAILED,
@@ -198,3 +199,22 @@ def test_a_leave_carries_the_learner_s_final_counts():
     assert (m.learner("L1").tokens, m.learner("L1").inner_steps) == (640, 20)
     m.leave("L0", "again", now=103.0, final=(10**9, 10**9))  # already left: nothing changes
     assert m.learner("L0").tokens == 1920
+
+
+def test_launches_that_never_join_are_remembered_with_why():
+    m = membership(join_timeout_s=60.0)
+    for launch_id in ("a", "b", "c"):
+        m.add_launch(launch_id, "default", 0.0)
+    m.launch_ended("a", "exit code 2: diloco: error: bad flag", 5.0)
+    m.join("default", "host:1", "c", "", 6.0)
+    m.expire(61.0)
+    assert {x.launch_id: (x.pool, x.detail) for x in m.failed_launches.values()} == {
+        "a": ("default", "ended before joining: exit code 2: diloco: error: bad flag"),
+        "b": ("default", "did not join within 60 s"),
+    }
+    assert not m.launches
+    for i in range(FAILED_LAUNCHES_KEPT):
+        m.add_launch(f"x{i}", "spot", 100.0)
+        m.launch_ended(f"x{i}", "killed by SIGKILL", 101.0)
+    assert len(m.failed_launches) == FAILED_LAUNCHES_KEPT and "a" not in m.failed_launches  # the oldest go first
+    assert list(m.failed_launches)[-1] == f"x{FAILED_LAUNCHES_KEPT - 1}"
