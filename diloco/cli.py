@@ -491,7 +491,7 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-by", choices=["live", "round"], default="live",
                    help="shards scale the outer lr by the round's share of live learners (default) or not")
     p.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="learners' delta encoding (default int4)")
-    p.add_argument("--out", help="run directory (default ./runs/<timestamp>)")
+    p.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
     p.add_argument("--insecure", action="store_true",

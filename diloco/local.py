@@ -515,6 +515,33 @@ def _sigterm_interrupts():
     return signal.signal(signal.SIGTERM, interrupt)
 
 
+def _check_new_run_dir(run_dir: Path) -> None:
+    """A run directory is new or empty: never another run's (live or finished), whose
+    secret, tapes and coordinator state a second run would mix with its own."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise InvalidArgument(f"--out {run_dir} is a file, not a directory")
+    if not any(run_dir.iterdir()):
+        return
+    live = []
+    with contextlib.suppress(OSError, ValueError):
+        for entry in json.loads((run_dir / "endpoints.json").read_text()):
+            with contextlib.suppress(ProcessLookupError, PermissionError, KeyError, TypeError):
+                os.kill(int(entry["pid"]), 0)
+                live.append(f"{entry['role']} pid {entry['pid']}")
+    if live:
+        what = f"a live run ({', '.join(live)})"
+    elif (run_dir / "summary.json").exists():
+        what = "a finished run (summary.json)"
+    elif (run_dir / "config.json").exists():
+        what = "a run that stopped before it finished (config.json, no summary.json)"
+    else:
+        what = "files"
+    raise AlreadyExists(f"--out {run_dir} already holds {what}; a run never reuses another's directory: "
+                          "give a new or empty --out (or remove that one)")
+
+
 def run_local(cfg: LocalConfig) -> dict:
     from rich.console import Console
     from rich.live import Live
@@ -522,11 +549,12 @@ def run_local(cfg: LocalConfig) -> dict:
     from coordinator.client import AdminClient
     from diloco.timeline import draw_timeline
 
-    # The task first: one that does not build fails before any directory or process exists.
+    # The directory and the task first: a bad one fails before anything is written or started.
+    run_dir = cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    _check_new_run_dir(run_dir)
     task = supervisor_task(cfg.run, cfg.learners)
     unit = task.eval_unit
     learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))
-    run_dir = cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "learners").mkdir(exist_ok=True)
     secret = auth.new_secret()

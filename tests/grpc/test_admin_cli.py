@@ -161,3 +161,36 @@ def test_what_an_operator_gets_wrong_is_said_plainly(tmp_path, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "usage: diloco local" in err and "diloco local: error: unrecognized arguments: --bogus" in err
+
+
+def test_diloco_local_never_writes_into_another_run_s_directory(tmp_path, capsys):
+    """`diloco local --out DIR` on a finished, a stopped or a live run's directory used to
+    overwrite its secret, config and endpoints and mix its tapes: now it refuses, says
+    what is there, and touches nothing."""
+    import subprocess
+    import sys
+
+    from diloco import cli
+
+    finished, stopped, live, other = (tmp_path / name for name in ("finished", "stopped", "live", "other"))
+    for directory in (finished, stopped, live, other):
+        directory.mkdir()
+    (finished / "config.json").write_text("{}")
+    (finished / "summary.json").write_text("{}")
+    (stopped / "config.json").write_text("{}")
+    (other / "notes.txt").write_text("mine")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (live / "endpoints.json").write_text(json.dumps([{"role": "coordinator", "address": "x", "pid": sleeper.pid}]))
+        expected = {finished: "a finished run (summary.json)",
+                    stopped: "a run that stopped before it finished (config.json, no summary.json)",
+                    live: f"a live run (coordinator pid {sleeper.pid})", other: "files"}
+        for directory, what in expected.items():
+            before = {p.name: p.read_text() for p in directory.iterdir()}
+            assert cli.main(["local", "--out", str(directory)]) == 2
+            err = capsys.readouterr().err
+            assert f"--out {directory} already holds {what}" in err and "Traceback" not in err, err
+            assert {p.name: p.read_text() for p in directory.iterdir()} == before
+    finally:
+        sleeper.kill()
+        sleeper.wait()
