@@ -640,7 +640,12 @@ def run_local(cfg: LocalConfig) -> dict:
                 state, versions = exported.state, exported.versions
         except DilocoError as error:  # the cluster may already be gone after Ctrl-C
             logger.warning("could not export the final model: %s", error)
-        members = admin.members(include_gone=True) if admin is not None and not interrupted else []
+        members = []
+        if admin is not None:  # after Ctrl-C too: the processes run in their own sessions
+            try:
+                members = admin.members(include_gone=True)
+            except DilocoError as error:
+                logger.warning("could not list the learners: %s", error)
         if admin is not None:
             admin.close()
         cluster.stop(say=console.print)
@@ -691,7 +696,8 @@ def run_local(cfg: LocalConfig) -> dict:
         "learners_joined": len(members) if members else len(summaries),
         "learners_failed": sum(1 for m in members if m["state"] == "failed"),
         "learners_killed": sum(1 for c in chaos if c["kind"] == "kill"),
-        "learners_scavenged": sum(len(c["launched"]) for c in chaos if c["kind"] == "scavenge"),
+        "learners_scavenged": (sum(1 for m in members if m["pool"] == SCAVENGED_POOL) if members
+                               else sum(len(c["launched"]) for c in chaos if c["kind"] == "scavenge")),
         "shard_restarts": sum(1 for c in chaos if c["kind"] == "restart_shard"),
         "learners": [{"id": m["id"], "pool": m["pool"], "state": m["state"], "inner_steps": steps.get(m["id"], 0),
                       "tokens": summaries[m["id"]]["tokens"] if m["id"] in summaries else m["tokens"]} for m in members],

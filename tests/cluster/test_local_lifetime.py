@@ -62,6 +62,9 @@ def test_every_process_stops_with_the_supervisor(tmp_path, sig):
             assert supervisor.returncode == 130
             summary = json.loads((out / "summary.json").read_text())
             assert summary["interrupted"] is True and summary["final_versions"]
+            # Interrupted runs list their learners too (it was "learners": []).
+            assert sorted(l["id"] for l in summary["learners"]) == ["L0", "L1"]
+            assert all(l["inner_steps"] > 0 for l in summary["learners"])
             assert (out / "model.safetensors").exists()
     finally:
         if supervisor.poll() is None:
