@@ -515,6 +515,16 @@ def _sigterm_interrupts():
     return signal.signal(signal.SIGTERM, interrupt)
 
 
+def _link_learner_logs(run_dir: Path, members: list[dict]) -> None:
+    """logs/<learner id>.log for each learner that joined: a link to the log its launcher
+    writes by launch id (the id is known only once it joins)."""
+    for member in members:
+        link = run_dir / "logs" / f"{member['id']}.log"
+        if member["launch_id"] and not link.is_symlink():
+            with contextlib.suppress(FileExistsError):
+                link.symlink_to(Path("..") / "coordinator" / "learners" / f"{member['launch_id']}.log")
+
+
 def _check_new_run_dir(run_dir: Path) -> None:
     """A run directory is new or empty: never another run's (live or finished), whose
     secret, tapes and coordinator state a second run would mix with its own."""
@@ -590,6 +600,7 @@ def run_local(cfg: LocalConfig) -> dict:
         with Live(console=console, refresh_per_second=2) if console.is_terminal else contextlib.nullcontext() as live:
             while True:
                 members = admin.members(include_gone=True)
+                _link_learner_logs(run_dir, members)
                 events = learner_events(run_dir)
                 if time.monotonic() - last_stats > 5:
                     steps = {m["id"]: m["inner_steps"] for m in members}

@@ -67,9 +67,12 @@ async def _join(address: str, join_token: str, pool: str, launch_id: str, host: 
 
 def join(address: str, join_token: str, pool: str, launch_id: str, host: str, timeout_s: float = 60.0) -> Membership:
     try:
-        return asyncio.run(_join(address, join_token, pool, launch_id, host, timeout_s))
+        member = asyncio.run(_join(address, join_token, pool, launch_id, host, timeout_s))
     except grpc.aio.AioRpcError as error:
         raise Unavailable(f"cannot join the coordinator at {address}: {error.code().name}: {error.details()}") from None
+    logger.info("joined the coordinator at %s as %s (pool %s, launch %s)", address, member.learner_id, pool or "default",
+                launch_id or "none")
+    return member
 
 
 def register_model(address: str, member: Membership, manifest_json: str, timeout_s: float = 60.0) -> common_pb2.Topology:

@@ -47,6 +47,9 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     assert oct((out / "admin-token").stat().st_mode & 0o777) == "0o600"
     endpoints = json.loads((out / "endpoints.json").read_text())
     assert {e["role"] for e in endpoints} == {"coordinator", "shard0", "shard1"}
+    for learner in summary["learners"]:  # logs by learner id, each saying which launch it is
+        log = (out / "logs" / f"{learner['id']}.log").read_text()
+        assert f"as {learner['id']} (pool default, launch " in log, log[-2000:]
     # Tapes are consistent: versions contiguous per fragment, every participant pushed.
     for m in range(2):
         records = list(read_tape(out / f"shard{m}" / f"tape-S{m}.jsonl"))
