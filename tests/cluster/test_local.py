@@ -1,6 +1,8 @@
 """`diloco local` end to end, as a user runs it: real processes, a run directory, a summary."""
 
+import collections
 import json
+import math
 import os
 import subprocess
 import sys
@@ -50,16 +52,23 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     for learner in summary["learners"]:  # logs by learner id, each saying which launch it is
         log = (out / "logs" / f"{learner['id']}.log").read_text()
         assert f"as {learner['id']} (pool default, launch " in log, log[-2000:]
-    # Tapes are consistent: versions contiguous per fragment, every participant pushed.
+    # Tapes are consistent: versions contiguous per fragment, and every participant of the
+    # round that made version v pushed exactly one delta accepted for v (not some earlier one).
+    rounds = 0
     for m in range(2):
         records = list(read_tape(out / f"shard{m}" / f"tape-S{m}.jsonl"))
-        pushed = {(r["learner"], r["fragment"], r["target_version"]) for r in records if r["kind"] == "push"}
+        pushed = collections.Counter((r["learner"], r["fragment"], r["target_version"]) for r in records
+                                     if r["kind"] == "push" and r["outcome"].startswith("accepted"))
         versions = {}
         for r in (r for r in records if r["kind"] == "round"):
             assert r["version"] == versions.get(r["fragment"], 0) + 1
             versions[r["fragment"]] = r["version"]
-            assert all((p, r["fragment"], r["version"]) in pushed or any(
-                (p, r["fragment"], v) in pushed for v in range(r["version"] + 1)) for p in r["participants"])
+            assert r["participants"] and len(set(r["participants"])) == len(r["participants"]), r
+            for p in r["participants"]:
+                assert pushed[(p, r["fragment"], r["version"])] == 1, (p, r)
+            assert math.isclose(sum(r["weights"]), 1.0, rel_tol=1e-6), r
+            rounds += 1
+    assert rounds == summary["rounds"] > 0
     # No child process is left running.
     for e in endpoints:
         with pytest.raises(ProcessLookupError):
