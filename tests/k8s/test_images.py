@@ -110,7 +110,7 @@ def test_copies_every_package_of_the_project(name):
 def test_cpu_image_installs_the_pinned_torch_and_the_launcher():
     text = " ".join(args for word, args in instructions(IMAGES / "Dockerfile") if word == "RUN")
     assert re.search(r"^torch==\d", (ROOT / "constraints.txt").read_text(), re.M)
-    assert '--index-url "${TORCH_INDEX_URL}" -c constraints.txt torch' in text
+    assert '--index-url "${TORCH_INDEX_URL}" -c constraints.txt --no-deps torch' in text
     extras = re.search(r'-c constraints.txt "\.\[([a-z0-9,-]+)\]"', text).group(1).split(",")
     optional = PYPROJECT["project"]["optional-dependencies"]
     assert set(extras) <= set(optional)
