@@ -443,11 +443,25 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
 
 
 def _local(args: argparse.Namespace) -> int:
+    from diloco.local import resume_config, run_local
+
+    cfg = _local_config(args)
+    if args.resume:  # the stored run, with what was given checked against it
+        defaults = build_parser().parse_args(["local"])
+        cfg = resume_config(Path(args.resume), cfg, _local_config(defaults))
+    if not cfg.tls:
+        logger.warning("--insecure: the run's processes talk plaintext gRPC (tokens and credentials in clear)")
+    summary = run_local(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0 if not summary["interrupted"] else 130
+
+
+def _local_config(args: argparse.Namespace):
     from diloco.chaos import ChaosConfig, parse_scavenge, parse_slow
-    from diloco.local import LocalConfig, run_local
+    from diloco.local import LocalConfig
 
     grace_mode, grace_s = args.grace
-    cfg = LocalConfig(
+    return LocalConfig(
         run=_run_config(args), learners=args.learners, shards=args.shards, quorum=args.quorum,
         grace=grace_mode if grace_mode != "fixed" else str(grace_s), steps=args.steps, tokens=args.tokens,
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
@@ -465,11 +479,6 @@ def _local(args: argparse.Namespace) -> int:
         snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_keep=args.snapshot_keep,
         tls=not (args.insecure or args.plaintext),
     )
-    if not cfg.tls:
-        logger.warning("--insecure: the run's processes talk plaintext gRPC (tokens and credentials in clear)")
-    summary = run_local(cfg)
-    print(json.dumps(summary, indent=1))
-    return 0 if not summary["interrupted"] else 130
 
 
 def _add_local(commands: argparse._SubParsersAction) -> None:
@@ -491,7 +500,12 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--scale-by", choices=["live", "round"], default="live",
                    help="shards scale the outer lr by the round's share of live learners (default) or not")
     p.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="learners' delta encoding (default int4)")
-    p.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
+    where.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue a stopped run from its newest complete snapshot (Ctrl-C and SIGTERM take one; "
+                            "--snapshot-every-s for crashes), with its stored config: flags that would change it are "
+                            "refused (--learners, --learner-threads, chaos, telemetry and snapshot schedule may differ)")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
     p.add_argument("--insecure", action="store_true",

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,8 +35,9 @@ from diloco import auth, rpc
 from diloco.certs import make_certs
 from diloco.chaos import SCAVENGED_POOL, ChaosConfig, ChaosMonkey
 from diloco.config import RunConfig
-from diloco.errors import AlreadyExists, DilocoError, InvalidArgument, Unavailable
+from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from diloco.export import export_model
+from diloco.snapshots import snapshot_ids
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
 
@@ -94,6 +95,8 @@ class LocalConfig:
     tls: bool = True
     """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls
     (False: plaintext gRPC on 127.0.0.1, ``--insecure``)."""
+    resume: bool = False
+    """Continue the stopped run in ``out`` from its newest complete snapshot (``resume_config``)."""
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.shards < 1 or self.steps < 1 or self.quorum < 1:
@@ -176,11 +179,15 @@ class Cluster:
     def snapshot_dir(self) -> str:
         return self.cfg.snapshot_dir or str(self.dir / "coordinator" / "snapshots")
 
-    def start(self) -> None:
+    def start(self, restore: str | None = None) -> None:
+        """Start the coordinator and the shards (``restore``: from that snapshot, as
+        ``--restore`` takes it), wait until they serve."""
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         self.common = ["--secret-file", str(self.dir / "secret"), "--run-config", str(self.dir / "run.json")]
+        self.restore = ["--restore", restore] if restore else []
         if self.cfg.tls:
-            make_certs(self.dir / "tls", ["localhost", "127.0.0.1"])
+            if not (self.dir / "tls").exists():  # a resumed run keeps its certificates
+                make_certs(self.dir / "tls", ["localhost", "127.0.0.1"])
             self._plain = rpc.use_tls(rpc.Tls.from_dir(self.dir / "tls"))  # this supervisor's own calls, until stop
         tls = f"--tls-dir {self.dir / 'tls'} " if self.cfg.tls else "--insecure "
         learner_cmd = (f"{sys.executable} -m diloco.cli --exit-with-parent --log-level INFO {tls}learner --steps {self.learner_steps} "
@@ -194,10 +201,11 @@ class Cluster:
             "--shards", ",".join(self.shards), "--learner-command", learner_cmd,
             "--pools", f"default,{SCAVENGED_POOL}", "--snapshot-dir", self.snapshot_dir,
             "--snapshot-every-s", str(self.cfg.snapshot_every_s), "--snapshot-keep", str(self.cfg.snapshot_keep), *self.common,
+            *self.restore,
         ])
         self.shard_procs = []
         for m, address in enumerate(self.shards):
-            shard = self._spawn(f"shard{m}", self._shard_args(m))
+            shard = self._spawn(f"shard{m}", [*self._shard_args(m), *self.restore])
             self.shard_procs.append(shard)
             self._wait_serving(address, f"shard {m}", shard)
             self._endpoint(f"shard{m}", address, shard.pid)
@@ -552,6 +560,119 @@ def _check_new_run_dir(run_dir: Path) -> None:
                           "give a new or empty --out (or remove that one)")
 
 
+# What defines a run, kept from its config.json when it is resumed (the rest, such as the
+# number of learners, the chaos and the snapshot schedule, may differ from one part to the next).
+RUN_DEFINING = ("shards", "quorum", "grace", "steps", "tokens", "outer_lr", "outer_momentum", "merge", "scale_by",
+                "delta_codec", "tls", "snapshot_dir")
+# Kept from it unless given again.
+RUN_ADJUSTABLE = ("learners", "learner_threads", "snapshot_every_s", "snapshot_keep")
+
+
+def resume_config(run_dir: Path, given: LocalConfig, default: LocalConfig) -> LocalConfig:
+    """The configuration that continues the stopped run in ``run_dir``: its stored run
+    config and run-defining settings; whatever ``given`` sets away from ``default`` must
+    agree with them (FailedPrecondition naming every key that does not)."""
+    try:
+        stored = json.loads((run_dir / "config.json").read_text())
+        stored_run = RunConfig.from_json((run_dir / "run.json").read_text())
+    except FileNotFoundError:
+        raise NotFound(f"--resume {run_dir}: no run there (no config.json and run.json)") from None
+    except (OSError, ValueError, DilocoError) as error:
+        raise InvalidArgument(f"--resume {run_dir}: its config cannot be read: {error}") from None
+    conflicts = []
+    given_run, default_run, kept_run = (json.loads(r.to_json()) for r in (given.run, default.run, stored_run))
+    for key, value in given_run.items():
+        if value != default_run.get(key) and value != kept_run.get(key):
+            conflicts.append(f"{key} {value!r} (the run has {kept_run.get(key)!r})")
+    kept = {}
+    for key in RUN_DEFINING:
+        value, kept[key] = getattr(given, key), stored.get(key, getattr(default, key))
+        if value != getattr(default, key) and value != kept[key]:
+            conflicts.append(f"{key} {value!r} (the run has {kept[key]!r})")
+    if conflicts:
+        raise FailedPrecondition(f"--resume {run_dir} continues the run with its own config; these differ: "
+                                 f"{'; '.join(conflicts)}. Start a new run (--out) to change them")
+    for key in RUN_ADJUSTABLE:
+        if getattr(given, key) == getattr(default, key) and key in stored:
+            kept[key] = stored[key]
+    return replace(given, run=stored_run, out=run_dir, resume=True, **kept)
+
+
+def _resumable(run_dir: Path, snapshot_dir: str) -> int:
+    """The snapshot a stopped run resumes from (its newest complete one)."""
+    summary = run_dir / "summary.json"
+    if summary.exists() and not json.loads(summary.read_text()).get("interrupted", True):
+        raise FailedPrecondition(f"--resume {run_dir}: that run finished (summary.json); nothing to continue")
+    complete = [i for i, done in snapshot_ids(snapshot_dir).items() if done]
+    if not complete:
+        raise FailedPrecondition(f"--resume {run_dir}: no complete snapshot in {snapshot_dir} to resume from (a run "
+                                 "takes one when stopped with Ctrl-C or SIGTERM; --snapshot-every-s S also covers crashes)")
+    return max(complete)
+
+
+def _lock(run_dir: Path):
+    """Hold RUN_DIR/supervisor.lock for this run: a second supervisor (a resume while this
+    one lives) is refused. The lock goes with the process, however it ends."""
+    import fcntl
+
+    handle = open(run_dir / "supervisor.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise AlreadyExists(f"{run_dir} is in use by a live diloco local (pid {holder})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def _snapshot_for_resume(admin, run_dir: Path, say: Callable[[str], None]) -> int | None:
+    """A snapshot of the interrupted run, taken before anything stops (within 60 s; a
+    second Ctrl-C gives up on it): ``diloco local --resume RUN_DIR`` continues from it."""
+    say("taking a snapshot to resume from")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                snapshot_id = admin.start_snapshot()
+                break
+            except AlreadyExists:  # a scheduled one is running: ours starts after it
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        while time.monotonic() < deadline:
+            state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")
+            if state == "complete":
+                say(f"snapshot {snapshot_id} taken: `diloco local --resume {run_dir}` continues the run")
+                return snapshot_id
+            if state == "failed":
+                break
+            time.sleep(0.2)
+        say(f"snapshot {snapshot_id} did not complete; --resume would start from an earlier one, if any")
+    except KeyboardInterrupt:
+        say("snapshot abandoned (interrupted again)")
+    except DilocoError as error:
+        say(f"no snapshot to resume from: {error}")
+    return None
+
+
+def _steps_done(run_dir: Path) -> int:
+    """Inner steps the stopped run's learners got to: the most any one reached, from the
+    run's summary (written on Ctrl-C/SIGTERM) or else from the learners' own summaries."""
+    learners = []
+    with contextlib.suppress(OSError, ValueError):
+        learners = json.loads((run_dir / "summary.json").read_text()).get("learners", [])
+    if not learners:
+        for path in (run_dir / "learners").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                learners.append(json.loads(path.read_text()))
+    return max((int(l.get("inner_steps", 0)) for l in learners), default=0)
+
+
 def run_local(cfg: LocalConfig) -> dict:
     from rich.console import Console
     from rich.live import Live
@@ -561,34 +682,48 @@ def run_local(cfg: LocalConfig) -> dict:
 
     # The directory and the task first: a bad one fails before anything is written or started.
     run_dir = cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    _check_new_run_dir(run_dir)
+    snapshot_dir = cfg.snapshot_dir or str(run_dir / "coordinator" / "snapshots")
+    lock = _lock(run_dir) if cfg.resume else None
+    resumed_from = _resumable(run_dir, snapshot_dir) if cfg.resume else None
+    if not cfg.resume:
+        _check_new_run_dir(run_dir)
     task = supervisor_task(cfg.run, cfg.learners)
     unit = task.eval_unit
     learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "learners").mkdir(exist_ok=True)
-    secret = auth.new_secret()
-    (run_dir / "secret").write_text(secret)
-    os.chmod(run_dir / "secret", 0o600)
-    (run_dir / "run.json").write_text(cfg.run.to_json())
-    resolved = {**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json()), "learner_steps": learner_steps}
-    (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, default=str))
+    if cfg.resume and cfg.tokens is None:  # the steps each learner has left
+        learner_steps = max(learner_steps - _steps_done(run_dir), 1)
     console = Console(stderr=True)
-    budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{cfg.steps} inner steps each"
+    if cfg.resume:
+        console.print(f"[bold]diloco local[/]: resuming {run_dir} from snapshot {resumed_from}")
+        with open(run_dir / "resumes.jsonl", "a") as resumes:
+            resumes.write(json.dumps({"t": time.time(), "snapshot": resumed_from, "learners": cfg.learners,
+                                      "learner_steps": learner_steps}) + "\n")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = _lock(run_dir)
+        (run_dir / "learners").mkdir(exist_ok=True)
+        (run_dir / "secret").write_text(auth.new_secret())
+        os.chmod(run_dir / "secret", 0o600)
+        (run_dir / "run.json").write_text(cfg.run.to_json())
+        resolved = {**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json()), "learner_steps": learner_steps}
+        (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, default=str))
+    budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{learner_steps} inner steps each"
     console.print(f"[bold]diloco local[/]: task {cfg.run.task}, {cfg.learners} learners, {cfg.shards} shards, {budget}, "
                   f"run directory {run_dir}")
     eval_start = eval_task(cfg.run, task)
     cluster = Cluster(cfg, run_dir, learner_steps)
     started_wall, started = time.time(), time.monotonic()
     admin = monkey = None
+    before: set[str] = set()
     interrupted = False
     draining: set[str] = set()
     drained_at = None
     previous_sigterm = _sigterm_interrupts()
     try:
-        cluster.start()
+        cluster.start(restore=None if resumed_from is None else str(resumed_from))
         token = (run_dir / "admin-token").read_text().strip()
         admin = AdminClient(cluster.coordinator, token, timeout_s=10)
+        before = {m["id"] for m in admin.members(include_gone=True)}  # a resumed run's earlier learners
         _launch(admin, cfg)
         if cfg.chaos.active:  # its clock starts now that the learners are launched
             chaos_admin = AdminClient(cluster.coordinator, token, timeout_s=10)
@@ -620,14 +755,15 @@ def run_local(cfg: LocalConfig) -> dict:
                         admin.remove_learners(todo, drain=True)
                         draining |= set(todo)
                         drained_at = drained_at or time.time()
-                if _finished(cfg, members, monkey):
+                current = [m for m in members if m["id"] not in before]
+                if _finished(cfg, current, monkey):
                     break
                 # A launch that never joins (the learner died while starting) must not hang
                 # the run: once every member is gone, wait for late joiners only so long.
-                if members and all(m["state"] in ("left", "failed") for m in members):
+                if current and all(m["state"] in ("left", "failed") for m in current):
                     idle_since = idle_since or time.monotonic()
                     if time.monotonic() - idle_since > cfg.startup_timeout_s:
-                        logger.warning("%d launched learners never joined; see %s", _missing(cfg, members, monkey),
+                        logger.warning("%d launched learners never joined; see %s", _missing(cfg, current, monkey),
                                        run_dir / "coordinator" / "learners")
                         break
                 else:
@@ -642,6 +778,9 @@ def run_local(cfg: LocalConfig) -> dict:
         if monkey is not None:
             monkey.halt()
             monkey.join(timeout=60)
+        stop_snapshot = None
+        if interrupted and admin is not None:  # what --resume continues from
+            stop_snapshot = _snapshot_for_resume(admin, run_dir, lambda line: console.print(line, soft_wrap=True))
         state, versions = None, {}
         try:
             if admin is not None:
@@ -671,10 +810,13 @@ def run_local(cfg: LocalConfig) -> dict:
     steps.update({i: s["inner_steps"] for i, s in summaries.items()})
     tokens = sum(s["tokens"] for s in summaries.values()) + sum(
         m["tokens"] for m in members if m["id"] not in summaries)
-    stats = tape_stats(run_dir, cfg.run.fragments, steps)
+    # Goodput and uptime are this part's (a resumed run's earlier parts had theirs); tokens,
+    # rounds and bytes are the whole run's.
+    part = {i: r for i, r in events.items() if i not in before}
+    stats = tape_stats(run_dir, cfg.run.fragments, {i: n for i, n in steps.items() if i not in before})
     # Uptime over the training window: from the first learner computing to the last one done.
-    computing = [e["t"] for r in events.values() for e in r if e["kind"] == "state" and e["state"] == "computing"]
-    done = [e["t"] for r in events.values() for e in r if e["kind"] == "state" and e["state"] in ("draining", "left")]
+    computing = [e["t"] for r in part.values() for e in r if e["kind"] == "state" and e["state"] == "computing"]
+    done = [e["t"] for r in part.values() for e in r if e["kind"] == "state" and e["state"] in ("draining", "left")]
     # At least a second: below that, OS scheduling jitter of a loaded machine (not the
     # system) decides (a tiny test model steps in ~15 ms, a 0.12 s period).
     period = max(cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"] * 4, MIN_UPTIME_PERIOD_S)
@@ -686,7 +828,7 @@ def run_local(cfg: LocalConfig) -> dict:
     chaos = [json.loads(line) for line in (run_dir / "chaos.jsonl").read_text().splitlines()] if (run_dir / "chaos.jsonl").exists() else []
     pools = {m["id"]: m["pool"] for m in members}
     first_steps = sorted(min(e["t"] for e in r if e["kind"] == "state" and e["state"] == "computing")
-                         for i, r in events.items()
+                         for i, r in part.items()
                          if pools.get(i) != SCAVENGED_POOL and any(e.get("state") == "computing" for e in r))
     slots = slot_seconds(first_steps[: cfg.learners], window[1],
                          [(c["t"], len(c["launched"])) for c in chaos if c["kind"] == "scavenge"])
@@ -715,6 +857,8 @@ def run_local(cfg: LocalConfig) -> dict:
         "final_versions": {str(f): v for f, v in sorted(versions.items())},
         "started_unix": round(started_wall, 3),
         "interrupted": interrupted,
+        "resumed_from_snapshot": resumed_from,
+        "snapshot_at_stop": stop_snapshot,
         "run_dir": str(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -722,4 +866,5 @@ def run_local(cfg: LocalConfig) -> dict:
         plot_eval(run_dir, events, eval_final, tokens, unit)
     if events:
         draw_timeline(run_dir)
+    lock.close()
     return summary

@@ -1,0 +1,82 @@
+"""A stopped `diloco local` run continues with --resume: SIGTERM mid-run takes a snapshot,
+--resume restarts the coordinator and shards from it and trains the steps left with the
+stored config; the whole run replays bit for bit. A live run directory,
+a changed config and a finished run are refused, each with its reason."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch-size", "4", "--fragments", "4",
+        "--sync-every", "8"]
+STEPS = 3000
+
+
+def diloco(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def poll(predicate, what, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return value
+
+
+def trained(out) -> int:
+    members = diloco("admin", "--run-dir", str(out), "members", "--json", timeout=30)
+    return sum(m["tokens"] for m in json.loads(members.stdout)) if members.returncode == 0 else 0
+
+
+def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "local", "--insecure", "--learners", "2", "--shards", "2",
+         "--steps", str(STEPS), "--out", str(out), *TINY],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        poll(lambda: trained(out) >= 2 * 300 * 128, "300 steps each", 180)
+        live = diloco("local", "--resume", str(out))  # a second supervisor on a live run
+        assert live.returncode == 2 and f"{out} is in use by a live diloco local (pid {first.pid})" in live.stderr
+        first.send_signal(signal.SIGTERM)
+        stdout, stderr = first.communicate(timeout=180)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, stderr[-3000:]
+    stopped = json.loads(stdout)
+    assert stopped["interrupted"] and stopped["snapshot_at_stop"] is not None, stopped
+    assert sorted(l["id"] for l in stopped["learners"]) == ["L0", "L1"]
+    done = max(l["inner_steps"] for l in stopped["learners"])
+    assert 0 < done < STEPS
+    assert f"--resume {out}` continues the run" in stderr
+
+    changed = diloco("local", "--resume", str(out), "--shards", "1", "--width", "64")
+    assert changed.returncode == 2 and "shards 1 (the run has 2)" in changed.stderr and "width" in changed.stderr
+    assert not (out / "resumes.jsonl").exists()  # refused before anything was touched
+
+    resumed = diloco("local", "--resume", str(out), timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout)
+    assert summary["resumed_from_snapshot"] == stopped["snapshot_at_stop"] and not summary["interrupted"]
+    [resume] = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
+    assert resume["learners"] == 2 and resume["learner_steps"] == STEPS - done  # the stored 2, with the steps left
+    steps = {l["id"]: l["inner_steps"] for l in summary["learners"]}
+    assert sorted(steps) == ["L0", "L1", "L2", "L3"] and steps["L2"] == steps["L3"] == STEPS - done, steps
+    assert summary["tokens"] == stopped["tokens"] + 2 * (STEPS - done) * 4 * 32  # the whole run's
+    assert summary["eval_loss_final"] < stopped["eval_loss_final"] < summary["eval_loss_start"]
+    assert 0 < summary["goodput"] <= 1
+
+    replay = diloco("replay", str(out), "--check")
+    assert replay.returncode == 0 and "max absolute difference from the run's final global parameters: 0" in replay.stdout, \
+        replay.stdout + replay.stderr
+    again = diloco("local", "--resume", str(out))
+    assert again.returncode == 2 and "that run finished" in again.stderr
