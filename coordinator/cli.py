@@ -233,7 +233,22 @@ def _client(args: argparse.Namespace):
     run_dir = _run_dir(args)
     if not rpc.tls_enabled() and run_dir is not None and (run_dir / "tls").is_dir():
         rpc.use_tls(rpc.Tls.from_dir(run_dir / "tls"))  # a `diloco local --tls` run: its certificates
-    return AdminClient(_coordinator_address(args), _token(args), timeout_s=args.timeout_s)
+    return AdminClient(_coordinator_address(args), _token(args), timeout_s=args.timeout_s,
+                       unreachable_hint=_run_state(run_dir) if run_dir is not None else "")
+
+
+def _run_state(run_dir: Path) -> str:
+    """What a run directory says about its run, for when its coordinator does not answer."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return (f"the run in {run_dir} has no summary.json: it is starting, or its supervisor was killed "
+                f"(`diloco local --resume {run_dir}` continues it from its newest snapshot, if it has one).")
+    ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary.get("started_unix", 0) + summary.get("wall_s", 0)))
+    if summary.get("interrupted"):
+        return (f"{run_dir}/summary.json says the run was stopped at {ended} "
+                f"(`diloco local --resume {run_dir}` continues it).")
+    return f"{run_dir}/summary.json says the run finished at {ended}."
 
 
 def _ago(unix_ms: int, now_s: float) -> str:

@@ -147,21 +147,24 @@ class LearnerSession:
 class AdminClient:
     """The operator's calls, blocking (the CLI has nothing else to do meanwhile)."""
 
-    def __init__(self, address: str, token: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, token: str, timeout_s: float = 10.0, unreachable_hint: str = "") -> None:
+        """``unreachable_hint``: said when no coordinator answers (what the run directory
+        knows about the run)."""
         self.address = address
         self.channel = rpc.blocking_channel(address, rpc.channel_options(_MAX_MESSAGE_BYTES, SERVICE))
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.metadata = ((auth.ADMIN_METADATA, token),)
         self.timeout_s = timeout_s
+        self.unreachable_hint = unreachable_hint
 
     def _call(self, what: str, method, request):
         try:
             return method(request, metadata=self.metadata, timeout=self.timeout_s)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
-                raise Unavailable(
-                    f"no coordinator answers at {self.address} ({what}): is it running, and is this its address "
-                    f"(--coordinator, or the run directory's endpoints.json)? {error.details()}") from None
+                hint = self.unreachable_hint or ("is it running, and is this its address (--coordinator, or the "
+                                                 "run directory's endpoints.json)?")
+                raise Unavailable(f"no coordinator answers at {self.address} ({what}): {hint} {error.details()}") from None
             raise error_from_rpc(error, f"{what} at {self.address}") from None
 
     def members(self, include_gone: bool = False) -> list[dict]:

@@ -194,3 +194,29 @@ def test_diloco_local_never_writes_into_another_run_s_directory(tmp_path, capsys
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_admin_on_a_run_directory_whose_coordinator_is_gone_says_what_became_of_the_run(tmp_path, capsys):
+    import socket
+
+    from diloco import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "endpoints.json").write_text(json.dumps([{"role": "coordinator", "address": closed, "pid": 1}]))
+    (run / "admin-token").write_text("t")
+    cases = [
+        (None, f"the run in {run} has no summary.json: it is starting, or its supervisor was killed"),
+        ({"interrupted": True, "started_unix": 0, "wall_s": 1}, f"{run}/summary.json says the run was stopped at"),
+        ({"interrupted": False, "started_unix": 0, "wall_s": 1}, f"{run}/summary.json says the run finished at"),
+    ]
+    for summary, said in cases:
+        if summary is not None:
+            (run / "summary.json").write_text(json.dumps(summary))
+        assert cli.main(["admin", "--run-dir", str(run), "members"]) == 2
+        err = capsys.readouterr().err
+        assert f"no coordinator answers at {closed}" in err and said in err and "Traceback" not in err, err
+        assert ("--resume" in err) == (summary is None or summary["interrupted"])
