@@ -28,10 +28,24 @@ async def running_coordinator(tmp_path, launcher_factory=default_launcher, clock
         await server.stop()
 
 
+class _Deadline(grpc.aio.UnaryUnaryClientInterceptor):
+    """Every call without a timeout gets one: a test never waits on a server forever."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        if details.timeout is None:
+            details = grpc.aio.ClientCallDetails(details.method, self.timeout_s, details.metadata, details.credentials,
+                                                 details.wait_for_ready)
+        return await continuation(details, request)
+
+
 @contextlib.asynccontextmanager
-async def admin_stub(address, token=ADMIN):
-    """Admin calls on an async channel: ``await stub.ListLearners(request, metadata=md)``."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def admin_stub(address, token=ADMIN, timeout_s=20.0):
+    """Admin calls on an async channel: ``await stub.ListLearners(request, metadata=md)``,
+    each with a deadline of ``timeout_s`` unless it gives its own."""
+    async with grpc.aio.insecure_channel(address, interceptors=[_Deadline(timeout_s)]) as channel:
         yield coordinator_pb2_grpc.CoordinatorStub(channel), ((auth.ADMIN_METADATA, token),)
 
 
