@@ -367,6 +367,28 @@ def _progress_table(members: list[dict], statuses: list, events: dict[str, list[
     return table
 
 
+def _final_table(summary: dict, events: dict[str, list[dict]]):
+    """The run's last table, drawn from its summary (what summary.json says, row for row)."""
+    from rich.table import Table
+
+    unit = summary["eval_unit"]
+    state = "interrupted" if summary["interrupted"] else "finished"
+    table = Table(title=f"diloco local — {state} after {summary['wall_s']:.0f} s", title_justify="left")
+    for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", f"eval {unit}"):
+        table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right")
+    for learner in summary["learners"]:
+        evals = [e["loss"] for e in events.get(learner["id"], []) if e["kind"] == "eval"]
+        table.add_row(learner["id"], learner["state"], learner["pool"], f"{learner['tokens']:,}",
+                      f"{learner['tokens_per_s']:,.0f}", f"{learner['inner_steps']:,}", f"{evals[-1]:.3f}" if evals else "")
+    versions = summary["final_versions"].values()
+    table.caption = (
+        f"global tokens {summary['tokens']:,} · outer versions {min(versions, default=0)}–{max(versions, default=0)} · "
+        f"rounds {summary['rounds']} · step goodput {summary['step_goodput']:.2f} · eval {summary['eval_loss_start']:.3f} → "
+        f"{summary['eval_loss_final']:.3f} {unit} · wire ↑{summary['bytes_up'] / 1e6:.1f} MB ↓{summary['bytes_down'] / 1e6:.1f} MB"
+    )
+    return table
+
+
 # --- results -------------------------------------------------------------------------
 
 
@@ -732,7 +754,9 @@ def run_local(cfg: LocalConfig) -> dict:
             monkey.start()
         last_stats, goodput, idle_since, last_line = 0.0, None, None, 0.0
         # On a terminal a live table; in a log (CI, nohup, kubectl logs) one line every 10 s.
-        with Live(console=console, refresh_per_second=2) if console.is_terminal else contextlib.nullcontext() as live:
+        # (transient: at the end the final table, from the summary's records, takes its place)
+        with Live(console=console, refresh_per_second=2, transient=True) if console.is_terminal \
+                else contextlib.nullcontext() as live:
             while True:
                 members = admin.members(include_gone=True)
                 _link_learner_logs(run_dir, members)
@@ -769,8 +793,6 @@ def run_local(cfg: LocalConfig) -> dict:
                 else:
                     idle_since = None
                 time.sleep(1.0)
-            if live is None:  # the log ends with the whole table once
-                console.print(_progress_table(members, statuses, events, goodput, started, unit))
     except KeyboardInterrupt:
         interrupted = True
         console.print("interrupted: stopping every process")
@@ -853,7 +875,8 @@ def run_local(cfg: LocalConfig) -> dict:
                                else sum(len(c["launched"]) for c in chaos if c["kind"] == "scavenge")),
         "shard_restarts": sum(1 for c in chaos if c["kind"] == "restart_shard"),
         "learners": [{"id": m["id"], "pool": m["pool"], "state": m["state"], "inner_steps": steps.get(m["id"], 0),
-                      "tokens": summaries[m["id"]]["tokens"] if m["id"] in summaries else m["tokens"]} for m in members],
+                      "tokens": summaries[m["id"]]["tokens"] if m["id"] in summaries else m["tokens"],
+                      "tokens_per_s": round(summaries.get(m["id"], m).get("tokens_per_s", 0.0), 1)} for m in members],
         "final_versions": {str(f): v for f, v in sorted(versions.items())},
         "started_unix": round(started_wall, 3),
         "interrupted": interrupted,
@@ -862,6 +885,7 @@ def run_local(cfg: LocalConfig) -> dict:
         "run_dir": str(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    console.print(_final_table(summary, events))  # the same records as summary.json, however the run ended
     if events and state is not None:
         plot_eval(run_dir, events, eval_final, tokens, unit)
     if events:

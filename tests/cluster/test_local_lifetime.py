@@ -3,7 +3,6 @@
 after SIGTERM the run directory still gets its summary and final model."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.cluster.tables import assert_final_table_agrees
 
 pytestmark = pytest.mark.cluster
 
@@ -56,7 +57,7 @@ def test_every_process_stops_with_the_supervisor(tmp_path, sig):
         pids = [*services, *learners]
         assert len(services) == 3 and all(alive(p) for p in pids)
         supervisor.send_signal(sig)  # the supervisor alone, as `kill` or `timeout` would
-        supervisor.wait(timeout=120)
+        _, stderr = supervisor.communicate(timeout=120)
         poll(lambda: not any(alive(p) for p in pids), f"every process to stop after {sig.name}", 60)
         if sig == signal.SIGTERM:
             assert supervisor.returncode == 130
@@ -65,6 +66,7 @@ def test_every_process_stops_with_the_supervisor(tmp_path, sig):
             # Interrupted runs list their learners too (it was "learners": []).
             assert sorted(l["id"] for l in summary["learners"]) == ["L0", "L1"]
             assert all(l["inner_steps"] > 0 for l in summary["learners"])
+            assert_final_table_agrees(stderr, summary)  # after SIGTERM too
             assert (out / "model.safetensors").exists()
     finally:
         if supervisor.poll() is None:

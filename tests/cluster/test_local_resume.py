@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.cluster.tables import assert_final_table_agrees
+
 pytestmark = pytest.mark.cluster
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch-size", "4", "--fragments", "4",
@@ -73,6 +75,7 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
             first.kill()
     assert first.returncode == 130, stderr[-3000:]
     stopped = json.loads(stdout)
+    assert_final_table_agrees(stderr, stopped)
     assert stopped["interrupted"] and stopped["snapshot_at_stop"] is not None, stopped
     assert sorted(l["id"] for l in stopped["learners"]) == ["L0", "L1"]
     done = max(l["inner_steps"] for l in stopped["learners"])
@@ -86,6 +89,7 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     resumed = diloco("local", "--resume", str(out), timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout)
+    assert_final_table_agrees(resumed.stderr, summary)
     assert summary["resumed_from_snapshot"] == stopped["snapshot_at_stop"] and not summary["interrupted"]
     [resume] = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
     assert resume["learners"] == 2 and resume["learner_steps"] == STEPS - done  # the stored 2, with the steps left
