@@ -55,9 +55,13 @@ class KubernetesLauncherConfig:
     """A ConfigMap in ``namespace`` that owns every launched pod (``ownerReferences``),
     so deleting it (``helm uninstall``) garbage-collects them; the chart names its pod
     templates' ConfigMap. Empty: pods have no owner and outlive everything."""
+    watch_interval_s: float = 5.0
+    """How often launched pods are listed to notice the ones that ended (and why)."""
 
     def __post_init__(self) -> None:
         check_dns_label("namespace", self.namespace)
+        if not (math.isfinite(self.watch_interval_s) and self.watch_interval_s > 0):
+            raise InvalidArgument(f"pod watch interval must be > 0 s, got {self.watch_interval_s}")
         if self.owner_configmap and (
             len(self.owner_configmap) > 253
             or not all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", part) for part in self.owner_configmap.split("."))

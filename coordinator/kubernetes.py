@@ -23,6 +23,7 @@ delete to restart the coordinator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -30,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from coordinator.config import KubernetesLauncherConfig
-from coordinator.launcher import LaunchResult, learner_args
+from coordinator.launcher import ExitCallback, LaunchResult, learner_args
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 logger = logging.getLogger(__name__)
@@ -94,11 +95,17 @@ class KubernetesLauncher:
         max_learners: int,
         api_client=None,
         core_api=None,
+        on_exit: ExitCallback | None = None,
     ) -> None:
         """``core_api`` (a ``CoreV1Api`` or a stand-in with its methods) wins over
         ``api_client``; without either, the client comes from ``cfg.kube_config``. With
-        ``cfg.owner_configmap`` set, this reads that ConfigMap (blocking, once)."""
+        ``cfg.owner_configmap`` set, this reads that ConfigMap (blocking, once).
+        ``on_exit(launch id, how it ended)``: called once for each launched pod seen
+        finished (listed every ``cfg.watch_interval_s`` once this launcher has launched)."""
         self.cfg = cfg
+        self.on_exit = on_exit
+        self._reported: set[str] = set()
+        self._watcher: asyncio.Task | None = None
         self.release = release
         self.coordinator = coordinator
         self.max_learners = max_learners
@@ -183,9 +190,50 @@ class KubernetesLauncher:
             if p.metadata.deletion_timestamp is None and (p.status is None or p.status.phase not in ("Succeeded", "Failed"))
         ]
 
+    def ended_pods(self) -> list[tuple[str, str]]:
+        """(launch id, how it ended) of this release's launched pods that finished: the
+        learner container's exit code, reason and termination message (its last log lines
+        with the chart's FallbackToLogsOnError), else the pod's phase and reason."""
+        pods = self.api.list_namespaced_pod(self.cfg.namespace, label_selector=self._selector())
+        ended = []
+        for pod in pods.items:
+            phase = pod.status.phase if pod.status is not None else None
+            if phase not in ("Succeeded", "Failed"):
+                continue
+            launch_id = (pod.metadata.labels or {}).get(LAUNCH_LABEL, "")
+            detail = f"pod {pod.metadata.name} {phase}"
+            statuses = {c.name: c for c in (pod.status.container_statuses or [])}
+            container = statuses.get(self.cfg.container) or next(iter(statuses.values()), None)
+            terminated = container.state.terminated if container is not None and container.state is not None else None
+            if terminated is not None:
+                detail += f": exit code {terminated.exit_code}" + (f" ({terminated.reason})" if terminated.reason else "")
+                message = " | ".join(line.strip() for line in (terminated.message or "").splitlines() if line.strip())
+                detail += f": {message[-400:]}" if message else ""
+            elif pod.status.reason or pod.status.message:
+                detail += f": {pod.status.reason or ''} {pod.status.message or ''}".rstrip()
+            ended.append((launch_id, detail))
+        return ended
+
+    async def _watch(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        while True:
+            try:
+                for launch_id, detail in await asyncio.to_thread(self.ended_pods):
+                    if launch_id and launch_id not in self._reported:
+                        self._reported.add(launch_id)
+                        logger.info("learner pod of launch %s ended: %s", launch_id, detail)
+                        self.on_exit(launch_id, detail)
+            except (ApiException, HTTPError, OSError) as error:
+                logger.warning("cannot list launched pods: %s", error)
+            await asyncio.sleep(self.cfg.watch_interval_s)
+
     async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
         from kubernetes.client.exceptions import ApiException
 
+        if self.on_exit is not None and self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
         manifests = [self.manifest(i, pool, overrides) for i in launch_ids]
         try:
             existing = await asyncio.to_thread(self.running_pods)
@@ -224,3 +272,7 @@ class KubernetesLauncher:
     async def close(self) -> None:
         """Pods are not the coordinator's children: they keep training while it restarts
         (their owner is the release's ConfigMap, see the module docstring)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher

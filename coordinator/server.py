@@ -48,7 +48,7 @@ def default_launcher(server: CoordinatorServer, address: str) -> Launcher | None
         )
     from coordinator.kubernetes import KubernetesLauncher
 
-    return KubernetesLauncher(cfg.kubernetes, cfg.release, address, cfg.max_learners)
+    return KubernetesLauncher(cfg.kubernetes, cfg.release, address, cfg.max_learners, on_exit=server.runtime.launch_ended)
 
 
 def write_secret_file(path: Path, value: str) -> None:

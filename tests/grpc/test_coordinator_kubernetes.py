@@ -18,6 +18,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from kubernetes import client  # noqa: E402
 
 from coordinator.config import KubernetesLauncherConfig  # noqa: E402
+from coordinator.core.membership import FailedLaunch, Launch  # noqa: E402
 from coordinator.kubernetes import KubernetesLauncher  # noqa: E402
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted  # noqa: E402
 from diloco.v1 import coordinator_pb2  # noqa: E402
@@ -356,3 +357,39 @@ def test_a_template_cannot_smuggle_its_own_owner(api, template, tmp_path):
 def test_the_owner_name_must_be_a_configmap_name(name):
     with pytest.raises(InvalidArgument, match="owner ConfigMap must be a DNS subdomain"):
         KubernetesLauncherConfig(owner_configmap=name)
+
+
+def test_a_launched_pod_that_fails_is_reported_with_its_exit_and_last_log_lines(api, template, tmp_path):
+    """The pod's learner dies before joining: the launcher sees the pod Failed, and the
+    coordinator lists the launch as failed with the container's exit code and its
+    termination message (the chart's FallbackToLogsOnError puts the last log lines there)."""
+    async def scenario():
+        def factory(server, address):
+            cfg = KubernetesLauncherConfig(namespace="training", pod_templates=(("spot", template),),
+                                           owner_configmap=OWNER, watch_interval_s=0.1)
+            return KubernetesLauncher(cfg, "run-a", address, server.cfg.max_learners, api.api_client(),
+                                      on_exit=server.runtime.launch_ended)
+
+        async with running_coordinator(
+            tmp_path, launcher="kubernetes", launcher_factory=factory, pools=("default", "spot")
+        ) as server:
+            async with admin_stub(server.address) as (stub, md):
+                reply = await stub.AddLearners(coordinator_pb2.AddLearnersRequest(count=2, pool="spot"), metadata=md)
+            failing, running = (x.launch_id for x in reply.launches)
+            with api.lock:
+                api.pods[("training", f"run-a-learner-{failing}")]["status"] = {
+                    "phase": "Failed",
+                    "containerStatuses": [{"name": "learner", "ready": False, "restartCount": 0, "image": "i", "imageID": "",
+                                           "state": {"terminated": {"exitCode": 2, "reason": "Error",
+                                                                    "message": "loading the task\ndiloco: error: no such task\n"}}}],
+                }
+            def failed_launches():
+                return [x.launch_id for x in server.runtime.list_launches() if isinstance(x, FailedLaunch)]
+
+            await wait_for(lambda: failed_launches() == [failing], "the failed launch")
+            [failed] = [x for x in server.runtime.list_launches() if x.launch_id == failing]
+            assert failed.detail == (f"ended before joining: pod run-a-learner-{failing} Failed: exit code 2 (Error): "
+                                     "loading the task | diloco: error: no such task")
+            assert [x.launch_id for x in server.runtime.list_launches() if isinstance(x, Launch)] == [running]
+
+    run(scenario())

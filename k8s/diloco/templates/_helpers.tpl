@@ -315,6 +315,9 @@ spec:
     - name: learner
       image: {{ include "diloco.learnerImage" $root }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      # A learner that fails says why in its pod status (its last log lines): the
+      # coordinator's launcher reports it to `diloco admin add-learners` and `members`.
+      terminationMessagePolicy: FallbackToLogsOnError
       args:
         - --log-level
         - {{ $root.Values.logLevel }}
