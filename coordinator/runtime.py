@@ -39,6 +39,8 @@ STATE_FORMAT = 1
 # starts again from a full list.
 WATCH_QUEUE_EVENTS = 1024
 
+RETENTION_GRACE_S = 30.0
+"""How long a stopping coordinator waits for deletions of old snapshots in flight."""
 # (shard name, address, snapshot id, directory, learners, coordinator clock) -> sends the Marker RPC.
 MarkerSender = Callable[[str, str, int, str, list[str], VectorClock], Awaitable[None]]
 
@@ -100,6 +102,8 @@ class CoordinatorRuntime:
         self.snapshots = Snapshots(cfg.snapshot_timeout_s, str(cfg.snapshots_path))
         self._watchers: set[asyncio.Queue] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._retentions: set[asyncio.Task] = set()
+        """Deletions of old snapshots in flight: a stop lets them finish (they are short)."""
         self._timer: asyncio.TimerHandle | None = None
         self._next_periodic: float | None = None
         """When the next scheduled snapshot is due (``snapshot_every_s``), once the run has a model."""
@@ -218,7 +222,9 @@ class CoordinatorRuntime:
         self.snapshots.completed(snapshot.id, path)
         logger.info("snapshot %d complete: %s", snapshot.id, path)
         if self.cfg.snapshot_keep:
-            self._spawn(self._retain(snapshot.id))
+            task = self._spawn(self._retain(snapshot.id))
+            self._retentions.add(task)
+            task.add_done_callback(self._retentions.discard)
 
     async def _retain(self, newest: int) -> None:
         """Keep the newest ``snapshot_keep`` complete snapshots; delete older ones, and
@@ -284,10 +290,11 @@ class CoordinatorRuntime:
         """Arm the timers (called on the event loop once serving)."""
         self._settle()
 
-    def _spawn(self, coroutine: Awaitable) -> None:
+    def _spawn(self, coroutine: Awaitable) -> asyncio.Task:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # --- learner calls ---------------------------------------------------------------
 
@@ -454,6 +461,8 @@ class CoordinatorRuntime:
             self._timer.cancel()
         for queue in list(self._watchers):
             self._close_watcher(queue)
+        if self._retentions:  # a half-applied retention would leave what --snapshot-keep says is gone
+            await asyncio.wait(list(self._retentions), timeout=RETENTION_GRACE_S)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
