@@ -222,23 +222,9 @@ class Cluster:
         anchors (``learners``)."""
         restore, snapshot_id = [], None
         if self.cfg.chaos.restart_from == "snapshot":
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    snapshot_id = admin.start_snapshot()
-                    break
-                except AlreadyExists:  # a scheduled snapshot is running: ours starts after it
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
-
-            def complete() -> bool:
-                state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")
-                if state == "failed":
-                    raise Unavailable(f"snapshot {snapshot_id} failed: not restarting shard {m}")
-                return state == "complete"
-
-            _wait(complete, 60, f"snapshot {snapshot_id}")
+            snapshot_id, state = take_snapshot(admin)
+            if state != "complete":
+                raise Unavailable(f"snapshot {snapshot_id} {state}: not restarting shard {m}")
             restore = ["--restore", str(snapshot_id)]
         old = self.shard_procs[m]
         # Its versions just before the kill: what a recovery from the learners is measured
@@ -652,29 +638,36 @@ def _lock(run_dir: Path):
     return handle
 
 
+def take_snapshot(admin, timeout_s: float = 60.0) -> tuple[int, str]:
+    """Start a snapshot (after a scheduled one that is running) and wait for it: its id and
+    how it ended, "complete", "failed" or "did not complete within N s"."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            snapshot_id = admin.start_snapshot()
+            break
+        except AlreadyExists:  # a scheduled snapshot is running: ours starts after it
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    while time.monotonic() < deadline:
+        state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")
+        if state in ("complete", "failed"):
+            return snapshot_id, state
+        time.sleep(0.2)
+    return snapshot_id, f"did not complete within {timeout_s:g} s"
+
+
 def _snapshot_for_resume(admin, run_dir: Path, say: Callable[[str], None]) -> int | None:
     """A snapshot of the interrupted run, taken before anything stops (within 60 s; a
     second Ctrl-C gives up on it): ``diloco local --resume RUN_DIR`` continues from it."""
     say("taking a snapshot to resume from")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                snapshot_id = admin.start_snapshot()
-                break
-            except AlreadyExists:  # a scheduled one is running: ours starts after it
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-        while time.monotonic() < deadline:
-            state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")
-            if state == "complete":
-                say(f"snapshot {snapshot_id} taken: `diloco local --resume {run_dir}` continues the run")
-                return snapshot_id
-            if state == "failed":
-                break
-            time.sleep(0.2)
-        say(f"snapshot {snapshot_id} did not complete; --resume would start from an earlier one, if any")
+        snapshot_id, state = take_snapshot(admin)
+        if state == "complete":
+            say(f"snapshot {snapshot_id} taken: `diloco local --resume {run_dir}` continues the run")
+            return snapshot_id
+        say(f"snapshot {snapshot_id} {state}; --resume would start from an earlier one, if any")
     except KeyboardInterrupt:
         say("snapshot abandoned (interrupted again)")
     except DilocoError as error:
