@@ -74,6 +74,7 @@ class _AnchorOffers:
     """Resolved with the learner whose anchor became the fragment's state."""
     best: tuple[str, object, int] | None = None
     offered: list[tuple[str, int]] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass
@@ -197,25 +198,32 @@ class ShardRuntime:
     async def offer_anchor(self, learner_id: str, manifest_json: str, plan: FragmentPlan, fragment_id: int, values,
                            version: int) -> bool:
         """A learner's anchor of a fragment this shard lacks: offers are collected for
-        ``anchor_window_s`` after the first one and the newest becomes the fragment's
-        state (True for its learner). A fragment that has values takes none (False)."""
+        ``anchor_window_s`` after the first one, or until every live learner has offered,
+        and the newest becomes the fragment's state (True for its learner). A fragment
+        that has values takes none (False)."""
         if fragment_id in self.core.fragments:
             return False
+        loop = asyncio.get_running_loop()
         offers = self._anchor_offers.get(fragment_id)
         if offers is None:
-            offers = self._anchor_offers[fragment_id] = _AnchorOffers(asyncio.get_running_loop().create_future())
+            offers = self._anchor_offers[fragment_id] = _AnchorOffers(loop.create_future())
             logger.info("shard %d: collecting anchors of fragment %d for %.1f s", self.core.cfg.shard_id, fragment_id,
                         self.core.cfg.anchor_window_s)
-            asyncio.get_running_loop().call_later(self.core.cfg.anchor_window_s, self._take_newest_anchor,
-                                                  fragment_id, manifest_json, plan)
+            offers.timer = loop.call_later(self.core.cfg.anchor_window_s, self._take_newest_anchor,
+                                           fragment_id, manifest_json, plan)
         offers.offered.append((learner_id, version))
         if offers.best is None or version > offers.best[2]:
             offers.best = (learner_id, values, version)
+        if self.core.live and self.core.live <= {learner for learner, _ in offers.offered}:
+            offers.timer.cancel()  # everyone who could offer has: no newer anchor is coming
+            loop.call_soon(self._take_newest_anchor, fragment_id, manifest_json, plan)
         winner = await asyncio.shield(offers.taken)
         return winner == learner_id
 
     def _take_newest_anchor(self, fragment_id: int, manifest_json: str, plan: FragmentPlan) -> None:
-        offers = self._anchor_offers.pop(fragment_id)
+        offers = self._anchor_offers.pop(fragment_id, None)
+        if offers is None:  # taken already (every live learner had offered)
+            return
         learner_id, values, version = offers.best
         try:
             self.initialize(learner_id, manifest_json, plan, fragment_id, values, version,

@@ -27,9 +27,9 @@ MANIFEST, PLAN, STATE = model_plan(TINY)
 
 
 @contextlib.asynccontextmanager
-async def empty_shard(tmp_path, shard_id=0, num_shards=1, anchor_window_s=0.2):
+async def empty_shard(tmp_path, shard_id=0, num_shards=1, anchor_window_s=0.2, learners=("L0", "L1")):
     cfg = SyncerConfig(shard_id=shard_id, num_shards=num_shards, anchor_window_s=anchor_window_s)
-    server = ShardServer(TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=("L0", "L1")))
+    server = ShardServer(TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=learners))
     port = await server.start()
     try:
         yield server, f"127.0.0.1:{port}"
@@ -280,13 +280,14 @@ def test_accept_initial_values_needs_a_confirmation(capsys):
 def test_a_shard_back_without_its_state_takes_the_newest_anchor_offered_in_its_window(tmp_path):
     """Anchors of a fragment are collected for anchor_window_s after the first offer: an
     older anchor that arrives first loses to a newer one that arrives within the window,
-    every offerer gets its answer when the window closes, and the tape lists the offers."""
+    every offerer gets its answer when the window closes (L2, live, never offers), and
+    the tape lists the offers."""
     async def scenario():
         async with empty_shard(tmp_path) as (server, address):
             async with client_for(address, "L0") as c0:
                 for fragment in (0, 1):
                     assert await c0.initialize(fragment, MANIFEST.to_json(), PLAN.plan_hash, fp32(fragment))
-        async with empty_shard(tmp_path, anchor_window_s=1.5) as (server, address):
+        async with empty_shard(tmp_path, anchor_window_s=1.5, learners=("L0", "L1", "L2")) as (server, address):
             older = [t + 0.1 for t in PLAN.gather(0, STATE)]
             newer = [t + 0.2 for t in PLAN.gather(0, STATE)]
             async with client_for(address, "L0") as c0, client_for(address, "L1") as c1:
@@ -304,5 +305,27 @@ def test_a_shard_back_without_its_state_takes_the_newest_anchor_offered_in_its_w
                 assert server.runtime.recovered[0] == ("L1", 12)
         [record] = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "initialize" and r["version"] == 12]
         assert record["learner"] == "L1" and record["offered"] == [["L0", 9], ["L1", 12]]
+
+    run(scenario())
+
+
+def test_the_anchor_window_closes_once_every_live_learner_has_offered(tmp_path):
+    """No newer anchor can come once every live learner has offered one: the shard takes
+    the newest then, not at the end of its window (a run whose learners finish within the
+    window used to end with the shard still recovering, and its final model unexported)."""
+    async def scenario():
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as c0:
+                assert await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+        async with empty_shard(tmp_path, anchor_window_s=30.0) as (server, address):
+            newer = [t + 0.3 for t in PLAN.gather(0, STATE)]
+            async with client_for(address, "L0") as c0, client_for(address, "L1") as c1:
+                started = asyncio.get_running_loop().time()
+                first, second = await asyncio.gather(
+                    c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, newer), anchor_version=7),
+                    c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0), anchor_version=5))
+                assert asyncio.get_running_loop().time() - started < 10  # long before the 30 s window ends
+                assert (first, second) == (True, False)
+                assert server.runtime.recovered[0] == ("L0", 7)
 
     run(scenario())
