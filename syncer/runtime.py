@@ -581,7 +581,8 @@ class ShardRuntime:
             for waiter in waiters:
                 if not waiter.future.done():
                     waiter.future.cancel()
-        self._record("stop", rounds=self.counters.rounds, pushes=self.counters.pushes)
+        self._record("stop", rounds=self.counters.rounds, pushes=self.counters.pushes,
+                     bytes_received=self.counters.bytes_received, bytes_sent=self.counters.bytes_sent)
         if self.tape is not None:
             self.tape.close()
         if self.push_log is not None:

@@ -1,0 +1,74 @@
+"""`diloco compare` end to end on one tiny scenario (Decoupled and DP, two workers): the
+report it writes holds figures that obey their definitions, with the bytes checked
+against what the shards counted and what a ring all-reduce of the model sends."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from diloco.baseline.common import ring_allreduce_bytes
+from diloco.tape import read_tape
+from diloco.tasks.byte_gpt import GPT, ModelConfig
+
+pytestmark = pytest.mark.cluster
+
+TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--fragments", "2", "--sync-every", "8",
+        "--batch-size", "8"]
+WORKERS, STEPS, TOKENS_PER_STEP = 2, 16, 8 * 32
+
+
+def compare(out):
+    return subprocess.run(
+        [sys.executable, "-m", "diloco.cli", "--insecure", "compare", "--scenario", "nofault", "--systems", "decoupled,dp",
+         "--workers", str(WORKERS), "--steps", str(STEPS), "--json", "--out", str(out), *TINY],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
+    out = tmp_path / "compare"
+    proc = compare(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    stored = json.loads((out / "results.json").read_text())
+    assert stored["results"] == [printed] and printed["scenario"] == "nofault"
+    systems = printed["systems"]
+    assert set(systems) == {"decoupled", "dp"}
+    for name, m in systems.items():
+        # The same budget for both: workers x steps x tokens of one batch.
+        assert m["tokens"] == WORKERS * STEPS * TOKENS_PER_STEP, (name, m)
+        assert 0 < m["goodput"] <= 1 and 0 <= m["uptime"] <= 1 and m["global_stall_s"] >= 0, (name, m)
+        assert m["eval_unit"] == "bits/byte" and m["eval_loss_final"] < m["eval_loss_start"], (name, m)
+
+    # Decoupled: what the learners say they sent is what the shards received; what they
+    # received the shards sent (the shards also sent the bootstrap, which no push answers).
+    decoupled = json.loads((out / "nofault" / "decoupled" / "summary.json").read_text())
+    stops, pushed = [], 0
+    for tape in sorted((out / "nofault" / "decoupled").glob("shard*/tape-S*.jsonl")):
+        records = list(read_tape(tape))
+        stops.append(next(r for r in records if r["kind"] == "stop"))
+        pushed += sum(r["bytes"] for r in records if r["kind"] == "push")
+    assert len(stops) == 2
+    assert decoupled["bytes_up"] == pushed == sum(s["bytes_received"] for s in stops) > 0
+    assert 0 < decoupled["bytes_down"] <= sum(s["bytes_sent"] for s in stops)
+    assert systems["decoupled"]["bytes_per_1k_tokens"] == round(
+        1000 * (decoupled["bytes_up"] + decoupled["bytes_down"]) / decoupled["tokens"], 2)
+
+    # DP: one ring all-reduce of the gradients (and the loss) per step, in fp32.
+    numel = sum(p.numel() for p in GPT(ModelConfig(width=32, depth=1, heads=2, context=32)).parameters())
+    wire = STEPS * ring_allreduce_bytes(4 * (numel + 1), WORKERS)
+    assert systems["dp"]["bytes_per_1k_tokens"] == pytest.approx(1000 * wire / (WORKERS * STEPS * TOKENS_PER_STEP))
+
+    # The report: a row per system, the bandwidth target judged on these very figures.
+    report = (out / "results.md").read_text()
+    assert "| nofault | decoupled |" in report and "| nofault | dp |" in report
+    ratio = systems["dp"]["bytes_per_1k_tokens"] / systems["decoupled"]["bytes_per_1k_tokens"]
+    target = next(t for t in stored["targets"] if t[0].startswith("bytes on the wire"))
+    assert target[1] == (ratio >= 50) and f"({ratio:.0f}x)" in target[2], target
+    assert (out / "compare.png").stat().st_size > 10_000
+
+    # A second compare into the same directory is refused before it runs anything.
+    again = compare(out)
+    assert again.returncode != 0 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
