@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import re
 
 import grpc
 import pytest
@@ -34,11 +35,11 @@ class FakeLearner:
         core = server.runtime.core
         return cls(name, core.plan, core.fragments[fragment].params, fragment, seed)
 
-    def next_push(self, tokens=128, steps=4, encoding="int4", deltas=None):
+    def next_push(self, tokens=128, steps=4, encoding="int4", deltas=None, step_time_s=0.05):
         deltas = deltas or [torch.randn(p.shape, generator=self.g) * 0.01 for p in self.pieces]
         encoded = [encode(p.name, d, encoding=encoding) for p, d in zip(self.pieces, deltas)]
         self.clock = self.clock.tick(self.name)
-        meta = PushMeta(self.name, self.fragment, self.version, tokens, steps, 0.05, self.clock,
+        meta = PushMeta(self.name, self.fragment, self.version, tokens, steps, step_time_s, self.clock,
                         tuple(e.spec for e in encoded))
         return meta, encoded
 
@@ -137,6 +138,39 @@ def test_quorum_then_grace_then_straggler_joins_next_round(tmp_path):
             assert [s.version for s in rc.update.segments] == [1, 2]
 
     run(scenario())
+
+
+def test_auto_grace_widens_for_slow_steps_and_narrows_again(tmp_path):
+    """grace auto at run time: the window is gamma * (tau * step_time - (quorum + sync time)),
+    from the step times the pushes report (EMA factor 1: the newest one)."""
+    def grace_of(reason):
+        match = re.search(r"grace ([0-9.]+) s expired", reason)
+        return float(match.group(1)) if match else 0.0
+
+    async def scenario():
+        async with running_shard(tmp_path, learners=("L0", "L1"), quorum=1, grace_mode="auto", grace_gamma=0.5,
+                                 overlap_steps=2, ema_factor=1.0) as (server, address):
+            fast, slow = FakeLearner.of(server, "L0", seed=0), FakeLearner.of(server, "L1", seed=1)
+            loop = asyncio.get_running_loop()
+            reasons, waits = [], []
+            async with client_for(address, "L0") as cf, client_for(address, "L1") as cs:
+                for learner, client, step_time_s in ((fast, cf, 0.001), (slow, cs, 0.6), (slow, cs, 0.6),
+                                                     (fast, cf, 0.001)):
+                    started = loop.time()
+                    result = await learner.push(client, step_time_s=step_time_s)
+                    waits.append(loop.time() - started)
+                    reasons.append(result.update.close_reason)
+            return reasons, waits
+
+    reasons, waits = run(scenario())
+    graces = [grace_of(r) for r in reasons]
+    # Fast steps: next to no slack, the round closes at quorum. A learner that steps in 0.6 s
+    # leaves 1.2 s of slack: about 0.6 s of it is granted, and the push really waits it.
+    assert graces[0] < 0.01 and waits[0] < 0.45, (reasons, waits)
+    for grace, wait in zip(graces[1:3], waits[1:3]):
+        assert 0.45 <= grace <= 0.6 and wait >= grace, (reasons, waits)
+    # Back to fast steps: the window narrows to nothing again.
+    assert graces[3] < 0.01 and waits[3] < 0.45, (reasons, waits)
 
 
 def test_duplicate_push_is_not_applied_twice(tmp_path):
