@@ -7,7 +7,8 @@ import pytest
 
 from diloco.chaos import ChaosConfig, learner_pid, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
-from diloco.local import LocalConfig, slot_seconds, uptime
+from diloco.local import LocalConfig, slot_seconds, tape_stats, uptime
+from diloco.tape import TapeWriter
 from diloco.timeline import learner_intervals
 
 
@@ -44,6 +45,44 @@ def test_token_budget_sizes_the_learners():
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():
     assert slot_seconds([0.0, 2.0], 10.0, []) == 18.0
     assert slot_seconds([0.0], 10.0, [(4.0, 2), (12.0, 1)]) == 10.0 + 12.0
+
+
+def test_tape_stats_count_the_steps_of_merged_pushes_only(tmp_path):
+    """A hand-made run: P = 2, shard 0 owns fragment 0, shard 1 fragment 1 and restarts
+    once (a second life whose versions repeat the first's)."""
+    def push(tape, t, learner, fragment, target, step_time_s, outcome="accepted"):
+        tape.append("push", t, learner=learner, fragment=fragment, target_version=target, steps=8,
+                    step_time_s=step_time_s, outcome=outcome)
+
+    def round_(tape, t, fragment, version, participants, weights, grace_s):
+        tape.append("round", t, fragment=fragment, version=version, participants=participants, weights=weights,
+                    grace_s=grace_s)
+
+    s0, s1 = TapeWriter(tmp_path / "shard0" / "tape-S0.jsonl"), TapeWriter(tmp_path / "shard1" / "tape-S1.jsonl")
+    s0.append("start", 0.0)
+    push(s0, 1.0, "L0", 0, 1, 0.1)
+    push(s0, 1.1, "L0", 0, 1, 0.1, outcome="duplicate")  # a retry: counted once
+    push(s0, 1.2, "L1", 0, 1, 0.2)
+    round_(s0, 2.0, 0, 1, ["L0", "L1"], [1.0, 0.0], 0.5)  # L1's weight 0 (it had failed): not merged
+    s1.append("start", 0.0)
+    push(s1, 1.0, "L0", 1, 1, 0.1)
+    round_(s1, 1.5, 1, 1, ["L0"], [1.0], 0.0)
+    push(s1, 2.5, "L0", 1, 2, 0.1)
+    round_(s1, 3.0, 1, 2, ["L0"], [1.0], 0.1)
+    s1.append("start", 4.0)  # restored at version 0: versions 1 and 2 come again
+    push(s1, 5.0, "L1", 1, 1, 0.2)
+    round_(s1, 5.5, 1, 1, ["L1"], [1.0], 0.2)
+    push(s1, 6.0, "L0", 1, 2, 0.1)  # never merged in this life, although version 2 of the first life was L0's
+    for tape in (s0, s1):
+        tape.close()
+
+    stats = tape_stats(tmp_path, fragments=2, steps={"L0": 16, "L1": 16, "L2": 10})
+    # Merged fragment-steps: L0 8 + 8 + 8 = 24 of 32 at 0.1 s; L1 8 of 32 at 0.2 s; L2 never
+    # pushed: its 20 fragment-steps at the median step time (0.2 s) are all lost.
+    assert stats["step_goodput"] == round((24 * 0.1 + 8 * 0.2) / (32 * 0.1 + 32 * 0.2 + 20 * 0.2), 4)
+    assert stats["useful_s"] == pytest.approx((24 * 0.1 + 8 * 0.2) / 2)
+    assert stats["rounds"] == 4 and stats["mean_participants"] == 1.25 and stats["mean_grace_s"] == 0.2
+    assert stats["round_closes"] == [1.5, 2.0, 3.0, 5.5] and stats["step_s"] == 0.2
 
 
 def test_uptime_counts_only_time_beyond_the_expected_period():
