@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from safetensors.torch import load_file
@@ -49,7 +50,9 @@ def versions(address: str) -> dict[int, int]:
 
     try:
         return asyncio.run(status())
-    except Exception:  # not up yet
+    except grpc.aio.AioRpcError as e:  # not up yet; anything else fails the test
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
         return {}
 
 
@@ -126,9 +129,13 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
                         if all(versions(s) for s in cluster.shards) else None, "the restored shards")
         # Back at the snapshot's versions, plus at most the round its in-flight pushes complete.
         assert all(recorded[f] <= v <= recorded[f] + 1 for f, v in restored.items()), (recorded, restored)
+        before = {m["id"] for m in admin.members(include_gone=True)}
         assert all(r["ok"] for r in admin.add_learners(3))
         poll(lambda: len(now := {f: v for s in cluster.shards for f, v in versions(s).items()}) == 4
              and all(v >= restored[f] + 2 for f, v in now.items()), "training to continue after the restore")
+        # The three learners added after the restore are the ones training: new ids, active, stepping.
+        poll(lambda: len([m for m in admin.members() if m["id"] not in before and m["state"] == "active"
+                          and m["inner_steps"] > 0]) == 3, "the 3 new learners to report steps")
         # The operator exports the live global model; it loads into a fresh byte GPT.
         export = subprocess.run(
             [sys.executable, "-m", "diloco.cli", "--insecure", "admin", "--coordinator", cluster.coordinator, "--token-file",
