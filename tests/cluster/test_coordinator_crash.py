@@ -16,10 +16,12 @@ import pytest
 
 from coordinator.client import AdminClient
 from diloco import auth
+from diloco.errors import Unavailable
 from diloco.tape import read_tape
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from syncer.client import SyncerClient, open_channel
 from tests.cluster.test_snapshot_restore import TINY, free_port
+from tests.polling import poll
 
 pytestmark = pytest.mark.cluster
 
@@ -28,13 +30,6 @@ LEASE_S = 8  # generous: on a loaded 2-core machine a learner's heartbeat thread
 OUTAGE_S = LEASE_S + 2  # longer than a lease: only the restarted coordinator's fresh leases keep them
 LOSS_TIMEOUT_S = 30
 
-
-def poll(predicate, what, timeout_s=90.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def shard_versions(address: str) -> dict[int, int]:
@@ -115,7 +110,7 @@ def _answers(admin) -> bool:
     try:
         admin.members()
         return True
-    except Exception:  # noqa: BLE001 - not serving yet
+    except Unavailable:  # not serving yet; any other error fails the test
         return False
 
 

@@ -6,29 +6,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from coordinator.client import AdminClient
 from tests.grpc.conftest import SECRET
+from tests.polling import poll
 
 pytestmark = pytest.mark.cluster
 
 TESTS = Path(__file__).resolve().parents[1]
 TINY_FLAGS = ["--width", "16", "--depth", "1", "--heads", "2", "--context", "16", "--fragments", "2"]
 
-
-def poll(predicate, what, timeout_s=60.0, proc=None):
-    """Poll with a deadline; fail early if the coordinator died."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"coordinator exited with {proc.returncode}: {proc.stderr.read()}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def alive(pid: int) -> bool:
@@ -48,7 +38,7 @@ def start(tmp_path):
          "--learner-command", f"{sys.executable} {TESTS / 'fake_learner.py'} --heartbeat-s 0.1", *TINY_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", proc=proc)
+    address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", procs=[("coordinator", proc)])
     return proc, AdminClient(address, (tmp_path / "data" / "admin-token").read_text().strip(), timeout_s=10)
 
 
@@ -62,7 +52,7 @@ def test_sigterm_reaps_learners_and_a_restart_resumes(tmp_path):
             members = admin.members()
             return members if [m["state"] for m in members] == ["active", "active"] else None
 
-        members = poll(both_active, "2 active learners", proc=proc)
+        members = poll(both_active, "2 active learners", procs=[("coordinator", proc)])
         pids = [int(m["address"].rsplit(":", 1)[1]) for m in members]
         assert all(alive(pid) for pid in pids)
         proc.send_signal(signal.SIGTERM)
@@ -74,7 +64,7 @@ def test_sigterm_reaps_learners_and_a_restart_resumes(tmp_path):
         gone = admin.members(include_gone=True)
         assert [(m["id"], m["state"]) for m in gone] == [("L0", "left"), ("L1", "left")]
         admin.add_learners(1)
-        poll(lambda: [m["id"] for m in admin.members() if m["state"] == "active"] == ["L2"], "L2 to join", proc=proc)
+        poll(lambda: [m["id"] for m in admin.members() if m["state"] == "active"] == ["L2"], "L2 to join", procs=[("coordinator", proc)])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
@@ -102,11 +92,11 @@ def test_a_tls_coordinator_launches_learners_that_speak_its_tls(tmp_path):
     previous = rpc.use_tls(rpc.Tls.from_dir(tmp_path / "tls"))
     admin = None
     try:
-        address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", proc=proc)
+        address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", procs=[("coordinator", proc)])
         admin = AdminClient(address, (tmp_path / "data" / "admin-token").read_text().strip(), timeout_s=10)
         [launch] = admin.add_learners(1)
         assert launch["ok"]
-        joined = poll(lambda: [m for m in admin.members(include_gone=True) if m["id"] == "L0"], "L0 to join", proc=proc)
+        joined = poll(lambda: [m for m in admin.members(include_gone=True) if m["id"] == "L0"], "L0 to join", procs=[("coordinator", proc)])
         assert joined[0]["pool"] == "default"
         log = (tmp_path / "data" / "learners" / f"{launch['launch_id']}.log")
         assert "refuses plaintext" not in log.read_text()
@@ -134,7 +124,7 @@ def test_add_learners_says_which_launches_joined_and_why_the_others_failed(tmp_p
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", proc=proc)
+        address = poll(lambda: port_file.exists() and port_file.read_text().strip(), "the port file", procs=[("coordinator", proc)])
         admin = ["--insecure", "admin", "--coordinator", address, "--token-file", str(tmp_path / "data" / "admin-token")]
         assert cli.main([*admin, "add-learners", "2", "--wait-s", "60", "--json"]) == 1
         outcomes = json.loads(capsys.readouterr().out)

@@ -6,23 +6,17 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from diloco import auth
 from syncer.client import SyncerClient, open_channel
+from tests.polling import poll
 
 pytestmark = pytest.mark.cluster
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--fragments", "2", "--sync-every", "4"]
 
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def shard_pushes(address):
@@ -43,7 +37,7 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
     )
     learner = None
     try:
-        wait_for(lambda: (tmp_path / "port").exists(), 60, "the shard")
+        poll(lambda: (tmp_path / "port").exists(), "the shard", timeout_s=60)
         learner = subprocess.Popen(
             [sys.executable, "-m", "diloco.cli", "--insecure", "--log-level", "INFO", "learner", "--shards",
              (tmp_path / "port").read_text().strip(), "--learner-id", "L0", "--steps", "100000",
@@ -51,7 +45,7 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"),
         )
         address = (tmp_path / "port").read_text().strip()
-        wait_for(lambda: learner.poll() is not None or shard_pushes(address) >= 2, 90, "the first pushes")
+        poll(lambda: learner.poll() is not None or shard_pushes(address) >= 2, "the first pushes", timeout_s=90)
         assert learner.poll() is None, (tmp_path / "learner.log").read_text()
         learner.send_signal(signal.SIGTERM)
         assert learner.wait(timeout=60) == 0, (tmp_path / "learner.log").read_text()

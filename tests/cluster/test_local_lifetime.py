@@ -6,12 +6,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.tables import assert_final_table_agrees
+from tests.polling import poll
 
 pytestmark = pytest.mark.cluster
 
@@ -25,13 +25,6 @@ def alive(pid: int) -> bool:
         return False
     return state != "Z"  # a zombie has exited; only its parent's reaping is left
 
-
-def poll(predicate, what, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
 
 
 def learner_pids(out: Path) -> list[int]:

@@ -7,11 +7,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.cluster.tables import assert_final_table_agrees
+from tests.polling import poll
 
 pytestmark = pytest.mark.cluster
 
@@ -23,13 +23,6 @@ STEPS = 3000
 def diloco(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=timeout)
 
-
-def poll(predicate, what, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def trained(out) -> int:

@@ -8,28 +8,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from coordinator.client import AdminClient
 from diloco.bench.otlp import OtlpReceiver
 from tests.grpc.conftest import SECRET
+from tests.polling import poll
 
 pytestmark = pytest.mark.cluster
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--fragments", "2", "--sync-every", "4"]
 SERVER, CLIENT = 2, 3  # OTLP span kinds
 
-
-def poll(predicate, what, procs, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        for name, proc in procs:
-            assert proc.poll() is None, f"{name} exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def test_every_process_exports_and_a_sync_and_its_push_share_a_trace(tmp_path):
@@ -51,18 +42,18 @@ def test_every_process_exports_and_a_sync_and_its_push_share_a_trace(tmp_path):
         try:
             spawn("shard", ["syncer", "--learners", "L0", "--port-file", str(tmp_path / "shard-port"), *common])
             shard = poll(lambda: (tmp_path / "shard-port").exists() and (tmp_path / "shard-port").read_text().strip(),
-                         "the shard", procs)
+                         "the shard", procs=procs)
             learner = f"{sys.executable} -m diloco.cli --insecure --log-level INFO learner --steps 16 --eval-every 8 --heartbeat-s 0.2"
             spawn("coordinator", ["coordinator", "--data-dir", str(tmp_path / "coordinator"), "--shards", shard,
                                   "--port-file", str(tmp_path / "coordinator-port"), "--learner-command", learner, *common])
             address = poll(lambda: (tmp_path / "coordinator-port").exists()
-                           and (tmp_path / "coordinator-port").read_text().strip(), "the coordinator", procs)
+                           and (tmp_path / "coordinator-port").read_text().strip(), "the coordinator", procs=procs)
             admin = AdminClient(address, (tmp_path / "coordinator" / "admin-token").read_text().strip())
             try:
                 assert [r["ok"] for r in admin.add_learners(1)] == [True]
                 # The learner trains, syncs, leaves and exits: its spans are flushed at exit.
                 poll(lambda: any(m["state"] == "left" for m in admin.members(include_gone=True)), "the learner to leave",
-                     procs, timeout_s=90)
+                     procs=procs, timeout_s=90)
             finally:
                 admin.close()
 
@@ -72,7 +63,7 @@ def test_every_process_exports_and_a_sync_and_its_push_share_a_trace(tmp_path):
                 return spans if {"diloco-learner", "diloco-syncer", "diloco-coordinator"} <= services and any(
                     s.name == "sync fragment" and s.attributes.get("diloco.outcome") == "applied" for s in spans) else None
 
-            spans = poll(synced, "spans from all three services", procs, timeout_s=30)
+            spans = poll(synced, "spans from all three services", procs=procs, timeout_s=30)
         finally:
             for _, proc in procs:
                 if proc.poll() is None:

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -17,11 +16,13 @@ import pytest
 from safetensors.torch import load_file
 
 from diloco import auth
+from diloco.errors import Unavailable
 from coordinator.client import AdminClient
 from diloco.tasks.byte_gpt import GPT, ModelConfig
 from diloco.snapshots import find_manifest, read_manifest
 from syncer import snapshot as snapshot_files
 from syncer.client import SyncerClient, open_channel
+from tests.polling import poll
 
 pytestmark = pytest.mark.cluster
 
@@ -33,13 +34,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def poll(predicate, what, timeout_s=90.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def versions(address: str) -> dict[int, int]:
@@ -103,7 +97,7 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
     cluster = Cluster(tmp_path, [free_port(), free_port()])
     admin = None
     try:
-        admin = poll(lambda: _try(cluster.start), "the cluster")
+        admin = cluster.start()
         assert all(r["ok"] for r in poll(lambda: _try(lambda: admin.add_learners(3)), "AddLearners"))
         poll(lambda: len([m for m in _try(admin.members) or [] if m["state"] == "active"]) == 3, "3 active learners")
         # Each shard owns 2 of the 4 fragments: both must have closed two rounds.
@@ -158,7 +152,8 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
 
 
 def _try(fn):
+    """``fn()``, or None while the coordinator is not serving yet; any other error fails."""
     try:
         return fn()
-    except Exception:
+    except Unavailable:
         return None

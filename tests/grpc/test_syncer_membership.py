@@ -5,7 +5,6 @@ import asyncio
 
 import grpc
 
-from diloco.config import RunConfig
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from syncer.config import RoundConfig, SyncerConfig
 from syncer.server import ShardServer, ShardServerConfig

@@ -17,7 +17,7 @@ from syncer.client import write_all
 from syncer.config import MergeConfig
 from syncer.convert import push_meta_to_proto
 from syncer.core.shard import PushMeta
-from tests.grpc.conftest import TINY, client_for, run, running_shard
+from tests.grpc.conftest import client_for, run, running_shard
 
 
 class FakeLearner:

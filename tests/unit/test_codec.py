@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco.codec import (

@@ -195,7 +195,6 @@ def test_error_feedback_keeps_params_plus_residual_on_the_true_trajectory():
 
 
 def header_case(shard, initial, mutate):
-    learner = Learner("L0", shard, initial, 0)
     pieces = shard.plan.fragments[0].pieces
     specs = [encode(p.name, torch.zeros(p.shape)).spec for p in pieces]
     meta = PushMeta("L0", 0, 0, 64, 4, 0.1, VectorClock({"L0": 1}), tuple(specs))
