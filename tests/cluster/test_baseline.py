@@ -87,6 +87,7 @@ def test_dp_kill_stalls_everyone_and_restarts_all_from_the_checkpoint(dp_clean, 
     # Restarting from a checkpoint replays the same steps on the same data: the final
     # model is bit-for-bit the one the run without faults produced.
     clean, killed = (torch.load(d / "model.pt", weights_only=True) for d in (dp_clean[0], out))
+    assert clean and clean.keys() == killed.keys()
     assert all(torch.equal(clean[k], killed[k]) for k in clean)
 
 

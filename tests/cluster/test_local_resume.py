@@ -95,6 +95,7 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
         records = [json.loads(line) for line in (out / "learners" / f"{learner}.events.jsonl").read_text().splitlines()]
         first_eval = next(r["loss"] for r in records if r["kind"] == "eval" and r["step"] == 0)
         assert first_eval < (stopped["eval_loss_start"] + stopped["eval_loss_final"]) / 2, (learner, first_eval, stopped)
+    assert stopped["final_versions"] and summary["final_versions"].keys() == stopped["final_versions"].keys()
     assert all(summary["final_versions"][f] > v for f, v in stopped["final_versions"].items())
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 2
     assert 0 < summary["goodput"] <= 1

@@ -8,8 +8,6 @@ import dataclasses
 import hashlib
 import json
 
-import numpy as np
-import torch
 
 from diloco.tape import read_tape
 from diloco.v1 import coordinator_pb2
@@ -19,6 +17,7 @@ from tests.grpc.conftest import SECRET, TINY, client_for, run
 from tests.seeded import model_plan, seeded_core
 from tests.grpc.coordinator_fixtures import admin_stub, joined, running_coordinator, wait_for
 from tests.grpc.test_syncer_service import FakeLearner
+from tests.checks import assert_same_tensors
 
 SHARD_CFG = SyncerConfig(rounds=RoundConfig(quorum=2, grace_mode="off"))
 
@@ -111,9 +110,9 @@ def test_snapshot_records_in_flight_pushes_and_restore_counts_each_once(tmp_path
             address = f"127.0.0.1:{await restored.start()}"
             try:
                 await wait_for(lambda: core.fragments[0].version == 2, "the restored round to close")
-                assert all(np.array_equal(a, b) for a, b in zip(core.fragments[0].params, live[0][1]))
+                assert_same_tensors(core.fragments[0].params, live[0][1])
                 initial = plan.gather(1, initial_state)
-                assert all(torch.equal(torch.from_numpy(a), b) for a, b in zip(core.fragments[1].params, initial))
+                assert_same_tensors(core.fragments[1].params, initial)
                 async with client_for(address, "L1") as c1:
                     again = await c1.push(*in_flight)  # the in-flight push, retried: not counted twice
                 assert again.outcome == "duplicate" and core.fragments[0].version == 2

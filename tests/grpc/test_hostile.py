@@ -5,7 +5,6 @@ the fix, and each now gets a specific status and leaves the service serving."""
 import grpc
 import numpy as np
 import pytest
-import torch
 
 from coordinator.launcher import override_args
 from diloco import auth, rpc
@@ -19,6 +18,7 @@ from syncer.core.shard import PushMeta
 from tests.grpc.conftest import SECRET, client_for, run, running_shard
 from tests.grpc.coordinator_fixtures import joined, running_coordinator
 from tests.grpc.test_syncer_service import FakeLearner, chunk_msgs, header_msg, raw_push
+from tests.checks import assert_same_tensors
 
 
 def fp32_push(learner, fill, tokens=128):
@@ -75,7 +75,7 @@ def test_a_huge_delta_is_refused_and_the_fragment_keeps_serving(tmp_path, fill):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await raw_push(address, "L0", fp32_push(FakeLearner.of(server, "L0"), fill, tokens=10**12))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds" in info.value.details()
-            assert all(np.array_equal(a, b) for a, b in zip(before, server.runtime.core.fragments[0].params))
+            assert_same_tensors(before, server.runtime.core.fragments[0].params)
             async with client_for(address, "L1") as client:
                 assert (await FakeLearner.of(server, "L1").push(client)).update.version == 1
     run(scenario())
@@ -105,7 +105,7 @@ def test_a_round_that_fails_releases_its_fragment(tmp_path, monkeypatch):
                 assert failed.update.version == 1 and failed.update.segments[-1].kind == "full"
                 assert "round failed (FloatingPointError: boom)" in failed.update.close_reason
                 state = server.runtime.core.fragments[0]
-                assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(learner.anchor, state.params))
+                assert_same_tensors(learner.anchor, state.params)
                 assert (await learner.push(client)).update.version == 2  # serving again
     run(scenario())
 

@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import dataclasses
 
-import torch
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from syncer.runtime import initial_name
 from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, run
 from tests.seeded import gpt_run, model_plan
+from tests.checks import assert_same_tensors
 
 RUN = gpt_run(width=32, depth=1, heads=2, context=32, fragments=4, sync_every_steps=16, overlap_steps=2,
               task_options={"batch_size": "8", "eval_batches": "2"})
@@ -64,12 +64,12 @@ def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
                 for fragment_id, state in server.runtime.core.fragments.items():
                     assert state.version == 3
                     mine = learner.anchors()[fragment_id]
-                    assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(mine, state.params))
+                    assert_same_tensors(mine, state.params)
             # Fragment 3's reply came after the last inner step: nothing to rebase (and with
             # alpha = 0 nothing to mix), so the model holds the global values, bit for bit.
             owner = servers[learner.plan.fragments[3].owner(2)][0].runtime.core.fragments[3]
             live = learner.plan.gather(3, learner.tensors)
-            assert all(torch.equal(a.detach(), torch.from_numpy(b)) for a, b in zip(live, owner.params))
+            assert_same_tensors(live, owner.params)
             assert summary.blocked_s < 0.5 * summary.wall_s
 
     run(scenario())
@@ -124,7 +124,7 @@ def test_shard_outage_drops_pushes_keeps_training_and_resyncs(tmp_path):
         _, plan, seed = model_plan(RUN)
         for fragment_id, state in second.runtime.core.fragments.items():
             assert state.version >= 1
-            assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(learner.anchors()[fragment_id], state.params))
+            assert_same_tensors(learner.anchors()[fragment_id], state.params)
             restarted_from = snapshot.loads(tmp_path / initial_name(fragment_id))["pieces"]
             assert not all(np.array_equal(a, b.numpy()) for a, b in zip(restarted_from, plan.gather(fragment_id, seed)))
         # The restarted shard knew from its data directory that it had held the model: it

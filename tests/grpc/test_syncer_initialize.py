@@ -22,6 +22,7 @@ from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, client_for, run
 from tests.grpc.test_syncer_service import FakeLearner
 from tests.seeded import gpt_run, model_plan
+from tests.checks import assert_same_tensors
 
 MANIFEST, PLAN, STATE = model_plan(TINY)
 
@@ -75,7 +76,7 @@ def test_first_offer_wins_and_the_shard_then_serves_it(tmp_path):
             # The run's manifest and each fragment's initial values are kept for replay.
             assert (tmp_path / MANIFEST_FILE).read_text() == MANIFEST.to_json()
             kept = snapshot.loads(tmp_path / initial_name(1))["pieces"]
-            assert all(np.array_equal(a, b.numpy()) for a, b in zip(kept, PLAN.gather(1, STATE)))
+            assert_same_tensors(kept, PLAN.gather(1, STATE))
 
     run(scenario())
 
@@ -189,7 +190,7 @@ def test_a_shard_that_restarts_without_its_state_takes_only_an_anchor(tmp_path):
                 (update,) = await c1.bootstrap([0])
                 assert update.version == 7
                 assert "fragments [1] wait" in (await c1.status()).model_state
-                assert all((a == b).all() for a, b in zip(update.segments[-1].tensors, trained))
+                assert_same_tensors(update.segments[-1].tensors, trained)
                 learner = FakeLearner.of(server, "L1", fragment=0)
                 learner.version = 7
                 assert (await learner.push(c1)).update.version == 8  # rounds go on from the anchor's version

@@ -18,6 +18,7 @@ from syncer.config import MergeConfig
 from syncer.convert import push_meta_to_proto
 from syncer.core.shard import PushMeta
 from tests.grpc.conftest import client_for, run, running_shard
+from tests.checks import assert_same_tensors
 
 
 class FakeLearner:
@@ -74,7 +75,7 @@ def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path)
                 assert results[0].update.participants == 3
             shard_params = server.runtime.core.fragments[0].params
             for learner in learners:
-                assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(learner.anchor, shard_params))
+                assert_same_tensors(learner.anchor, shard_params)
         rounds = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "round"]
         assert [r["version"] for r in rounds] == [1, 2, 3]
         assert all(sorted(r["participants"]) == ["L0", "L1", "L2"] for r in rounds)
@@ -199,7 +200,7 @@ def test_bootstrap_streams_full_fragments(tmp_path):
             for u in updates:
                 assert [s.kind for s in u.segments] == ["full"]
                 shard_params = core.fragments[u.fragment].params
-                assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(u.segments[0].tensors, shard_params))
+                assert_same_tensors(u.segments[0].tensors, shard_params)
 
     run(scenario())
 

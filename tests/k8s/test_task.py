@@ -152,7 +152,7 @@ def test_a_new_task_or_new_options_replace_the_learner_job_and_restart_the_reade
     assert base == identity(EXISTING_SECRET)
     for change in ({"run": {"task": CUSTOM_TASK}}, {"run": {"taskOptions": {"width": "256"}}}, {"run": {"seed": 1}}):
         changed = identity(merge(EXISTING_SECRET, change))
-        assert all(b != c for b, c in zip(base, changed)), change
+        assert len(base) == len(changed) > 0 and all(b != c for b, c in zip(base, changed)), change
 
 
 def test_notes_name_the_task_its_options_and_where_the_learners_load_it_from(presets, variants):

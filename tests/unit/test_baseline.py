@@ -18,6 +18,7 @@ from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from diloco.task import TaskError
 from learner.runner import inner_optimizer
+from tests.checks import assert_same_tensors
 
 
 def test_slow_workers_parse_repeated_and_comma_separated_specs():
@@ -183,8 +184,7 @@ def test_a_worker_builds_the_task_as_the_learner_of_its_index_would():
     task = cfg.task(2)
     assert isinstance(task.model, byte_gpt.GPT) and task.model.cfg.seed == 5 and task.eval_unit == "bits/byte"
     # Every worker starts from the run's seeded model and reads its own share of the data.
-    assert all(torch.equal(a, b) for a, b in zip(task.model.state_dict().values(),
-                                                 cfg.task(0).model.state_dict().values()))
+    assert_same_tensors(task.model.state_dict().values(), cfg.task(0).model.state_dict().values())
     x2, _ = next(iter(task.batches))
     x0, _ = next(iter(cfg.task(0).batches))
     assert x2.shape == (4, 16) and not torch.equal(x0, x2)
@@ -199,7 +199,7 @@ def test_a_restarted_worker_resumes_the_batches_and_the_schedule_where_it_was():
     for _ in range(7):
         next(straight)
     resumed = skip_batches(run.task, cfg.task(1).batches, 7)
-    assert all(torch.equal(a, b) for a, b in zip(next(straight), next(resumed)))
+    assert_same_tensors(next(straight), next(resumed))
     with pytest.raises(TaskError, match="ended after 2 batches"):
         skip_batches(run.task, [1, 2], 3)
 

@@ -22,6 +22,7 @@ from syncer.core.shard import (
     compute_round,
     inspect_payload,
 )
+from tests.checks import assert_same_tensors
 
 PARAMS = [("tok_embed.weight", (16, 8)), ("block.w", (24, 8)), ("block.b", (24,))]
 
@@ -321,7 +322,7 @@ def test_buffer_pieces_become_the_weighted_mean_of_the_pushed_values():
         assert not np.array_equal(before, state.params[0])  # the parameter moved by its outer step
         update = shard.update_for(0, rnd)
         anchor = [a + decode(t.spec, t.payload) for a, t in zip(anchor, update.segments[-1].tensors)]
-        assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(anchor, state.params))
+        assert_same_tensors(anchor, state.params)
     bad = [encode("block.w", torch.zeros(24, 8)), encode("norm.running_var", torch.zeros(24))]  # int4 buffer
     clocks["L0"] = clocks["L0"].tick("L0")
     with pytest.raises(InvalidArgument, match="buffer: its values travel in fp32"):

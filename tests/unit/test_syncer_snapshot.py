@@ -2,7 +2,6 @@
 channel state, and a restore that reproduces the run bit for bit with every push
 counted once."""
 
-import numpy as np
 import torch
 
 from diloco.codec import encode
@@ -10,6 +9,7 @@ from syncer import snapshot as snapshot_files
 from syncer.core.shard import ACCEPTED, DUPLICATE, PushMeta, inspect_payload
 from syncer.core.snapshot import ChannelRecorder, capture, push_in, restore
 from tests.unit.test_syncer_shard import Learner, close, make_shard
+from tests.checks import assert_same_tensors
 
 
 def push(learner, fid, now, epoch=0, base=None):
@@ -94,7 +94,7 @@ def test_restore_reproduces_the_run_and_counts_in_flight_pushes_once(tmp_path):
     restored = fresh.fragments[0]
     assert restored.version == original.version == 2
     for name in ("params", "momentum", "residual"):
-        assert all(np.array_equal(a, b) for a, b in zip(getattr(restored, name), getattr(original, name))), name
+        assert_same_tensors(getattr(restored, name), getattr(original, name), name)
     assert [s.version for s in restored.chain] == [s.version for s in original.chain]
     assert torch.equal(torch.from_numpy(fresh.fragments[1].params[0]), initial[1][0])  # L0's post-cut push is not there
     assert fresh.fragments[1].open == {}
