@@ -145,3 +145,70 @@ def test_unavailable_devices_give_clear_errors():
         with pytest.raises(FailedPrecondition, match="torch_xla is not installed"):
             Device("xla")
     assert Device("cpu").torch.type == "cpu"
+
+
+def test_sync_book_counts_every_event_it_counts():
+    b = book()
+    assert b.sending(0, 0, None)
+    assert not b.sending(0, 2, None) and not b.sending(0, 4, None)
+    assert b.deferred == 2
+    # Fragment 1 first in arrival order: the answer still comes sorted by fragment.
+    b.receive(reply(1, 1, sent_step=0))
+    b.receive(reply(0, 5, sent_step=0))
+    due = b.due(9)  # both late: sent at 0, due at 2
+    assert [(r.fragment, r.version) for r in due] == [(0, 5), (1, 1)] and b.late == 2 and b.stale_dropped == 0
+    for r in due:
+        b.applied_reply(r)
+    assert b.applied == 2
+
+
+def test_stale_replies_are_each_counted_and_equal_versions_keep_the_first():
+    b = book()  # fragment 0 holds version 3
+    b.receive(reply(0, 3, sent_step=0))  # the version it already holds: stale
+    b.receive(reply(0, 2, sent_step=0))  # older: stale
+    b.receive(reply(1, 2, sent_step=0))
+    b.receive(reply(1, 1, sent_step=1))  # older than the one already chosen: stale
+    b.receive(Reply(1, 2, [torch.zeros(2)], 2, 0))  # the same version again: the first stays
+    due = b.due(10)
+    assert [(r.fragment, r.version, r.sent_step) for r in due] == [(1, 2, 0)]
+    assert b.stale_dropped == 4
+
+
+def test_due_looks_at_every_waiting_reply():
+    b = book()
+    b.receive(reply(1, 0, sent_step=-1))  # a re-sync of fragment 1 first in line
+    b.receive(reply(1, 7, sent_step=3))  # superseded by that re-sync
+    b.receive(reply(0, 4, sent_step=9))  # not due before step 11: kept
+    b.receive(reply(0, 2, sent_step=0))  # stale against fragment 0's version 3
+    b.receive(reply(0, 5, sent_step=1))  # due
+    assert [(r.fragment, r.version) for r in b.due(10)] == [(0, 5), (1, 0)]
+    assert b.stale_dropped == 2
+    assert [(r.fragment, r.version) for r in b.due(11)] == [(0, 4)]  # the kept one was not lost
+
+
+def test_a_late_failure_for_an_older_push_does_not_free_the_fragment():
+    b = book()
+    assert b.sending(0, 0, None)
+    b.receive(Reply(0, -1, [], 0, 0, failed=True))  # the push at step 0 failed
+    assert b.sending(0, 8, None)
+    b.receive(Reply(0, -1, [], 0, 0, failed=True))  # the same failure, reported again
+    assert b.fragments[0].sent.step == 8 and not b.sending(0, 12, None)
+
+
+def test_rebase_applies_to_a_push_sent_at_step_zero_and_not_without_a_push():
+    b = book()
+    assert b.rebase_from(reply(0, 4, sent_step=0)) is None  # nothing was sent
+    kept = [torch.ones(2)]
+    assert b.sending(0, 0, kept)
+    assert b.rebase_from(reply(0, 4, sent_step=0)) is kept
+
+
+def test_a_reply_applied_without_rebase_discards_the_counts_since_the_push():
+    b = book()
+    b.count_step(10)
+    assert b.sending(0, 1, [torch.zeros(2)])
+    b.count_step(10)
+    b.receive(reply(0, 4, sent_step=1))
+    (r,) = b.due(3)
+    b.applied_reply(r)  # the mix rule overwrote the progress since the push
+    assert (b.fragments[0].tokens, b.fragments[0].steps) == (0, 0)

@@ -122,3 +122,73 @@ def test_fused_outer_step_matches_the_torch_ops():
     # What the fused step added to params is the int4 update it returns.
     original_params = state[2] - dequantize_int4(ref_packed, ref_scales, n, 64)
     torch.testing.assert_close(fused_state[2], original_params + dequantize_int4(packed, scales, n, 64), rtol=0, atol=1e-6)
+
+
+def test_token_weights_of_small_counts_and_different_step_counts():
+    # Tokens per step matter: the same tokens over 5x the steps weigh 5x less.
+    assert token_weights([Contribution("a", 100, 10, 0), Contribution("b", 100, 50, 0)]) == pytest.approx([5 / 6, 1 / 6])
+    # A lone learner with one token (raw weight 1, or 0.5 over two steps) still gets it all.
+    assert token_weights([Contribution("a", 1, 1, 0)]) == [1.0]
+    assert token_weights([Contribution("a", 1, 2, 0)]) == [1.0]
+
+
+def test_rda_and_mean_with_weights_that_do_not_sum_to_one():
+    d = torch.randn(32, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(merged([d, d.clone()], [2.0, 6.0]), d)
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])
+    torch.testing.assert_close(merged([a, b], [1.0, 3.0], rda=False), torch.tensor([0.25, 2.25]))
+
+
+def test_rda_skips_a_zero_delta_but_keeps_its_weight_in_the_length():
+    d = torch.randn(16, generator=torch.Generator().manual_seed(5))
+    # Its direction is undefined (norm 0): only d's direction, at half d's length.
+    torch.testing.assert_close(merged([torch.zeros(16), d], [0.5, 0.5]), 0.5 * d)
+
+
+def test_rda_threshold_scales_with_the_total_weight():
+    # Unit directions that nearly cancel: |sum w u| = 5e-5 < 1e-6 * 100; the mean is used,
+    # not an RDA step of length 1 in a direction made of rounding.
+    a = torch.tensor([1.0, 0.0])
+    b = torch.tensor([-1.0, 1e-6])
+    out = merged([a, b], [50.0, 50.0])
+    assert float(out.norm()) < 1e-5, out
+
+
+def test_apply_quantized_honours_block_size_and_scale_dtype_and_leaves_the_update_in_step():
+    g = torch.Generator().manual_seed(6)
+    params, residual, step = torch.randn(96, generator=g), torch.zeros(96), torch.randn(96, generator=g) * 1e-2
+    move = -step.clone()
+    packed, scales = apply_quantized_(params, residual, step, 32, "float32")
+    assert scales.dtype == torch.float32 and scales.numel() == 96 // 32
+    assert torch.equal(packed, quantize_int4(move, 32, "float32")[0])
+    assert torch.equal(step, dequantize_int4(packed, scales, 96, 32))  # step holds the applied update
+
+
+@pytest.mark.parametrize("block_size", [64, 3])  # 3: a block size the C kernel does not take
+def test_outer_step_without_the_kernel_is_the_kernels_step(monkeypatch, block_size):
+    from syncer.core import outer
+
+    g = torch.Generator().manual_seed(7)
+    n = 64 * 10 + 5
+    state = [torch.randn(n, generator=g) * s for s in (1e-3, 1e-4, 1.0)]
+    delta = torch.randn(n, generator=g) * 1e-2
+
+    def step(fused):
+        arrays = [t.clone().numpy() for t in state]
+        if not fused:
+            monkeypatch.setattr(outer, "fused_outer_step", lambda *a: None)
+        q = outer.outer_step_(delta.clone().numpy(), *arrays, 2.0, 0.7, 0.9, block_size, "float16")
+        monkeypatch.undo()
+        return [torch.from_numpy(a) for a in arrays], [torch.as_tensor(x) for x in q]
+
+    (m, r, p), (packed, scales) = step(fused=False)
+    # The same math by hand: Nesterov on 2 * delta, then the int4 move with error feedback.
+    m0, r0, p0 = (t.clone() for t in state)
+    update = outer.nesterov_(m0, delta.clone().mul_(2.0), 0.7, 0.9)
+    ref_packed, ref_scales = outer.apply_quantized_(p0, r0, update, block_size, "float16")
+    for ours, ref in ((m, m0), (r, r0), (p, p0), (packed, ref_packed), (scales, ref_scales)):
+        assert torch.equal(ours, ref)
+    if block_size == 64:  # the kernel: the same step up to the order of float rounding
+        (fm, fr, fp), _ = step(fused=True)
+        for ours, ref in ((fm, m), (fr, r), (fp, p)):
+            torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)

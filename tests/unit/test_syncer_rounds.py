@@ -72,3 +72,49 @@ def test_bad_config(kwargs):
 
     with pytest.raises(InvalidArgument):
         RoundConfig(**kwargs)
+
+
+def test_every_decision_says_why_exactly():
+    cfg = RoundConfig(quorum=1)
+    assert decide_round(view([], ["a"]), 1.0, cfg).reason == "no pushes yet"
+    assert decide_round(view(["a"], ["a", "b"], quorum_at=1.0), 1.0, cfg).reason == "quorum 1/2 reached, no grace"
+    expired = decide_round(view(["a"], ["a", "b"], quorum_at=1.0, grace=0.25), 1.3, cfg)
+    assert expired == Close("quorum 1/2 + grace 0.25 s expired", 0.25)
+
+
+def test_a_grace_under_one_second_is_still_waited():
+    d = decide_round(view(["a"], ["a", "b"], quorum_at=1.0, grace=0.5), 1.2, RoundConfig(quorum=1))
+    assert isinstance(d, Wait) and d.deadline == pytest.approx(1.5)
+
+
+def test_all_live_pushed_reports_the_grace_spent_since_the_quorum():
+    cfg = RoundConfig(quorum=1)
+    d = decide_round(view(["a", "b"], ["a", "b"], quorum_at=10.0, grace=5.0), 10.25, cfg)
+    assert d.grace_s == pytest.approx(0.25)
+    # No quorum time yet (both arrived at once): nothing was spent.
+    assert decide_round(view(["a", "b"], ["a", "b"]), 3.0, cfg).grace_s == 0.0
+
+
+def test_quorum_counts_only_live_learners_pushes():
+    # "x" pushed and then was declared failed: it no longer counts toward K = 2.
+    d = decide_round(view(["a", "x"], ["a", "b", "c"]), 1.0, RoundConfig(quorum=2))
+    assert isinstance(d, Wait) and d.reason == "1/2 pushes for quorum (3 live)"
+    # Without a live set (no membership yet) every push counts.
+    d = decide_round(view(["a", "x"], []), 1.0, RoundConfig(quorum=2))
+    assert isinstance(d, Close) and d.reason == "quorum 2/0 reached, no grace"
+
+
+def test_the_window_starts_at_the_quorum_not_at_the_decision():
+    cfg = RoundConfig(quorum=1)
+    # Quorum reached at 10; deciding at 12 with a 1.5 s grace: it has expired.
+    assert isinstance(decide_round(view(["a"], ["a", "b"], quorum_at=10.0, grace=1.5), 12.0, cfg), Close)
+    # Quorum not stamped yet: the window starts now.
+    d = decide_round(view(["a"], ["a", "b"], grace=1.5), 12.0, cfg)
+    assert isinstance(d, Wait) and d.deadline == pytest.approx(13.5)
+
+
+def test_adaptive_grace_with_only_some_timings_observed():
+    cfg = RoundConfig(grace_gamma=0.5, overlap_steps=2, grace_max_s=5.0)
+    assert Timings(step_time_s=1.0).grace_s(cfg) == pytest.approx(1.0)
+    assert Timings(step_time_s=1.0, sync_time_s=0.4).grace_s(cfg) == pytest.approx(0.8)
+    assert Timings(step_time_s=1.0, quorum_time_s=0.4).grace_s(cfg) == pytest.approx(0.8)
