@@ -71,3 +71,12 @@ def test_zero_entries_are_absent():
 def test_invalid_entries_rejected(entries):
     with pytest.raises(InvalidArgument):
         VectorClock(entries)
+
+
+def test_a_clock_prints_sorted_and_bad_entries_are_named():
+    assert str(VectorClock({"S0": 3, "L1": 2})) == "{L1:2, S0:3}"
+    assert str(VectorClock()) == "{}"
+    with pytest.raises(InvalidArgument, match=r"^vector clock process names must be non-empty strings, got ''$"):
+        VectorClock({"": 1})
+    with pytest.raises(InvalidArgument, match=r"^vector clock entry 'L0' must be a non-negative int, got -1$"):
+        VectorClock({"L0": -1})

@@ -7,6 +7,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.core.membership import (
     FAILED_LAUNCHES_KEPT,
+    MAX_GONE_KEPT,
     ACTIVE,
     DRAINING,
     FAILED,
@@ -218,3 +219,207 @@ def test_launches_that_never_join_are_remembered_with_why():
         m.launch_ended(f"x{i}", "killed by SIGKILL", 101.0)
     assert len(m.failed_launches) == FAILED_LAUNCHES_KEPT and "a" not in m.failed_launches  # the oldest go first
     assert list(m.failed_launches)[-1] == f"x{FAILED_LAUNCHES_KEPT - 1}"
+
+
+def test_changes_say_why_and_which_process_to_stop_and_how():
+    """Each transition is announced with its reason; a departure names the learner's
+    launch to stop, gently only when the learner left by itself."""
+    m = membership(lease_s=5.0)
+    m.add_launch("x0", "default", now=0.0)
+    m.join("", "host:1", "x0", "", now=0.0)
+    m.join("spot", "host:2", "", "", now=0.0)
+    m.join("", "host:3", "", "", now=0.0)
+    m.heartbeat("L0", HeartbeatStats(), now=1.0)
+    m.heartbeat("L2", HeartbeatStats(), now=1.0)
+    m.leave("L0", "", now=2.0)  # no reason given
+    m.expire(5.0)  # L1 never heartbeat
+    m.remove(["L2"], "removed by an operator", now=5.5)
+    got = [(c.kind, c.learner.id, c.reason, c.stop_launch, c.gently) for c in m.take_changes()]
+    assert got == [
+        ("joined", "L0", "joined pool default (launch x0)", "", False),
+        ("joined", "L1", "joined pool spot", "", False),
+        ("joined", "L2", "joined pool default", "", False),
+        ("active", "L0", "first heartbeat", "", False),
+        ("active", "L2", "first heartbeat", "", False),
+        ("left", "L0", "left", "x0", True),
+        ("failed", "L1", "lease expired: no heartbeat for 5.0 s (lease 5 s)", "", False),
+        ("left", "L2", "removed by an operator", "", False),
+    ]
+    l0 = m.learner("L0")
+    assert (l0.address, l0.launch_id, l0.joined_s, l0.state, l0.reason) == ("host:1", "x0", 0.0, LEFT, "left")
+
+
+def test_remove_makes_live_learners_leave_and_skips_departed_ones():
+    m = membership()
+    m.add_launch("x1", "default", now=0.0)
+    m.join("", "", "", "", now=0.0)
+    m.join("", "", "x1", "", now=0.0)
+    m.join("", "", "", "", now=0.0)
+    m.leave("L0", "done", now=1.0)
+    m.take_changes()
+    m.remove(["L0", "L1"], "scaled down", now=2.0)
+    assert [(l.id, l.state, l.reason) for l in m.listing(include_gone=True)] == [
+        ("L0", LEFT, "done"), ("L1", LEFT, "scaled down"), ("L2", JOINING, ""),
+    ]
+    (change,) = m.take_changes()
+    assert (change.kind, change.learner.id, change.reason, change.stop_launch, change.gently) == (
+        "left", "L1", "scaled down", "x1", False,
+    )
+    with pytest.raises(NotFound, match="unknown learner 'L9'"):
+        m.remove(["L9"], "", now=3.0)
+
+
+def test_launch_failures_record_when_they_happened():
+    m = membership(join_timeout_s=60.0)
+    m.add_launch("a", "default", now=0.0)
+    m.add_launch("b", "spot", now=10.0)
+    m.launch_ended("a", "exit code 2", now=5.0)
+    m.expire(70.0)
+    assert [(x.launch_id, x.pool, x.failed_s) for x in m.failed_launches.values()] == [
+        ("a", "default", 5.0), ("b", "spot", 70.0),
+    ]
+    assert [(c.kind, c.learner, c.reason, c.stop_launch) for c in m.take_changes()] == [
+        ("launch_ended", None, "launch a ended before joining: exit code 2", ""),
+        ("launch_ended", None, "launch b did not join within 60 s", "b"),
+    ]
+
+
+def test_a_launch_ending_that_is_unknown_or_of_a_departed_learner_changes_nothing():
+    m = membership()
+    m.add_launch("x1", "default", now=0.0)
+    m.join("", "", "x1", "", now=0.0)
+    m.join("", "", "", "", now=0.0)
+    m.leave("L0", "finished", now=1.0)
+    m.take_changes()
+    m.launch_ended("zz", "exit code 0", now=2.0)
+    m.launch_ended("x1", "exit code 0", now=2.0)  # L0 already left: it stays left
+    assert [(l.state, l.reason) for l in m.listing(include_gone=True)] == [(LEFT, "finished"), (JOINING, "")]
+    assert m.take_changes() == [] and m.failed_launches == {}
+
+
+def test_a_learner_whose_launch_timed_out_may_still_join():
+    m = membership(join_timeout_s=60.0, max_learners=2)
+    m.add_launch("x1", "default", now=0.0)
+    m.expire(60.0)
+    learner = m.join("", "host:1", "x1", "", now=61.0)  # late, but there is room
+    assert (learner.id, learner.launch_id) == ("L0", "x1")
+
+
+def test_the_cap_counts_what_is_already_taken():
+    m = membership(max_learners=3)
+    assert m.check_launch(3, "spot") == "spot"  # exactly the free slots
+    m.add_launch("x1", "default", now=0.0)
+    m.join("", "", "", "", now=0.0)
+    assert m.check_launch(1, "") == "default"
+    with pytest.raises(ResourceExhausted, match=r"^cannot add 2 learners: 2 of the cap of 3 are taken$"):
+        m.check_launch(2, "")
+
+
+def test_drain_sets_a_deadline_once_and_only_for_live_learners():
+    m = membership(drain_timeout_s=30.0, lease_s=100.0, credential_lifetime_s=200.0)
+    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0)
+    m.leave("L1", "finished", now=1.0)
+    m.take_changes()
+    m.drain(["L0", "L1"], now=10.0)
+    m.drain(["L0"], now=20.0)  # already draining: the deadline does not move
+    l0 = m.learner("L0")
+    assert (l0.state, l0.reason, l0.drain_deadline_s) == (DRAINING, "removed by an operator (drain)", 40.0)
+    assert (m.learner("L1").state, m.learner("L1").reason) == (LEFT, "finished")
+    assert [(c.kind, c.learner.id, c.reason) for c in m.take_changes()] == [
+        ("draining", "L0", "removed by an operator (drain)"),
+    ]
+    assert m.next_deadline() == 40.0  # before its lease ends at 100
+    m.expire(39.9)
+    assert m.learner("L0").state == DRAINING
+    m.expire(40.0)
+    assert m.learner("L0").state == LEFT
+
+
+def test_expiry_looks_past_departed_learners():
+    m = membership(lease_s=5.0)
+    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0)
+    m.leave("L0", "finished", now=1.0)
+    m.expire(5.0)
+    assert m.learner("L1").state == FAILED
+
+
+def test_next_deadline_includes_launches_waiting_to_join():
+    m = membership(join_timeout_s=60.0)
+    m.add_launch("x1", "default", now=10.0)
+    assert m.next_deadline() == 70.0
+
+
+def test_renewing_after_a_restart_gives_pending_launches_a_fresh_join_timeout():
+    m = membership(join_timeout_s=60.0)
+    m.add_launch("x1", "default", now=0.0)
+    m.renew_all(1000.0)
+    m.expire(1059.9)
+    assert list(m.launches) == ["x1"]
+    m.expire(1060.0)
+    assert m.launches == {}
+
+
+def test_reset_says_why_everyone_left():
+    m = membership()
+    m.join("", "", "", "", now=0.0)
+    m.take_changes()
+    m.reset("restored from snapshot 3", now=1.0)
+    assert m.learner("L0").reason == "restored from snapshot 3"
+    assert [(c.kind, c.reason) for c in m.take_changes()] == [("left", "restored from snapshot 3")]
+
+
+def test_select_edges():
+    m = membership()
+    for t in range(3):
+        m.join("", "", "", "", now=float(t))
+    assert [l.id for l in m.select([], 1)] == ["L2"]
+    assert [l.id for l in m.select([], 3)] == ["L2", "L1", "L0"]  # all of them
+    with pytest.raises(InvalidArgument, match=r"^give learner ids or a count, not both$"):
+        m.select(["L1"], 1)
+    m.leave("L0", "", now=5.0)
+    m.leave("L1", "", now=5.0)
+    with pytest.raises(FailedPrecondition, match=r"^already gone: L0, L1$"):
+        m.select(["L0", "L1", "L2"], 0)
+
+
+def test_plan_mismatch_names_both_plans():
+    with pytest.raises(FailedPrecondition) as error:
+        membership().join("", "", "", "0123456789abcdef", now=0.0)
+    assert str(error.value) == "fragment plan 0123456789ab differs from the run's abababababab: check the model flags"
+
+
+def test_departed_learners_beyond_the_kept_number_are_forgotten_oldest_first():
+    m = membership(max_learners=4)
+    for t in range(MAX_GONE_KEPT + 2):
+        m.join("", "", "", "", now=0.0)
+        m.leave(f"L{t}", "", now=0.0)
+    m.join("", "", "", "", now=0.0)  # a live learner is never forgotten
+    ids = [l.id for l in m.listing(include_gone=True)]
+    assert len(ids) == MAX_GONE_KEPT + 1 and ids[:2] == ["L2", "L3"] and ids[-1] == f"L{MAX_GONE_KEPT + 2}"
+
+
+def test_state_file_keeps_the_learner_counter_and_the_run_plan():
+    m = membership()
+    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0)
+    assert m.to_state()["next_learner"] == 2
+    cfg = m.cfg
+    fresh = Membership.from_state(cfg, PLAN, {})  # a first start: nothing yet
+    assert fresh.join("", "", "", "", now=0.0).id == "L0"
+    with pytest.raises(FailedPrecondition, match="fragment plan"):
+        fresh.join("", "", "", "cd" * 32, now=0.0)
+    # The counter in the file wins over the records (the learners it counted may be gone) ...
+    assert Membership.from_state(cfg, PLAN, {"next_learner": 7}).join("", "", "", "", now=0.0).id == "L7"
+    # ... and the records win over a counter that is behind: ids are never reused.
+    state = m.to_state()
+    state["next_learner"] = 0
+    assert Membership.from_state(cfg, PLAN, state).join("", "", "", "", now=0.0).id == "L2"
+
+
+def test_a_learner_record_with_a_bad_id_is_refused():
+    record = {"id": "X3", "pool": "default", "address": "", "launch_id": "", "state": LEFT, "joined_s": 0.0,
+              "heartbeat_s": 0.0}
+    with pytest.raises(InvalidArgument, match=r"^corrupt coordinator state: bad learner record \{'id': 'X3'"):
+        Membership.from_state(membership().cfg, PLAN, {"learners": [record]})

@@ -6,9 +6,11 @@ import pytest
 from coordinator.core.snapshots import (
     COMPLETE,
     FAILED,
+    MAX_KEPT,
     RUNNING,
     Complete,
     Pending,
+    Report,
     SnapshotFile,
     Snapshots,
     TimedOut,
@@ -128,3 +130,153 @@ def test_restore_resolution_and_state_round_trip():
     assert back.get(3).detail == "the coordinator restarted during the snapshot"
     assert back.get(1).reports["S0"].files == tuple(files("S0-state.pt"))
     assert back.start([], [], now=101.0).id == 4
+
+
+def test_the_manifest_records_the_whole_cut():
+    books = Snapshots(timeout_s=60, root="/snaps")
+    snapshot = books.start(["S0"], ["L0", "L1"], now=100.0)
+    books.report(1, "S0", {"S0": 4}, [SnapshotFile("S0-state.pt", 123, "a" * 64)], now=101.0)
+    books.drop_learner("L1", "left", now=101.5)
+    books.report(1, "L0", {"L0": 9}, [], now=102.0)
+    assert manifest_of(snapshot, {"C": 5}, {"plan_hash": "h"}) == {
+        "format": 1,
+        "snapshot_id": 1,
+        "started_s": 100.0,
+        "finished_s": 102.0,
+        "participants": ["S0", "L0"],
+        "dropped": ["L1 (left)"],
+        "cut": {"L0": {"L0": 9}, "S0": {"S0": 4}},
+        "coordinator_clock": {"C": 5},
+        "files": [{"participant": "S0", "path": "S0-state.pt", "size_bytes": 123, "sha256": "a" * 64}],
+        "run": {"plan_hash": "h"},
+    }
+
+
+def test_waiting_lists_name_five_participants_at_most():
+    books = Snapshots(timeout_s=60, root="/snaps")
+    five = books.start(["S0", "S1", "S2", "S3", "S4"], [], now=0.0)
+    assert five.detail == "waiting for S0, S1, S2, S3, S4; times out in 60.0 s"
+    books.fail(1, "enough", now=1.0)
+    six = books.start(["S0", "S1", "S2", "S3", "S4", "S5"], [], now=10.0)
+    assert six.detail == "waiting for S0, S1, S2, S3, S4 ...; times out in 60.0 s"
+    assert decide_snapshot(six, 70.0, 60) == TimedOut("timed out after 60 s waiting for S0, S1, S2, S3, S4 ...")
+
+
+def test_file_sizes_may_be_zero_but_not_negative():
+    assert SnapshotFile("empty.pt", 0, SHA).size_bytes == 0
+    with pytest.raises(InvalidArgument, match=r"^snapshot file 'a.pt': negative size$"):
+        SnapshotFile("a.pt", -1, SHA)
+
+
+def test_finished_snapshots_beyond_the_kept_number_are_forgotten_oldest_first():
+    books = Snapshots(timeout_s=60, root="/snaps")
+    for t in range(MAX_KEPT + 2):
+        books.start([], [], now=float(t))  # no participants: complete at once
+    assert [s.id for s in books.listing()][:2] == [3, 4] and len(books.listing()) == MAX_KEPT
+
+
+def test_reports_are_kept_as_given_and_stamped():
+    books = Snapshots(timeout_s=60, root="/snaps")
+    snapshot = books.start(["S0", "S1"], [], now=0.0)
+    books.report(1, "S0", {"S0": 3}, files("S0.pt"), now=2.5)
+    assert snapshot.reports["S0"] == Report("S0", {"S0": 3}, tuple(files("S0.pt")), 2.5)
+    assert snapshot.detail == "waiting for S1; times out in 57.5 s"
+
+
+def test_finishing_stamps_the_time_for_every_outcome():
+    books = Snapshots(timeout_s=30, root="/snaps")
+    books.start(["S0"], ["L0"], now=0.0)
+    books.report(1, "S0", {}, [], now=1.0)
+    books.drop_learner("L0", "lease expired", now=2.0)  # the last one awaited
+    books.start(["S0"], [], now=3.0)
+    books.fail(2, "marker to S0 failed", now=4.0)
+    books.start(["S0"], [], now=5.0)
+    books.expire(35.0)
+    assert [(s.id, s.state, s.finished_s) for s in books.listing()] == [
+        (1, COMPLETE, 2.0), (2, FAILED, 4.0), (3, FAILED, 35.0),
+    ]
+
+
+def test_dropping_learners_outside_a_running_snapshot_changes_nothing():
+    books = Snapshots(timeout_s=30, root="/snaps")
+    books.drop_learner("L0", "left", now=0.0)  # no snapshot running
+    snapshot = books.start(["S0"], ["L0", "L1", "L2"], now=1.0)
+    books.drop_learner("L7", "left", now=2.0)  # not a participant
+    books.drop_learner("L2", "left", now=2.0)
+    books.drop_learner("L0", "lease expired", now=2.0)
+    assert snapshot.learners == ["L1"]
+    books.report(1, "S0", {}, [], now=3.0)
+    books.report(1, "L1", {}, [], now=3.0)
+    assert snapshot.detail == "all 2 participants reported; dropped L2 (left), L0 (lease expired)"
+
+
+def test_manifest_outcomes_and_forgetting():
+    books = Snapshots(timeout_s=30, root="/snaps")
+    books.start([], [], now=0.0)
+    books.start([], [], now=1.0)
+    books.completed(1, "/snaps/000001/manifest.json")
+    assert books.get(1).manifest == "/snaps/000001/manifest.json"
+    books.manifest_failed(2, "disk full")
+    assert (books.get(2).state, books.get(2).detail) == (FAILED, "disk full")
+    with pytest.raises(NotFound, match="unknown snapshot 9"):
+        books.manifest_failed(9, "disk full")
+    books.forget(1)
+    books.forget(1)  # already forgotten: nothing to do
+    assert [s.id for s in books.listing()] == [2]
+    with pytest.raises(NotFound, match=r"^no complete snapshot to restore$"):
+        books.resolve("latest")
+
+
+def test_a_report_to_a_finished_snapshot_says_why_it_finished():
+    books = Snapshots(timeout_s=30, root="/snaps")
+    books.start([], [], now=0.0)
+    with pytest.raises(FailedPrecondition, match=r"^snapshot 1 is complete: all 0 participants reported$"):
+        books.report(1, "S0", {}, [], now=1.0)
+    books.start(["S0"], [], now=2.0)
+    books.fail(2, "", now=3.0)
+    with pytest.raises(FailedPrecondition, match=r"^snapshot 2 is failed$"):
+        books.report(2, "S0", {}, [], now=4.0)
+
+
+def test_only_trailing_slashes_of_the_root_are_dropped():
+    books = Snapshots(timeout_s=30, root="/mnt/X/")
+    assert books.start(["S0"], [], now=0.0).directory == "/mnt/X/000001"
+
+
+def test_state_file_keeps_the_snapshot_counter_and_the_timeout():
+    books = Snapshots(timeout_s=30, root="/snaps")
+    books.start([], [], now=0.0)
+    books.start([], [], now=1.0)
+    books.forget(1)
+    books.forget(2)  # retention deleted both: their ids are still never reused
+    back = Snapshots.from_state(30, "/snaps", books.to_state(), now=5.0)
+    assert back.start(["S0"], [], now=10.0).id == 3
+    assert back.next_deadline() == 40.0
+    fresh = Snapshots.from_state(30, "/snaps", {}, now=0.0)  # a first start
+    assert fresh.start([], [], now=0.0).id == 1
+    # Without a counter, the records still keep ids from being reused.
+    record = {"id": 3, "state": COMPLETE, "started_s": 0.0, "directory": "/snaps/000003", "shards": [], "learners": []}
+    assert Snapshots.from_state(30, "/snaps", {"snapshots": [record]}, now=0.0).start([], [], now=1.0).id == 4
+
+
+def test_a_snapshot_interrupted_by_a_restart_fails_when_the_coordinator_is_back():
+    books = Snapshots(timeout_s=30, root="/snaps")
+    books.start(["S0"], [], now=0.0)
+    back = Snapshots.from_state(30, "/snaps", books.to_state(), now=100.0)
+    assert (back.get(1).state, back.get(1).finished_s) == (FAILED, 100.0)
+
+
+def test_a_snapshot_record_with_a_bad_state_is_refused():
+    record = {"id": 3, "state": "paused", "started_s": 0.0, "directory": "/snaps/000003", "shards": [], "learners": []}
+    with pytest.raises(InvalidArgument, match=r"^corrupt coordinator state: bad snapshot state 'paused'$"):
+        Snapshots.from_state(30, "/snaps", {"snapshots": [record]}, now=0.0)
+
+
+def test_reports_survive_a_restart_unchanged():
+    books = Snapshots(timeout_s=30, root="/snaps")
+    books.start(["S0"], ["L0"], now=0.0)
+    books.report(1, "S0", {"S0": 4, "C": 1}, files("S0-state.pt"), now=1.5)
+    books.report(1, "L0", {"L0": 9}, [], now=2.0)
+    back = Snapshots.from_state(30, "/snaps", books.to_state(), now=100.0)
+    assert back.get(1).reports == books.get(1).reports
+    assert back.get(1).reports["S0"] == Report("S0", {"S0": 4, "C": 1}, tuple(files("S0-state.pt")), 1.5)

@@ -212,3 +212,17 @@ def test_a_reply_applied_without_rebase_discards_the_counts_since_the_push():
     (r,) = b.due(3)
     b.applied_reply(r)  # the mix rule overwrote the progress since the push
     assert (b.fragments[0].tokens, b.fragments[0].steps) == (0, 0)
+
+
+def test_a_resync_drops_every_answer_it_supersedes_and_counts_each():
+    b = book()
+    b.receive(reply(1, 0, sent_step=-1))
+    b.receive(reply(1, 7, sent_step=3))
+    b.receive(reply(1, 8, sent_step=5))
+    assert [(r.fragment, r.version) for r in b.due(10)] == [(1, 0)] and b.stale_dropped == 2
+
+
+def test_lr_schedule_of_a_single_decay_step():
+    # total - warmup = 1: the one step after warmup is the end of the cosine.
+    assert inner_lr(0, 1.0, 0, 1, 0.1) == pytest.approx(1.0)
+    assert inner_lr(1, 1.0, 0, 1, 0.1) == pytest.approx(0.1)

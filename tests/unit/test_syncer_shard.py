@@ -1,6 +1,8 @@
 """The shard core with a fake clock: rounds, idempotence, the bit-identical downlink, validation."""
 
 import dataclasses
+import math
+import re
 
 import numpy as np
 import pytest
@@ -8,12 +10,13 @@ import torch
 
 from diloco.clock import VectorClock
 from diloco.codec import decode, encode
-from diloco.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import plan_fragments
 from syncer.config import MergeConfig, RoundConfig, SyncerConfig
-from syncer.core.rounds import Close
+from syncer.core.rounds import Close, Wait
 from syncer.core.shard import (
     ACCEPTED,
+    Ack,
     ACCEPTED_NEXT_ROUND,
     DUPLICATE,
     PushMeta,
@@ -327,3 +330,444 @@ def test_buffer_pieces_become_the_weighted_mean_of_the_pushed_values():
     clocks["L0"] = clocks["L0"].tick("L0")
     with pytest.raises(InvalidArgument, match="buffer: its values travel in fp32"):
         shard.check_header(PushMeta("L0", 0, 4, 64, 4, 0.1, clocks["L0"], tuple(e.spec for e in bad)))
+
+
+# --- pinned behaviours of the shard core (mutation testing) ----------------------------
+
+
+def exactly(message):
+    """A ``pytest.raises(match=...)`` pattern for exactly this message."""
+    return "^" + re.escape(message) + "$"
+
+
+def push_values(shard, name, fid, values, now, clock, base=0, tokens=64, steps=4, encodings=None):
+    """Push these exact deltas (or buffer values) as ``name``; returns (meta, payload, ack)."""
+    pieces = shard.plan.fragments[fid].pieces
+    encodings = encodings or ["int4"] * len(pieces)
+    encoded = [encode(p.name, v, encoding=e) for p, v, e in zip(pieces, values, encodings)]
+    meta = PushMeta(name, fid, base, tokens, steps, 0.1, clock, tuple(e.spec for e in encoded))
+    shard.check_header(meta)
+    payload = inspect_payload(meta.specs, b"".join(e.payload for e in encoded))
+    return meta, payload, shard.accept(meta, payload, meta.payload_bytes, now)
+
+
+def test_initial_numpy_values_become_float32_c_arrays_the_shard_owns():
+    """Initial values may be numpy arrays of any float dtype and layout: the shard keeps
+    float32 C-contiguous copies of its own (the caller's arrays stay untouched by rounds,
+    and later changes to them do not reach the shard)."""
+    plan = plan_fragments(PARAMS, 2)
+    rng = np.random.default_rng(0)
+    initial = {
+        0: [rng.standard_normal((16, 8)), rng.standard_normal(24).astype(np.float32)],  # float64, float32
+        1: [np.asfortranarray(rng.standard_normal((12, 8)), dtype=np.float32), rng.standard_normal((12, 8)).astype(np.float32)],
+    }
+    given = {f: [a.copy() for a in arrays] for f, arrays in initial.items()}
+    shard = ShardCore(SyncerConfig(), plan, initial)
+    assert shard.manifest_json == "" and shard.rounds_closed == 0 and shard.pushes_received == 0
+    for fid, arrays in initial.items():
+        for mine, theirs in zip(shard.fragments[fid].params, arrays):
+            assert mine.dtype == np.float32 and mine.flags.c_contiguous
+            assert not np.shares_memory(mine, theirs)
+            np.testing.assert_array_equal(mine, theirs.astype(np.float32))
+            theirs += 1.0
+            assert not np.array_equal(mine, theirs.astype(np.float32))
+    shard.set_membership({"L0"}, set())
+    Learner("L0", shard, {0: [torch.from_numpy(a.astype(np.float32)) for a in given[0]]}, 0).push(0, now=0.0)
+    close(shard, 0, 0.5)
+    for arrays, before in zip(initial[0], given[0]):
+        np.testing.assert_array_equal(arrays, before + 1.0)  # the round moved the shard's copy only
+    assert ShardCore(SyncerConfig(), plan, initial, manifest_json='{"run": 1}').manifest_json == '{"run": 1}'
+    with pytest.raises(InvalidArgument, match=exactly("no initial parameters for fragment 1")):
+        ShardCore(SyncerConfig(), plan, {0: initial[0]})
+
+
+def test_a_shard_without_a_model_adopts_a_plan_then_takes_fragment_values():
+    """A shard started without a model: membership works, state is refused with a clear
+    message, the plan is adopted once (a different one is refused), and each owned fragment
+    takes its values once, at the version given."""
+    cfg = SyncerConfig(num_shards=2)
+    shard = ShardCore(cfg)
+    assert shard.plan is None and shard.manifest_json == "" and shard.owned == []
+    assert shard.live == set() and shard.failed == set()
+    shard.learner_joined("L0")
+    assert shard.live == {"L0"}
+    with pytest.raises(FailedPrecondition, match=exactly("shard 0 holds no model yet: the first learner initialises it")):
+        shard.state_of(0)
+    with pytest.raises(FailedPrecondition, match=exactly("shard 0 has no fragment plan yet")):
+        shard.add_fragment(0, [])
+    plan = plan_fragments(PARAMS, 2)
+    shard.adopt_plan(plan, "manifest")
+    shard.adopt_plan(plan, "another manifest")  # the same plan again: nothing changes
+    assert shard.plan is plan and shard.manifest_json == "manifest"
+    other = plan_fragments(PARAMS[:2], 2)
+    with pytest.raises(FailedPrecondition, match=exactly(
+        f"shard 0 plans from another model (plan {plan.plan_hash[:12]}, this one {other.plan_hash[:12]}): "
+        "every learner of a run trains the same model"
+    )):
+        shard.adopt_plan(other, "")
+    with pytest.raises(FailedPrecondition, match=exactly("fragment 0 has no value yet: the first learner initialises it")):
+        shard.state_of(0)
+    with pytest.raises(FailedPrecondition, match=exactly("fragment 1 is owned by shard 1, not shard 0")):
+        shard.state_of(1)
+    for bad in (2, -1):
+        with pytest.raises(InvalidArgument, match=exactly(f"fragment {bad} is not in the plan (2 fragments)")):
+            shard.state_of(bad)
+        with pytest.raises(InvalidArgument, match=exactly(f"fragment {bad} is not in the plan (2 fragments)")):
+            shard.add_fragment(bad, [])
+    values = [np.ones(p.shape, np.float32) for p in plan.fragments[0].pieces]
+    with pytest.raises(FailedPrecondition, match=exactly("fragment 1 is owned by shard 1")):
+        shard.add_fragment(1, [np.ones(p.shape, np.float32) for p in plan.fragments[1].pieces])
+    with pytest.raises(InvalidArgument, match=exactly(
+        "initial values of fragment 0 have shapes [(16, 8)], the plan [(16, 8), (24,)]"
+    )):
+        shard.add_fragment(0, values[:1])
+    with pytest.raises(InvalidArgument, match=exactly("initial values of fragment 0 are not all finite")):
+        shard.add_fragment(0, [values[0], np.full(24, np.inf, np.float32)])
+    assert shard.add_fragment(0, values, version=7) is True
+    assert shard.add_fragment(0, [v * 2 for v in values]) is False
+    state = shard.state_of(0)
+    assert state.version == 7
+    assert_same_tensors(state.params, values)
+
+
+def test_membership_changes_who_may_push():
+    """A failed learner leaves the live set and may not push; joining again restores it."""
+    shard, initial = make_shard()
+    learner = Learner("L1", shard, initial, 1)
+    shard.learner_failed("L1")
+    assert shard.live == {"L0", "L2"} and shard.failed == {"L1"}
+    with pytest.raises(PermissionDenied, match=exactly("L1 was marked failed or removed: it may no longer push")):
+        learner.push(0, now=0.0)
+    shard.learner_joined("L1")
+    assert shard.live == {"L0", "L1", "L2"} and shard.failed == set()
+    assert learner.push(0, now=0.0)[2].outcome == ACCEPTED
+    shard.learner_left("L2")
+    assert shard.view(0).live == frozenset({"L0", "L1"})
+
+
+def test_header_limits_are_inclusive_and_errors_name_the_problem():
+    """Counters, step time and payload size may reach their limits exactly; past them,
+    and for a dtype or membership problem, the error says what is wrong."""
+    shard, initial = make_shard()
+    ok = header_case(shard, initial, lambda m, s: m)
+    cfg = shard.cfg
+    for meta in (
+        dataclasses.replace(ok, step_time_s=0.0),
+        dataclasses.replace(ok, tokens=4, inner_steps=4),
+        dataclasses.replace(ok, tokens=cfg.max_tokens_per_push, inner_steps=cfg.max_steps_per_push),
+    ):
+        shard.check_header(meta)
+    with pytest.raises(InvalidArgument, match=exactly("step time must be a finite number >= 0, got inf")):
+        shard.check_header(dataclasses.replace(ok, step_time_s=float("inf")))
+    with pytest.raises(InvalidArgument, match=exactly("tensor 'tok_embed.weight': dtype 'float16', expected 'float32'")):
+        shard.check_header(dataclasses.replace(ok, specs=(dataclasses.replace(ok.specs[0], dtype="float16"), *ok.specs[1:])))
+    with pytest.raises(FailedPrecondition, match=exactly(
+        "L5 is not a live member of the run as this shard knows it (3 live learners): join the coordinator first"
+    )):
+        shard.check_header(dataclasses.replace(ok, learner_id="L5", clock=VectorClock({"L5": 1})))
+    shard.cfg = dataclasses.replace(cfg, max_push_bytes=ok.payload_bytes)
+    shard.check_header(ok)
+    shard.cfg = dataclasses.replace(cfg, max_push_bytes=ok.payload_bytes - 1)
+    with pytest.raises(ResourceExhausted, match=exactly(
+        f"push of {ok.payload_bytes} bytes exceeds the limit of {ok.payload_bytes - 1}"
+    )):
+        shard.check_header(ok)
+
+
+def test_payload_longer_than_its_header_is_refused():
+    shard, initial = make_shard()
+    pieces = shard.plan.fragments[0].pieces
+    encoded = [encode(p.name, torch.zeros(p.shape)) for p in pieces]
+    specs = [e.spec for e in encoded]
+    n = sum(s.byte_length for s in specs)
+    with pytest.raises(InvalidArgument, match=exactly(f"push payload is {n + 1} bytes, its header announces {n}")):
+        inspect_payload(specs, b"".join(e.payload for e in encoded) + b"\0")
+
+
+def test_delta_norm_bound_is_inclusive_and_takes_the_fragment_norm_as_at_least_one():
+    """A push may be as long as max_delta_ratio x max(fragment norm, 1), not longer."""
+    plan = plan_fragments(PARAMS, 2)
+    zeros = {f.id: [np.zeros(p.shape, np.float32) for p in f.pieces] for f in plan.fragments}
+    shard = ShardCore(SyncerConfig(), plan, zeros)  # fragment norm 0: the bound is 10 x 1
+    shard.set_membership({"L0", "L1"}, set())
+    pieces = plan.fragments[0].pieces
+    tensors = tuple(encode(p.name, torch.zeros(p.shape)) for p in pieces)
+    meta0 = header_case(shard, zeros, lambda m, s: m)
+    assert shard.accept(meta0, PushPayload(tensors, (6.0, 8.0)), 1, 0.0).outcome == ACCEPTED  # exactly 10
+    meta1 = dataclasses.replace(meta0, learner_id="L1", clock=VectorClock({"L1": 1}))
+    with pytest.raises(InvalidArgument, match=exactly(
+        "push from L1: delta norm 10 exceeds 10 x the fragment's norm (10); refused"
+    )):
+        shard.accept(meta1, PushPayload(tensors, (6.0, 8.00001)), 1, 0.0)
+    with pytest.raises(InvalidArgument, match=exactly("push carries 1 tensors, fragment 0 has 2")):
+        shard.accept(meta1, PushPayload(tensors[:1], (1.0,)), 1, 0.0)
+    # A fragment with norm N > 1 takes pushes up to 10 N.
+    shard, initial = make_shard()
+    norm = shard.fragment_norm(shard.fragments[0])
+    assert norm > 1
+    meta0 = header_case(shard, initial, lambda m, s: m)
+    assert shard.accept(meta0, PushPayload(tensors, (0.0, 5.0)), 1, 0.0).outcome == ACCEPTED
+    with pytest.raises(InvalidArgument, match="exceeds 10 x"):
+        shard.accept(meta1, PushPayload(tensors, (0.0, 10 * norm * 1.001)), 1, 0.0)
+
+
+def test_a_push_without_its_own_clock_entry_is_never_merged():
+    """seq 0 is never newer than what the shard saw: the push is acknowledged as a
+    duplicate at the fragment's version and joins no round."""
+    shard, initial = make_shard()
+    meta = header_case(shard, initial, lambda m, s: dataclasses.replace(m, clock=VectorClock({"L9": 1})))
+    pieces = shard.plan.fragments[0].pieces
+    payload = PushPayload(tuple(encode(p.name, torch.zeros(p.shape)) for p in pieces), (0.0, 0.0))
+    assert shard.accept(meta, payload, 1, 0.0) == Ack(DUPLICATE, 0)
+    assert not shard.fragments[0].open and shard.pushes_received == 0
+
+
+def test_round_timings_and_the_closed_rounds_record():
+    """When the round opened (first push), reached its quorum (and how long that took),
+    closed and finished are measured, and the update names why it closed and who was in."""
+    shard, initial = make_shard(quorum=2, grace_mode="fixed")
+    a, b, c = (Learner(f"L{i}", shard, initial, i) for i in range(3))
+    empty = shard.view(0)
+    assert (empty.opened_at, empty.quorum_at, empty.pushed) == (0.0, None, frozenset())
+    a.push(0, now=1.0)
+    assert (shard.view(0).opened_at, shard.view(0).quorum_at) == (1.0, None)
+    b.push(0, now=1.5)
+    c.push(0, now=1.75)
+    view = shard.view(0)
+    assert (view.opened_at, view.quorum_at, view.grace_s) == (1.0, 1.5, 0.5)
+    state = shard.fragments[0]
+    assert state.timings.step_time_s == pytest.approx(0.1) and state.timings.quorum_time_s == 0.5
+    assert shard.pushes_received == 3
+    decision = shard.decide(0, 2.0)
+    assert decision == Close("all 3 live learners pushed", 0.5)
+    job = shard.begin_round(0, decision, 2.0)
+    assert (job.opened_at, job.quorum_s, job.closed_at, job.grace_s, job.reason) == (1.0, 0.5, 2.0, 0.5, decision.reason)
+    assert state.opened_at is None and state.quorum_at is None and not state.open
+    assert shard.decide(0, 2.1) == Wait("a round is being applied", None)
+    with pytest.raises(FailedPrecondition, match=exactly("fragment 0 has no round to close")):
+        shard.begin_round(0, decision, 2.1)
+    shard.finish_round(job, compute_round(job, shard.cfg), 2.25)
+    assert state.timings.sync_time_s == 0.25 and shard.rounds_closed == 1
+    update = shard.update_for(0, 0)
+    assert (update.base_version, update.version, update.close_reason, update.participants) == (0, 1, decision.reason, 3)
+    with pytest.raises(FailedPrecondition, match=exactly("fragment 0 has no round to close")):
+        shard.begin_round(0, decision, 2.5)
+    # A round that closes before its quorum (every live learner pushed) took until now.
+    shard, initial = make_shard(quorum=3)
+    shard.set_membership({"L0"}, set())
+    Learner("L0", shard, initial, 0).push(0, now=1.0)
+    job = shard.begin_round(0, shard.decide(0, 1.5), 1.5)
+    assert (job.opened_at, job.quorum_s) == (1.0, 0.5)
+
+
+def test_weights_discount_staleness_and_participation_counts_weighted_pushes():
+    shard, initial = make_shard(staleness_lambda=1.0)
+    fresh, stale = Learner("L0", shard, initial, 0), Learner("L1", shard, initial, 1)
+    for rnd in range(2):
+        fresh.push(0, now=rnd)
+        close(shard, 0, rnd + 0.5)
+        fresh.apply(shard.update_for(0, fresh.version[0]))
+    fresh.push(0, now=3.0)  # base 2, staleness 0
+    stale.push(0, now=3.0)  # base 0, staleness 2: weight / (1 + 2)
+    job = shard.begin_round(0, Close("test", 0.0), 3.5)
+    assert job.weights == pytest.approx((0.75, 0.25))
+    shard, initial = make_shard()
+    Learner("L0", shard, initial, 0).push(0, now=0.0)
+    Learner("L1", shard, initial, 1).push(0, now=0.0)
+    shard.learner_failed("L1")
+    job = shard.begin_round(0, Close("test", 0.0), 0.5)
+    assert job.weights == (1.0, 0.0) and job.participation == 1 / 2  # L0 of live L0, L2
+
+
+def test_buffer_first_in_its_fragment_and_a_round_without_weight():
+    """A 2-D buffer piece ahead of a parameter: its value becomes the weighted mean of the
+    pushed values (for any positive weights, normalised or not) and both pieces are sent.
+    A round in which every pusher failed takes no step: buffer and momentum stay as they are."""
+    params = [("norm.running_var", (4, 6)), ("block.w", (24, 8))]
+    plan = plan_fragments(params, 1, is_buffer=lambda name: "running" in name)
+    initial = {0: [np.full((4, 6), 1.0, np.float32), np.full((24, 8), 0.5, np.float32)]}
+    cfg = SyncerConfig(rounds=RoundConfig(quorum=2, grace_mode="off"), merge=MergeConfig(merge="mean", scale_by="round"))
+    shard = ShardCore(cfg, plan, initial)
+    shard.set_membership({"L0", "L1"}, set())
+    clocks = {"L0": VectorClock({"L0": 1}), "L1": VectorClock({"L1": 1})}
+    g = torch.Generator().manual_seed(0)
+    values = {}
+    for name in clocks:
+        values[name] = torch.rand((4, 6), generator=g)
+        push_values(shard, name, 0, [values[name], torch.randn((24, 8), generator=g) * 0.01], 0.0, clocks[name],
+                    encodings=["fp32", "int4"])
+    job = dataclasses.replace(shard.begin_round(0, Close("test", 0.0), 0.5), weights=(3.0, 1.0))
+    segment = compute_round(job, cfg)
+    shard.finish_round(job, segment, 0.6)
+    state = shard.fragments[0]
+    expected = ((3 * values["L0"] + values["L1"]) / 4).numpy()
+    np.testing.assert_allclose(state.params[0], expected, atol=1e-6)
+    assert [(t.spec.name, t.spec.shape, t.spec.encoding) for t in segment.tensors] == [
+        ("norm.running_var", (4, 6), "fp32"), ("block.w", (24, 8), "int4"),
+    ]
+    np.testing.assert_allclose(decode(segment.tensors[0].spec, segment.tensors[0].payload).numpy(), expected - 1.0, atol=1e-6)
+    before = [state.params[0].copy(), state.momentum[1].copy(), state.params[1] + state.residual[1]]
+    assert np.abs(state.momentum[1]).max() > 0
+    for name in clocks:
+        clocks[name] = clocks[name].tick(name)
+        push_values(shard, name, 0, [torch.rand((4, 6), generator=g), torch.randn((24, 8), generator=g) * 0.01], 1.0,
+                    clocks[name], encodings=["fp32", "int4"])
+        shard.learner_failed(name)
+    job = shard.begin_round(0, Close("every pusher failed", 0.0), 1.5)
+    assert job.weights == (0.0, 0.0) and job.participation == 1.0
+    segment = compute_round(job, cfg)
+    shard.finish_round(job, segment, 1.6)
+    # No step: only the carried residual may move into the parameters (error feedback).
+    assert_same_tensors([state.params[0], state.momentum[1]], before[:2])
+    np.testing.assert_allclose(state.params[1] + state.residual[1], before[2], atol=1e-7)
+    assert not decode(segment.tensors[0].spec, segment.tensors[0].payload).any()
+
+
+@pytest.mark.parametrize("mode", ["rda", "mean"])
+def test_merge_mode_per_piece(mode):
+    """RDA (mean length times mean direction) merges non-embedding pieces in mode "rda";
+    embedding pieces, and every piece in mode "mean", take the weighted mean. With lr 1
+    and no momentum, params + residual == initial - merged."""
+    shard, initial = make_shard(num_fragments=1, merge=mode, outer_lr=1.0, outer_momentum=0.0, scale_by="round")
+    pushes = [Learner(f"L{i}", shard, initial, seed=i).push(0, now=0.0)[1] for i in range(2)]
+    job = shard.begin_round(0, Close("test", 0.0), 0.5)
+    assert job.weights == (0.5, 0.5)
+    segment = compute_round(job, shard.cfg)
+    shard.finish_round(job, segment, 0.6)
+    state = shard.fragments[0]
+    pieces = state.fragment.pieces
+    assert [t.spec.name for t in segment.tensors] == [p.name for p in pieces]
+    for i, piece in enumerate(pieces):
+        deltas = [decode(p.tensors[i].spec, p.tensors[i].payload).double() for p in pushes]
+        norms = [p.norms[i] for p in pushes]
+        if mode == "rda" and not piece.embedding:
+            direction = sum(0.5 * d / n for d, n in zip(deltas, norms))
+            merged = sum(0.5 * n for n in norms) * direction / direction.norm()
+        else:
+            merged = sum(0.5 * d for d in deltas)
+        moved = torch.from_numpy(state.params[i] + state.residual[i]).double() - initial[0][i].double()
+        torch.testing.assert_close(moved, -merged, atol=1e-6, rtol=0)
+
+
+def test_outer_step_without_the_c_kernel(monkeypatch):
+    """Without the C extension the outer step runs in torch ops on the same flat state
+    (2-D pieces included): learners stay bit-identical, and the trajectory is the kernel's
+    up to float rounding order."""
+    import syncer.core.outer
+
+    shards = {}
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(syncer.core.outer, "fused_outer_step", lambda *args: None)
+        shard, initial = make_shard()
+        learner = Learner("L0", shard, initial, 0)
+        for rnd in range(2):
+            learner.push(0, now=rnd)
+            close(shard, 0, rnd + 0.5)
+            learner.apply(shard.update_for(0, learner.version[0]))
+        assert_same_tensors(learner.anchor[0], shard.fragments[0].params)
+        shards[kernel] = shard.fragments[0]
+    for i in range(len(shards[True].params)):
+        np.testing.assert_allclose(shards[False].momentum[i], shards[True].momentum[i], atol=1e-6)
+        np.testing.assert_allclose(shards[False].params[i] + shards[False].residual[i],
+                                   shards[True].params[i] + shards[True].residual[i], atol=1e-6)
+
+
+def test_failed_round_moves_the_version_on_and_serves_full_values():
+    """A round whose computation failed: the version moves on with no delta, every learner
+    gets the full (possibly touched) values, waiting pushes open the next round, and the
+    shard keeps serving. A job that does not fit the fragment is refused."""
+    shard, initial = make_shard(quorum=1)
+    a, b = Learner("L0", shard, initial, 0), Learner("L1", shard, initial, 1)
+    a.push(0, now=0.0)
+    close(shard, 0, 0.5)
+    a.apply(shard.update_for(0, 0))
+    a.push(0, now=1.0)
+    job = shard.begin_round(0, shard.decide(0, 1.0), 1.0)
+    assert b.push(0, now=1.25)[2].outcome == ACCEPTED_NEXT_ROUND
+    segment = compute_round(job, shard.cfg)
+    wrong = dataclasses.replace(job, version=3)
+    for finish in (shard.finish_round, lambda j, s, now: shard.fail_round(j, "boom", now)):
+        with pytest.raises(FailedPrecondition, match=exactly("round for version 3 does not fit fragment at 1")):
+            finish(wrong, segment, 1.5)
+    clock = shard.clock
+    shard.fail_round(job, "boom", now=1.5)
+    state = shard.fragments[0]
+    assert state.version == 2 and not state.applying and shard.clock == clock.tick("S0")
+    assert set(state.open) == {"L1"} and (state.opened_at, state.quorum_at) == (1.25, 1.5)
+    assert shard.rounds_closed == 1
+    with pytest.raises(FailedPrecondition, match=exactly("round for version 2 does not fit fragment at 2")):
+        shard.fail_round(job, "again", 1.5)
+    update = shard.update_for(0, 1)
+    assert [(s.kind, s.version) for s in update.segments] == [("full", 2)]
+    assert (update.close_reason, update.participants) == ("round failed (boom): its deltas were dropped", 0)
+    a.apply(update)
+    assert_same_tensors(a.anchor[0], state.params)
+    assert a.push(0, now=2.0)[2] == Ack(ACCEPTED, 3)
+    close(shard, 0, 2.5)
+    assert state.version == 3 and shard.rounds_closed == 2
+
+
+def test_update_for_a_learner_just_past_the_chain_gets_the_full_fragment():
+    shard, initial = make_shard(chain=2)
+    learner = Learner("L0", shard, initial, 0)
+    for rnd in range(4):
+        learner.push(0, now=rnd)
+        job = close(shard, 0, rnd + 0.5)
+    update = shard.update_for(0, 1)  # the chain holds versions 3 and 4: version 2 is gone
+    assert (update.base_version, update.version, update.close_reason, update.participants) == (1, 4, job.reason, 1)
+    [full] = update.segments
+    assert (full.kind, full.version) == ("full", 4)
+    assert [t.spec.name for t in full.tensors] == [p.name for p in shard.fragments[0].fragment.pieces]
+    assert shard.full(0) is full  # encoded once per version
+
+
+def test_push_bound_uses_the_fragment_norm_of_its_version():
+    """The delta bound follows the fragment's norm version by version; while a round is
+    applying (its params changing in place) the last computed norm holds."""
+    shard, initial = make_shard(merge="mean", outer_lr=1.0, outer_momentum=0.0, scale_by="round")
+    shard.cfg = dataclasses.replace(shard.cfg, max_delta_ratio=1.0)
+    state = shard.fragments[0]
+    norm0 = shard.fragment_norm(state)
+    pieces = state.fragment.pieces
+    clocks = {n: VectorClock() for n in ("L0", "L1", "L2")}
+
+    def push(name, values, now):
+        clocks[name] = clocks[name].tick(name)
+        return push_values(shard, name, 0, values, now, clocks[name], base=state.version)[2]
+
+    def probe(name, length, now):
+        """A push claiming a delta norm of ``length``."""
+        clocks[name] = clocks[name].tick(name)
+        meta = PushMeta(name, 0, state.version, 64, 4, 0.1, clocks[name],
+                        tuple(encode(p.name, torch.zeros(p.shape)).spec for p in pieces))
+        payload = PushPayload(tuple(encode(p.name, torch.zeros(p.shape)) for p in pieces), (length, 0.0))
+        return shard.accept(meta, payload, 1, now)
+
+    push("L0", [torch.from_numpy(p) * 0.5 for p in state.params], 0.0)  # halves the fragment
+    job = shard.begin_round(0, Close("test", 0.0), 0.1)
+    assert push("L1", [torch.zeros(p.shape) for p in pieces], 0.2).outcome == ACCEPTED_NEXT_ROUND
+    shard.finish_round(job, compute_round(job, shard.cfg), 0.3)
+    assert 0.4 * norm0 < math.sqrt(sum(float((p * p).sum()) for p in state.params)) < 0.6 * norm0
+    job = shard.begin_round(0, Close("test", 0.0), 0.4)  # L1's push: no norm computed at version 1
+    assert probe("L2", 0.75 * norm0, 0.5).outcome == ACCEPTED_NEXT_ROUND  # applying: version 0's norm holds
+    shard.finish_round(job, compute_round(job, shard.cfg), 0.6)
+    with pytest.raises(InvalidArgument, match="exceeds 1 x"):
+        probe("L0", 0.75 * norm0, 0.7)  # version 2's norm is about half
+
+
+def test_fragment_norm_is_recomputed_for_each_version():
+    """Even a cached norm that happens to equal the next version number is recomputed."""
+    plan = plan_fragments(PARAMS, 2)
+    values = {f.id: [np.zeros(p.shape, np.float32) for p in f.pieces] for f in plan.fragments}
+    values[0][1][0] = 1.0  # fragment 0's norm is exactly 1
+    shard = ShardCore(SyncerConfig(), plan, values)
+    shard.set_membership({"L0"}, set())
+    state = shard.fragments[0]
+    assert shard.fragment_norm(state) == 1.0
+    Learner("L0", shard, {f: [torch.from_numpy(v) for v in vs] for f, vs in values.items()}, 0).push(0, now=0.0)
+    close(shard, 0, 0.5)
+    assert state.version == 1
+    expected = math.sqrt(sum(float((p.astype(np.float64) ** 2).sum()) for p in state.params))
+    assert expected != pytest.approx(1.0)
+    assert shard.fragment_norm(state) == pytest.approx(expected, rel=1e-6)

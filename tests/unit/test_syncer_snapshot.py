@@ -2,13 +2,19 @@
 channel state, and a restore that reproduces the run bit for bit with every push
 counted once."""
 
+import json
+
+import pytest
 import torch
 
 from diloco.codec import encode
+from diloco.errors import FailedPrecondition, InvalidArgument
+from diloco.manifest import Manifest
 from syncer import snapshot as snapshot_files
-from syncer.core.shard import ACCEPTED, DUPLICATE, PushMeta, inspect_payload
-from syncer.core.snapshot import ChannelRecorder, capture, push_in, restore
-from tests.unit.test_syncer_shard import Learner, close, make_shard
+from syncer.core.rounds import RoundView
+from syncer.core.shard import ACCEPTED, DUPLICATE, Pending, PushMeta, ShardCore, compute_round, inspect_payload
+from syncer.core.snapshot import ChannelRecorder, Decision, capture, push_in, push_out, restore
+from tests.unit.test_syncer_shard import PARAMS, Learner, close, make_shard
 from tests.checks import assert_same_tensors
 
 
@@ -98,3 +104,160 @@ def test_restore_reproduces_the_run_and_counts_in_flight_pushes_once(tmp_path):
     assert [s.version for s in restored.chain] == [s.version for s in original.chain]
     assert torch.equal(torch.from_numpy(fresh.fragments[1].params[0]), initial[1][0])  # L0's post-cut push is not there
     assert fresh.fragments[1].open == {}
+
+
+# --- more of the recorder, capture and restore, pinned exactly ------------------------
+
+
+def manifest_text():
+    return json.dumps({"entries": [{"name": n, "shape": list(s), "dtype": "float32", "kind": "parameter"} for n, s in PARAMS]})
+
+
+def shard_from_manifest(num_fragments=2, initialised=(0, 1)):
+    """A shard that learnt its model from the run's manifest; only ``initialised``
+    fragments have values (the others wait for their first learner)."""
+    text = manifest_text()
+    cfg = make_shard()[0].cfg
+    shard = ShardCore(cfg)
+    shard.adopt_plan(Manifest.from_json(text).plan(num_fragments), text)
+    _, initial = make_shard(num_fragments=num_fragments)
+    for fid in initialised:
+        shard.add_fragment(fid, initial[fid])
+    shard.set_membership({"L0", "L1"}, {"L9"})
+    return shard, initial
+
+
+def test_channel_recorder_decisions_are_exact_and_exclusions_are_counted():
+    shard, initial = make_shard(quorum=3)
+    l0, l1, l2 = (Learner(f"L{i}", shard, initial, seed=i) for i in range(3))
+    recorder = ChannelRecorder(snapshot_id=2, cut_versions={0: 0, 1: 0}, open_channels={"L0", "L1"})
+
+    first = push(l0, 0, now=1.0, epoch=1)
+    assert observe(recorder, first) == Decision(True, "in flight at the cut: recorded as channel state of L0")
+    meta, payload, _ = first
+    again = (meta, payload, shard.accept(meta, payload, 1000, 1.1))
+    assert observe(recorder, again) == Decision(False, "duplicate: already counted in the recorded state")
+    assert observe(recorder, push(l2, 0, now=1.2)) == Decision(False, "no open channel from L2: after the cut")
+    assert observe(recorder, push(l0, 1, now=1.3, epoch=2)) == Decision(False, "marker 2 reached L0: its channel is closed")
+    # Two pushes built on updates sent after the cut: both excluded, both counted.
+    shard.fragments[1].version = 1
+    for now in (1.5, 1.6):
+        late = observe(recorder, push(l1, 1, now=now, epoch=1, base=1))
+        assert late == Decision(False, "base version 1 is after the cut: not recorded")
+    assert recorder.excluded == 2
+    assert [m.learner_id for m, _ in recorder.recorded] == ["L0"]
+
+
+def test_a_channel_push_without_wire_size_replays_as_zero_bytes():
+    shard, initial = make_shard()
+    meta, payload, _ = push(Learner("L0", shard, initial, seed=0), 0, now=1.0)
+    assert push_in(push_out(meta, payload))[2] == 0
+    assert push_in(push_out(meta, payload, 1234))[2] == 1234
+
+
+def test_capture_refuses_a_fragment_whose_round_is_being_applied():
+    shard, initial = make_shard()
+    Learner("L0", shard, initial, seed=0).push(0, now=1.0)
+    job = shard.begin_round(0, shard.decide(0, 1.0), 1.0)
+    with pytest.raises(FailedPrecondition) as error:
+        capture(shard, snapshot_id=1)
+    assert str(error.value) == "fragment 0 is applying a round: cannot record it"
+    shard.finish_round(job, compute_round(job, shard.cfg), 1.1)
+    assert capture(shard, snapshot_id=1)["snapshot_id"] == 1
+
+
+def test_a_shard_with_no_model_is_recorded_and_restored_as_such():
+    cfg = make_shard()[0].cfg
+    state = capture(ShardCore(cfg), snapshot_id=3)
+    assert (state["snapshot_id"], state["plan_hash"], state["manifest"], state["num_fragments"], state["fragments"]) == (
+        3, "", "", 0, []
+    )
+    fresh = ShardCore(cfg)
+    restore(fresh, state, now=1.0)
+    assert fresh.plan is None and fresh.fragments == {}
+
+
+def test_a_shard_with_no_model_learns_it_from_the_snapshot():
+    shard, initial = shard_from_manifest(initialised=(0,))  # fragment 1 still waits for a learner
+    state = capture(shard, snapshot_id=1)
+    assert state["num_fragments"] == 2 and state["manifest"] == manifest_text()
+
+    fresh = ShardCore(shard.cfg)
+    restore(fresh, state, now=5.0)
+    assert fresh.plan.plan_hash == shard.plan.plan_hash
+    assert fresh.manifest_json == manifest_text()
+    assert sorted(fresh.fragments) == [0]
+    assert_same_tensors(fresh.fragments[0].params, shard.fragments[0].params, "params")
+    assert all(p.dtype.name == "float32" for p in fresh.fragments[0].params)
+    with pytest.raises(FailedPrecondition, match="fragment 1 has no value yet"):
+        fresh.state_of(1)
+    assert (fresh.live, fresh.failed) == ({"L0", "L1"}, {"L9"})
+
+
+def test_restore_refuses_what_does_not_fit_with_exact_messages():
+    shard, _ = make_shard()
+    good = capture(shard, snapshot_id=1)
+
+    def refused(change, error_type):
+        state = {**good, **change}
+        with pytest.raises(error_type) as error:
+            restore(make_shard()[0], state, now=1.0)
+        return str(error.value)
+
+    assert refused({"format": 7}, InvalidArgument) == "unknown shard snapshot format 7"
+    assert refused({"shard_id": 2, "num_shards": 3}, FailedPrecondition) == (
+        "snapshot is of shard 2 of 3, this is shard 0 of 1"
+    )
+    # A snapshot of a run planned into three fragments, restored into a two-fragment shard.
+    other, _ = shard_from_manifest(num_fragments=3, initialised=(0, 1, 2))
+    assert refused(capture(other, snapshot_id=1), FailedPrecondition) == (
+        "snapshot was taken with another fragment plan: check the model flags"
+    )
+    assert refused({"fragments": good["fragments"][:1]}, FailedPrecondition) == (
+        "snapshot holds fragments [0], this shard owns [0, 1]"
+    )
+    bad_shape = {**good["fragments"][1], "momentum": [t[:1] for t in good["fragments"][1]["momentum"]]}
+    assert refused({"fragments": [good["fragments"][0], bad_shape]}, FailedPrecondition) == (
+        "fragment 1: recorded momentum shapes do not match the plan"
+    )
+
+
+@pytest.mark.parametrize("quorum", [1, 2])
+def test_restored_open_round_reopens_at_restore_time(quorum):
+    shard, initial = make_shard(quorum=quorum)
+    meta, payload, _ = Learner("L0", shard, initial, seed=0).push(0, now=1.0)
+    wire_bytes = shard.fragments[0].open["L0"].wire_bytes
+    fresh, _ = make_shard(quorum=quorum)
+    restore(fresh, capture(shard, snapshot_id=1), now=10.0)
+    assert fresh.fragments[0].open == {"L0": Pending(meta, payload, 10.0, wire_bytes)}
+    # The round reopens now; with the quorum already there, it was reached now too.
+    assert fresh.view(0) == RoundView(
+        pushed=frozenset({"L0"}),
+        live=frozenset({"L0", "L1", "L2"}),
+        opened_at=10.0,
+        quorum_at=10.0 if quorum == 1 else None,
+        grace_s=shard.view(0).grace_s,
+    )
+
+
+def test_restored_chain_serves_the_same_updates_and_keeps_its_length():
+    shard, initial = make_shard(quorum=1, chain=1)
+    learner = Learner("L0", shard, initial, seed=0)
+    for round_ in (1, 2):
+        learner.push(0, now=float(round_))
+        close(shard, 0, now=round_ + 0.1)
+        learner.apply(shard.update_for(0, learner.version[0]))
+    fresh, _ = make_shard(quorum=1, chain=1)
+    restore(fresh, capture(shard, snapshot_id=1), now=10.0)
+    # Base 1: the recorded delta segment; base 0: older than the chain, the full values.
+    assert [s.kind for s in fresh.update_for(0, 1).segments] == ["delta"]
+    assert fresh.update_for(0, 1) == shard.update_for(0, 1)
+    assert [s.kind for s in fresh.update_for(0, 0).segments] == ["full"]
+    assert fresh.update_for(0, 0) == shard.update_for(0, 0)
+    # One more round in both: the chain still holds one segment, so base 1 gets full values.
+    meta, payload, _ = learner.push(0, now=11.0)
+    fresh.accept(meta, payload, 100, now=11.0)
+    close(shard, 0, now=11.1)
+    close(fresh, 0, now=11.1)
+    assert [s.kind for s in fresh.update_for(0, 1).segments] == ["full"]
+    assert fresh.update_for(0, 1) == shard.update_for(0, 1)
