@@ -5,6 +5,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -629,3 +631,402 @@ def test_check_payload_runs_decodes_checks():
         check_payload(e.spec, bytes(bad))
     with pytest.raises(CodecError, match="bytes, expected"):
         check_payload(e.spec, e.payload[:-1])
+
+
+# --- messages, fallbacks and edges pinned one by one ---------------------------------------
+
+
+def _message(call, *args, **kwargs):
+    with pytest.raises(CodecError) as caught:
+        call(*args, **kwargs)
+    return str(caught.value)
+
+
+def test_kernel_names_the_implementation_that_runs(caplog):
+    assert int4.kernel() == ("c" if HAVE_KERNEL else "torch")
+    with kernel_path("torch"):
+        assert int4.kernel() == "torch"
+    if HAVE_KERNEL:
+        # With the extension loaded, nothing falls back (and nothing warns that it does).
+        int4._warn_fallback.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="diloco.codec.int4"):
+            quantize_int4(torch.ones(4))
+            encode("w", torch.ones(4))
+        assert not [r for r in caplog.records if "falls back" in r.getMessage()]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_quantize_defaults_are_blocks_of_64_with_float16_scales(path):
+    x = sample(130, 1)
+    with kernel_path(path):
+        packed, scales = quantize_int4(x)
+    ref_packed, ref_scales = quantize_int4_reference(x)
+    for s in (scales, ref_scales):
+        assert s.dtype == torch.float16 and s.numel() == 3
+    assert torch.equal(packed, ref_packed) and torch.equal(scales, ref_scales)
+    assert torch.equal(ref_scales, quantize_int4_reference(x, 64, "float16")[1])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_errors_name_the_tensor_or_say_tensor_when_unnamed(path):
+    x = torch.tensor([1.0, math.nan, 2.0])
+    with kernel_path(path):
+        assert _message(quantize_int4, x) == "tensor: element 1 is nan; only finite values can be encoded"
+        assert _message(quantize_int4, x, name="w") == "tensor 'w': element 1 is nan; only finite values can be encoded"
+        assert _message(quantize_int4, torch.arange(4), name="ids") == (
+            "tensor 'ids': expected a floating point tensor, got torch.int64")
+        assert _message(quantize_int4, torch.ones(4), 0, name="w") == (
+            "tensor 'w': block size must be a positive integer, got 0")
+        assert _message(quantize_int4, torch.ones(4), 64, "bf16", name="w") == (
+            "tensor 'w': scale dtype must be one of ['float16', 'float32'], got 'bf16'")
+        assert _message(encode, "w", torch.ones(4), block_size=0) == (
+            "tensor 'w': block size must be a positive integer, got 0")
+        assert _message(encode, "ids", np.arange(4)) == "tensor 'ids': expected a floating point array, got int64"
+        assert _message(encode, "w", torch.ones(4), encoding="int8") == (
+            "tensor 'w': unknown encoding 'int8'; expected one of ('int4', 'fp32')")
+    assert _message(quantize_int4_reference, torch.arange(4), name="ids") == (
+        "tensor 'ids': expected a floating point tensor, got torch.int64")
+    assert _message(quantize_int4_reference, torch.ones(4), 0, name="w") == (
+        "tensor 'w': block size must be a positive integer, got 0")
+    assert _message(quantize_int4_reference, torch.ones(4), -1) == "tensor: block size must be a positive integer, got -1"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float16_overflow_message_names_the_first_bad_block_and_its_values(path):
+    # Block 2 overflows too, with larger values: the message is about block 1 alone.
+    x = torch.zeros(192)
+    x[70], x[130] = -1e6, 2e6
+    message = ("tensor 'w': block 1 has |x| up to 1e+06, so its scale 142857 overflows float16 (max 65504); "
+               "use scale_dtype='float32'")
+    with kernel_path(path):
+        assert _message(quantize_int4, x, 64, "float16", name="w") == message
+        assert _message(encode, "w", x) == message
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_dequantize_int4_checks_its_buffers_and_out(path):
+    x = sample(100, 2)
+    packed, scales = quantize_int4(x, 64, "float16")
+    with kernel_path(path):
+        expected = dequantize_int4(packed, scales, 100, 64)
+        assert _message(dequantize_int4, packed.to(torch.int16), scales, 100, 64) == (
+            "packed nibbles must be 50 uint8 values for 100 elements, got 50 torch.int16")
+        assert _message(dequantize_int4, packed[:-1], scales, 100, 64) == (
+            "packed nibbles must be 50 uint8 values for 100 elements, got 49 torch.uint8")
+        assert _message(dequantize_int4, packed, scales[:1], 100, 64) == (
+            "need 2 scales for 100 elements in blocks of 64, got 1")
+        assert _message(dequantize_int4, packed, scales.double(), 100, 64) == (
+            "scales must be float16 or float32, got torch.float64")
+        for out in (torch.zeros(100, dtype=torch.float64), torch.zeros(101), torch.zeros(200)[::2]):
+            assert _message(dequantize_int4, packed, scales, 100, 64, out=out) == (
+                "out must be a contiguous float32 CPU tensor of 100 elements")
+            assert not bool(out.any())
+        out = torch.empty(10, 10)
+        y = dequantize_int4(packed, scales, 100, 64, out=out)
+    assert y.data_ptr() == out.data_ptr() and same_bits(y, expected) and same_bits(out.view(-1), expected)
+
+
+@pytest.mark.parametrize("encoding", ["int4", "fp32"])
+def test_decode_refuses_an_unsuitable_out_naming_the_tensor(encoding):
+    e = encode("w", sample(6, 3).reshape(2, 3), encoding=encoding)
+    for out in (torch.zeros(6, dtype=torch.float64), torch.zeros(7), torch.zeros(12)[::2]):
+        assert _message(decode, e.spec, e.payload, out=out) == (
+            "tensor 'w': out must be a contiguous float32 CPU tensor of 6 elements")
+        assert not bool(out.any())
+
+
+def test_fp32_decode_writes_into_out():
+    x = sample(6, 4).reshape(2, 3)
+    e = encode("w", x, encoding="fp32")
+    out = torch.zeros(6)
+    y = decode(e.spec, e.payload, out=out)
+    assert y.shape == (2, 3) and y.data_ptr() == out.data_ptr()
+    assert same_bits(out, x.reshape(-1))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_fp32_payload_with_a_non_finite_value_and_a_valid_checksum(bad):
+    e = encode("w", torch.arange(5.0), encoding="fp32")
+    payload = bytearray(e.payload)
+    payload[12:16] = np.array([bad], dtype="<f4").tobytes()
+    spec = _with_checksum(e.spec, payload)
+    assert _message(decode, spec, bytes(payload)) == f"tensor 'w': element 3 is {bad}; expected finite values"
+
+
+@pytest.mark.parametrize("scale_dtype, bits, accepted", [
+    ("float16", 0x7C01, False),  # NaN with only the lowest mantissa bit set
+    ("float16", 0x8001, False),  # the smallest negative subnormal
+    ("float16", 0x8000, True),   # -0.0
+    ("float16", 0x7BFF, True),   # 65504
+    ("float32", 0x7F800001, False),
+    ("float32", 0x80000001, False),
+    ("float32", 0x80000000, True),
+])
+def test_scale_bit_patterns_at_the_edges(scale_dtype, bits, accepted):
+    e = encode("w", torch.zeros(64), scale_dtype=scale_dtype)
+    width = 2 if scale_dtype == "float16" else 4
+    payload = bytearray(e.payload)
+    payload[32:] = np.array([bits], dtype=f"<u{width}").tobytes()
+    spec = _with_checksum(e.spec, payload)
+    if accepted:
+        assert torch.equal(decode(spec, bytes(payload)), torch.zeros(64))
+        return
+    value = float(np.array([bits], dtype=f"<u{width}").view(f"<f{width}")[0])
+    assert _message(decode, spec, bytes(payload)) == (
+        f"tensor 'w': scale of block 0 is {value}; scales must be finite and non-negative")
+
+
+def test_spec_errors_name_the_tensor(encoded):
+    spec = encoded.spec
+    assert _message(decode, dataclasses.replace(spec, dtype="float64"), encoded.payload) == (
+        "tensor 'layer.w': dtype 'float64' is not supported; expected 'float32'")
+    assert _message(decode, dataclasses.replace(spec, block_size=0), encoded.payload) == (
+        "tensor 'layer.w': block size must be a positive integer, got 0")
+    assert _message(decode, dataclasses.replace(spec, encoding="fp32", scale_dtype=""), encoded.payload) == (
+        "tensor 'layer.w': fp32 payloads have no blocks or scales, got block size 64 and scale dtype ''")
+    fp32 = encode("v", torch.ones(4), encoding="fp32")
+    assert _message(decode, dataclasses.replace(fp32.spec, shape=(5,)), fp32.payload) == (
+        "tensor 'v': shape (5,) (fp32) needs 20 payload bytes, but byte_length says 16")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_encode_with_a_generator_rounds_stochastically_from_its_stream(path):
+    x = sample(300, 5)
+    with kernel_path(path):
+        e = encode("w", x, generator=torch.Generator().manual_seed(5))
+        packed, scales = quantize_int4(x, 64, "float16", torch.Generator().manual_seed(5))
+        nearest = encode("w", x)
+    assert e.payload == packed.numpy().tobytes() + scales.numpy().astype("<f2").tobytes()
+    assert e.payload != nearest.payload
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("encoding", ["int4", "fp32"])
+def test_encode_takes_numpy_arrays_of_any_float_dtype_and_shape(path, encoding):
+    x = sample(15, 6).reshape(3, 5)
+    with kernel_path(path):
+        expected = encode("w", x, encoding=encoding, block_size=4)
+        for array in (x.numpy(), x.double().numpy(), np.asfortranarray(x.numpy())):
+            e = encode("w", array, encoding=encoding, block_size=4)
+            assert e.spec == expected.spec and e.payload == expected.payload
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_norm_and_accumulate_on_either_path(path):
+    from diloco.codec import accumulate, norm_of
+
+    g = torch.Generator().manual_seed(8)
+    a, b = (encode(n, torch.randn(100, generator=g)) for n in "ab")
+    da, db = (decode(t.spec, t.payload).double() for t in (a, b))
+    start = torch.randn(100, generator=g)
+    with kernel_path(path):
+        assert norm_of(a.spec, a.payload) == pytest.approx(float(da.norm()), rel=1e-12)
+        empty = encode("e", torch.zeros(0))
+        assert norm_of(empty.spec, empty.payload) == 0.0
+        out = start.clone()
+        sumsq = accumulate([(a, 0.5), (b, -2.0)], out)
+        expected = start.double() + 0.5 * da - 2.0 * db
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+        assert sumsq == pytest.approx(float(out.double().square().sum()), rel=1e-12)
+        fresh = torch.full((100,), math.nan)
+        sumsq = accumulate([(a, 0.5), (b, -2.0)], fresh, overwrite=True)
+        torch.testing.assert_close(fresh.double(), 0.5 * da - 2.0 * db, rtol=0, atol=1e-5)
+        assert sumsq == pytest.approx(float(fresh.double().square().sum()), rel=1e-12)
+        # The low-level merge adds unless told to overwrite.
+        view = memoryview(a.payload)
+        ones = np.ones(100, dtype=np.float32)
+        int4.axpy_many_int4([(view[:50], view[50:])], [3.0], 100, 64, "float16", ones)
+        torch.testing.assert_close(torch.from_numpy(ones).double(), 1 + 3 * da, rtol=0, atol=1e-5)
+
+
+def test_accumulate_mixes_encodings_and_block_sizes():
+    from diloco.codec import accumulate
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, generator=g)
+    f = encode("f", x, encoding="fp32")
+    q64 = encode("q64", x * 2)
+    q4 = encode("q4", x * 3, block_size=4, scale_dtype="float32")
+    d64, d4 = (decode(t.spec, t.payload) for t in (q64, q4))
+    # fp32 and int4 together, overwriting: nothing of the old out survives.
+    out = np.full((2, 3), 7.0, dtype=np.float32)
+    sumsq = accumulate([(f, 0.5), (q64, 1.0), (q4, -1.0)], out, overwrite=True)
+    expected = (0.5 * x + d64 - d4).reshape(2, 3)
+    torch.testing.assert_close(torch.from_numpy(out), expected, rtol=0, atol=1e-6)
+    assert sumsq == pytest.approx(float((torch.from_numpy(out).double() ** 2).sum()), rel=1e-9)
+    # Two int4 groups add up; no overwrite keeps the old out.
+    out = torch.ones(6)
+    accumulate([(q64, 1.0), (q4, 1.0)], out)
+    torch.testing.assert_close(out, 1 + d64 + d4, rtol=0, atol=1e-6)
+    # fp32 alone still reports the squared norm.
+    out = torch.ones(6)
+    assert accumulate([(f, 2.0)], out) == pytest.approx(float(((1 + 2 * x).double() ** 2).sum()), rel=1e-6)
+    # Nothing to add, overwriting: out is zero.
+    out = torch.ones(6)
+    assert accumulate([], out, overwrite=True) == 0.0 and not bool(out.any())
+    for bad in (np.zeros(6, dtype=np.float64), np.zeros(12, dtype=np.float32)[::2]):
+        assert _message(accumulate, [(f, 1.0)], bad) == (
+            "tensor 'accumulator': out must be a contiguous float32 CPU tensor of 6 elements")
+    assert _message(accumulate, [(encode("y", torch.ones(5)), 1.0)], torch.zeros(6)) == (
+        "tensor 'y': 5 elements, expected 6")
+
+
+def test_encode_quantized_checks_its_arrays_and_names_the_tensor():
+    x = sample(333, 6)
+    packed, scales = quantize_int4(x, 64, "float16")
+    expected = encode_quantized("u", (3, 111), packed, scales, 64)
+    assert expected.spec.name == "u" and expected.spec.shape == (3, 111)
+    e = encode_quantized("u", (3, 111), packed.numpy(), scales.numpy(), 64, "float16")
+    assert e.spec == expected.spec and e.payload == expected.payload
+    assert _message(encode_quantized, "u", (3, 111), packed, scales.numpy().astype(">f2"), 64) == (
+        "scales must be float16 or float32, got >f2")
+    e = encode_quantized("u", (3, 111), packed, scales.clone().requires_grad_(), 64)
+    assert e.payload == expected.payload
+    assert _message(encode_quantized, "u", (3, 111), packed, scales, 32) == (
+        "tensor 'u': 6 scales do not match shape (3, 111)")
+    assert _message(encode_quantized, "u", (3, 111), packed, scales, 0) == (
+        "tensor 'u': block size must be a positive integer, got 0")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_payloads_may_be_any_contiguous_buffer(path):
+    x = sample(200, 7)
+    e = encode("w", x)
+    assert len(e.payload) % 2 == 0
+    with kernel_path(path):
+        expected = decode(e.spec, e.payload)
+        for view in (memoryview(e.payload).cast("H"), memoryview(e.payload).cast("B", shape=[2, len(e.payload) // 2])):
+            assert same_bits(decode(e.spec, view), expected)
+
+
+def test_math_threads_follows_torch_or_the_cpu_affinity(monkeypatch):
+    from diloco.codec.threads import math_threads
+
+    saved = torch.get_num_threads()
+    try:
+        for n in (1, len(os.sched_getaffinity(0)) + 1):
+            torch.set_num_threads(n)
+            assert math_threads() == n
+    finally:
+        torch.set_num_threads(saved)
+    monkeypatch.delitem(sys.modules, "torch")
+    for cpus in ({0}, {0, 1, 2}):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cpus=cpus: cpus)
+        assert math_threads() == len(cpus)
+
+
+@needs_kernel
+def test_fused_outer_step_takes_even_blocks_up_to_1024():
+    """The shard's fused step runs for even block sizes up to 1024 (and returns the int4
+    update it added to params); otherwise it touches nothing and leaves it to torch ops."""
+    n = 2100
+
+    def state():
+        return [(torch.randn(n, generator=torch.Generator().manual_seed(s)) * 0.1).numpy() for s in range(4)]
+
+    for block_size in (64, 1024):
+        delta, momentum, residual, params = state()
+        before = params.copy()
+        packed, scales = int4.fused_outer_step(delta, momentum, residual, params, block_size, "float16", 1.0, 0.7, 0.9)
+        applied = dequantize_int4(torch.from_numpy(packed), torch.from_numpy(scales), n, block_size)
+        assert scales.size == -(-n // block_size)
+        torch.testing.assert_close(torch.from_numpy(params), torch.from_numpy(before) + applied, rtol=0, atol=1e-6)
+    for block_size in (3, 2048):
+        arrays = state()
+        assert int4.fused_outer_step(*arrays, block_size, "float16", 1.0, 0.7, 0.9) is None
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, state()))
+    with kernel_path("torch"):
+        assert int4.fused_outer_step(*state(), 64, "float16", 1.0, 0.7, 0.9) is None
+    delta, *rest = state()
+    delta[5] = math.nan
+    assert _message(int4.fused_outer_step, delta, *rest, 64, "float16", 1.0, 0.7, 0.9) == (
+        "outer update cannot be quantized (status 1): values are non-finite or too large")
+
+
+# --- framing edges -------------------------------------------------------------------------
+
+
+def test_frame_takes_any_contiguous_buffer():
+    data = np.random.default_rng(1).bytes(10_000)
+    views = [memoryview(data).cast("H"), memoryview(data).cast("B", shape=[100, 100]), np.frombuffer(data, "<u4")]
+    chunks = list(frame(views, max_chunk_bytes=4096, threads=1))
+    assert unframe(chunks, 3 * len(data), max_chunk_bytes=4096) == data * 3
+
+
+def test_chunk_payload_is_the_largest_whose_worst_case_frame_fits():
+    def zstd_compress_bound(size):  # ZSTD_COMPRESSBOUND from zstd.h
+        return size + (size >> 8) + (((128 << 10) - size) >> 11 if size < (128 << 10) else 0)
+
+    expected = {4096: 3955, 4238: 4097, 131648: 131072}
+    for max_chunk_bytes, size in expected.items():
+        assert chunk_payload_bytes(max_chunk_bytes) == size
+        assert zstd_compress_bound(size) + 64 <= max_chunk_bytes < zstd_compress_bound(size + 1) + 64
+
+
+def test_frame_compresses_at_the_given_level():
+    words = np.random.default_rng(2).choice([b"alpha", b"beta", b"gamma", b"delta", b"eps"], 3000)
+    data = b" ".join(words)
+    for level, chunks in ((1, list(frame([data], threads=1))), (19, list(frame([data], level=19, threads=1)))):
+        cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+        assert chunks == [cctx.compress(data)]
+
+
+def test_frame_is_lazy_by_batches_of_twice_the_threads(monkeypatch):
+    from diloco.codec import framing
+
+    size = chunk_payload_bytes(4096)
+    monkeypatch.setattr(framing, "math_threads", lambda: 3)
+    for threads, batch in ((1, 2), (2, 4), (None, 6)):
+        consumed = []
+
+        def payloads():
+            for i in range(20):
+                consumed.append(i)
+                yield bytes([i]) * size
+
+        chunks = frame(payloads(), max_chunk_bytes=4096, threads=threads)
+        first = next(chunks)
+        assert len(consumed) == batch
+        assert unframe([first, *chunks], 20 * size, max_chunk_bytes=4096) == b"".join(bytes([i]) * size for i in range(20))
+
+
+def test_frame_compresses_a_batch_on_several_threads_in_one_call(monkeypatch):
+    from diloco.codec import framing
+
+    calls = []
+    real = zstandard.ZstdCompressor
+
+    class Spy:
+        def __init__(self, **kwargs):
+            self._cctx = real(**kwargs)
+
+        def compress(self, data):
+            calls.append(("compress", 1, None))
+            return self._cctx.compress(data)
+
+        def multi_compress_to_buffer(self, data, threads=0):
+            calls.append(("multi", len(data), threads))
+            return self._cctx.multi_compress_to_buffer(data, threads=threads)
+
+    monkeypatch.setattr(framing.zstandard, "ZstdCompressor", Spy)
+    data = np.random.default_rng(3).bytes(5 * chunk_payload_bytes(4096))
+    assert unframe(frame([data], max_chunk_bytes=4096, threads=2), len(data), max_chunk_bytes=4096) == data
+    assert calls == [("multi", 4, 2), ("compress", 1, None)]
+    calls.clear()
+    assert unframe(frame([data], max_chunk_bytes=4096, threads=1), len(data), max_chunk_bytes=4096) == data
+    assert calls == [("compress", 1, None)] * 5
+
+
+def test_unframer_limits_are_inclusive_and_messages_exact():
+    small = zstandard.ZstdCompressor().compress(b"abc")
+    assert unframe([small], 3, max_chunk_bytes=len(small)) == b"abc"  # a chunk of exactly the limit
+    full = zstandard.ZstdCompressor().compress(bytes(4096))
+    assert unframe([full], 4096, max_chunk_bytes=4096) == bytes(4096)  # content of exactly the limit
+    over = zstandard.ZstdCompressor().compress(bytes(5000))
+    assert _message(unframe, [over], 5000, max_chunk_bytes=4096) == (
+        "chunk 0: declares 5000 payload bytes, over the chunk limit 4096")
+    assert _message(unframe, [small + b"junk"], 3).startswith("chunk 0: corrupt zstd frame (")
+    no_size = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    assert _message(unframe, [no_size.compress(b"abc") + no_size.flush()], 3) == (
+        "chunk 0: zstd frame does not declare its content size")
+    assert _message(unframe, [zstandard.ZstdCompressor().compress(b"")], 0) == "chunk 0: zstd frame is empty"
