@@ -524,7 +524,8 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
                        help="SIGKILL a random learner every SECONDS on average (Poisson; times count from the launch of the learners); a replacement is launched")
     chaos.add_argument("--max-kills", type=int, metavar="N", help="stop killing after N kills (default: no limit)")
     chaos.add_argument("--slow-learner", action="append", metavar="ID:FACTOR",
-                       help="learner ID (launch order, L0..) takes FACTOR x as long per step (repeatable)")
+                       help="the ID-th learner launched (0-based; L1 reads as 1) takes FACTOR x as long per "
+                       "step (repeatable); ids are given at join, so its events file says slow_factor")
     chaos.add_argument("--delay-ms", type=float, default=0.0, help="delay added to every push and reply (default 0)")
     chaos.add_argument("--restart-shard-at", type=float, metavar="SECONDS",
                        help="snapshot, SIGKILL shard 0 and restart it from the snapshot at SECONDS")

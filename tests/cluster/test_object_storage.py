@@ -10,6 +10,7 @@ restored."""
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -127,6 +128,11 @@ def test_a_shard_restored_from_s3_mid_run_replays_bit_for_bit(s3_run, s3):
     replay = subprocess.run([sys.executable, "-m", "diloco.cli", "replay", str(out), "--snapshot-dir", url, "--check"],
                             capture_output=True, text=True, timeout=120, env=env)
     assert replay.returncode == 0, replay.stdout + replay.stderr
+    # Shard 0 was replayed from the snapshot it came back from, and rounds were replayed
+    # after it (a replay of nothing would also differ by nothing).
+    replayed = re.search(rf"shard 0: replayed (\d+) rounds from snapshot {restart['snapshot']};", replay.stdout)
+    assert replayed and int(replayed.group(1)) > 0, replay.stdout
+    assert "max absolute difference from the run's final global parameters: 0\n" in replay.stdout, replay.stdout
 
 
 def _restore(out, url, env, spec="latest"):
