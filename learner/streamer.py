@@ -163,10 +163,16 @@ class Streamer:
             return self._inflight
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Wait (bounded) for in-flight pushes, then stop the loop and close channels."""
+        """Wait (bounded) for in-flight pushes, offer our anchors to any shard recovering
+        from them, then stop the loop and close channels."""
         deadline = time.monotonic() + timeout_s
         while self.inflight() and time.monotonic() < deadline:
             time.sleep(0.05)
+        offering = asyncio.run_coroutine_threadsafe(self._offer_to_recovering(), self._loop)
+        try:
+            offering.result(max(min(deadline - time.monotonic(), 10.0), 1.0))
+        except concurrent.futures.TimeoutError:
+            offering.cancel()
         asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
@@ -259,6 +265,22 @@ class Streamer:
                 self.stats.resyncs += 1
             logger.info("shard %d is back: re-synced %d fragments", shard, len(updates))
             return
+
+    async def _offer_to_recovering(self) -> None:
+        """A shard restarted without its state holds nothing until learners offer their
+        anchors, which they do when a push to it fails. A learner leaving offers its anchors
+        to every shard that is still recovering, so that a run ending during a recovery
+        still ends with a global model (a shard that does not answer is left alone)."""
+
+        async def one(shard: int) -> None:
+            try:
+                status = await asyncio.wait_for(self._client(shard).status(), 2)
+                if status.anchors_only:
+                    await self._reoffer(shard, {f.fragment for f in status.fragments})
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+                logger.info("shard %d: no anchor offered on leaving (%s)", shard, error)
+
+        await asyncio.gather(*(one(shard) for shard in self.fragments_of))
 
     async def _reoffer(self, shard: int, held: set[int]) -> None:
         if self.reoffer is None:
