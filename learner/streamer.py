@@ -271,6 +271,8 @@ class Streamer:
         anchors, which they do when a push to it fails. A learner leaving offers its anchors
         to every shard that is still recovering, so that a run ending during a recovery
         still ends with a global model (a shard that does not answer is left alone)."""
+        if self.reoffer is None:  # not bootstrapped: no anchors to offer
+            return
 
         async def one(shard: int) -> None:
             try:

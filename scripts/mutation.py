@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -94,9 +95,7 @@ def check(test_file: str, mutants: list[str]) -> int:
     tree = ROOT / "mutants"
     if not tree.is_dir():
         raise SystemExit("no mutants/ tree: run `python scripts/mutation.py run` once first")
-    for copied in ("tests/__init__.py", "tests/checks.py", "tests/seeded.py", "tests/polling.py", str(test)):
-        (tree / copied).parent.mkdir(parents=True, exist_ok=True)
-        (tree / copied).write_bytes((ROOT / copied).read_bytes())
+    shutil.copytree(ROOT / "tests", tree / "tests", dirs_exist_ok=True)  # as mutmut run copies them
 
     def passes(mutant: str) -> bool:
         env = {**os.environ, "MUTANT_UNDER_TEST": mutant}
