@@ -50,7 +50,7 @@ def _choice(*choices: str) -> Callable[[str], object]:
 
 
 LEARNER_SETTINGS: dict[str, Callable[[str], object]] = {
-    "device": _choice("cpu", "cuda", "xla"), "steps": _number(int, 1), "lr": _number(float, 0, above=True),
+    "device": _choice("cpu", "cuda", "xla"), "precision": _choice("fp32", "bf16"), "steps": _number(int, 1), "lr": _number(float, 0, above=True),
     "warmup-steps": _number(int, 0), "eval-every": _number(int, 1), "delta-codec": _choice("int4", "fp32"),
     "block-size": _number(int, 1), "step-delay-s": _number(float, 0), "threads": _number(int, 1),
     "slow-factor": _number(float, 0, above=True), "wire-delay-ms": _number(float, 0),

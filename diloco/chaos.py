@@ -91,6 +91,18 @@ def parse_slow(text: str) -> tuple[int, float]:
     return index, value
 
 
+def parse_learner_device(text: str) -> tuple[int, str]:
+    """``"0:xla"`` or ``"L0:xla"`` -> (0, "xla"): the learner launched first trains on XLA."""
+    which, sep, device = text.partition(":")
+    try:
+        index = int(which.removeprefix("L"))
+    except ValueError:
+        index = -1
+    if not sep or index < 0 or device not in ("cpu", "cuda", "xla"):
+        raise InvalidArgument(f"--learner-device takes ID:DEVICE (a learner index >= 0; cpu, cuda or xla), e.g. L0:xla, got {text!r}")
+    return index, device
+
+
 def learner_pid(member: dict) -> int | None:
     """Learners report ``host:pid`` as their address when they join."""
     try:

@@ -357,7 +357,7 @@ def _learner(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     cfg = LearnerConfig(
-        device=args.device, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+        device=args.device, precision=args.precision, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
         eval_every_steps=args.eval_every, delta_codec=args.delta_codec,
         block_size=args.block_size, step_delay_s=args.step_delay_s, slow_factor=args.slow_factor,
         wire_delay_ms=args.wire_delay_ms, push_timeout_s=args.push_timeout_s,
@@ -416,7 +416,12 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
     join.add_argument("--secret-file", help="static topology: the run secret (default: $DILOCO_SECRET)")
     join.add_argument("--num-learners", type=int, default=1, help="learners the run is planned for (TaskContext.num_learners; default 1)")
     t = p.add_argument_group("training")
-    t.add_argument("--device", choices=["cpu", "cuda", "xla"], default="cpu", help="default cpu")
+    t.add_argument("--device", choices=["cpu", "cuda", "xla"], default="cpu",
+                   help="default cpu; xla uses every device of the host (SPMD: parameters and optimizer state split, "
+                        "batches split; the task's batch size must be a multiple of the device count)")
+    t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: forward pass and loss under bfloat16 autocast; parameters, optimizer state and "
+                        "deltas stay fp32 (default fp32)")
     t.add_argument("--steps", type=int, default=300, help="inner steps (default 300)")
     t.add_argument("--lr", type=float, default=3e-3,
                    help="peak inner AdamW learning rate (default 3e-3; a task's own optimizer keeps its lr, scaled by the schedule)")
@@ -457,7 +462,7 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _local_config(args: argparse.Namespace):
-    from diloco.chaos import ChaosConfig, parse_scavenge, parse_slow
+    from diloco.chaos import ChaosConfig, parse_learner_device, parse_scavenge, parse_slow
     from diloco.local import LocalConfig
 
     grace_mode, grace_s = args.grace
@@ -472,6 +477,7 @@ def _local_config(args: argparse.Namespace):
             scavenge=parse_scavenge(args.scavenge) if args.scavenge else None, seed=args.chaos_seed,
         ),
         slow_learners=tuple(parse_slow(x) for x in args.slow_learner or ()),
+        learner_devices=tuple(parse_learner_device(x) for x in args.learner_device or ()),
         delay_ms=args.delay_ms,
         child_env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint,
                    "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
@@ -507,6 +513,10 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
                             "--snapshot-every-s for crashes), with its stored config: flags that would change it are "
                             "refused (--learners, --learner-threads, chaos, telemetry and snapshot schedule may differ)")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
+    p.add_argument("--learner-device", action="append", metavar="ID:DEVICE",
+                   help="the ID-th learner launched (0-based; L0 reads as 0) trains on DEVICE: cpu, cuda or xla "
+                        "(repeatable; default: every learner on the CPU). xla uses every device PJRT_DEVICE gives "
+                        "(on the CPU: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4) and needs torch-xla (constraints-xla.txt)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
     p.add_argument("--insecure", action="store_true",
                    help="plaintext gRPC between the run's processes instead of mutual TLS with a CA and certificate "

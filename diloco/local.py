@@ -79,6 +79,9 @@ class LocalConfig:
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     slow_learners: tuple[tuple[int, float], ...] = ()
     """(launch index, factor): that learner's steps take factor x their compute time."""
+    learner_devices: tuple[tuple[int, str], ...] = ()
+    """(launch index, device): that learner trains on that device (cpu, cuda, xla); the
+    others on the CPU."""
     delay_ms: float = 0.0
     """Added by every learner to each push and each reply."""
     child_env: Mapping[str, str] | None = None
@@ -105,9 +108,10 @@ class LocalConfig:
             raise InvalidArgument(f"--tokens must be >= 1, got {self.tokens}")
         if self.delay_ms < 0:
             raise InvalidArgument(f"--delay-ms must be >= 0, got {self.delay_ms}")
-        for index, _ in self.slow_learners:
-            if index >= self.learners:
-                raise InvalidArgument(f"--slow-learner L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
+        for flag, pairs in (("--slow-learner", self.slow_learners), ("--learner-device", self.learner_devices)):
+            for index, _ in pairs:
+                if index >= self.learners:
+                    raise InvalidArgument(f"{flag} L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
         if self.shards > self.run.fragments:
             raise InvalidArgument(f"{self.shards} shards for {self.run.fragments} fragments: some shard would own none")
 
@@ -490,9 +494,11 @@ def plot_eval(run_dir: Path, events: dict[str, list[dict]], final: float, tokens
 
 
 def _launch(admin, cfg: LocalConfig) -> None:
-    slow = dict(cfg.slow_learners)
+    slow, devices = dict(cfg.slow_learners), dict(cfg.learner_devices)
     for index in range(cfg.learners):
         overrides = {"slow_factor": str(slow[index])} if index in slow else {}
+        if index in devices:
+            overrides["device"] = devices[index]
         failed = [r for r in admin.add_learners(1, overrides=overrides) if not r["ok"]]
         if failed:
             raise Unavailable(f"could not launch learners: {failed}")
@@ -842,6 +848,9 @@ def run_local(cfg: LocalConfig) -> dict:
     up, stall = uptime(stats.pop("round_closes"), *window, period)
     chaos = [json.loads(line) for line in (run_dir / "chaos.jsonl").read_text().splitlines()] if (run_dir / "chaos.jsonl").exists() else []
     pools = {m["id"]: m["pool"] for m in members}
+    # Where each learner trained: device, devices, precision (and on XLA the split share).
+    devices = {i: {k: v for k, v in e.items() if k not in ("kind", "t")}
+               for i, r in events.items() for e in r if e["kind"] == "device"}
     first_steps = sorted(min(e["t"] for e in r if e["kind"] == "state" and e["state"] == "computing")
                          for i, r in part.items()
                          if pools.get(i) != SCAVENGED_POOL and any(e.get("state") == "computing" for e in r))
@@ -869,7 +878,8 @@ def run_local(cfg: LocalConfig) -> dict:
         "shard_restarts": sum(1 for c in chaos if c["kind"] == "restart_shard"),
         "learners": [{"id": m["id"], "pool": m["pool"], "state": m["state"], "inner_steps": steps.get(m["id"], 0),
                       "tokens": summaries[m["id"]]["tokens"] if m["id"] in summaries else m["tokens"],
-                      "tokens_per_s": round(summaries.get(m["id"], m).get("tokens_per_s", 0.0), 1)} for m in members],
+                      "tokens_per_s": round(summaries.get(m["id"], m).get("tokens_per_s", 0.0), 1),
+                      **devices.get(m["id"], {})} for m in members],
         "final_versions": {str(f): v for f, v in sorted(versions.items())},
         "started_unix": round(started_wall, 3),
         "interrupted": interrupted,

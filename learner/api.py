@@ -118,7 +118,7 @@ class Learner:
         self.run: RunConfig = member.run
         self.learner_id = member.learner_id
         self.optimizer = optimizer
-        self.device = device or Device(self.cfg.device)
+        self.device = device or Device(self.cfg.device, self.cfg.precision)
         self.events = events
         self.stop = stop or threading.Event()
         self.stop_reason = ""
@@ -273,6 +273,7 @@ class Learner:
             values = update.segments[-1].tensors
             merge_into(self.plan.gather(update.fragment, self.tensors), values, 0.0)
             fragments[update.fragment] = FragmentSync([v.clone() for v in values], update.version)
+        self.device.reshard()
         missing = set(range(self.plan.num_fragments)) - set(fragments)
         if missing:
             raise FailedPrecondition(f"bootstrap returned no state for fragments {sorted(missing)}")
@@ -346,6 +347,8 @@ class Learner:
             self._staleness.append(reply.staleness)
             if (sync := self._syncs.pop((reply.fragment, reply.sent_step), None)) is not None:
                 sync.applied(time.perf_counter() - started, reply.staleness)
+        if due:
+            self.device.reshard()
         self._retire_syncs()
 
     def _retire_syncs(self) -> None:

@@ -8,13 +8,18 @@ from dataclasses import dataclass
 from diloco.errors import InvalidArgument
 
 DEVICES = ("cpu", "cuda", "xla")
+PRECISIONS = ("fp32", "bf16")
 DELTA_CODECS = ("int4", "fp32")
 
 
 @dataclass(frozen=True)
 class LearnerConfig:
     device: str = "cpu"
-    """cpu | cuda | xla (torch_xla is imported only when chosen)."""
+    """cpu | cuda | xla (torch_xla is imported only when chosen; xla uses every device of
+    the host through SPMD, see learner.device)."""
+    precision: str = "fp32"
+    """fp32 | bf16: the forward pass and loss under bfloat16 autocast (parameters,
+    optimizer state and deltas stay fp32)."""
     steps: int = 300
     """Inner steps to train (the learner then leaves)."""
     lr: float = 3e-3
@@ -47,6 +52,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise InvalidArgument(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise InvalidArgument(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.delta_codec not in DELTA_CODECS:
             raise InvalidArgument(f"delta codec must be one of {DELTA_CODECS}, got {self.delta_codec!r}")
         for name in ("steps", "eval_every_steps", "max_inflight_pushes"):

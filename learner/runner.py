@@ -68,7 +68,8 @@ class TaskRunner:
                 raise TaskError(
                     f"task {self.spec!r}: its batches ended after {step} batches; this learner trains {cfg.steps} inner steps"
                 ) from None
-            loss = checked_loss(self.spec, task.loss(task.model, batch))
+            with learner.device.autocast():
+                loss = checked_loss(self.spec, task.loss(task.model, learner.device.place_batch(batch)))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip:
@@ -118,13 +119,16 @@ def run_task(member: Membership, cfg: LearnerConfig, *, coordinator: str | None 
     """Build the run's task for this learner, train it to the end (or a stop), close the
     learner and evaluate once more. Returns the closed learner (``.summary``)."""
     run = member.run
-    device = Device(cfg.device)
+    device = Device(cfg.device, cfg.precision)
     ctx = TaskContext(learner_number(member.learner_id), num_learners, run.seed, device.torch, dict(run.task_options))
     task = build_task(run.task, ctx, run.init)
-    task.model.to(device.torch)
+    device.place_model(task.model)
     optimizer, schedule = inner_optimizer(task, cfg)
     learner = Learner(task.model, member, cfg, optimizer=optimizer, coordinator=coordinator, device=device,
                       events=events, heartbeats=heartbeats, sync=sync, stop=stop)
+    layout = device.layout()
+    learner.event("device", **layout)
+    logger.info("%s trains on %s", learner.learner_id, ", ".join(f"{k} {v}" for k, v in layout.items()))
     on_learner(learner)
     runner = TaskRunner(run.task, task, learner, optimizer, schedule)
     try:

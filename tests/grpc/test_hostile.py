@@ -164,7 +164,7 @@ def test_launch_overrides_are_an_allow_list_and_no_prefix_reaches_a_reserved_fla
 
     parser = build_parser()
     for flag in LEARNER_SETTINGS:
-        value = "cpu" if flag == "device" else "int4" if flag == "delta-codec" else "1"
+        value = {"device": "cpu", "delta-codec": "int4", "precision": "bf16"}.get(flag, "1")
         parser.parse_args(["learner", f"--{flag}", value])
 
 
@@ -278,7 +278,8 @@ def test_launch_override_values_are_checked_as_the_learner_would_before_anything
     parser = build_parser()
     for flag, check in LEARNER_SETTINGS.items():
         dest = flag.replace("-", "_")
-        for good in (("cpu", "xla") if flag == "device" else ("int4", "fp32") if flag == "delta-codec" else ("1", "3")):
+        choices = {"device": ("cpu", "xla"), "delta-codec": ("int4", "fp32"), "precision": ("fp32", "bf16")}
+        for good in choices.get(flag, ("1", "3")):
             assert getattr(parser.parse_args(["learner", f"--{flag}", good]), dest) == check(good), flag
         for bad in ("abc", "1.5x", ""):
             with pytest.raises(ValueError):
