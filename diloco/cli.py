@@ -344,7 +344,8 @@ def _learner(args: argparse.Namespace) -> int:
     started = time.time()
     from diloco.errors import InvalidArgument, NotFound
     from learner.config import LearnerConfig
-    from learner.server import joined_membership, run_learner, static_membership
+    from learner.server import joined_membership, run_learner, run_slice_follower, static_membership
+    from learner.slice import SliceLink
 
     if args.prometheus:
         from diloco.telemetry import require_prometheus
@@ -362,8 +363,16 @@ def _learner(args: argparse.Namespace) -> int:
         block_size=args.block_size, step_delay_s=args.step_delay_s, slow_factor=args.slow_factor,
         wire_delay_ms=args.wire_delay_ms, push_timeout_s=args.push_timeout_s,
         max_inflight_pushes=args.max_inflight, heartbeat_interval_s=args.heartbeat_s,
-        coordinator_loss_timeout_s=args.coordinator_loss_timeout_s,
+        coordinator_loss_timeout_s=args.coordinator_loss_timeout_s, slice_timeout_s=args.slice_timeout_s,
     )
+    link = None
+    if args.slice_hosts > 1 or args.slice_index:
+        if not args.slice_leader:
+            raise InvalidArgument("--slice-hosts N > 1 needs --slice-leader HOST:PORT (host 0's address on the slice port)")
+        link = SliceLink(args.slice_hosts, args.slice_index, args.slice_leader, cfg.slice_timeout_s)
+        if not link.leader:  # never joins: the leader is the learner
+            run_slice_follower(cfg, link)
+            return 0
     if args.coordinator:
         if not args.join_token_file:
             raise InvalidArgument("--coordinator needs --join-token-file")
@@ -392,7 +401,7 @@ def _learner(args: argparse.Namespace) -> int:
     try:
         run_learner(cfg, member, args.coordinator, summary_path,
                     events_dir=Path(args.events_dir) if args.events_dir else None, started_t=started,
-                    num_learners=args.num_learners)
+                    num_learners=args.num_learners, slice_link=link)
     finally:
         telemetry.shutdown()
     return 0
@@ -439,6 +448,14 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
     t.add_argument("--coordinator-loss-timeout-s", type=float, default=300.0, metavar="S",
                    help="leave after S seconds with every heartbeat failing (default 300; a coordinator "
                         "restart shorter than that is trained through)")
+    s = p.add_argument_group("a multi-host slice: one learner, one process per host (every host runs the same command)")
+    s.add_argument("--slice-hosts", type=int, default=1, metavar="N", help="hosts of this learner's slice (default 1)")
+    s.add_argument("--slice-index", type=int, default=0, metavar="I",
+                   help="this host's index, 0..N-1; host 0 is the learner toward the coordinator and shards, the "
+                        "others repeat its writes (default 0)")
+    s.add_argument("--slice-leader", metavar="HOST:PORT", help="host 0's address on the slice port (with N > 1)")
+    s.add_argument("--slice-timeout-s", type=float, default=900.0, metavar="S",
+                   help="a host waits this long for the others at any step before it fails (default 900)")
     t.add_argument("--summary", help="write the JSON summary here at exit")
     t.add_argument("--summary-dir", help="write the JSON summary to DIR/<learner id>.json at exit")
     t.add_argument("--events-dir", help="write the event tape (states, evaluations) to DIR/<learner id>.events.jsonl")

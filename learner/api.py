@@ -42,9 +42,10 @@ from diloco import snapshots as snapshot_store
 from diloco.tape import TapeWriter
 from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, send_offsets
-from learner.core.sync import FragmentSync, Reply, SyncBook, delta, merge_into, rebase_into
+from learner.core.sync import FragmentSync, Reply, SyncBook, Write, delta, write_into
 from learner.device import Device
 from learner.membership import Heartbeats, Membership, join, register_model
+from learner.slice import SliceLink, SliceStep, host_state
 from learner.streamer import PushJob, Streamer
 from learner.telemetry import LearnerTelemetry, SyncTrace
 from syncer.core.shard import PushMeta
@@ -108,12 +109,15 @@ class Learner:
         heartbeats: Heartbeats | None = None,
         sync: bool = True,
         stop: threading.Event | None = None,
+        slice_link: SliceLink | None = None,
     ) -> None:
         """``optimizer``: recorded in snapshots with the model. ``coordinator``: heartbeat
         to it and register the model's manifest with it (``heartbeats``: already beating,
         started before the model was built). ``sync`` False: train alone (the benchmark's
         no-sync baseline). ``stop``: the event that asks this learner to leave (a signal
-        handler's), honoured from the start: set while bootstrapping, it ends the wait."""
+        handler's), honoured from the start: set while bootstrapping, it ends the wait.
+        ``slice_link``: this learner leads a multi-host slice (``learner.slice``): what it
+        writes into the model, and when it stops, is broadcast to the other hosts."""
         self.model, self.member, self.cfg = model, member, config or LearnerConfig()
         self.run: RunConfig = member.run
         self.learner_id = member.learner_id
@@ -134,6 +138,12 @@ class Learner:
         self._staleness: list[int] = []
         self._syncs: dict[tuple[int, int], SyncTrace] = {}
         self._closed = False
+        self.slice = slice_link
+        self._writes: list[Write] = []
+        self._state_reads = 0
+        self._stopping = False
+        self._bootstrapped = False
+        """The stop decided at the last step boundary (a slice stops on the same step everywhere)."""
         self.heartbeats = heartbeats
         self.streamer = None
         try:
@@ -164,6 +174,8 @@ class Learner:
                                          self.cfg.max_inflight_pushes, owned, wire_delay_s=self.cfg.wire_delay_ms / 1000)
                 self.event("state", state="bootstrapping")
                 self._bootstrap()
+                self._share_with_slice()
+                self._bootstrapped = True
         except BaseException as error:
             self.close(f"failed to start: {error}")
             raise
@@ -186,8 +198,9 @@ class Learner:
 
     @property
     def should_stop(self) -> bool:
-        """The coordinator asked this learner to leave (drain), or ``close`` was called."""
-        return self.stop.is_set()
+        """The coordinator asked this learner to leave (drain), or ``close`` was called. A
+        slice's leader answers what it decided, and told its hosts, at the last step."""
+        return self._stopping if self.slice is not None else self.stop.is_set()
 
     def step(self, tokens: int) -> None:
         """Call once after each optimizer step, with the tokens that step trained on: sends
@@ -203,13 +216,16 @@ class Learner:
         self._step = step + 1
         self._record_snapshots()
         self._apply_due(self._step)
+        self._share_with_slice()
 
     def event(self, kind: str, **fields) -> None:
         if self.events is not None:
             self.events.append(kind, time.time(), **fields)
 
-    def close(self, reason: str = "finished") -> Summary:
-        """Finish in-flight pushes (bounded), apply what arrived, leave. Idempotent."""
+    def close(self, reason: str = "finished", *, failed: bool = False) -> Summary:
+        """Finish in-flight pushes (bounded), apply what arrived, leave. Idempotent.
+        ``failed``: the training loop raised (a slice's hosts are not sent the last writes:
+        their link closes and they fail too)."""
         if self._closed:
             return self.summary
         self._closed = True
@@ -223,7 +239,11 @@ class Learner:
                 for sync in self._syncs.values():
                     sync.unfinished()
                 self._syncs.clear()
+                if self.slice is not None and self._bootstrapped and not failed:
+                    self._share_with_slice()
         finally:
+            if self.slice is not None:
+                self.slice.close()
             if self.heartbeats is not None:
                 self.heartbeats.stop_and_leave(reason)
         self._finish()
@@ -233,7 +253,7 @@ class Learner:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        self.close("finished" if error is None else f"stopped: {type(error).__name__}: {error}")
+        self.close("finished" if error is None else f"stopped: {type(error).__name__}: {error}", failed=error is not None)
 
     # --- inside ------------------------------------------------------------------------
 
@@ -246,6 +266,20 @@ class Learner:
         logger.warning("%s: leaving: %s", self.learner_id, reason)
         self.stop_reason = reason
         self.stop.set()
+
+    def _write(self, write: Write) -> None:
+        """A global fragment into the model (and, leading a slice, into the next message)."""
+        write_into(self.plan.gather(write.fragment, self.tensors), write)
+        if self.slice is not None:
+            self._writes.append(write)
+
+    def _share_with_slice(self) -> None:
+        """Leading a slice: the step's writes, state reads and stop, to the other hosts."""
+        if self.slice is None:
+            return
+        self._stopping = self.stop.is_set()
+        self.slice.share(SliceStep(self._writes, self._state_reads, self._stopping))
+        self._writes, self._state_reads = [], 0
 
     def _host(self, fragment_id: int) -> list[torch.Tensor]:
         """The fragment's current values as fp32 host tensors (whatever the model's dtype)."""
@@ -260,8 +294,12 @@ class Learner:
         the shards hold, never from a private init."""
         by_shard = {s: [f.id for f in self.plan.owned_by(s, self.num_shards)] for s in range(self.num_shards)}
 
+        # Every fragment read once, in order, whichever the shards turn out to need: on a
+        # multi-host slice a read is a step every host takes (learner.slice).
+        own = {f: self._host(f) for f in range(self.plan.num_fragments)} if self.slice is not None else {}
+
         def encode_own(fragment_id: int):
-            return self._fp32(fragment_id, self._host(fragment_id))
+            return self._fp32(fragment_id, own[fragment_id] if own else self._host(fragment_id))
 
         for shard, fragments in by_shard.items():
             taken = self.streamer.initialize(shard, self.manifest_json, self.plan.plan_hash, fragments, encode_own,
@@ -271,7 +309,7 @@ class Learner:
         fragments = {}
         for update in updates:
             values = update.segments[-1].tensors
-            merge_into(self.plan.gather(update.fragment, self.tensors), values, 0.0)
+            self._write(Write(update.fragment, values))
             fragments[update.fragment] = FragmentSync([v.clone() for v in values], update.version)
         self.device.reshard()
         missing = set(range(self.plan.num_fragments)) - set(fragments)
@@ -337,12 +375,8 @@ class Learner:
         due = self.book.due(step if step is not None else 1 << 62)
         for reply in due:
             started = time.perf_counter()
-            views = self.plan.gather(reply.fragment, self.tensors)
             sent = self.book.rebase_from(reply) if self.run.reply_rule == "rebase" else None
-            if sent is not None:
-                rebase_into(views, reply.values, sent)
-            else:
-                merge_into(views, reply.values, self.run.merge_alpha)
+            self._write(Write(reply.fragment, reply.values, sent, self.run.merge_alpha))
             self.book.applied_reply(reply, rebased=sent is not None)
             self._staleness.append(reply.staleness)
             if (sync := self._syncs.pop((reply.fragment, reply.sent_step), None)) is not None:
@@ -374,11 +408,13 @@ class Learner:
             if snapshot_id <= self.snapshot_epoch:
                 continue  # the coordinator repeats a marker until it hears our report
             self.clock = self.clock.tick(self.learner_id)
+            model_state, optimizer_state = host_state(self.model, self.optimizer)
+            self._state_reads += 1
             state = {
                 "learner_id": self.learner_id,
                 "step": self._step,
-                "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "model": model_state,
+                "optimizer": optimizer_state,
                 "fragments": {
                     f: {"anchor": s.anchor, "base_version": s.base_version, "tokens": s.tokens, "steps": s.steps}
                     for f, s in self.book.fragments.items()

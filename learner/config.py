@@ -44,6 +44,9 @@ class LearnerConfig:
     max_inflight_pushes: int = 16
     """Pushes queued or in flight; beyond it a send is dropped and counted, never waited for."""
     heartbeat_interval_s: float = 1.0
+    slice_timeout_s: float = 900.0
+    """A host of a multi-host slice waits this long for the others at any step (the leader's
+    bootstrap included) before it fails (learner.slice)."""
     coordinator_loss_timeout_s: float = 300.0
     """A learner whose heartbeats have all failed (coordinator unreachable) for this long
     leaves: nothing is left running when a run's coordinator is gone for good. Shorter
@@ -59,7 +62,7 @@ class LearnerConfig:
         for name in ("steps", "eval_every_steps", "max_inflight_pushes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "push_timeout_s", "heartbeat_interval_s", "coordinator_loss_timeout_s"):
+        for name in ("lr", "push_timeout_s", "heartbeat_interval_s", "coordinator_loss_timeout_s", "slice_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgument(f"{name} must be a positive number, got {value}")

@@ -14,6 +14,7 @@ import torch
 
 from collections.abc import Callable
 
+from diloco.config import RunConfig
 from diloco.tape import TapeWriter
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_loss, checked_tokens, evaluate
 from learner.api import Learner, Summary, learner_number
@@ -21,6 +22,7 @@ from learner.config import LearnerConfig
 from learner.core.schedule import inner_lr
 from learner.device import Device
 from learner.membership import Heartbeats, Membership
+from learner.slice import SliceFollower, SliceLink
 
 logger = logging.getLogger(__name__)
 
@@ -112,29 +114,52 @@ class TaskRunner:
         return value
 
 
+def _build(run: RunConfig, learner_id: str, num_learners: int, cfg: LearnerConfig):
+    """This learner's device, task (its model placed there), optimizer and schedule."""
+    device = Device(cfg.device, cfg.precision)
+    ctx = TaskContext(learner_number(learner_id), num_learners, run.seed, device.torch, dict(run.task_options))
+    task = build_task(run.task, ctx, run.init)
+    device.place_model(task.model)
+    return device, task, *inner_optimizer(task, cfg)
+
+
 def run_task(member: Membership, cfg: LearnerConfig, *, coordinator: str | None = None, num_learners: int = 1,
              events: TapeWriter | None = None, heartbeats: Heartbeats | None = None, sync: bool = True,
              on_learner: Callable[[Learner], None] = lambda learner: None,
-             stop: threading.Event | None = None) -> Learner:
+             stop: threading.Event | None = None, slice_link: SliceLink | None = None) -> Learner:
     """Build the run's task for this learner, train it to the end (or a stop), close the
-    learner and evaluate once more. Returns the closed learner (``.summary``)."""
+    learner and evaluate once more. Returns the closed learner (``.summary``).
+    ``slice_link``: this learner leads a multi-host slice (``follow_slice`` on the others)."""
     run = member.run
-    device = Device(cfg.device, cfg.precision)
-    ctx = TaskContext(learner_number(member.learner_id), num_learners, run.seed, device.torch, dict(run.task_options))
-    task = build_task(run.task, ctx, run.init)
-    device.place_model(task.model)
-    optimizer, schedule = inner_optimizer(task, cfg)
+    if slice_link is not None:  # the followers build the same task from it
+        slice_link.share((run.to_json(), member.learner_id, num_learners))
+    device, task, optimizer, schedule = _build(run, member.learner_id, num_learners, cfg)
     learner = Learner(task.model, member, cfg, optimizer=optimizer, coordinator=coordinator, device=device,
-                      events=events, heartbeats=heartbeats, sync=sync, stop=stop)
+                      events=events, heartbeats=heartbeats, sync=sync, stop=stop, slice_link=slice_link)
     layout = device.layout()
     learner.event("device", **layout)
     logger.info("%s trains on %s", learner.learner_id, ", ".join(f"{k} {v}" for k, v in layout.items()))
     on_learner(learner)
-    runner = TaskRunner(run.task, task, learner, optimizer, schedule)
+    return _train(TaskRunner(run.task, task, learner, optimizer, schedule))
+
+
+def follow_slice(cfg: LearnerConfig, link: SliceLink) -> SliceFollower:
+    """A follower host of a multi-host slice (``learner.slice``): the leader's task, trained
+    in step with it. Returns the closed follower (``.summary``: steps and tokens)."""
+    run_json, learner_id, num_learners = link.share()
+    run = RunConfig.from_json(run_json)
+    device, task, optimizer, schedule = _build(run, learner_id, num_learners, cfg)
+    follower = SliceFollower(task.model, run, learner_id, cfg, link, device, optimizer)
+    logger.info("%s follows the slice's leader %s", follower.learner_id, learner_id)
+    return _train(TaskRunner(run.task, task, follower, optimizer, schedule))
+
+
+def _train(runner: TaskRunner):
+    learner = runner.learner
     try:
         runner.train()
     except BaseException as error:
-        learner.close(f"stopped: {error}")
+        learner.close(f"stopped: {error}", failed=True)
         raise
     learner.close("finished" if not learner.stop.is_set() else "stopped")
     runner.finish()

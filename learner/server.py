@@ -21,7 +21,8 @@ from diloco.errors import Cancelled
 from learner.api import Learner, Summary
 from learner.config import LearnerConfig
 from learner.membership import Heartbeats, Membership, join
-from learner.runner import run_task
+from learner.runner import follow_slice, run_task
+from learner.slice import SliceLink
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,11 @@ def run_learner(
     events_dir: Path | None = None,
     started_t: float | None = None,
     num_learners: int = 1,
+    slice_link: SliceLink | None = None,
 ) -> Summary:
     """``events_dir``: write the learner's event tape (state changes, evaluations) to
-    ``<dir>/<id>.events.jsonl``; ``started_t``: when the process started (wall clock)."""
+    ``<dir>/<id>.events.jsonl``; ``started_t``: when the process started (wall clock).
+    ``slice_link``: this learner leads a multi-host slice."""
     # Heartbeats start before the task is built: loading data and bootstrapping can take
     # longer than a lease. Until the learner exists, a drain only stops it from starting.
     stopping = threading.Event()
@@ -65,7 +68,7 @@ def run_learner(
 
     try:
         summary = run_task(member, cfg, coordinator=coordinator, num_learners=num_learners, events=events,
-                           heartbeats=heartbeats, on_learner=attach, stop=stopping).summary
+                           heartbeats=heartbeats, on_learner=attach, stop=stopping, slice_link=slice_link).summary
     except Cancelled as error:  # asked to leave (a drain, a signal) before training started
         logger.warning("%s: %s: left before training", member.learner_id, error)
         if heartbeats is not None:
@@ -83,6 +86,17 @@ def run_learner(
                 summary.tokens, _fmt(summary.eval_loss_start), _fmt(summary.eval_loss_final), summary.eval_unit)
     if summary_path is not None:
         write_summary(summary, summary_path)
+    return summary
+
+
+def run_slice_follower(cfg: LearnerConfig, link: SliceLink) -> Summary:
+    """A follower host of a slice: signals are the leader's to act on (it decides the step
+    the whole slice stops at); this host trains until the leader says stop."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: logger.info("slice host %d: %s: the leader decides when the slice stops",
+                                                              link.index, signal.Signals(signum).name))
+    summary = follow_slice(cfg, link).summary
+    logger.info("%s done: %d inner steps, %d tokens", summary.learner_id, summary.inner_steps, summary.tokens)
     return summary
 
 

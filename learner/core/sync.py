@@ -143,6 +143,24 @@ class SyncBook:
         self.applied += 1
 
 
+@dataclass(frozen=True)
+class Write:
+    """A global fragment written into the model: rebased onto ``sent`` (the parameters its
+    push was taken from) when given, else mixed with weight ``alpha`` on the parameters."""
+
+    fragment: int
+    values: list[torch.Tensor]
+    sent: list[torch.Tensor] | None = None
+    alpha: float = 0.0
+
+
+def write_into(params: list[torch.Tensor], write: Write) -> None:
+    if write.sent is not None:
+        rebase_into(params, write.values, write.sent)
+    else:
+        merge_into(params, write.values, write.alpha)
+
+
 def delta(anchor: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The outer gradient: anchor - params (positive where training moved params down)."""
     return [a - p for a, p in zip(anchor, params)]
