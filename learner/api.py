@@ -283,7 +283,7 @@ class Learner:
 
     def _host(self, fragment_id: int) -> list[torch.Tensor]:
         """The fragment's current values as fp32 host tensors (whatever the model's dtype)."""
-        return [self.device.to_host(t) for t in self.plan.gather(fragment_id, self.tensors)]
+        return self.device.fragment_to_host(self.plan, fragment_id, self.tensors)
 
     def _fp32(self, fragment_id: int, values: list[torch.Tensor]):
         """A fragment's values, encoded raw fp32 (what Initialize carries)."""

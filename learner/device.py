@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Mapping
 
 import torch
 
 from diloco.errors import FailedPrecondition, InvalidArgument
+from diloco.fragments import FragmentPlan
 from learner.config import PRECISIONS
 
 MESH_AXIS = "fsdp"
@@ -39,6 +41,7 @@ class Device:
         self._sharded: list[tuple[torch.Tensor, tuple, str]] = []
         """(parameter, its partition spec, XLA's sharding string once split)."""
         self._parameters = 0
+        self._addressable = 1
         if kind == "cuda":
             if not torch.cuda.is_available():
                 raise FailedPrecondition("device cuda requested, but torch sees no CUDA device (torch.cuda.is_available() is False)")
@@ -57,6 +60,7 @@ class Device:
             if not runtime.is_spmd():
                 runtime.use_spmd()  # before any tensor is on the device
             self.num_devices = runtime.global_runtime_device_count()
+            self._addressable = runtime.addressable_runtime_device_count()
             self._mesh = self._spmd.Mesh(list(range(self.num_devices)), (self.num_devices,), (MESH_AXIS,))
             self.torch = self._xla.device()
         else:
@@ -128,10 +132,38 @@ class Device:
         """XLA's sharding of ``tensor`` (``{devices=[4,1]0,1,2,3}``), or '' off XLA."""
         return self._xla._XLAC._get_xla_sharding_spec(tensor) if self._xla is not None else ""
 
+    def compiles(self) -> tuple[int, float]:
+        """XLA graphs compiled so far and the seconds spent compiling them ((0, 0.0) off XLA).
+        A learner compiles a handful (the step, the evaluation, the reads and writes of a
+        sync); more means a graph changes from step to step."""
+        if self._xla is None:
+            return 0, 0.0
+        metrics = importlib.import_module("torch_xla.debug.metrics")
+        data = metrics.metric_data("CompileTime")
+        return (data[0], data[1] / 1e9) if data else (0, 0.0)
+
     def step_done(self) -> None:
         """End of an inner step: XLA executes the traced graph here (a host sync point)."""
         if self._xla is not None:
             self._xla.sync()
 
+    def fragment_to_host(self, plan: FragmentPlan, fragment_id: int, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The fragment's values in host memory, fp32: each tensor it has a piece of is read
+        whole, then sliced on the host (on the CPU, views of the model's own fp32 tensors)."""
+        whole = {piece.tensor: self.to_host(tensors[piece.tensor]) for piece in plan.fragments[fragment_id].pieces}
+        return plan.gather(fragment_id, whole)
+
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in host memory, fp32. On XLA, a tensor whose every shard this host
+        holds is put together from the shards (reading a split tensor through ``.cpu()``
+        compiles a new XLA graph each time: one per tensor per sync, measured); a multi-host
+        tensor takes ``.cpu()``, which every host of the mesh must call."""
+        if self._xla is not None and tensor.device.type == "xla" and self._addressable == self.num_devices:
+            self._xm.wait_device_ops()  # the step that wrote it may still run
+            shards = self._spmd.XLAShardedTensor(tensor.detach()).local_shards
+            if len(shards) == self.num_devices:
+                host = torch.empty(tuple(tensor.shape), dtype=torch.float32)
+                for shard in shards:  # even splits (place_model): no padding to drop
+                    host[shard.indices if shard.indices is Ellipsis else tuple(shard.indices)] = shard.data
+                return host
         return tensor.detach().to("cpu", torch.float32)

@@ -163,4 +163,8 @@ def _train(runner: TaskRunner):
         raise
     learner.close("finished" if not learner.stop.is_set() else "stopped")
     runner.finish()
+    graphs, seconds = learner.device.compiles()
+    if graphs:
+        learner.event("compiled", graphs=graphs, seconds=round(seconds, 2))
+        logger.info("%s: XLA compiled %d graphs in %.1f s", learner.learner_id, graphs, seconds)
     return learner

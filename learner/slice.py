@@ -144,8 +144,7 @@ class SliceFollower:
     def _read(self, fragment: int) -> None:
         """What the leader reads to host memory to send ``fragment`` (a collective on a
         multi-host mesh): read, and dropped."""
-        for view in self.plan.gather(fragment, self.tensors):
-            self.device.to_host(view)
+        self.device.fragment_to_host(self.plan, fragment, self.tensors)
 
     def _repeat(self, message: SliceStep) -> None:
         if not isinstance(message, SliceStep):

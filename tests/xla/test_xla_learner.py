@@ -14,6 +14,7 @@ from diloco.manifest import manifest_of, synced_tensors
 from diloco.task import TaskContext, build_task
 from learner.core.sync import delta, merge_into
 from learner.device import Device
+from tests.checks import assert_same_tensors
 
 from tests.xla.conftest import DEVICES
 
@@ -98,6 +99,21 @@ def test_a_reply_written_into_the_model_is_split_again_with_its_values(xla):
     assert _local_shards(head) == [(64, 64)] * 4
     for view in plan.gather(fragment, tensors):
         assert torch.equal(xla.to_host(view), torch.full(tuple(view.shape), 0.25))
+
+
+def test_reading_a_fragment_to_host_memory_compiles_nothing_and_reads_every_value(xla):
+    """Reads put the host's shards together: no XLA graph, where ``.cpu()`` of a split
+    tensor compiles one each time (770 graphs in a 100-step run before)."""
+    task = _task(xla)
+    manifest = manifest_of(task.model)
+    plan, tensors = manifest.plan(4), synced_tensors(task.model, manifest)
+    _train(task, xla, 1)
+    before = xla.compiles()[0]
+    host = [xla.fragment_to_host(plan, f, tensors) for f in range(plan.num_fragments) for _ in range(2)]
+    assert xla.compiles()[0] == before > 0
+    for i, values in enumerate(host):
+        expected = [view.detach().cpu() for view in plan.gather(i // 2, tensors)]  # XLA's own read
+        assert_same_tensors(values, expected, f"fragment {i // 2}")
 
 
 def test_a_push_from_xla_is_byte_for_byte_a_push_from_the_cpu(xla):
