@@ -1,7 +1,8 @@
 """The KubernetesLauncher against a local HTTP server (127.0.0.1:0, in this process) that
-implements the pod create / list / delete paths and the ConfigMap get path of the
-Kubernetes API. The official ``kubernetes`` client does the talking; every manifest it
-sends is checked with kubernetes-validate against the API's own schema."""
+implements the pod and JobSet create / list / delete paths and the ConfigMap get path of
+the Kubernetes API. The official ``kubernetes`` client does the talking; every pod it
+sends is checked with kubernetes-validate against the API's own schema, every JobSet
+against the JobSet CRD's schema (tests/k8s/crds) and its Job against the core one."""
 
 import json
 import re
@@ -19,11 +20,12 @@ from kubernetes import client  # noqa: E402
 
 from coordinator.config import KubernetesLauncherConfig  # noqa: E402
 from coordinator.core.membership import FailedLaunch, Launch  # noqa: E402
-from coordinator.kubernetes import KubernetesLauncher  # noqa: E402
+from coordinator.kubernetes import KubernetesLauncher, load_template  # noqa: E402
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted  # noqa: E402
 from diloco.v1 import coordinator_pb2  # noqa: E402
 from tests.grpc.conftest import run  # noqa: E402
 from tests.grpc.coordinator_fixtures import admin_stub, joined, running_coordinator, wait_for  # noqa: E402
+from tests.k8s.chart import jobset_pods, validate_jobset  # noqa: E402
 
 TEMPLATE = """
 apiVersion: v1
@@ -56,19 +58,64 @@ template:
       - name: join-token
         secret: {secretName: diloco-join-token}
 """
-PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?$")
+# A multi-host slice as the chart renders it into the pod-templates ConfigMap (trimmed).
+JOBSET_TEMPLATE = """
+apiVersion: jobset.x-k8s.io/v1alpha2
+kind: JobSet
+metadata:
+  annotations:
+    alpha.jobset.sigs.k8s.io/exclusive-topology: cloud.google.com/gke-nodepool
+spec:
+  failurePolicy: {maxRestarts: 3}
+  network: {enableDNSHostnames: true}
+  replicatedJobs:
+    - name: slice
+      replicas: 1
+      template:
+        spec:
+          completionMode: Indexed
+          completions: 2
+          parallelism: 2
+          backoffLimit: 0
+          template:
+            metadata:
+              labels:
+                app.kubernetes.io/instance: run-a
+            spec:
+              restartPolicy: Never
+              nodeSelector:
+                cloud.google.com/gke-tpu-accelerator: tpu-v6e-slice
+                cloud.google.com/gke-tpu-topology: 2x4
+              containers:
+                - name: learner
+                  image: ghcr.io/example/diloco-tpu:0.1.0
+                  args: [learner, --device, xla, --slice-hosts, "2", --slice-index, $(SLICE_INDEX)]
+                  env:
+                    - name: SLICE_INDEX
+                      valueFrom:
+                        fieldRef: {fieldPath: "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+                  resources:
+                    limits: {google.com/tpu: "4"}
+"""
+# path -> (the server's store of those objects, their kind)
+COLLECTIONS = {
+    re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?$"): ("pods", "Pod"),
+    re.compile(r"^/apis/jobset\.x-k8s\.io/v1alpha2/namespaces/([^/]+)/jobsets(?:/([^/]+))?$"): ("jobsets", "JobSet"),
+}
 CONFIGMAP = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps/([^/]+)$")
 OWNER = "run-a-pod-templates"
 OWNER_UID = "6f1c2d4e-0b7a-4c1e-9a55-3d2f8e1b7c90"
 
 
 class FakeKubernetesAPI(ThreadingHTTPServer):
-    """Pods: POST (create), GET with labelSelector (list), DELETE (delete). ConfigMaps:
-    GET by name (the launcher's owner); names in `forbidden` answer 403 as RBAC would."""
+    """Pods and JobSets: POST (create), GET with labelSelector (list), DELETE (delete).
+    ConfigMaps: GET by name (the launcher's owner); names in `forbidden` answer 403 as
+    RBAC would."""
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.pods: dict[tuple[str, str], dict] = {}
+        self.jobsets: dict[tuple[str, str], dict] = {}
         self.configmaps: dict[tuple[str, str], dict] = {}
         self.forbidden: set[str] = set()
         self.configmap_reads: list[tuple[str, str]] = []
@@ -100,7 +147,12 @@ def _status(code, reason, message):
 
 
 def _matches(labels, selector):
+    """Equality ("k=v"), existence ("k") and absence ("!k") terms, all of which must hold."""
     for term in filter(None, (selector or "").split(",")):
+        if term.startswith("!"):
+            if term[1:] in labels:
+                return False
+            continue
         key, eq, value = term.partition("=")
         if (eq and labels.get(key) != value) or (not eq and key not in labels):
             return False
@@ -121,20 +173,29 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _collection(self, path):
+        """(the store, its kind, namespace, name or None) of a pods or jobsets path, else None."""
+        for pattern, (store, kind) in COLLECTIONS.items():
+            match = pattern.match(path)
+            if match:
+                return getattr(self.server, store), kind, match.group(1), match.group(2)
+        return None
+
     def do_POST(self):
-        match = PODS.match(urlparse(self.path).path)
-        if not match or match.group(2):
+        found = self._collection(urlparse(self.path).path)
+        if not found or found[3]:
             return self._reply(404, _status(404, "NotFound", "no such path"))
+        store, kind, namespace, _ = found
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        namespace, name = match.group(1), body["metadata"]["name"]
+        name = body["metadata"]["name"]
         with self.server.lock:
             self.server.received.append(body)
-            if (namespace, name) in self.server.pods:
-                return self._reply(409, _status(409, "AlreadyExists", f'pods "{name}" already exists'))
-            pod = {**body, "metadata": {**body["metadata"], "uid": f"uid-{name}", "creationTimestamp": "2026-01-01T00:00:00Z"},
-                   "status": {"phase": "Pending"}}
-            self.server.pods[(namespace, name)] = pod
-        self._reply(201, pod)
+            if (namespace, name) in store:
+                return self._reply(409, _status(409, "AlreadyExists", f'{kind.lower()}s "{name}" already exists'))
+            created = {**body, "metadata": {**body["metadata"], "uid": f"uid-{name}", "creationTimestamp": "2026-01-01T00:00:00Z"},
+                       "status": {"phase": "Pending"} if kind == "Pod" else {"restarts": 0}}
+            store[(namespace, name)] = created
+        self._reply(201, created)
 
     def do_GET(self):
         url = urlparse(self.path)
@@ -151,26 +212,27 @@ class _Handler(BaseHTTPRequestHandler):
             if found is None:
                 return self._reply(404, _status(404, "NotFound", f'configmaps "{key[1]}" not found'))
             return self._reply(200, found)
-        match = PODS.match(url.path)
-        if not match or match.group(2):
+        found = self._collection(url.path)
+        if not found or found[3]:
             return self._reply(404, _status(404, "NotFound", "no such path"))
+        store, kind, namespace, _ = found
         selector = parse_qs(url.query).get("labelSelector", [""])[0]
         with self.server.lock:
-            items = [p for (ns, _), p in self.server.pods.items()
-                     if ns == match.group(1) and _matches(p["metadata"].get("labels", {}), selector)]
-        self._reply(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": items})
+            items = [o for (ns, _), o in store.items()
+                     if ns == namespace and _matches(o["metadata"].get("labels", {}), selector)]
+        self._reply(200, {"apiVersion": "v1", "kind": f"{kind}List", "metadata": {"resourceVersion": "1"}, "items": items})
 
     def do_DELETE(self):
-        match = PODS.match(urlparse(self.path).path)
-        if not match or not match.group(2):
+        found = self._collection(urlparse(self.path).path)
+        if not found or not found[3]:
             return self._reply(404, _status(404, "NotFound", "no such path"))
-        key = (match.group(1), match.group(2))
+        store, kind, namespace, name = found
         with self.server.lock:
-            pod = self.server.pods.pop(key, None)
-            self.server.deleted.append(key[1])
-        if pod is None:
-            return self._reply(404, _status(404, "NotFound", f'pods "{key[1]}" not found'))
-        self._reply(200, pod)
+            deleted = store.pop((namespace, name), None)
+            self.server.deleted.append(name)
+        if deleted is None:
+            return self._reply(404, _status(404, "NotFound", f'{kind.lower()}s "{name}" not found'))
+        self._reply(200, deleted)
 
 
 @pytest.fixture
@@ -193,8 +255,9 @@ def template(tmp_path):
 
 
 def launcher_for(api, template, max_learners=8, pools=("",), owner=OWNER):
-    cfg = KubernetesLauncherConfig(namespace="training", pod_templates=tuple((p, template) for p in pools),
-                                   owner_configmap=owner)
+    """`template` for every pool of `pools`, or (pool, template) pairs."""
+    templates = template if isinstance(template, tuple) else tuple((p, template) for p in pools)
+    cfg = KubernetesLauncherConfig(namespace="training", pod_templates=templates, owner_configmap=owner)
     return KubernetesLauncher(cfg, "run-a", "coordinator.training:7000", max_learners, api.api_client())
 
 
@@ -393,3 +456,123 @@ def test_a_launched_pod_that_fails_is_reported_with_its_exit_and_last_log_lines(
             assert [x.launch_id for x in server.runtime.list_launches() if isinstance(x, Launch)] == [running]
 
     run(scenario())
+
+
+@pytest.fixture
+def slice_template(tmp_path):
+    path = tmp_path / "learner-slice.yaml"
+    path.write_text(JOBSET_TEMPLATE)
+    return path
+
+
+def test_a_multi_host_pool_gets_one_valid_labelled_jobset_per_learner_and_stop_deletes_them(api, slice_template):
+    async def scenario():
+        launcher = launcher_for(api, slice_template, pools=("slices",))
+        results = await launcher.launch(["s1", "s2"], "slices", {"steps": "2000"})
+        assert [(r.launch_id, r.ok, r.detail) for r in results] == [
+            ("s1", True, "jobset training/run-a-learner-s1"), ("s2", True, "jobset training/run-a-learner-s2"),
+        ]
+        assert api.pods == {} and len(api.received) == 2
+        for manifest in api.received:
+            validate_jobset(manifest, kubernetes_validate.latest_version())
+        jobset = api.received[0]
+        labels = {"app.kubernetes.io/name": "diloco", "app.kubernetes.io/component": "learner", "diloco/pool": "slices",
+                  "diloco/owner": "run-a", "diloco/launch-id": "s1"}
+        assert jobset["metadata"]["name"] == "run-a-learner-s1" and jobset["metadata"]["namespace"] == "training"
+        assert jobset["metadata"]["labels"] == labels
+        assert jobset["metadata"]["annotations"] == {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+        assert jobset["metadata"]["ownerReferences"] == [OWNER_REFERENCE], "deleting the release deletes the slice"
+        [replicated] = jobset["spec"]["replicatedJobs"]
+        assert replicated["replicas"] == 1
+        job = replicated["template"]["spec"]
+        assert (job["completions"], job["parallelism"]) == (2, 2), "the template's hosts"
+        # Every host's pod carries the launch's labels (NetworkPolicy, listing) and joins as the launch.
+        pod = job["template"]
+        assert pod["metadata"]["labels"] == {"app.kubernetes.io/instance": "run-a", **labels}
+        (container,) = pod["spec"]["containers"]
+        assert container["args"] == [
+            "learner", "--device", "xla", "--slice-hosts", "2", "--slice-index", "$(SLICE_INDEX)",
+            "--coordinator", "coordinator.training:7000", "--join-token-file", "/var/run/diloco/join-token",
+            "--pool", "slices", "--launch-id", "s1", "--steps", "2000",
+        ]
+        assert sorted(launcher.running()) == ["run-a-learner-s1", "run-a-learner-s2"]
+
+        await launcher.stop(["s1", "never-launched"])
+        assert api.deleted == ["run-a-learner-s1", "run-a-learner-never-launched"], "JobSets only: no pod template"
+        assert launcher.running() == ["run-a-learner-s2"]
+
+    run(scenario())
+
+
+def test_slices_count_once_against_the_cap_beside_pods(api, template, slice_template):
+    """A slice is one learner however many hosts it has: the hosts' pods (labelled by the
+    JobSet controller) are not counted as learners, their JobSet is."""
+    async def scenario():
+        launcher = launcher_for(api, (("spot", template), ("slices", slice_template)), max_learners=3)
+        assert [r.ok for r in await launcher.launch(["p1"], "spot", {})] == [True]
+        assert [r.ok for r in await launcher.launch(["s1"], "slices", {})] == [True]
+        with api.lock:  # what the JobSet and Job controllers make of s1: its two hosts' pods
+            for pod in jobset_pods(api.jobsets[("training", "run-a-learner-s1")], 0):
+                api.pods[("training", pod["metadata"]["name"])] = {**pod, "status": {"phase": "Running"}}
+        assert len(api.pods) == 3
+        assert sorted(launcher.running()) == ["run-a-learner-p1", "run-a-learner-s1"]
+        with pytest.raises(ResourceExhausted, match="cannot add 2 learner pods: 2 of the cap of 3 exist"):
+            await launcher.launch(["p2", "s2"], "slices", {})
+        # A launch id does not say its kind: stop tries both, and each 404 is no error.
+        await launcher.stop(["s1"])
+        assert api.deleted == ["run-a-learner-s1", "run-a-learner-s1"] and ("training", "run-a-learner-s1") not in api.jobsets
+
+    run(scenario())
+
+
+def test_a_failed_slice_is_reported_as_a_failed_launch_with_its_reason(api, slice_template, tmp_path):
+    """A host of the slice failed more often than the JobSet's failurePolicy allows: the
+    JobSet ends Failed, and the coordinator lists the launch as failed with the JobSet's
+    terminal state and its condition's reason and message. An ended slice frees its place."""
+    async def scenario():
+        def factory(server, address):
+            cfg = KubernetesLauncherConfig(namespace="training", pod_templates=(("slices", slice_template),),
+                                           owner_configmap=OWNER, watch_interval_s=0.1)
+            return KubernetesLauncher(cfg, "run-a", address, server.cfg.max_learners, api.api_client(),
+                                      on_exit=server.runtime.launch_ended)
+
+        async with running_coordinator(
+            tmp_path, launcher="kubernetes", launcher_factory=factory, pools=("default", "slices")
+        ) as server:
+            async with admin_stub(server.address) as (stub, md):
+                reply = await stub.AddLearners(coordinator_pb2.AddLearnersRequest(count=2, pool="slices"), metadata=md)
+            failing, running = (x.launch_id for x in reply.launches)
+            assert all(x.ok and x.detail.startswith("jobset training/run-a-learner-") for x in reply.launches)
+            with api.lock:
+                api.jobsets[("training", f"run-a-learner-{failing}")]["status"] = {
+                    "restarts": 3, "terminalState": "Failed",
+                    "conditions": [{"type": "Failed", "status": "True", "reason": "ReachedMaxRestarts",
+                                    "message": "jobset failed due to reaching max number of restarts",
+                                    "lastTransitionTime": "2026-01-01T00:10:00Z"}],
+                }
+
+            def failed_launches():
+                return [x.launch_id for x in server.runtime.list_launches() if isinstance(x, FailedLaunch)]
+
+            await wait_for(lambda: failed_launches() == [failing], "the failed launch")
+            [failed] = [x for x in server.runtime.list_launches() if x.launch_id == failing]
+            assert failed.detail == (f"ended before joining: jobset run-a-learner-{failing} Failed: ReachedMaxRestarts: "
+                                     "jobset failed due to reaching max number of restarts")
+            assert [x.launch_id for x in server.runtime.list_launches() if isinstance(x, Launch)] == [running]
+            launcher = factory(server, server.address)
+            assert launcher.running() == [f"run-a-learner-{running}"], "an ended slice no longer counts"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("change, message", [
+    (("replicas: 1", "replicas: 2"), "needs one replicated job of one replica"),
+    (("jobset.x-k8s.io/v1alpha2", "jobset.x-k8s.io/v1alpha1"), "must be jobset.x-k8s.io/v1alpha2, got 'jobset.x-k8s.io/v1alpha1'"),
+    (("              containers:", "              initContainers:"), "needs a pod spec with at least one container"),
+])
+def test_a_jobset_template_must_be_one_slice_of_a_known_version(tmp_path, change, message):
+    path = tmp_path / "slice.yaml"
+    path.write_text(JOBSET_TEMPLATE.replace(*change))
+    assert path.read_text() != JOBSET_TEMPLATE
+    with pytest.raises(InvalidArgument, match="^" + re.escape(f"JobSet template {path} {message}")):
+        load_template(path)

@@ -7,21 +7,28 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import helm_python as helm
+import jsonschema
+import kubernetes_validate
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "k8s" / "diloco"
 PRESETS = ("values-tpu-v5e.yaml", "values-tpu-v6e.yaml", "values-cpu-dev.yaml")
+# Presets whose learners are multi-host TPU slices (JobSets), apart: the tests of PRESETS
+# read learners as one pod each.
+MULTIHOST_PRESETS = ("values-tpu-v5e-4x4.yaml", "values-tpu-v6e-2x4-multihost.yaml")
 RELEASE = "diloco"
 NAMESPACE = "ml"
 CLUSTER_DOMAIN = "cluster.local"
-# Kinds kubernetes-validate has no schema for (CRDs of the monitoring stacks, cert-manager).
-CRD_KINDS = {"PodMonitoring", "ServiceMonitor", "Certificate"}
+# Kinds kubernetes-validate has no schema for (CRDs of the monitoring stacks, cert-manager,
+# JobSet: validate_jobset below has its schema).
+CRD_KINDS = {"PodMonitoring", "ServiceMonitor", "Certificate", "JobSet"}
 EXISTING_SECRET = {"auth": {"existingSecret": "diloco-auth"}}
 JOIN_TOKEN = "0" * 64
 INLINE_SECRET = {"auth": {"secret": "run-secret", "joinToken": JOIN_TOKEN, "adminToken": "admin-token"}}
@@ -61,10 +68,15 @@ class Rendered:
     def named(self, kind: str, name: str) -> dict | None:
         return next((o for o in self.all(kind) if o["metadata"]["name"] == name), None)
 
-    def pod_templates(self) -> dict[str, dict]:
-        """The launcher's pod templates, by pool."""
+    def launcher_templates(self) -> dict[str, dict]:
+        """The launcher's templates, by pool: a pod template, or a JobSet on multi-host slices."""
         configmap = self.one("ConfigMap", "-pod-templates")
         return {key.removesuffix(".yaml"): yaml.safe_load(text) for key, text in configmap["data"].items()}
+
+    def pod_templates(self) -> dict[str, dict]:
+        """The launcher's pod templates, by pool (a JobSet template's pod template)."""
+        return {pool: jobset_pod_template(t) if t.get("kind") == "JobSet" else t
+                for pool, t in self.launcher_templates().items()}
 
     def workload_pods(self) -> dict[str, dict]:
         """name -> PodTemplateSpec of every workload, plus the helm test pod as {metadata, spec}."""
@@ -72,6 +84,8 @@ class Rendered:
         for kind in ("Deployment", "StatefulSet", "Job"):
             for o in self.all(kind):
                 pods[f"{kind}/{o['metadata']['name']}"] = o["spec"]["template"]
+        for o in self.all("JobSet"):
+            pods[f"JobSet/{o['metadata']['name']}"] = jobset_pod_template(o)
         for o in self.all("Pod"):
             pods[f"Pod/{o['metadata']['name']}"] = {"metadata": o["metadata"], "spec": o["spec"]}
         return pods
@@ -114,9 +128,9 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 
 def field_ref(pod: dict, path: str) -> str:
-    label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", path)
-    if label:
-        return pod["metadata"]["labels"][label.group(1)]
+    keyed = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if keyed:
+        return pod["metadata"][keyed.group(1)][keyed.group(2)]
     return {
         "metadata.name": pod["metadata"]["name"],
         "metadata.namespace": pod["metadata"]["namespace"],
@@ -155,6 +169,36 @@ def statefulset_pod(sts: dict, ordinal: int) -> dict:
     spec = {**template["spec"], "hostname": name, "subdomain": sts["spec"]["serviceName"]}
     return {"metadata": {**template["metadata"], "name": name, "namespace": sts["metadata"]["namespace"], "labels": labels},
             "spec": spec}
+
+
+def jobset_pod_template(jobset: dict) -> dict:
+    """The pod template of a JobSet's one replicated job."""
+    [replicated] = jobset["spec"]["replicatedJobs"]
+    return replicated["template"]["spec"]["template"]
+
+
+def jobset_pods(jobset: dict, job_index: int) -> list[dict]:
+    """The pods of Job `job_index` of a JobSet's one replicated job, one per completion
+    index, as the controllers make them: the JobSet's keys (its name, the job index) and
+    the Job's completion index as labels and annotations, the Indexed Job's hostname
+    <job>-<index>, and with DNS hostnames on, the JobSet's subdomain (its name by default)."""
+    [replicated] = jobset["spec"]["replicatedJobs"]
+    name = jobset["metadata"]["name"]
+    job = f"{name}-{replicated['name']}-{job_index}"
+    template = replicated["template"]["spec"]["template"]
+    network = jobset["spec"].get("network") or {}
+    pods = []
+    for index in range(replicated["template"]["spec"]["completions"]):
+        keys = {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"],
+                "jobset.sigs.k8s.io/job-index": str(job_index), "batch.kubernetes.io/job-completion-index": str(index)}
+        metadata = {**template["metadata"], "name": f"{job}-{index}-abcde", "namespace": jobset["metadata"]["namespace"],
+                    "labels": {**template["metadata"].get("labels", {}), **keys},
+                    "annotations": {**template["metadata"].get("annotations", {}), **keys}}
+        spec = {**template["spec"], "hostname": f"{job}-{index}"}
+        if network.get("enableDNSHostnames"):
+            spec["subdomain"] = network.get("subdomain") or name
+        pods.append({"metadata": metadata, "spec": spec})
+    return pods
 
 
 def templated_pod(template: dict, name: str, namespace: str = NAMESPACE) -> dict:
@@ -246,3 +290,41 @@ def ingress_allowed(
 
 def matches_any(patterns: list[str], value: str) -> bool:
     return any(fnmatch.fnmatchcase(value, p) for p in patterns)
+
+
+# --- JobSet: a CRD, checked against its own schema ----------------------------------------
+
+JOBSET_SCHEMA = ROOT / "tests" / "k8s" / "crds" / "jobset.x-k8s.io_jobsets.v1alpha2.yaml"
+
+
+def _strict(node):
+    """The schema with unknown fields made errors, as the API server's strict field
+    validation (kubectl's default) makes them, where the CRD does not keep unknown fields."""
+    if isinstance(node, list):
+        return [_strict(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _strict(value) for key, value in node.items()}
+    if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        node.setdefault("additionalProperties", False)
+    return node
+
+
+@functools.cache
+def _jobset_validator() -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(_strict(yaml.safe_load(JOBSET_SCHEMA.read_text())))
+
+
+def jobset_jobs(jobset: dict) -> list[dict]:
+    """The first Job of each replicated job, as the JobSet controller creates it."""
+    return [{"apiVersion": "batch/v1", "kind": "Job",
+             "metadata": {"name": f"{jobset['metadata']['name']}-{r['name']}-0", "namespace": jobset["metadata"]["namespace"]},
+             "spec": r["template"]["spec"]} for r in jobset["spec"]["replicatedJobs"]]
+
+
+def validate_jobset(jobset: dict, kubernetes_version: str) -> None:
+    """Raises if a JobSet breaks the CRD's schema (strictly), or a replicated job's Job,
+    pod template included, breaks the core batch/v1 schema of that Kubernetes version."""
+    _jobset_validator().validate(jobset)
+    for job in jobset_jobs(jobset):
+        kubernetes_validate.validate(job, kubernetes_version, strict=True)

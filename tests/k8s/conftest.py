@@ -10,6 +10,7 @@ from diloco.cli import build_parser
 from tests.k8s.chart import (
     EXISTING_SECRET,
     INLINE_SECRET,
+    MULTIHOST_PRESETS,
     PRESETS,
     Chart,
     Rendered,
@@ -90,15 +91,20 @@ def variants(chart) -> dict[str, Rendered]:
 
 
 @pytest.fixture(scope="session")
-def renders(presets, variants) -> dict[str, Rendered]:
-    return {**presets, **variants}
+def multihost(chart) -> dict[str, Rendered]:
+    return {name: chart.render(merge(preset(name), EXISTING_SECRET)) for name in MULTIHOST_PRESETS}
+
+
+@pytest.fixture(scope="session")
+def renders(presets, variants, multihost) -> dict[str, Rendered]:
+    return {**presets, **variants, **multihost}
 
 
 class RecordingPodApi:
-    """Stands in for kubernetes.client.CoreV1Api: records each call as the RBAC
-    (verb, resource, namespace, name) it needs (name None where RBAC cannot restrict it
-    by resourceNames: create and list); any other method is an AttributeError. It knows
-    the ConfigMaps of a render, each with a made-up UID."""
+    """Stands in for kubernetes.client.CoreV1Api and, for JobSets, CustomObjectsApi:
+    records each call as the RBAC (verb, resource, namespace, name) it needs (name None
+    where RBAC cannot restrict it by resourceNames: create and list); any other method is
+    an AttributeError. It knows the ConfigMaps of a render, each with a made-up UID."""
 
     def __init__(self, configmaps: dict[tuple[str, str], str] | None = None) -> None:
         self.configmaps = dict(configmaps or {})
@@ -123,6 +129,17 @@ class RecordingPodApi:
 
     def delete_namespaced_pod(self, name, namespace):
         self.calls.append(("delete", "pods", namespace, name))
+
+    def list_namespaced_custom_object(self, group, version, namespace, plural, label_selector=None):
+        self.calls.append(("list", f"{plural}.{group}", namespace, None))
+        return {"items": []}
+
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body):
+        self.calls.append(("create", f"{plural}.{group}", namespace, None))
+        self.created.append(body)
+
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name, propagation_policy=None):
+        self.calls.append(("delete", f"{plural}.{group}", namespace, name))
 
 
 def configmap_uid(configmap: dict) -> str:
@@ -154,24 +171,33 @@ def coordinator_launcher(rendered: Rendered, directory: Path) -> tuple[Kubernete
     )
     api = RecordingPodApi({(o["metadata"]["namespace"], o["metadata"]["name"]): configmap_uid(o)
                            for o in rendered.all("ConfigMap")})
-    launcher = KubernetesLauncher(cfg, parsed.release, parsed.advertise_address, parsed.max_learners, core_api=api)
+    launcher = KubernetesLauncher(cfg, parsed.release, parsed.advertise_address, parsed.max_learners, core_api=api,
+                                  custom_api=api)
     return launcher, api
+
+
+def launch_one_per_pool(rendered: Rendered, directory: Path) -> tuple[list[dict], RecordingPodApi]:
+    """The objects `add-learners 1 --pool P` creates for each pool, through the real
+    launcher, and the API calls it made (launch, then stop)."""
+    launcher, api = coordinator_launcher(rendered, directory)
+
+    async def launch_and_stop():
+        for i, pool in enumerate(rendered.pod_templates()):
+            [result] = await launcher.launch([f"{i + 0xa0:08x}"], pool, {})
+            assert result.ok, result.detail
+        await launcher.stop([p["metadata"]["labels"]["diloco/launch-id"] for p in api.created])
+
+    asyncio.run(launch_and_stop())
+    return api.created, api
 
 
 @pytest.fixture(scope="session")
 def launched(presets, tmp_path_factory) -> dict[str, tuple[list[dict], RecordingPodApi]]:
-    """Per preset: the pods `add-learners 1 --pool P` creates for each pool, through the
-    real launcher, and the API calls it made (launch, then stop)."""
-    out = {}
-    for name, rendered in presets.items():
-        launcher, api = coordinator_launcher(rendered, tmp_path_factory.mktemp(name))
+    """Per preset: the pods launched into each pool, and the API calls (launch_one_per_pool)."""
+    return {name: launch_one_per_pool(rendered, tmp_path_factory.mktemp(name)) for name, rendered in presets.items()}
 
-        async def launch_and_stop():
-            for i, pool in enumerate(rendered.pod_templates()):
-                [result] = await launcher.launch([f"{i + 0xa0:08x}"], pool, {})
-                assert result.ok, result.detail
-            await launcher.stop([p["metadata"]["labels"]["diloco/launch-id"] for p in api.created])
 
-        asyncio.run(launch_and_stop())
-        out[name] = (api.created, api)
-    return out
+@pytest.fixture(scope="session")
+def launched_slices(multihost, tmp_path_factory) -> dict[str, tuple[list[dict], RecordingPodApi]]:
+    """Per multi-host preset: the JobSets launched into each pool, and the API calls."""
+    return {name: launch_one_per_pool(rendered, tmp_path_factory.mktemp(name)) for name, rendered in multihost.items()}

@@ -1,6 +1,7 @@
 """checkov, run once over everything the chart renders (every preset and value
 combination), the learner pods the coordinator's launcher makes from the chart's pod
-templates, and both Dockerfiles: no failed check beyond k8s/checkov-skips.yaml, and no
+templates, the Jobs of every rendered and launched JobSet (checkov skips JobSets, a
+kind it does not know), and both Dockerfiles: no failed check beyond k8s/checkov-skips.yaml, and no
 entry there that matches nothing. checkov runs offline (--skip-download, and any HTTP(S)
 it tried would go to a closed local port)."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.k8s.chart import ROOT, matches_any
+from tests.k8s.chart import ROOT, jobset_jobs, matches_any
 
 SKIPS = yaml.safe_load((ROOT / "k8s" / "checkov-skips.yaml").read_text())["skips"]
 DOCKERFILES = ("Dockerfile", "Dockerfile.tpu")
@@ -29,12 +30,16 @@ def _resource(result: dict) -> str:
 
 
 @pytest.fixture(scope="session")
-def checkov(renders, launched, tmp_path_factory):
+def checkov(renders, launched, launched_slices, tmp_path_factory):
     scan = tmp_path_factory.mktemp("checkov")
     for name, rendered in renders.items():
-        (scan / f"{name.removesuffix('.yaml')}.yaml").write_text(yaml.safe_dump_all(rendered.objects))
+        jobs = [job for jobset in rendered.all("JobSet") for job in jobset_jobs(jobset)]
+        (scan / f"{name.removesuffix('.yaml')}.yaml").write_text(yaml.safe_dump_all(rendered.objects + jobs))
     for name, (pods, _) in launched.items():
         (scan / f"{name.removesuffix('.yaml')}-launched.yaml").write_text(yaml.safe_dump_all(pods))
+    for name, (jobsets, _) in launched_slices.items():
+        jobs = [job for jobset in jobsets for job in jobset_jobs(jobset)]
+        (scan / f"{name.removesuffix('.yaml')}-launched.yaml").write_text(yaml.safe_dump_all(jobs))
     (scan / "images").mkdir()
     for dockerfile in DOCKERFILES:
         shutil.copy(ROOT / "k8s" / "images" / dockerfile, scan / "images" / dockerfile)
@@ -76,7 +81,7 @@ def test_every_skip_says_why():
         assert skip["resources"] and len(skip["reason"].split()) >= 10, skip
 
 
-def test_the_scan_covered_the_chart_the_launched_pods_and_the_images(checkov, renders, launched):
+def test_the_scan_covered_the_chart_the_launched_pods_and_the_images(checkov, renders, launched, launched_slices):
     by_type, failed, passed = checkov
     assert set(by_type) == {"kubernetes", "dockerfile"}
     assert all(r["summary"]["parsing_errors"] == 0 for r in by_type.values())
@@ -86,6 +91,9 @@ def test_the_scan_covered_the_chart_the_launched_pods_and_the_images(checkov, re
     assert any(r.startswith("Job/diloco-learner-") for r in scanned)
     launched_pods = {f"Pod/{p['metadata']['name']}" for pods, _ in launched.values() for p in pods}
     assert launched_pods <= scanned
+    static_slices = {f"Job/{j['metadata']['name']}-slice-0" for rendered in renders.values() for j in rendered.all("JobSet")}
+    launched_slice_jobs = {f"Job/{j['metadata']['name']}-slice-0" for jobsets, _ in launched_slices.values() for j in jobsets}
+    assert static_slices and launched_slice_jobs and static_slices | launched_slice_jobs <= scanned
     assert by_type["kubernetes"]["summary"]["passed"] > 500
 
 

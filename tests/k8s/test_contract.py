@@ -22,6 +22,7 @@ from syncer.server import SERVICE_NAME as SYNCER_SERVICE
 from tests.k8s.chart import (
     CLUSTER_DOMAIN,
     NAMESPACE,
+    MULTIHOST_PRESETS,
     Mounted,
     PRESETS,
     args,
@@ -465,7 +466,7 @@ def test_cert_manager_is_asked_for_a_certificate_every_process_can_use(variants)
     assert not [s for s in rendered.all("Secret") if s["metadata"]["name"] == spec["secretName"]]
 
 
-@pytest.mark.parametrize("name", [*PRESETS, "observability", "restore-pinned"])
+@pytest.mark.parametrize("name", [*PRESETS, *MULTIHOST_PRESETS, "observability", "restore-pinned"])
 def test_security_context_and_resources_everywhere(renders, launched, name):
     rendered = renders[name]
     pods = {**rendered.workload_pods(), **{f"template/{k}": v for k, v in rendered.pod_templates().items()}}

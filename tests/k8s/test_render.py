@@ -6,14 +6,14 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 
-from tests.k8s.chart import CHART, CRD_KINDS, EXISTING_SECRET, PRESETS, merge, preset
+from tests.k8s.chart import CHART, CRD_KINDS, EXISTING_SECRET, MULTIHOST_PRESETS, PRESETS, merge, preset
 from tests.k8s.conftest import DIGEST, VARIANTS
 
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-RENDERS = (*PRESETS, *VARIANTS)
+RENDERS = (*PRESETS, *MULTIHOST_PRESETS, *VARIANTS)
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", PRESETS + MULTIHOST_PRESETS)
 def test_preset_lints_clean(name):
     report = helm.lint(CHART, merge(preset(name), EXISTING_SECRET), strict=True, namespace="ml", kube_version="v1.29.0")
     problems = [m for m in report["messages"] if m["severity"] >= 2]
@@ -28,6 +28,7 @@ def test_lint_reports_what_is_wrong():
 
 @pytest.mark.parametrize("name", RENDERS)
 def test_every_object_is_valid_kubernetes_in_strict_mode(renders, name):
+    """(JobSets: test_multihost.py validates them against their CRD's schema.)"""
     objects = renders[name].objects
     assert len(objects) >= 10
     for version in KUBERNETES_VERSIONS:

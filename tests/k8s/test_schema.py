@@ -5,7 +5,7 @@ value is. The few rules a JSON schema cannot state are template checks, tested b
 import helm_python as helm
 import pytest
 
-from tests.k8s.chart import CHART, EXISTING_SECRET, PRESETS, merge, preset
+from tests.k8s.chart import CHART, EXISTING_SECRET, MULTIHOST_PRESETS, PRESETS, merge, preset
 
 AUTH = EXISTING_SECRET
 GOOD_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
@@ -21,8 +21,16 @@ BAD = {
     "not an even block size": ({"syncer": {"blockSize": 63}}, "/syncer/blockSize"),
     "not one of an enum": ({"learners": {"accelerator": "tpu-v5e"}}, "/learners/accelerator"),
     "unknown TPU accelerator": ({"learners": {"tpu": {"accelerator": "tpu-v9"}}}, "/learners/tpu/accelerator"),
-    "multi-host TPU topology": ({"learners": {"tpu": {"topology": "4x4"}}},
-                                "at '/learners/tpu/topology': value must be one of '1x1', '2x2', '2x4'"),
+    "TPU topology the accelerator does not have": ({"learners": {"tpu": {"topology": "2x2x1"}}},
+                                                   "at '/learners/tpu/topology': value must be one of '1x1', '2x2', "
+                                                   "'2x4', '4x4', '4x8', '8x8', '8x16', '16x16'"),
+    "a 2-D topology on a 3-D TPU": ({"learners": {"tpu": {"accelerator": "tpu-v5p-slice", "topology": "4x4",
+                                                          "chipsPerHost": 4}}}, "at '/learners/tpu/topology'"),
+    "chips per host the machine types do not have": ({"learners": {"tpu": {"chipsPerHost": 2}}},
+                                                     "at '/learners/tpu/chipsPerHost': value must be one of 1, 4, 8"),
+    "8-chip hosts of a TPU that has only 4-chip hosts": (
+        {"learners": {"tpu": {"accelerator": "tpu-v4-podslice", "topology": "2x2x2", "chipsPerHost": 8}}},
+        "at '/learners/tpu/chipsPerHost': value must be 4"),
     "malformed topology": ({"learners": {"tpu": {"topology": "2by4"}}}, "/learners/tpu/topology"),
     "pool name not a DNS label": ({"scavenging": {"pools": [{"name": "Spot_Pool", "spot": True}]}}, "/scavenging/pools/0/name"),
     "no scavenging pool": ({"scavenging": {"pools": []}}, "/scavenging/pools"),
@@ -84,13 +92,13 @@ def test_schema_requires_credentials(chart):
     assert "/auth/joinToken" in str(error.value)
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", PRESETS + MULTIHOST_PRESETS)
 def test_presets_and_the_good_values_of_the_bad_cases_pass(chart, name):
     """The cases above fail for their one bad value: the same keys with good values pass."""
     chart.validate(merge(preset(name), AUTH))
     chart.validate(merge(AUTH, {
         "syncer": {"shards": 4, "outerMomentum": 0.0, "blockSize": 32, "grace": 0.5, "persistence": {"size": "10Gi"}},
-        "learners": {"tpu": {"accelerator": "tpu-v6e-slice", "topology": "2x2"}, "resources": GOOD_RESOURCES,
+        "learners": {"tpu": {"accelerator": "tpu-v6e-slice", "topology": "2x2", "chipsPerHost": 4}, "resources": GOOD_RESOURCES,
                      "tolerations": [{"key": "k", "operator": "Exists"}]},
         "scavenging": {"pools": [{"name": "spot-pool", "spot": True}], "terminationGracePeriodSeconds": 30},
         "restore": 12, "otel": {"endpoint": "https://collector:4317", "sampler": "always_on",
@@ -116,6 +124,20 @@ TEMPLATE_ERRORS = {
     "a pool listed twice": ({"scavenging": {"pools": [{"name": "spot"}, {"name": "spot"}]}}, 'pool "spot" is listed twice'),
     "restore without a snapshot volume": ({"restore": "latest", "snapshots": {"enabled": False}}, "restore needs snapshots.enabled"),
     "object-store credentials without a url": ({"snapshots": {"credentialsSecret": "s3"}}, "set snapshots.url too"),
+    "TPU hosts with more chips than the slice": (
+        {"learners": {"tpu": {"topology": "1x1", "chipsPerHost": 4}}},
+        "learners.tpu.chipsPerHost 4 does not divide the 1 chip(s) of learners.tpu.topology 1x1: "
+        "set learners.tpu.chipsPerHost to 1 (one host)"),
+    "a multi-host slice of 8-chip hosts": (
+        {"learners": {"tpu": {"topology": "4x4", "chipsPerHost": 8}}},
+        "learners.tpu.topology 4x4 (16 chips) on hosts of learners.tpu.chipsPerHost 8 would be 2 hosts, but GKE builds "
+        "multi-host tpu-v5-lite-podslice slices from 4-chip hosts only: set learners.tpu.chipsPerHost to 4 (4 hosts)"),
+    "a multi-host slice of 1-chip hosts": (
+        {"learners": {"tpu": {"accelerator": "tpu-v6e-slice", "topology": "2x2", "chipsPerHost": 1}}},
+        "would be 4 hosts, but GKE builds multi-host tpu-v6e-slice slices from 4-chip hosts only"),
+    "slice pod names longer than a DNS label": (
+        {"fullnameOverride": "x" * 40, "learners": {"tpu": {"topology": "4x4", "chipsPerHost": 4}}},
+        "would be 73 characters, more than 63: shorten the release name or set fullnameOverride"),
 }
 
 

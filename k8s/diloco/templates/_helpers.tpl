@@ -125,13 +125,37 @@ The schema checks the built-in task's option names and numbers; what it cannot s
 {{- dict "task" $run.task "task_options" $options "seed" (int $run.seed) "fragments" (int $run.fragments) "sync_every_steps" (int $run.syncEverySteps) "overlap_steps" (int $run.overlapSteps) "merge_alpha" (float64 $run.mergeAlpha) "reply_rule" $run.replyRule | toJson -}}
 {{- end -}}
 
-{{/* Chips of a single-host TPU slice: the product of the topology's dimensions. */}}
-{{- define "diloco.tpuChips" -}}
+{{/*
+A learner's TPU slice as JSON {chips, chipsPerHost, hosts}: chips = the product of the
+topology, hosts = chips / chipsPerHost. The schema knows each accelerator's topologies
+and chips per host; what it cannot say is checked here: chipsPerHost must divide the
+chips, and GKE builds every multi-host slice from 4-chip hosts (1-chip and 8-chip hosts
+only make the single-host 1x1 and 2x4 slices).
+*/}}
+{{- define "diloco.tpuSlice" -}}
+{{- $tpu := .Values.learners.tpu -}}
 {{- $chips := 1 -}}
-{{- range (splitList "x" .Values.learners.tpu.topology) -}}
+{{- range (splitList "x" $tpu.topology) -}}
 {{- $chips = mul $chips (int .) -}}
 {{- end -}}
-{{- $chips -}}
+{{- $perHost := int $tpu.chipsPerHost -}}
+{{- if mod $chips $perHost -}}
+{{- fail (printf "learners.tpu.chipsPerHost %d does not divide the %d chip(s) of learners.tpu.topology %s: set learners.tpu.chipsPerHost to %d (one host) or choose a larger learners.tpu.topology" $perHost $chips $tpu.topology $chips) -}}
+{{- end -}}
+{{- $hosts := div $chips $perHost -}}
+{{- if and (gt $hosts 1) (ne $perHost 4) -}}
+{{- fail (printf "learners.tpu.topology %s (%d chips) on hosts of learners.tpu.chipsPerHost %d would be %d hosts, but GKE builds multi-host %s slices from 4-chip hosts only: set learners.tpu.chipsPerHost to 4 (%d hosts)" $tpu.topology $chips $perHost $hosts $tpu.accelerator (div $chips 4)) -}}
+{{- end -}}
+{{- dict "chips" $chips "chipsPerHost" $perHost "hosts" $hosts | toJson -}}
+{{- end -}}
+
+{{/* Hosts (pods) of one learner: the TPU slice's, else 1. */}}
+{{- define "diloco.learnerHosts" -}}
+{{- if eq .Values.learners.accelerator "tpu" -}}
+{{- (include "diloco.tpuSlice" . | fromJson).hosts -}}
+{{- else -}}
+1
+{{- end -}}
 {{- end -}}
 
 {{- define "diloco.podSecurityContext" -}}
@@ -244,6 +268,12 @@ The learner pod, shared by the learner Job and the launcher's pod templates:
 Static learners get --coordinator, --join-token-file and --pool here; the launcher
 appends those (and --launch-id) to a template's args itself.
 
+On a multi-host slice the pod is one host of a JobSet's Indexed Job: it learns its index
+(0 leads: the one learner toward the coordinator and the shards) from the Job's
+completion index, and its leader's address from the JobSet's name and job index: pod 0
+of Job <jobset>-slice-<job index>, whose hostname the JobSet publishes under the
+subdomain <jobset> (network.enableDNSHostnames).
+
 Learners serve no port (they are gRPC clients), so they have no readiness or liveness
 probe: what detects a dead or hung learner is the coordinator's heartbeat lease, after
 which the shards stop waiting for it.
@@ -252,6 +282,7 @@ which the shards stop waiting for it.
 {{- $root := .root -}}
 {{- $v := $root.Values.learners -}}
 {{- $extra := .extra | default dict -}}
+{{- $hosts := include "diloco.learnerHosts" $root | int -}}
 metadata:
   labels:
     {{- include "diloco.selectorLabels" (dict "root" $root "component" "learner") | nindent 4 }}
@@ -266,7 +297,7 @@ metadata:
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
-  {{- if .static }}
+  {{- if or .static (gt $hosts 1) }}
   restartPolicy: Never
   {{- end }}
   automountServiceAccountToken: false
@@ -347,11 +378,30 @@ spec:
         - --pool
         - {{ .pool }}
         {{- end }}
+        {{- if gt $hosts 1 }}
+        - --slice-hosts
+        - {{ $hosts | quote }}
+        - --slice-index
+        - $(SLICE_INDEX)
+        - --slice-leader
+        - {{ printf "$(JOBSET_NAME)-slice-$(JOB_INDEX)-0.$(JOBSET_NAME).$(POD_NAMESPACE).svc.%s:%d" $root.Values.clusterDomain (int $v.slicePort) }}
+        {{- end }}
       env:
         {{- include "diloco.env" (dict "root" $root "service" "diloco-learner" "attributes" (list (printf "diloco.pool=%s" .pool))) | nindent 8 }}
         {{- if eq $v.accelerator "tpu" }}
         - name: PJRT_DEVICE
           value: TPU
+        {{- end }}
+        {{- if gt $hosts 1 }}
+        - name: SLICE_INDEX
+          valueFrom:
+            fieldRef: {fieldPath: "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+        - name: JOBSET_NAME
+          valueFrom:
+            fieldRef: {fieldPath: "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"}
+        - name: JOB_INDEX
+          valueFrom:
+            fieldRef: {fieldPath: "metadata.annotations['jobset.sigs.k8s.io/job-index']"}
         {{- end }}
         {{- with $v.extraEnv }}
         {{- toYaml . | nindent 8 }}
@@ -359,14 +409,22 @@ spec:
       {{- with (include "diloco.snapshotsEnvFrom" $root) }}
       {{- . | nindent 6 }}
       {{- end }}
-      {{- with (include "diloco.metricsPort" $root) }}
+      {{- $metricsPort := include "diloco.metricsPort" $root }}
+      {{- if or $metricsPort (gt $hosts 1) }}
       ports:
+        {{- with $metricsPort }}
         {{- . | nindent 8 }}
+        {{- end }}
+        {{- if gt $hosts 1 }}
+        - name: slice
+          containerPort: {{ $v.slicePort }}
+          protocol: TCP
+        {{- end }}
       {{- end }}
       {{- $resources := deepCopy $v.resources -}}
       {{- $device := dict -}}
       {{- if eq $v.accelerator "tpu" -}}
-      {{- $device = dict "google.com/tpu" (include "diloco.tpuChips" $root | int) -}}
+      {{- $device = dict "google.com/tpu" ((include "diloco.tpuSlice" $root | fromJson).chipsPerHost | int) -}}
       {{- else if eq $v.accelerator "gpu" -}}
       {{- $device = dict "nvidia.com/gpu" ($v.gpu.count | int) -}}
       {{- end -}}
@@ -409,6 +467,66 @@ spec:
     {{- with $v.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+{{- end -}}
+
+{{/*
+Multi-host TPU slices as a JobSet:
+(dict "root" $ "name" <JobSet name> "replicas" N "pod" <learnerPod> "metadata" <its metadata, or none in a template>).
+Each replica of the one replicated job "slice" is one learner: an Indexed Job of one pod
+per host. A slice is all or nothing, so a host that fails fails its Job (backoffLimit 0)
+and the JobSet restarts: JobSet restarts recreate every Job of the JobSet, so with
+several replicas every slice of it starts over (learners.backoffLimitPerIndex restarts,
+then the JobSet fails). The exclusive-topology annotation gives each slice a node pool
+of its own (GKE makes a multi-host slice one node pool), as GKE's TPU guides do.
+The name is checked as the JobSet webhook would: the longest pod name,
+<name>-slice-<last job>-<last host>-<5 random characters>, must be a DNS label.
+*/}}
+{{- define "diloco.learnerJobSet" -}}
+{{- $root := .root -}}
+{{- $hosts := include "diloco.learnerHosts" $root | int -}}
+{{- $longest := printf "%s-slice-%d-%d-abcde" .name (sub (int .replicas) 1) (sub $hosts 1) -}}
+{{- if gt (len $longest) 63 -}}
+{{- fail (printf "learners: the multi-host JobSet's pod names (up to %s) would be %d characters, more than 63: shorten the release name or set fullnameOverride" $longest (len $longest)) -}}
+{{- end -}}
+apiVersion: jobset.x-k8s.io/v1alpha2
+kind: JobSet
+metadata:
+  {{- with .metadata }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+  annotations:
+    alpha.jobset.sigs.k8s.io/exclusive-topology: cloud.google.com/gke-nodepool
+spec:
+  failurePolicy:
+    maxRestarts: {{ $root.Values.learners.backoffLimitPerIndex }}
+  network:
+    enableDNSHostnames: true
+  replicatedJobs:
+    - name: slice
+      replicas: {{ .replicas }}
+      template:
+        spec:
+          completionMode: Indexed
+          completions: {{ $hosts }}
+          parallelism: {{ $hosts }}
+          backoffLimit: 0
+          template:
+            {{- .pod | nindent 12 }}
+{{- end -}}
+
+{{/*
+What the launcher creates for a pool (a value of the pod-templates ConfigMap): the learner
+pod, or on multi-host slices a JobSet of one slice; the launcher names and labels it
+(<fullname>-learner-<launch id>: the name checked has a launch id of 8 characters, as
+the coordinator makes them). (dict "root" $ "pool" "spot" "spot" true "extra" <pool entry>)
+*/}}
+{{- define "diloco.learnerTemplate" -}}
+{{- $pod := include "diloco.learnerPod" (dict "root" .root "pool" .pool "spot" .spot "static" false "extra" .extra) -}}
+{{- if eq (include "diloco.learnerHosts" .root) "1" -}}
+{{- $pod -}}
+{{- else -}}
+{{- include "diloco.learnerJobSet" (dict "root" .root "name" (printf "%s-learner-00000000" (include "diloco.fullname" .root)) "replicas" 1 "pod" $pod) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "diloco.scavengingPoolNames" -}}
@@ -491,6 +609,14 @@ envFrom:
       - key: app.kubernetes.io/component
         operator: In
         values: {{ toJson .components }}
+{{- end -}}
+{{/* The pods of the release's multi-host slices (the JobSet controller labels them). */}}
+{{- define "diloco.sliceHostSelector" -}}
+matchLabels:
+  {{- include "diloco.selectorLabels" (dict "root" . "component" "learner") | nindent 2 }}
+matchExpressions:
+  - key: jobset.sigs.k8s.io/jobset-name
+    operator: Exists
 {{- end -}}
 {{- define "diloco.metricsIngress" -}}
 {{- if .Values.metrics.enabled -}}
