@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -694,6 +695,18 @@ def _steps_done(run_dir: Path) -> int:
     return max((int(l.get("inner_steps", 0)) for l in learners), default=0)
 
 
+def _check_devices(cfg: LocalConfig) -> None:
+    """A learner device this machine cannot give fails the run before anything starts."""
+    devices = {device for _, device in cfg.learner_devices}
+    if "xla" in devices and importlib.util.find_spec("torch_xla") is None:
+        raise FailedPrecondition(
+            "--learner-device ...:xla: torch-xla is not installed here. It pins its own torch, so it goes in a venv of "
+            "its own: pip install -c constraints-xla.txt -e '.[xla]' (on a CPU also set PJRT_DEVICE=CPU CPU_NUM_DEVICES=4)"
+        )
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise FailedPrecondition("--learner-device ...:cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
+
+
 def run_local(cfg: LocalConfig) -> dict:
     from rich.console import Console
     from rich.live import Live
@@ -708,6 +721,7 @@ def run_local(cfg: LocalConfig) -> dict:
     resumed_from = _resumable(run_dir, snapshot_dir) if cfg.resume else None
     if not cfg.resume:
         _check_new_run_dir(run_dir)
+    _check_devices(cfg)
     task = supervisor_task(cfg.run, cfg.learners)
     unit = task.eval_unit
     learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))

@@ -126,3 +126,6 @@ def test_tpu_image_pins_torch_and_torch_xla_together():
     run = " ".join(args for word, args in found if word == "RUN")
     assert '"torch==${TORCH_VERSION}"' in run and '"torch-xla[tpu]==${TORCH_VERSION}"' in run
     assert not re.search(r"torch(-xla)?(\[tpu\])?==\d", run), "one version, in the ARG"
+    # The TPU image runs what the XLA tests ran (constraints-xla.txt, on PJRT's CPU client).
+    tested = (ROOT / "constraints-xla.txt").read_text()
+    assert re.search(rf"^torch=={re.escape(version)}$", tested, re.M) and re.search(rf"^torch-xla=={re.escape(version)}$", tested, re.M)

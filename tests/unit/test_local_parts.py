@@ -1,11 +1,13 @@
 """The pure parts of diloco local: chaos flag parsing, goodput's slot time, uptime, and
 the timeline's state spans."""
 
+import subprocess
+import sys
 import time
 
 import pytest
 
-from diloco.chaos import ChaosConfig, learner_pid, parse_scavenge, parse_slow
+from diloco.chaos import ChaosConfig, learner_pid, parse_learner_device, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
 from diloco.local import LocalConfig, slot_seconds, tape_stats, uptime
 from diloco.tape import TapeWriter
@@ -30,6 +32,21 @@ def test_chaos_flags_parse_and_reject_nonsense():
         LocalConfig(slow_learners=((3, 1.5),))
     with pytest.raises(InvalidArgument, match="--tokens"):
         LocalConfig(tokens=0)
+
+
+def test_learner_devices_parse_and_a_device_this_machine_lacks_fails_before_anything_starts(tmp_path):
+    assert parse_learner_device("L0:xla") == (0, "xla") and parse_learner_device("2:cpu") == (2, "cpu")
+    for bad in ("L0", "L0:tpu", "x:xla", "L-1:xla"):
+        with pytest.raises(InvalidArgument, match="--learner-device takes ID:DEVICE"):
+            parse_learner_device(bad)
+    with pytest.raises(InvalidArgument, match="--learner-device L3: there are only 3 learners"):
+        LocalConfig(learner_devices=((3, "xla"),))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "diloco.cli", "local", "--learner-device", "L0:xla", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "torch-xla is not installed here" in proc.stderr and "constraints-xla.txt" in proc.stderr, proc.stderr
+    assert not out.exists()
 
 
 def test_learner_pid_comes_from_the_address_it_reported():
