@@ -156,7 +156,7 @@ class Device:
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` in host memory, fp32. On XLA, a tensor whose every shard this host
         holds is put together from the shards (reading a split tensor through ``.cpu()``
-        compiles a new XLA graph each time: one per tensor per sync, measured); a multi-host
+        compiles a new XLA graph each time: scripts/xla_reads.py); a multi-host
         tensor takes ``.cpu()``, which every host of the mesh must call."""
         if self._xla is not None and tensor.device.type == "xla" and self._addressable == self.num_devices:
             self._xm.wait_device_ops()  # the step that wrote it may still run

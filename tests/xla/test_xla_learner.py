@@ -103,7 +103,7 @@ def test_a_reply_written_into_the_model_is_split_again_with_its_values(xla):
 
 def test_reading_a_fragment_to_host_memory_compiles_nothing_and_reads_every_value(xla):
     """Reads put the host's shards together: no XLA graph, where ``.cpu()`` of a split
-    tensor compiles one each time (770 graphs in a 100-step run before)."""
+    tensor compiles one each time (scripts/xla_reads.py)."""
     task = _task(xla)
     manifest = manifest_of(task.model)
     plan, tensors = manifest.plan(4), synced_tensors(task.model, manifest)

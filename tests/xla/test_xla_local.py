@@ -38,7 +38,7 @@ def test_a_run_mixing_an_xla_learner_with_cpu_learners_lowers_the_eval_loss(tmp_
     evals = [e["loss"] for e in events if e["kind"] == "eval"]
     assert len(evals) >= 2 and evals[-1] < evals[0] - 0.2, evals
     # A handful of graphs, compiled once: not one per sync (reading a split tensor through
-    # .cpu() compiled one per tensor per send, 770 in a 100-step run).
+    # .cpu() compiles one per piece per send: scripts/xla_reads.py).
     (compiled,) = [e for e in events if e["kind"] == "compiled"]
     assert 2 <= compiled["graphs"] <= 16, compiled
     merged = {}
