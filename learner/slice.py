@@ -21,7 +21,6 @@ step, then the last writes at close.
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -88,10 +87,9 @@ def host_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if optimizer is None:
         return model_state, None
-    buffer = io.BytesIO()  # through torch.save: device tensors in the state come to the host
-    torch.save(optimizer.state_dict(), buffer)
-    buffer.seek(0)
-    return model_state, torch.load(buffer, weights_only=True)
+    on_host = torch.utils._pytree.tree_map(
+        lambda value: value.detach().cpu() if isinstance(value, torch.Tensor) else value, optimizer.state_dict())
+    return model_state, on_host
 
 
 class SliceFollower:

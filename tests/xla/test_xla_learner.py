@@ -159,3 +159,17 @@ def test_a_batch_the_devices_cannot_split_is_refused_by_name(xla):
     task = _task(xla, batch_size="6")
     with pytest.raises(InvalidArgument, match=r"shape \(6, 32\) cannot be split over 4 XLA devices.*multiple of 4"):
         xla.place_batch(next(iter(task.batches)))
+
+
+def test_a_snapshot_of_an_xla_learner_holds_host_tensors_only(xla):
+    """What a learner records on a snapshot marker: a CPU learner restores it (a state
+    that kept XLA tensors in its optimizer state would not load off XLA)."""
+    from learner.slice import host_state
+
+    task = _task(xla)
+    optimizer, _ = _train(task, xla, 1)
+    model_state, optimizer_state = host_state(task.model, optimizer)
+    tensors = [*model_state.values(), *(t for s in optimizer_state["state"].values() for t in s.values())]
+    assert len(tensors) > len(model_state) and {t.device.type for t in tensors} == {"cpu"}
+    moments = [s["exp_avg"] for s in optimizer_state["state"].values()]
+    assert_same_tensors(moments, [optimizer.state[p]["exp_avg"].cpu() for p in task.model.parameters()], "exp_avg")
