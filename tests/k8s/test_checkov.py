@@ -92,6 +92,8 @@ def test_the_scan_covered_the_chart_the_launched_pods_and_the_images(checkov, re
     launched_pods = {f"Pod/{p['metadata']['name']}" for pods, _ in launched.values() for p in pods}
     assert launched_pods <= scanned
     static_slices = {f"Job/{j['metadata']['name']}-slice-0" for rendered in renders.values() for j in rendered.all("JobSet")}
+    # One JobSet per static learner: every learner's slice is scanned, not only the first.
+    assert len(static_slices) == sum(r.values["learners"]["replicas"] for r in renders.values() if r.all("JobSet"))
     launched_slice_jobs = {f"Job/{j['metadata']['name']}-slice-0" for jobsets, _ in launched_slices.values() for j in jobsets}
     assert static_slices and launched_slice_jobs and static_slices | launched_slice_jobs <= scanned
     assert by_type["kubernetes"]["summary"]["passed"] > 500

@@ -471,6 +471,8 @@ def test_security_context_and_resources_everywhere(renders, launched, name):
     rendered = renders[name]
     pods = {**rendered.workload_pods(), **{f"template/{k}": v for k, v in rendered.pod_templates().items()}}
     pods.update({f"launched/{p['metadata']['name']}": p for p in launched.get(name, ([], None))[0]})
+    if name in MULTIHOST_PRESETS:  # every static learner's JobSet, one per learner
+        assert sum(where.startswith("JobSet/") for where in pods) == rendered.values["learners"]["replicas"]
     for where, pod in pods.items():
         spec = pod["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True, where

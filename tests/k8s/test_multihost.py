@@ -1,14 +1,17 @@
 """Multi-host TPU slices: a learner whose topology spans several hosts is a JobSet slice,
-one pod per host. The presets render JobSets valid against the JobSet CRD's own schema
-(tests/k8s/crds) and the core Job and Pod schemas; every host, followed as the JobSet
-and Job controllers create it, gets its chips, its index and its leader's address, and
-that address is the DNS name of host 0 of its own slice; the launcher adds a slice the
-same way, with only the RBAC the chart grants; the NetworkPolicy opens the slice port
-between hosts and nothing else."""
+one pod per host, and every learner, static or launched, is a JobSet of its own (a JobSet
+restart recreates all its Jobs: a failed host must restart its own slice only). The
+presets render JobSets valid against the JobSet CRD's own schema (tests/k8s/crds) and
+the core Job and Pod schemas; every host, followed as the JobSet and Job controllers
+create it, gets its chips, its index and its leader's address, and that address is the
+DNS name of host 0 of its own slice; the launcher adds a slice the same way, with only
+the RBAC the chart grants; the NetworkPolicy opens the slice port between hosts and
+nothing else."""
 
 import math
 import re
 
+import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -16,13 +19,17 @@ import pytest
 from diloco.cli import build_parser
 from tests.k8s.chart import (
     CLUSTER_DOMAIN,
+    EXISTING_SECRET,
     MULTIHOST_PRESETS,
     NAMESPACE,
     args,
     container,
     environment,
     ingress_allowed,
+    jobset_jobs,
     jobset_pods,
+    merge,
+    preset,
     statefulset_pod,
     templated_pod,
     validate_jobset,
@@ -45,30 +52,52 @@ def dns_name(pod: dict) -> str:
     return f"{spec['hostname']}.{spec['subdomain']}.{pod['metadata']['namespace']}.svc.{CLUSTER_DOMAIN}"
 
 
-def slices_of(jobset: dict) -> list[list[dict]]:
-    """Every slice's host pods, slice by slice."""
-    return [jobset_pods(jobset, j) for j in range(jobset["spec"]["replicatedJobs"][0]["replicas"])]
+STATIC = re.compile(r"(.+)-learner-([0-9a-f]{8})-(\d+)")  # <fullname>-learner-<hash>-<learner>
+
+
+def static_jobsets(rendered) -> list[dict]:
+    """The static learners' JobSets, learner by learner (the number ending the name)."""
+    jobsets = rendered.all("JobSet")
+    return sorted(jobsets, key=lambda j: int(STATIC.fullmatch(j["metadata"]["name"]).group(3)))
+
+
+def slices_of(rendered) -> list[list[dict]]:
+    """Every static slice's host pods, slice by slice: Job 0 of each learner's JobSet."""
+    return [jobset_pods(jobset, 0) for jobset in static_jobsets(rendered)]
 
 
 @pytest.mark.parametrize("name", MULTIHOST_PRESETS)
 def test_static_learners_are_one_jobset_of_one_slice_each(multihost, name):
+    """learners.replicas JobSets, each of one slice: a JobSet restart recreates every Job
+    of the JobSet, so a failed host restarts its own learner's slice and no other."""
     accelerator, topology, per_host, hosts = SLICES[name]
     rendered = multihost[name]
     values = rendered.values["learners"]
     assert hosts == math.prod(int(d) for d in topology.split("x")) // per_host
     assert not rendered.all("Job"), "no single-host learner Job beside the slices"
-    [jobset] = rendered.all("JobSet")
-    assert re.fullmatch(r"diloco-learner-[0-9a-f]{8}", jobset["metadata"]["name"]), "hashed like the Job's name"
-    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
-    assert jobset["metadata"]["annotations"] == EXCLUSIVE
-    spec = jobset["spec"]
-    assert spec["network"] == {"enableDNSHostnames": True}
-    assert spec["failurePolicy"] == {"maxRestarts": values["backoffLimitPerIndex"]}
-    [replicated] = spec["replicatedJobs"]
-    assert replicated["replicas"] == values["replicas"] >= 2
+    jobsets = static_jobsets(rendered)
+    assert len(jobsets) == values["replicas"] >= 2
+    names = [j["metadata"]["name"] for j in jobsets]
+    assert len(set(names)) == len(names)
+    matches = [STATIC.fullmatch(n) for n in names]
+    assert [(m.group(1), int(m.group(3))) for m in matches] == [("diloco", j) for j in range(values["replicas"])], names
+    assert len({m.group(2) for m in matches}) == 1, "hashed like the Job's name, one hash for the learners' pod"
+    first = jobsets[0]
+    for jobset in jobsets:
+        assert {**jobset, "metadata": {**jobset["metadata"], "name": first["metadata"]["name"]}} == first, \
+            "the learners' JobSets differ in their names only"
+        assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+        assert jobset["metadata"]["annotations"] == EXCLUSIVE
+        spec = jobset["spec"]
+        assert spec["network"] == {"enableDNSHostnames": True}
+        assert spec["failurePolicy"] == {"maxRestarts": values["backoffLimitPerIndex"]}
+        [replicated] = spec["replicatedJobs"]
+        assert replicated["replicas"] == 1, "one slice per JobSet: its restarts recreate that slice only"
+        assert len(jobset_jobs(jobset)) == 1
+    [replicated] = first["spec"]["replicatedJobs"]
     job = replicated["template"]["spec"]
     assert (job["completionMode"], job["completions"], job["parallelism"]) == ("Indexed", hosts, hosts)
-    assert job["backoffLimit"] == 0, "a host that fails fails its slice: the JobSet restarts it whole"
+    assert job["backoffLimit"] == 0, "a host that fails fails its slice: its JobSet restarts it whole"
     pod = job["template"]
     assert pod["spec"]["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": accelerator,
                                            "cloud.google.com/gke-tpu-topology": topology}
@@ -86,11 +115,18 @@ def test_every_host_knows_its_slice_its_index_and_its_leader(multihost, launched
     host 0 of their own slice as leader: its DNS name, on the slice port."""
     hosts = SLICES[name][3]
     rendered = multihost[name]
-    [jobset] = rendered.all("JobSet")
+    port = rendered.values["learners"]["slicePort"]
     coordinator = templated_pod(rendered.one("Deployment", "-coordinator")["spec"]["template"], "coordinator")
     advertised = build_parser().parse_args(args(coordinator, container(coordinator, "coordinator"))).advertise_address
-    static = slices_of(jobset)
+    static = slices_of(rendered)
     assert len(static) == rendered.values["learners"]["replicas"]
+    for jobset, pods in zip(static_jobsets(rendered), static, strict=True):
+        own = jobset["metadata"]["name"]
+        assert all(p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"] == own for p in pods)
+        for pod in pods:
+            parsed = build_parser().parse_args(args(pod, container(pod, "learner")))
+            assert parsed.slice_leader == f"{own}-slice-0-0.{own}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}:{port}", \
+                "host 0 of its own JobSet"
     leaders = set()
     for pods in [*static, *(jobset_pods(launched, 0) for launched in launched_slices[name][0])]:
         assert len(pods) == hosts
@@ -104,14 +140,12 @@ def test_every_host_knows_its_slice_its_index_and_its_leader(multihost, launched
             assert (parsed.slice_hosts, parsed.slice_index, parsed.slice_leader) == (hosts, index, leader)
             assert environment(pod, container(pod, "learner"))["PJRT_DEVICE"] == "TPU"
     assert len(leaders) == len(static) + len(launched_slices[name][0]), "each slice has its own leader"
-    assert f"{jobset['metadata']['name']}-slice-1-0.{jobset['metadata']['name']}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}:29500" \
-        in leaders
 
 
 @pytest.mark.parametrize("name", MULTIHOST_PRESETS)
 def test_jobsets_are_valid_against_the_crd_and_the_core_schemas(multihost, launched_slices, name):
     jobsets = [*multihost[name].all("JobSet"), *launched_slices[name][0]]
-    assert len(jobsets) == 1 + len(multihost[name].launcher_templates())
+    assert len(jobsets) == multihost[name].values["learners"]["replicas"] + len(multihost[name].launcher_templates())
     for version in KUBERNETES_VERSIONS:
         for jobset in jobsets:
             validate_jobset(jobset, version)
@@ -120,7 +154,7 @@ def test_jobsets_are_valid_against_the_crd_and_the_core_schemas(multihost, launc
 def test_jobset_validation_rejects_what_the_api_server_would(multihost):
     """What the validation buys: a misspelt JobSet field, a wrong type, and a bad field
     inside the embedded pod are each an error."""
-    [jobset] = multihost["values-tpu-v5e-4x4.yaml"].all("JobSet")
+    jobset = multihost["values-tpu-v5e-4x4.yaml"].all("JobSet")[0]
     misspelt = {**jobset, "spec": {**jobset["spec"], "network": {"enableDNSHostname": True}}}
     with pytest.raises(jsonschema.ValidationError, match="enableDNSHostname"):
         validate_jobset(misspelt, KUBERNETES_VERSIONS[0])
@@ -196,8 +230,7 @@ def test_rbac_grants_jobsets_and_not_pods_on_multi_host_slices(multihost, launch
 def test_network_policy_opens_slice_hosts_to_each_other_only(multihost, name):
     rendered = multihost[name]
     policies = rendered.all("NetworkPolicy")
-    [jobset] = rendered.all("JobSet")
-    first, second = slices_of(jobset)[:2]
+    first, second = slices_of(rendered)[:2]
     port = ("slice", rendered.values["learners"]["slicePort"])
     leader, follower = first[0]["metadata"]["labels"], first[1]["metadata"]["labels"]
     assert ingress_allowed(policies, leader, follower, port), "a host reaches its leader"
@@ -212,3 +245,35 @@ def test_network_policy_opens_slice_hosts_to_each_other_only(multihost, name):
     assert ingress_allowed(policies, leader, follower, ("gloo", 41234)), "any port between hosts"
     for who, labels in others.items():
         assert not ingress_allowed(policies, leader, labels, ("gloo", 41234)), who
+
+
+@pytest.mark.parametrize(("fullname", "replicas", "longest"), [
+    ("x" * 28, 2, None), ("x" * 29, 2, 64), ("x" * 27, 11, None), ("x" * 28, 11, 64)])
+def test_pod_names_of_every_static_slice_are_checked_against_63_characters(chart, fullname, replicas, longest):
+    """The static JobSets' names are 2 or more characters longer than the launched ones'
+    (the learner's number after the hash): the check is on the longest pod name the JobSet
+    webhook would make, <jobset>-slice-0-<last host>-<5 characters>, of the last learner."""
+    values = merge(preset("values-tpu-v5e-4x4.yaml"), EXISTING_SECRET,
+                   {"fullnameOverride": fullname, "learners": {"replicas": replicas}})
+    if longest is None:
+        jobsets = static_jobsets(chart.render(values))
+        assert len(jobsets) == replicas
+        last = jobsets[-1]["metadata"]["name"]
+        assert last.endswith(f"-{replicas - 1}")
+        assert len(jobset_pods(jobsets[-1], 0)[-1]["metadata"]["name"]) == 63
+        return
+    with pytest.raises(helm.HelmError, match=f"would be {longest} characters, more than 63"):
+        chart.render(values)
+
+
+def test_a_new_learner_pod_renames_every_static_jobset(chart, multihost):
+    """A JobSet's jobs are immutable, so the names hash the learners' pod, as the Job's
+    does: an upgrade that changes the learners replaces every JobSet; one that does not
+    keeps them (the same render, the same names)."""
+    name = "values-tpu-v6e-2x4-multihost.yaml"
+    before = [j["metadata"]["name"] for j in static_jobsets(multihost[name])]
+    same = chart.render(merge(preset(name), EXISTING_SECRET))
+    assert [j["metadata"]["name"] for j in static_jobsets(same)] == before
+    changed = chart.render(merge(preset(name), EXISTING_SECRET, {"learners": {"steps": 1234}}))
+    after = [j["metadata"]["name"] for j in static_jobsets(changed)]
+    assert len(after) == len(before) and not set(after) & set(before)

@@ -66,6 +66,14 @@ def test_every_object_lives_in_the_release_namespace_with_release_labels(renders
 
 
 @pytest.mark.parametrize("name", RENDERS)
+def test_no_two_objects_share_a_kind_and_name(renders, name):
+    """Helm refuses a release with two objects of one kind and name (the static learners'
+    JobSets, one per learner, are numbered)."""
+    keys = [(o["kind"], o["metadata"]["name"]) for o in renders[name].objects]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+
+
+@pytest.mark.parametrize("name", RENDERS)
 def test_references_resolve(renders, name):
     """Every volume, ConfigMap, Secret and claim a pod names is rendered by the chart (or
     is one the values name as existing), and every mount has its volume."""

@@ -137,7 +137,8 @@ TEMPLATE_ERRORS = {
         "would be 4 hosts, but GKE builds multi-host tpu-v6e-slice slices from 4-chip hosts only"),
     "slice pod names longer than a DNS label": (
         {"fullnameOverride": "x" * 40, "learners": {"tpu": {"topology": "4x4", "chipsPerHost": 4}}},
-        "would be 73 characters, more than 63: shorten the release name or set fullnameOverride"),
+        # The static learners' <fullname>-learner-<hash>-<learner>-slice-0-<host>-<5 characters>.
+        "would be 75 characters, more than 63: shorten the release name or set fullnameOverride"),
 }
 
 

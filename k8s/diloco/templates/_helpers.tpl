@@ -268,11 +268,12 @@ The learner pod, shared by the learner Job and the launcher's pod templates:
 Static learners get --coordinator, --join-token-file and --pool here; the launcher
 appends those (and --launch-id) to a template's args itself.
 
-On a multi-host slice the pod is one host of a JobSet's Indexed Job: it learns its index
-(0 leads: the one learner toward the coordinator and the shards) from the Job's
-completion index, and its leader's address from the JobSet's name and job index: pod 0
-of Job <jobset>-slice-<job index>, whose hostname the JobSet publishes under the
-subdomain <jobset> (network.enableDNSHostnames).
+On a multi-host slice the pod is one host of a JobSet's Indexed Job (one JobSet per
+slice, diloco.learnerJobSet): it learns its index (0 leads: the one learner toward the
+coordinator and the shards) from the Job's completion index, and its leader's address
+from the JobSet's name and job index (0, the JobSet's one Job): pod 0 of Job
+<jobset>-slice-<job index>, whose hostname the JobSet publishes under the subdomain
+<jobset> (network.enableDNSHostnames).
 
 Learners serve no port (they are gRPC clients), so they have no readiness or liveness
 probe: what detects a dead or hung learner is the coordinator's heartbeat lease, after
@@ -291,7 +292,7 @@ metadata:
     diloco/pool: {{ .pool }}
   annotations:
     {{- /* A new run config (another task, other options) is a new run: the learner Job's
-    name hashes this pod, so its learners are replaced, not left on the old task. */}}
+    (or JobSets') name hashes this pod, so its learners are replaced, not left on the old task. */}}
     checksum/run-config: {{ include "diloco.runConfig" $root | sha256sum }}
     {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
@@ -470,21 +471,22 @@ spec:
 {{- end -}}
 
 {{/*
-Multi-host TPU slices as a JobSet:
-(dict "root" $ "name" <JobSet name> "replicas" N "pod" <learnerPod> "metadata" <its metadata, or none in a template>).
-Each replica of the one replicated job "slice" is one learner: an Indexed Job of one pod
-per host. A slice is all or nothing, so a host that fails fails its Job (backoffLimit 0)
-and the JobSet restarts: JobSet restarts recreate every Job of the JobSet, so with
-several replicas every slice of it starts over (learners.backoffLimitPerIndex restarts,
-then the JobSet fails). The exclusive-topology annotation gives each slice a node pool
-of its own (GKE makes a multi-host slice one node pool), as GKE's TPU guides do.
+One multi-host TPU slice, one learner, as a JobSet of its own:
+(dict "root" $ "name" <JobSet name> "pod" <learnerPod> "metadata" <its metadata, or none in a template>).
+Its one replicated job "slice" has one replica: an Indexed Job of one pod per host. A
+slice is all or nothing, so a host that fails fails its Job (backoffLimit 0) and the
+JobSet restarts. A JobSet restart recreates every Job of the JobSet, which is why each
+learner is a JobSet of its own (the static ones as the launched ones): a failed host
+restarts its own slice only (learners.backoffLimitPerIndex restarts, then that JobSet
+fails), and the other learners go on. The exclusive-topology annotation gives each slice
+a node pool of its own (GKE makes a multi-host slice one node pool), as GKE's TPU guides do.
 The name is checked as the JobSet webhook would: the longest pod name,
-<name>-slice-<last job>-<last host>-<5 random characters>, must be a DNS label.
+<name>-slice-0-<last host>-<5 random characters>, must be a DNS label.
 */}}
 {{- define "diloco.learnerJobSet" -}}
 {{- $root := .root -}}
 {{- $hosts := include "diloco.learnerHosts" $root | int -}}
-{{- $longest := printf "%s-slice-%d-%d-abcde" .name (sub (int .replicas) 1) (sub $hosts 1) -}}
+{{- $longest := printf "%s-slice-0-%d-abcde" .name (sub $hosts 1) -}}
 {{- if gt (len $longest) 63 -}}
 {{- fail (printf "learners: the multi-host JobSet's pod names (up to %s) would be %d characters, more than 63: shorten the release name or set fullnameOverride" $longest (len $longest)) -}}
 {{- end -}}
@@ -503,7 +505,7 @@ spec:
     enableDNSHostnames: true
   replicatedJobs:
     - name: slice
-      replicas: {{ .replicas }}
+      replicas: 1
       template:
         spec:
           completionMode: Indexed
@@ -525,7 +527,7 @@ the coordinator makes them). (dict "root" $ "pool" "spot" "spot" true "extra" <p
 {{- if eq (include "diloco.learnerHosts" .root) "1" -}}
 {{- $pod -}}
 {{- else -}}
-{{- include "diloco.learnerJobSet" (dict "root" .root "name" (printf "%s-learner-00000000" (include "diloco.fullname" .root)) "replicas" 1 "pod" $pod) -}}
+{{- include "diloco.learnerJobSet" (dict "root" .root "name" (printf "%s-learner-00000000" (include "diloco.fullname" .root)) "pod" $pod) -}}
 {{- end -}}
 {{- end -}}
 
