@@ -30,7 +30,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _host(index: int, leader: str, shard: str, secret: str, out: str, steps: int, stop_after_s: float | None) -> None:
+def _host(index: int, leader: str, shard: str, secret: str, out: str, steps: int, stop_after_s: float | None,
+          device: str) -> None:
     """One host of the slice, as `diloco learner --slice-*` runs it, saving its final model."""
     from diloco.cli import _run_config, build_parser
     from learner.config import LearnerConfig
@@ -39,7 +40,7 @@ def _host(index: int, leader: str, shard: str, secret: str, out: str, steps: int
     from learner.slice import SliceLink
 
     torch.set_num_threads(1)
-    cfg = LearnerConfig(steps=steps, eval_every_steps=25, slice_timeout_s=30)
+    cfg = LearnerConfig(device=device, steps=steps, eval_every_steps=25, slice_timeout_s=60)
     link = SliceLink(2, index, leader, cfg.slice_timeout_s)
     if index == 0:
         run = _run_config(build_parser().parse_args(["learner", *TINY]))
@@ -49,11 +50,13 @@ def _host(index: int, leader: str, shard: str, secret: str, out: str, steps: int
         trained = run_task(static_membership(run, "L0", secret, [shard]), cfg, stop=stop, slice_link=link)
     else:
         trained = follow_slice(cfg, link)
-    torch.save({"model": trained.model.state_dict(), "summary": trained.summary.__dict__}, f"{out}/host{index}.pt")
+    model = {k: v.detach().cpu() for k, v in trained.model.state_dict().items()}
+    torch.save({"model": model, "summary": trained.summary.__dict__}, f"{out}/host{index}.pt")
 
 
 @pytest.fixture
 def shard(tmp_path):
+    """A real shard process for learner L0, with the TINY model's run config."""
     (tmp_path / "secret").write_text("s")
     proc = subprocess.Popen(
         [sys.executable, "-m", "diloco.cli", "--insecure", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
@@ -68,10 +71,12 @@ def shard(tmp_path):
         proc.wait(timeout=30)
 
 
-def _run_slice(tmp_path, shard: str, steps: int, stop_after_s: float | None = None) -> dict[int, dict]:
+def run_slice(tmp_path, shard: str, steps: int, stop_after_s: float | None = None, device: str = "cpu") -> dict[int, dict]:
+    """Two hosts of a slice, each a process, to the end; their final models and summaries."""
     spawn = multiprocessing.get_context("spawn")
     leader = f"127.0.0.1:{_free_port()}"
-    hosts = [spawn.Process(target=_host, args=(i, leader, shard, "s", str(tmp_path), steps, stop_after_s)) for i in (0, 1)]
+    hosts = [spawn.Process(target=_host, args=(i, leader, shard, "s", str(tmp_path), steps, stop_after_s, device))
+             for i in (0, 1)]
     for host in hosts:
         host.start()
     for host in hosts:
@@ -81,7 +86,7 @@ def _run_slice(tmp_path, shard: str, steps: int, stop_after_s: float | None = No
 
 
 def test_the_follower_ends_with_the_leaders_model_on_the_leaders_step(tmp_path, shard):
-    hosts = _run_slice(tmp_path, shard, steps=60)
+    hosts = run_slice(tmp_path, shard, steps=60)
     leader, follower = hosts[0]["summary"], hosts[1]["summary"]
     # The leader synced: replies were written into its model (and so into the follower's).
     assert leader["pushes_acked"] > 0 and leader["replies_applied"] > 0, leader
@@ -96,7 +101,7 @@ def test_a_stop_ends_every_host_on_the_same_step_with_the_same_model(tmp_path, s
     """The leader is asked to stop mid-run (a drain or SIGTERM sets the same event): the
     stop it decides at a step boundary is the follower's too, and its last writes (the
     replies it applied while draining) reach the follower."""
-    hosts = _run_slice(tmp_path, shard, steps=100_000, stop_after_s=6.0)
+    hosts = run_slice(tmp_path, shard, steps=100_000, stop_after_s=6.0)
     leader, follower = hosts[0]["summary"], hosts[1]["summary"]
     assert 0 < leader["inner_steps"] == follower["inner_steps"] < 100_000, (leader, follower)
     assert leader["replies_applied"] > 0
