@@ -22,7 +22,12 @@ from pathlib import Path
 from coordinator.cli import add_admin_parser, add_coordinator_parser
 from diloco import __version__
 from diloco.errors import DilocoError, InvalidArgument
+from diloco.config import REPLY_RULES, RunConfig
+from diloco.local_config import LocalConfig
+from diloco.settings import add_flag
 from diloco.task import DEFAULT_TASK
+from learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
+from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +127,16 @@ def _add_run_config(parser: argparse.ArgumentParser) -> None:
                             f"diloco.TaskContext and returning a diloco.Task (default {DEFAULT_TASK}, the byte GPT)")
     group.add_argument("--task-option", action="append", metavar="KEY=VALUE",
                        help="an option for the task (TaskContext.options; repeatable)")
-    group.add_argument("--seed", type=int, default=0, help="the run's seed: model initialisation, data order (default 0)")
+    add_flag(group, "--seed", RunConfig, "seed", "the run's seed: model initialisation, data order", type=int)
     group.add_argument("--init", default="", metavar="FILE.safetensors",
                        help="start the model from these weights (an export: diloco admin export, or a run's model.safetensors)")
-    group.add_argument("--fragments", type=int, default=4, help="P: fragments the model is cut into (default 4)")
-    group.add_argument("--sync-every", type=int, default=4, help="H: inner steps between two sends of a fragment (default 4)")
-    group.add_argument("--overlap", type=int, default=2, help="tau: inner steps before a reply is needed (default 2)")
-    group.add_argument("--alpha", type=float, default=0.0, help="merge alpha when applying a reply (default 0: overwrite)")
-    group.add_argument("--reply-rule", choices=["rebase", "mix"], default="rebase",
-                       help="apply a reply by rebasing the progress made since the push onto it (default), "
-                            "or by mixing with --alpha (DESIGN's rule)")
+    add_flag(group, "--fragments", RunConfig, "fragments", "P: fragments the model is cut into", type=int)
+    add_flag(group, "--sync-every", RunConfig, "sync_every_steps", "H: inner steps between two sends of a fragment", type=int)
+    add_flag(group, "--overlap", RunConfig, "overlap_steps", "tau: inner steps before a reply is needed", type=int)
+    add_flag(group, "--alpha", RunConfig, "merge_alpha", "merge alpha when applying a reply (0: overwrite)", type=float)
+    add_flag(group, "--reply-rule", RunConfig, "reply_rule",
+             "apply a reply by rebasing the progress made since the push onto it, or by mixing with --alpha "
+             "(DESIGN's rule)", choices=REPLY_RULES)
     gpt = parser.add_argument_group("the built-in byte GPT task (shorthands for its --task-option values)")
     gpt.add_argument("--width", type=int, help="model width (default 128)")
     gpt.add_argument("--depth", type=int, help="transformer blocks (default 2)")
@@ -310,19 +315,19 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
     p.add_argument("--learners", help="static live learners, e.g. L0,L1 (when there is no coordinator)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="follow this coordinator's membership stream")
-    p.add_argument("--quorum", type=int, default=1, help="K: pushes needed before the grace window (default 1)")
+    add_flag(p, "--quorum", RoundConfig, "quorum", "K: pushes needed before the grace window", type=int)
     p.add_argument("--grace", type=_grace, default=("auto", 0.0), help="auto (default), off, or fixed SECONDS")
-    p.add_argument("--grace-gamma", type=float, default=0.5, help="share of the estimated slack granted (default 0.5)")
-    p.add_argument("--grace-max-s", type=float, default=5.0, help="upper bound of the adaptive grace (default 5 s)")
-    p.add_argument("--merge", choices=["rda", "mean"], default="rda", help="merge of non-embedding pieces (default rda)")
-    p.add_argument("--staleness-lambda", type=float, default=0.0, help="staleness discount lambda (default 0: off)")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (default 0.9)")
-    p.add_argument("--scale-by", choices=["live", "round"], default="live",
-                   help="scale the outer lr by the round's share of live learners (default) or not (round)")
-    p.add_argument("--block-size", type=int, default=64, help="int4 block size (default 64)")
-    p.add_argument("--scale-dtype", choices=["float16", "float32"], default="float16", help="int4 scale dtype")
-    p.add_argument("--chain", type=int, default=4, help="int4 updates kept per fragment (default 4)")
+    add_flag(p, "--grace-gamma", RoundConfig, "grace_gamma", "share of the estimated slack granted", type=float)
+    add_flag(p, "--grace-max-s", RoundConfig, "grace_max_s", "upper bound of the adaptive grace, seconds", type=float)
+    add_flag(p, "--merge", MergeConfig, "merge", "merge of non-embedding pieces", choices=MERGE_MODES)
+    add_flag(p, "--staleness-lambda", MergeConfig, "staleness_lambda", "staleness discount lambda (0: off)", type=float)
+    add_flag(p, "--outer-lr", MergeConfig, "outer_lr", "outer Nesterov learning rate", type=float)
+    add_flag(p, "--outer-momentum", MergeConfig, "outer_momentum", "outer Nesterov momentum", type=float)
+    add_flag(p, "--scale-by", MergeConfig, "scale_by",
+             "scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)
+    add_flag(p, "--block-size", MergeConfig, "block_size", "int4 block size", type=int)
+    add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", "int4 scale dtype", choices=["float16", "float32"])
+    add_flag(p, "--chain", MergeConfig, "update_chain_length", "int4 updates kept per fragment", type=int)
     p.add_argument("--max-push-mib", type=int, default=512, help="largest accepted push, MiB (default 512)")
     p.add_argument("--anchor-window-s", type=float, default=5.0, metavar="S",
                    help="back without its state, collect learners' anchors of a fragment for S seconds and take the "
@@ -425,37 +430,39 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
     join.add_argument("--secret-file", help="static topology: the run secret (default: $DILOCO_SECRET)")
     join.add_argument("--num-learners", type=int, default=1, help="learners the run is planned for (TaskContext.num_learners; default 1)")
     t = p.add_argument_group("training")
-    t.add_argument("--device", choices=["cpu", "cuda", "xla"], default="cpu",
-                   help="default cpu; xla uses every device of the host (SPMD: parameters and optimizer state split, "
-                        "batches split; the task's batch size must be a multiple of the device count)")
-    t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: forward pass and loss under bfloat16 autocast; parameters, optimizer state and "
-                        "deltas stay fp32 (default fp32)")
-    t.add_argument("--steps", type=int, default=300, help="inner steps (default 300)")
-    t.add_argument("--lr", type=float, default=3e-3,
-                   help="peak inner AdamW learning rate (default 3e-3; a task's own optimizer keeps its lr, scaled by the schedule)")
-    t.add_argument("--warmup-steps", type=int, default=20, help="linear warmup steps (default 20)")
-    t.add_argument("--eval-every", type=int, default=50, help="inner steps between evaluations (default 50)")
-    t.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="delta encoding (default int4)")
-    t.add_argument("--block-size", type=int, default=64, help="int4 block size; must match the shards' (default 64)")
-    t.add_argument("--step-delay-s", type=float, default=0.0, help="extra seconds per step: a simulated slow learner")
+    add_flag(t, "--device", LearnerConfig, "device",
+             "xla uses every device of the host (SPMD: parameters and optimizer state split, batches split; the "
+             "task's batch size must be a multiple of the device count)", choices=DEVICES)
+    add_flag(t, "--precision", LearnerConfig, "precision",
+             "bf16: forward pass and loss under bfloat16 autocast; parameters, optimizer state and deltas stay fp32",
+             choices=PRECISIONS)
+    add_flag(t, "--steps", LearnerConfig, "steps", "inner steps", type=int)
+    add_flag(t, "--lr", LearnerConfig, "lr",
+             "peak inner AdamW learning rate (a task's own optimizer keeps its lr, scaled by the schedule)", type=float)
+    add_flag(t, "--warmup-steps", LearnerConfig, "warmup_steps", "linear warmup steps", type=int)
+    add_flag(t, "--eval-every", LearnerConfig, "eval_every_steps", "inner steps between evaluations", type=int)
+    add_flag(t, "--delta-codec", LearnerConfig, "delta_codec", "delta encoding", choices=DELTA_CODECS)
+    add_flag(t, "--block-size", LearnerConfig, "block_size", "int4 block size; must match the shards'", type=int)
+    add_flag(t, "--step-delay-s", LearnerConfig, "step_delay_s", "extra seconds per step: a simulated slow learner", type=float)
     t.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
-    t.add_argument("--slow-factor", type=float, default=1.0, help="steps take FACTOR x their compute time: a slower chip")
-    t.add_argument("--wire-delay-ms", type=float, default=0.0, help="delay added to each push and each reply: a slow network")
-    t.add_argument("--push-timeout-s", type=float, default=120.0, help="deadline of one push (default 120 s)")
-    t.add_argument("--max-inflight", type=int, default=16, help="pushes in flight before new ones are dropped")
-    t.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval (default 1 s)")
-    t.add_argument("--coordinator-loss-timeout-s", type=float, default=300.0, metavar="S",
-                   help="leave after S seconds with every heartbeat failing (default 300; a coordinator "
-                        "restart shorter than that is trained through)")
+    add_flag(t, "--slow-factor", LearnerConfig, "slow_factor", "steps take FACTOR x their compute time: a slower chip",
+             type=float)
+    add_flag(t, "--wire-delay-ms", LearnerConfig, "wire_delay_ms", "delay added to each push and each reply: a slow network",
+             type=float)
+    add_flag(t, "--push-timeout-s", LearnerConfig, "push_timeout_s", "deadline of one push, seconds", type=float)
+    add_flag(t, "--max-inflight", LearnerConfig, "max_inflight_pushes", "pushes in flight before new ones are dropped", type=int)
+    add_flag(t, "--heartbeat-s", LearnerConfig, "heartbeat_interval_s", "heartbeat interval, seconds", type=float)
+    add_flag(t, "--coordinator-loss-timeout-s", LearnerConfig, "coordinator_loss_timeout_s",
+             "leave after S seconds with every heartbeat failing (a coordinator restart shorter than that is "
+             "trained through)", type=float, metavar="S")
     s = p.add_argument_group("a multi-host slice: one learner, one process per host (every host runs the same command)")
     s.add_argument("--slice-hosts", type=int, default=1, metavar="N", help="hosts of this learner's slice (default 1)")
     s.add_argument("--slice-index", type=int, default=0, metavar="I",
                    help="this host's index, 0..N-1; host 0 is the learner toward the coordinator and shards, the "
                         "others repeat its writes (default 0)")
     s.add_argument("--slice-leader", metavar="HOST:PORT", help="host 0's address on the slice port (with N > 1)")
-    s.add_argument("--slice-timeout-s", type=float, default=900.0, metavar="S",
-                   help="a host waits this long for the others at any step before it fails (default 900)")
+    add_flag(s, "--slice-timeout-s", LearnerConfig, "slice_timeout_s",
+             "a host waits this long for the others at any step before it fails", type=float, metavar="S")
     t.add_argument("--summary", help="write the JSON summary here at exit")
     t.add_argument("--summary-dir", help="write the JSON summary to DIR/<learner id>.json at exit")
     t.add_argument("--events-dir", help="write the event tape (states, evaluations) to DIR/<learner id>.events.jsonl")
@@ -480,7 +487,6 @@ def _local(args: argparse.Namespace) -> int:
 
 def _local_config(args: argparse.Namespace):
     from diloco.chaos import ChaosConfig, parse_learner_device, parse_scavenge, parse_slow
-    from diloco.local import LocalConfig
 
     grace_mode, grace_s = args.grace
     return LocalConfig(
@@ -510,19 +516,19 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
         help="the main job: a coordinator, S shards and M learners as processes on 127.0.0.1, training the default model",
         description="Run a real multi-process Decoupled DiLoCo training on this machine and write a run directory.",
     )
-    p.add_argument("--learners", type=int, default=3, help="M: learners (default 3)")
-    p.add_argument("--shards", type=int, default=2, help="S: syncer shards (default 2)")
-    p.add_argument("--quorum", type=int, default=1, help="K: minimum pushes per round (default 1)")
+    add_flag(p, "--learners", LocalConfig, "learners", "M: learners", type=int)
+    add_flag(p, "--shards", LocalConfig, "shards", "S: syncer shards", type=int)
+    add_flag(p, "--quorum", LocalConfig, "quorum", "K: minimum pushes per round", type=int)
     p.add_argument("--grace", type=_grace, default=("auto", 0.0), help="auto (default), off, or SECONDS")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, default=150, help="inner steps per learner (default 150)")
+    add_flag(budget, "--steps", LocalConfig, "steps", "inner steps per learner", type=int)
     budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
-    p.add_argument("--outer-lr", type=float, default=1.0, help="shards' outer learning rate (default 1.0, see README)")
-    p.add_argument("--outer-momentum", type=float, default=0.0, help="shards' outer Nesterov momentum (default 0)")
-    p.add_argument("--merge", choices=["rda", "mean"], default="rda", help="shards' merge (default rda)")
-    p.add_argument("--scale-by", choices=["live", "round"], default="live",
-                   help="shards scale the outer lr by the round's share of live learners (default) or not")
-    p.add_argument("--delta-codec", choices=["int4", "fp32"], default="int4", help="learners' delta encoding (default int4)")
+    add_flag(p, "--outer-lr", LocalConfig, "outer_lr", "shards' outer learning rate (see README)", type=float)
+    add_flag(p, "--outer-momentum", LocalConfig, "outer_momentum", "shards' outer Nesterov momentum", type=float)
+    add_flag(p, "--merge", LocalConfig, "merge", "shards' merge", choices=MERGE_MODES)
+    add_flag(p, "--scale-by", LocalConfig, "scale_by",
+             "shards scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)
+    add_flag(p, "--delta-codec", LocalConfig, "delta_codec", "learners' delta encoding", choices=DELTA_CODECS)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
     where.add_argument("--resume", metavar="RUN_DIR",
@@ -664,6 +670,7 @@ def _add_run_tools(commands: argparse._SubParsersAction) -> None:
 
 def _add_baseline(commands: argparse._SubParsersAction) -> None:
     """``diloco baseline dp|torchft``: the systems Decoupled DiLoCo is compared against."""
+    from diloco.baseline.torchft_peer import TorchftConfig
 
     def baseline(args: argparse.Namespace) -> int:
         from diloco.baseline.common import parse_slow_workers
@@ -725,8 +732,8 @@ def _add_baseline(commands: argparse._SubParsersAction) -> None:
         p.set_defaults(func=baseline)
     dp.add_argument("--checkpoint-every", type=int, default=25, metavar="STEPS",
                     help="steps between two checkpoints (default 25)")
-    ft.add_argument("--outer-lr", type=float, default=1.0, help="outer SGD learning rate (default 1.0, as diloco local)")
-    ft.add_argument("--outer-momentum", type=float, default=0.0, help="outer Nesterov momentum (default 0, as diloco local)")
+    add_flag(ft, "--outer-lr", TorchftConfig, "outer_lr", "outer SGD learning rate, as the shards'", type=float)
+    add_flag(ft, "--outer-momentum", TorchftConfig, "outer_momentum", "outer Nesterov momentum, as the shards'", type=float)
 
 def _tape_show(args: argparse.Namespace) -> int:
     from diloco.tape import read_tape

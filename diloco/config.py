@@ -29,10 +29,9 @@ class RunConfig:
     initialisation; every learner reads it, the first to reach a shard gives it its values."""
     fragments: int = 4
     """P: fragments the model is cut into."""
-    sync_every_steps: int = 16
-    """H: inner steps between two sends of the same fragment. With the outer Nesterov
-    defaults (lr 0.7, momentum 0.9) much shorter periods overshoot: at H=4 a 1-learner
-    run stalls at 4.9 bits/byte where H=16 keeps improving."""
+    sync_every_steps: int = 4
+    """H: inner steps between two sends of the same fragment (with the shards' default
+    outer step, syncer.config.MergeConfig: with outer Nesterov 0.7 / 0.9 take H >= 16)."""
     overlap_steps: int = 2
     """tau: inner steps between sending a fragment and applying its reply."""
     merge_alpha: float = 0.0

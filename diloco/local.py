@@ -19,7 +19,6 @@ import functools
 import importlib.util
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -27,108 +26,26 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from diloco import auth, rpc
 from diloco.certs import make_certs
-from diloco.chaos import SCAVENGED_POOL, ChaosConfig, ChaosMonkey
+from diloco.chaos import SCAVENGED_POOL, ChaosMonkey
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from diloco.export import export_model
 from diloco.snapshots import snapshot_ids
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
+from diloco.local_config import LocalConfig
 
 logger = logging.getLogger(__name__)
 
 MIN_UPTIME_PERIOD_S = 1.0
 """Floor of uptime's expected period between two advances of the global model."""
-TOKEN_BUDGET_SLACK = 1.5
-"""On a token budget, learners are launched for this many times their share of it."""
-
-
-@dataclass(frozen=True)
-class LocalConfig:
-    run: RunConfig = field(default_factory=RunConfig)
-    learners: int = 3
-    shards: int = 2
-    quorum: int = 1
-    grace: str = "auto"
-    """auto, off, or seconds."""
-    steps: int = 150
-    """Inner steps per learner."""
-    tokens: int | None = None
-    """Token budget of the whole run: learners are launched for 1.5x their share and
-    drained once they together have trained it (replacements and scavenged included)."""
-    outer_lr: float = 1.0
-    """The local defaults average the merged deltas without outer momentum: at this short a
-    sync period, with ~1.5 of 3 learners per round, momentum 0.9 re-applies overlapping
-    progress and the run barely learns (measured, 3 learners x 150 steps: final eval
-    7.17 bits/byte with lr 0.7 / momentum 0.9, 3.61 with lr 1.0 / momentum 0)."""
-    outer_momentum: float = 0.0
-    merge: str = "rda"
-    """The shards' merge: rda (default) or mean (ablations)."""
-    scale_by: str = "live"
-    """The shards' outer lr scaling: live (default) or round (ablations)."""
-    delta_codec: str = "int4"
-    """The learners' delta encoding: int4 (default) or fp32 (ablations)."""
-    out: Path | None = None
-    startup_timeout_s: float = 120.0
-    chaos: ChaosConfig = field(default_factory=ChaosConfig)
-    slow_learners: tuple[tuple[int, float], ...] = ()
-    """(launch index, factor): that learner's steps take factor x their compute time."""
-    learner_devices: tuple[tuple[int, str], ...] = ()
-    """(launch index, device): that learner trains on that device (cpu, cuda, xla); the
-    others on the CPU."""
-    delay_ms: float = 0.0
-    """Added by every learner to each push and each reply."""
-    child_env: Mapping[str, str] | None = None
-    """Environment of every process (None: this one's). The CLI puts ``--otlp-endpoint``
-    there as OTEL_EXPORTER_OTLP_ENDPOINT."""
-    learner_threads: int | None = None
-    """torch threads per learner (None: the cores shared out among learners, at least 1)."""
-    snapshot_dir: str | None = None
-    """Where the run's snapshots go, a directory or fsspec URL (None: RUN_DIR/coordinator/snapshots)."""
-    snapshot_every_s: float = 0.0
-    """The coordinator takes a snapshot this often (0: only on demand and for --restart-shard-at)."""
-    snapshot_keep: int = 0
-    """The coordinator keeps the newest this many complete snapshots (0: all)."""
-    tls: bool = True
-    """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls
-    (False: plaintext gRPC on 127.0.0.1, ``--insecure``)."""
-    resume: bool = False
-    """Continue the stopped run in ``out`` from its newest complete snapshot (``resume_config``)."""
-
-    def __post_init__(self) -> None:
-        if self.learners < 1 or self.shards < 1 or self.steps < 1 or self.quorum < 1:
-            raise InvalidArgument("learners, shards, steps and quorum must all be >= 1")
-        if self.tokens is not None and self.tokens < 1:
-            raise InvalidArgument(f"--tokens must be >= 1, got {self.tokens}")
-        if self.delay_ms < 0:
-            raise InvalidArgument(f"--delay-ms must be >= 0, got {self.delay_ms}")
-        for flag, pairs in (("--slow-learner", self.slow_learners), ("--learner-device", self.learner_devices)):
-            for index, _ in pairs:
-                if index >= self.learners:
-                    raise InvalidArgument(f"{flag} L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
-        if self.shards > self.run.fragments:
-            raise InvalidArgument(f"{self.shards} shards for {self.run.fragments} fragments: some shard would own none")
-
-
-    @property
-    def threads_per_learner(self) -> int:
-        return self.learner_threads or max((os.cpu_count() or 1) // self.learners, 1)
-
-    def learner_steps(self, tokens_per_step: int) -> int:
-        """Inner steps each learner is launched with. On a token budget, 1.5x its share:
-        the learners keep training while a replacement or a scavenged learner starts (or
-        a slow one lags), and all of them are drained once the budget is trained."""
-        if self.tokens is None:
-            return self.steps
-        share = self.tokens / (self.learners * max(tokens_per_step, 1))
-        return max(math.ceil(TOKEN_BUDGET_SLACK * share), 1)
 
 
 def _free_port() -> int:

@@ -40,6 +40,7 @@ from diloco.config import RunConfig
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.snapshots import atomic_write_json
 from diloco.task import TaskError
+from syncer.config import MergeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,9 @@ class TorchftConfig(WorkloadConfig):
     slow_workers: tuple[tuple[int, float], ...] = ()
     """(replica id, factor): that replica's compute takes factor x as long."""
     fault_seed: int = 0
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
+    # The shards' outer step (syncer.config.MergeConfig): both systems step alike.
+    outer_lr: float = MergeConfig.outer_lr
+    outer_momentum: float = MergeConfig.outer_momentum
     timeout_s: float = 30.0
     """torchft Manager timeout: collectives, should_commit, checkpoint transfer."""
     quorum_timeout_s: float = 120.0

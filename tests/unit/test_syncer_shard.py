@@ -167,8 +167,9 @@ def test_failed_learner_has_zero_weight():
 
 
 def test_error_feedback_keeps_params_plus_residual_on_the_true_trajectory():
-    shard, initial = make_shard()
-    reference = make_shard()[0]  # the same rounds without quantizing the downlink
+    nesterov = {"outer_lr": 0.7, "outer_momentum": 0.9}  # momentum carries the error too
+    shard, initial = make_shard(**nesterov)
+    reference = make_shard(**nesterov)[0]  # the same rounds without quantizing the downlink
     shard.set_membership({"L0"}, set())  # every round merges all live learners: lr unscaled
     learner = Learner("L0", shard, initial, 0)
     for rnd in range(5):
@@ -189,7 +190,7 @@ def test_error_feedback_keeps_params_plus_residual_on_the_true_trajectory():
             # The shard's state is numpy; torch.from_numpy views update it in place.
             ref_params = torch.from_numpy(ref_state.params[i]).view(-1)
             ref_momentum = torch.from_numpy(ref_state.momentum[i]).view(-1)
-            ref_params.sub_(nesterov_(ref_momentum, step, 0.7, 0.9))
+            ref_params.sub_(nesterov_(ref_momentum, step, nesterov["outer_lr"], nesterov["outer_momentum"]))
     state = shard.fragments[0]
     for i in range(len(state.params)):
         params, residual = torch.from_numpy(state.params[i]), torch.from_numpy(state.residual[i])

@@ -1,0 +1,97 @@
+"""The configuration of ``diloco local`` (``diloco.local``), importable without torch:
+the command line builds its flags from it."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diloco.chaos import ChaosConfig
+from diloco.config import RunConfig
+from diloco.errors import InvalidArgument
+from learner.config import LearnerConfig
+from syncer.config import MergeConfig, RoundConfig
+
+TOKEN_BUDGET_SLACK = 1.5
+"""On a token budget, learners are launched for this many times their share of it."""
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    learners: int = 3
+    shards: int = 2
+    quorum: int = RoundConfig.quorum
+    grace: str = "auto"
+    """auto, off, or seconds."""
+    steps: int = 150
+    """Inner steps per learner."""
+    tokens: int | None = None
+    """Token budget of the whole run: learners are launched for 1.5x their share and
+    drained once they together have trained it (replacements and scavenged included)."""
+    # The shards' and learners' own defaults (syncer.config, learner.config), not copies.
+    outer_lr: float = MergeConfig.outer_lr
+    outer_momentum: float = MergeConfig.outer_momentum
+    merge: str = MergeConfig.merge
+    """The shards' merge: rda or mean (ablations)."""
+    scale_by: str = MergeConfig.scale_by
+    """The shards' outer lr scaling: live or round (ablations)."""
+    delta_codec: str = LearnerConfig.delta_codec
+    """The learners' delta encoding: int4 or fp32 (ablations)."""
+    out: Path | None = None
+    startup_timeout_s: float = 120.0
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    slow_learners: tuple[tuple[int, float], ...] = ()
+    """(launch index, factor): that learner's steps take factor x their compute time."""
+    learner_devices: tuple[tuple[int, str], ...] = ()
+    """(launch index, device): that learner trains on that device (cpu, cuda, xla); the
+    others on the CPU."""
+    delay_ms: float = 0.0
+    """Added by every learner to each push and each reply."""
+    child_env: Mapping[str, str] | None = None
+    """Environment of every process (None: this one's). The CLI puts ``--otlp-endpoint``
+    there as OTEL_EXPORTER_OTLP_ENDPOINT."""
+    learner_threads: int | None = None
+    """torch threads per learner (None: the cores shared out among learners, at least 1)."""
+    snapshot_dir: str | None = None
+    """Where the run's snapshots go, a directory or fsspec URL (None: RUN_DIR/coordinator/snapshots)."""
+    snapshot_every_s: float = 0.0
+    """The coordinator takes a snapshot this often (0: only on demand and for --restart-shard-at)."""
+    snapshot_keep: int = 0
+    """The coordinator keeps the newest this many complete snapshots (0: all)."""
+    tls: bool = True
+    """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls
+    (False: plaintext gRPC on 127.0.0.1, ``--insecure``)."""
+    resume: bool = False
+    """Continue the stopped run in ``out`` from its newest complete snapshot (``resume_config``)."""
+
+    def __post_init__(self) -> None:
+        if self.learners < 1 or self.shards < 1 or self.steps < 1 or self.quorum < 1:
+            raise InvalidArgument("learners, shards, steps and quorum must all be >= 1")
+        if self.tokens is not None and self.tokens < 1:
+            raise InvalidArgument(f"--tokens must be >= 1, got {self.tokens}")
+        if self.delay_ms < 0:
+            raise InvalidArgument(f"--delay-ms must be >= 0, got {self.delay_ms}")
+        for flag, pairs in (("--slow-learner", self.slow_learners), ("--learner-device", self.learner_devices)):
+            for index, _ in pairs:
+                if index >= self.learners:
+                    raise InvalidArgument(f"{flag} L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
+        if self.shards > self.run.fragments:
+            raise InvalidArgument(f"{self.shards} shards for {self.run.fragments} fragments: some shard would own none")
+
+
+    @property
+    def threads_per_learner(self) -> int:
+        return self.learner_threads or max((os.cpu_count() or 1) // self.learners, 1)
+
+    def learner_steps(self, tokens_per_step: int) -> int:
+        """Inner steps each learner is launched with. On a token budget, 1.5x its share:
+        the learners keep training while a replacement or a scavenged learner starts (or
+        a slow one lags), and all of them are drained once the budget is trained."""
+        if self.tokens is None:
+            return self.steps
+        share = self.tokens / (self.learners * max(tokens_per_step, 1))
+        return max(math.ceil(TOKEN_BUDGET_SLACK * share), 1)
