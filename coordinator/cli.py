@@ -227,7 +227,7 @@ def _token(args: argparse.Namespace) -> str:
 
 
 def _client(args: argparse.Namespace):
-    from coordinator.client import AdminClient
+    from diloco.clients.coordinator import AdminClient
     from diloco import rpc
 
     run_dir = _run_dir(args)

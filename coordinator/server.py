@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from coordinator import convert
-from coordinator.client import error_from_rpc
+from diloco.clients.coordinator import error_from_rpc
 from coordinator.config import CoordinatorConfig
 from coordinator.launcher import Launcher, LocalProcessLauncher
 from coordinator.runtime import CoordinatorRuntime, RunInfo

@@ -9,7 +9,8 @@ from diloco.clock import VectorClock
 from diloco.codec import TensorSpec
 from diloco.errors import InvalidArgument
 from diloco.fragments import FragmentPlan
-from diloco.v1 import common_pb2
+from diloco.v1 import common_pb2, syncer_pb2
+from diloco.wire import PushMeta
 
 _ENCODING_TO_PROTO = {"fp32": common_pb2.ENCODING_FP32, "int4": common_pb2.ENCODING_INT4}
 _ENCODING_FROM_PROTO = {v: k for k, v in _ENCODING_TO_PROTO.items()}
@@ -94,3 +95,32 @@ def plan_to_proto(plan: FragmentPlan, num_shards: int) -> common_pb2.FragmentPla
         ],
     )
 
+
+def push_meta_from_proto(msg: syncer_pb2.PushHeader) -> PushMeta:
+    if not msg.learner_id:
+        raise InvalidArgument("push header lacks learner_id")
+    return PushMeta(
+        learner_id=msg.learner_id,
+        fragment=msg.fragment,
+        base_version=msg.base_version,
+        tokens=msg.tokens,
+        inner_steps=msg.inner_steps,
+        step_time_s=msg.step_time_s,
+        clock=clock_from_proto(msg.clock),
+        specs=tuple(spec_from_proto(t) for t in msg.tensors),
+        snapshot_epoch=msg.snapshot_epoch,
+    )
+
+
+def push_meta_to_proto(meta: PushMeta) -> syncer_pb2.PushHeader:
+    return syncer_pb2.PushHeader(
+        learner_id=meta.learner_id,
+        fragment=meta.fragment,
+        base_version=meta.base_version,
+        tokens=meta.tokens,
+        inner_steps=meta.inner_steps,
+        step_time_s=meta.step_time_s,
+        clock=clock_to_proto(meta.clock),
+        snapshot_epoch=meta.snapshot_epoch,
+        tensors=[spec_to_proto(s) for s in meta.specs],
+    )

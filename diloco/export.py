@@ -34,7 +34,7 @@ class Exported:
 
 def assemble(replies) -> Exported:
     """The model from an ``ExportModel`` reply stream (header, then updates and chunks)."""
-    from syncer.client import decode_update
+    from diloco.clients.syncer import decode_update
 
     replies = list(replies)
     if not replies or replies[0].WhichOneof("kind") != "header":

@@ -213,7 +213,7 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
 def _shard_status(addresses: list[str], secret: str) -> list:
     """Each shard's Status (or the exception), asked as the coordinator: the supervisor
     holds the run secret it made."""
-    from syncer.client import SyncerClient, open_channel
+    from diloco.clients.syncer import SyncerClient, open_channel
 
     async def one(address):
         async with open_channel(address) as channel:
@@ -628,7 +628,7 @@ def run_local(cfg: LocalConfig) -> dict:
     from rich.console import Console
     from rich.live import Live
 
-    from coordinator.client import AdminClient
+    from diloco.clients.coordinator import AdminClient
     from diloco.timeline import draw_timeline
 
     # The directory and the task first: a bad one fails before anything is written or started.

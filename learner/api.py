@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco import snapshots as snapshot_store
 from diloco.clock import VectorClock
 from diloco.codec import encode
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition
 from diloco.manifest import Manifest, manifest_of, synced_tensors
-from diloco import snapshots as snapshot_store
 from diloco.tape import TapeWriter
+from diloco.wire import PushMeta
 from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, send_offsets
 from learner.core.sync import FragmentSync, Reply, SyncBook, Write, delta, write_into
@@ -48,7 +49,6 @@ from learner.membership import Heartbeats, Membership, join, register_model
 from learner.slice import SliceLink, SliceStep, host_state
 from learner.streamer import PushJob, Streamer
 from learner.telemetry import LearnerTelemetry, SyncTrace
-from syncer.core.shard import PushMeta
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""The learner's side of the coordinator: Join, then heartbeats on their own small channel
-and thread (never queued behind bulk pushes), Leave at the end. While the coordinator is
+"""The learner's side of the coordinator, through the kernel's ``LearnerSession`` (the
+client tests use too): Join, then heartbeats on their own small channel and thread
+(never queued behind bulk pushes), Leave at the end. While the coordinator is
 down the learner keeps training; heartbeats retry and resume when it returns."""
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
-from diloco import auth, rpc
+from diloco import auth
+from diloco.clients.coordinator import LearnerSession
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
-from diloco.convert import clock_to_proto
-from diloco.errors import Unavailable
-from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from diloco.errors import DilocoError, FailedPrecondition, NotFound, PermissionDenied, Unauthenticated, Unavailable
+from diloco.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -34,27 +33,22 @@ class Membership:
     lease_s: float
 
 
-def _channel(address: str) -> grpc.aio.Channel:
-    return rpc.channel(address, rpc.channel_options(4 * 1024 * 1024, "diloco.v1.Coordinator"))
-
-
 async def _join(address: str, join_token: str, pool: str, launch_id: str, host: str, timeout_s: float) -> Membership:
     loop = asyncio.get_running_loop()
     deadline, backoff = loop.time() + timeout_s, 0.2
-    while True:
-        try:
-            async with _channel(address) as channel:
-                reply = await coordinator_pb2_grpc.CoordinatorStub(channel).Join(
-                    coordinator_pb2.JoinRequest(pool=pool, address=host, launch_id=launch_id),
-                    metadata=((auth.JOIN_METADATA, join_token),),
-                    timeout=10,
-                )
-            break
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE or loop.time() + backoff > deadline:
-                raise
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+    session = LearnerSession(address, timeout_s=10)
+    try:
+        while True:
+            try:
+                reply = await session.join(join_token, pool=pool, address=host, launch_id=launch_id)
+                break
+            except Unavailable:
+                if loop.time() + backoff > deadline:
+                    raise
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+    finally:
+        await session.close()
     topology = reply.topology
     return Membership(
         reply.learner_id,
@@ -68,21 +62,26 @@ async def _join(address: str, join_token: str, pool: str, launch_id: str, host: 
 def join(address: str, join_token: str, pool: str, launch_id: str, host: str, timeout_s: float = 60.0) -> Membership:
     try:
         member = asyncio.run(_join(address, join_token, pool, launch_id, host, timeout_s))
-    except grpc.aio.AioRpcError as error:
-        raise Unavailable(f"cannot join the coordinator at {address}: {error.code().name}: {error.details()}") from None
+    except DilocoError as error:
+        raise type(error)(f"cannot join the coordinator at {address}: {error}") from None
     logger.info("joined the coordinator at %s as %s (pool %s, launch %s)", address, member.learner_id, pool or "default",
                 launch_id or "none")
     return member
 
 
+def _session(address: str, member: Membership, timeout_s: float) -> LearnerSession:
+    """A session of the joined learner ``member``."""
+    session = LearnerSession(address, timeout_s)
+    session.learner_id, session.credential = member.learner_id, member.credential.value
+    return session
+
+
 def register_model(address: str, member: Membership, manifest_json: str, timeout_s: float = 60.0) -> common_pb2.Topology:
     """Register this learner's model manifest; returns the topology with the run's
     manifest. A model that differs from the run's raises FailedPrecondition."""
-    from coordinator.client import LearnerSession
 
     async def call() -> common_pb2.Topology:
-        session = LearnerSession(address, timeout_s)
-        session.learner_id, session.credential = member.learner_id, member.credential.value
+        session = _session(address, member, timeout_s)
         try:
             return await session.register_model(manifest_json)
         finally:
@@ -103,7 +102,7 @@ class Heartbeats:
         self.address, self.member, self.interval_s = address, member, interval_s
         self.loss_timeout_s = loss_timeout_s
         self.stats, self.on_drain, self.on_snapshot = stats, on_drain, on_snapshot
-        self.reports: queue.SimpleQueue[coordinator_pb2.ReportSnapshotRequest] = queue.SimpleQueue()
+        self.reports: queue.SimpleQueue[tuple[int, VectorClock, list[tuple[str, int, str]]]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._left = False
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="diloco-heartbeat", daemon=True)
@@ -116,16 +115,15 @@ class Heartbeats:
         return self.member.credential.metadata()
 
     async def _run(self) -> None:
-        async with _channel(self.address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        # Its own small channel and thread: never queued behind bulk pushes.
+        session = _session(self.address, self.member, max(self.interval_s, 1.0))
+        try:
             last_ok = time.monotonic()
             while not self._stop.is_set():
-                await self._send_reports(stub)
+                await self._send_reports(session)
+                session.credential = self.member.credential.value
                 try:
-                    reply = await stub.Heartbeat(
-                        coordinator_pb2.HeartbeatRequest(learner_id=self.member.learner_id, **self.stats()),
-                        metadata=self._metadata(), timeout=max(self.interval_s, 1.0),
-                    )
+                    reply = await session.heartbeat(**self.stats())
                     self.member.credential.renew(reply.credential)  # every channel uses it from now on
                     for directive in reply.directives:
                         kind = directive.WhichOneof("kind")
@@ -134,44 +132,41 @@ class Heartbeats:
                         elif kind == "snapshot":
                             self.on_snapshot(directive.snapshot.snapshot_id, directive.snapshot.directory)
                     last_ok = time.monotonic()
-                except grpc.aio.AioRpcError as error:
+                except (FailedPrecondition, NotFound, Unauthenticated, PermissionDenied) as error:
+                    # No longer a member (lease expired, removed): stop; a launcher starts a
+                    # fresh learner if the run wants one.
                     self.failures += 1
-                    if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-                                        grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                        # No longer a member (lease expired, removed): stop; a launcher
-                        # starts a fresh learner if the run wants one.
-                        self.on_drain(f"the coordinator refused our heartbeat: {error.details()}")
-                        return
+                    self.on_drain(f"the coordinator refused our heartbeat: {error}")
+                    return
+                except DilocoError as error:
+                    self.failures += 1
                     lost_s = time.monotonic() - last_ok
                     if lost_s > self.loss_timeout_s:
                         self.on_drain(f"lost the coordinator at {self.address} for {lost_s:.0f} s "
                                       f"(--coordinator-loss-timeout-s {self.loss_timeout_s:g})")
                         return
-                    logger.warning("heartbeat failed (coordinator unreachable for %.0f s of %g): %s %s", lost_s,
-                                   self.loss_timeout_s, error.code().name, error.details())
+                    logger.warning("heartbeat failed (coordinator unreachable for %.0f s of %g): %s", lost_s,
+                                   self.loss_timeout_s, error)
                 await asyncio.to_thread(self._stop.wait, self.interval_s)
+        finally:
+            await session.close()
 
     def report(self, snapshot_id: int, clock: VectorClock, files: list[tuple[str, int, str]]) -> None:
         """Queue a ReportSnapshot (sent from the heartbeat thread before its next beat)."""
-        self.reports.put(
-            coordinator_pb2.ReportSnapshotRequest(
-                snapshot_id=snapshot_id, participant=self.member.learner_id, clock=clock_to_proto(clock),
-                files=[common_pb2.SnapshotFile(path=p, size_bytes=n, sha256=h) for p, n, h in files],
-            )
-        )
+        self.reports.put((snapshot_id, clock, files))
 
-    async def _send_reports(self, stub) -> None:
+    async def _send_reports(self, session: LearnerSession) -> None:
         while True:
             try:
-                request = self.reports.get_nowait()
+                snapshot_id, clock, files = self.reports.get_nowait()
             except queue.Empty:
                 return
             try:
-                await stub.ReportSnapshot(request, metadata=self._metadata(), timeout=10)
-            except grpc.aio.AioRpcError as error:
+                await session.report_snapshot(snapshot_id, files, clock=clock)
+            except DilocoError as error:
                 # The coordinator re-sends the marker until we report; a lost report is
                 # answered by recording again.
-                logger.warning("snapshot report failed: %s %s", error.code().name, error.details())
+                logger.warning("snapshot report failed: %s", error)
 
     def stop_and_leave(self, reason: str) -> None:
         """Stop beating and Leave; once (a second call does nothing)."""
@@ -184,13 +179,13 @@ class Heartbeats:
         final = {k: v for k, v in self.stats().items() if k in ("tokens", "inner_steps")}
 
         async def leave():
-            async with _channel(self.address) as channel:
-                await coordinator_pb2_grpc.CoordinatorStub(channel).Leave(
-                    coordinator_pb2.LeaveRequest(learner_id=self.member.learner_id, reason=reason, **final),
-                    metadata=self._metadata(), timeout=5,
-                )
+            session = _session(self.address, self.member, 5.0)
+            try:
+                await session.leave(reason, **final)
+            finally:
+                await session.close()
 
         try:
             asyncio.run(leave())
-        except grpc.aio.AioRpcError as error:
-            logger.warning("leave failed: %s", error.code().name)
+        except DilocoError as error:
+            logger.warning("leave failed: %s", error)

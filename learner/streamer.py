@@ -26,12 +26,12 @@ import torch
 from opentelemetry import context as otel_context
 
 from diloco import auth
+from diloco.clients.syncer import DecodedUpdate, SyncerClient, open_channel
 from diloco.codec import EncodedTensor
 from diloco.errors import Cancelled, DeadlineExceeded, FailedPrecondition
+from diloco.wire import PushMeta
 from learner.core.sync import Reply
 from learner.telemetry import SyncTrace
-from syncer.client import DecodedUpdate, SyncerClient, open_channel
-from syncer.core.shard import PushMeta
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,15 @@
-"""Protos <-> shard core types. The only syncer module that imports both."""
+"""Protos <-> shard core types (acks, updates, initial values); the push header is the
+kernel's (diloco.convert). The only syncer module that imports both."""
 
 from __future__ import annotations
 
 from diloco.clock import VectorClock
-from diloco.convert import clock_from_proto, clock_to_proto, spec_from_proto, spec_to_proto
+from diloco.convert import clock_to_proto, spec_from_proto, spec_to_proto
 from diloco.codec import TensorSpec
 from diloco.errors import InvalidArgument
 from diloco.fragments import FragmentPlan
 from diloco.v1 import syncer_pb2
-from syncer.core.shard import ACCEPTED, ACCEPTED_NEXT_ROUND, DUPLICATE, Ack, FragmentUpdate, PushMeta
+from syncer.core.shard import ACCEPTED, ACCEPTED_NEXT_ROUND, DUPLICATE, Ack, FragmentUpdate
 
 _OUTCOME = {
     ACCEPTED: syncer_pb2.PUSH_OUTCOME_ACCEPTED,
@@ -16,36 +17,6 @@ _OUTCOME = {
     DUPLICATE: syncer_pb2.PUSH_OUTCOME_DUPLICATE,
 }
 _KIND = {"delta": syncer_pb2.UPDATE_KIND_DELTA, "full": syncer_pb2.UPDATE_KIND_FULL}
-
-
-def push_meta_from_proto(msg: syncer_pb2.PushHeader) -> PushMeta:
-    if not msg.learner_id:
-        raise InvalidArgument("push header lacks learner_id")
-    return PushMeta(
-        learner_id=msg.learner_id,
-        fragment=msg.fragment,
-        base_version=msg.base_version,
-        tokens=msg.tokens,
-        inner_steps=msg.inner_steps,
-        step_time_s=msg.step_time_s,
-        clock=clock_from_proto(msg.clock),
-        specs=tuple(spec_from_proto(t) for t in msg.tensors),
-        snapshot_epoch=msg.snapshot_epoch,
-    )
-
-
-def push_meta_to_proto(meta: PushMeta) -> syncer_pb2.PushHeader:
-    return syncer_pb2.PushHeader(
-        learner_id=meta.learner_id,
-        fragment=meta.fragment,
-        base_version=meta.base_version,
-        tokens=meta.tokens,
-        inner_steps=meta.inner_steps,
-        step_time_s=meta.step_time_s,
-        clock=clock_to_proto(meta.clock),
-        snapshot_epoch=meta.snapshot_epoch,
-        tensors=[spec_to_proto(s) for s in meta.specs],
-    )
 
 
 def ack_to_proto(ack: Ack, clock: VectorClock) -> syncer_pb2.PushReply:

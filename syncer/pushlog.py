@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import IO
 
 from diloco.errors import InvalidArgument, NotFound
-from syncer.core.shard import PushMeta, PushPayload, inspect_payload
+from diloco.wire import PushMeta
+from syncer.core.shard import PushPayload, inspect_payload
 from syncer.core.snapshot import meta_in, meta_out
 
 logger = logging.getLogger(__name__)

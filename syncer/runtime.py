@@ -23,11 +23,12 @@ from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
 from diloco.snapshots import atomic_write
 from diloco.tape import TapeWriter
+from diloco.wire import PushMeta
 from syncer import snapshot as snapshot_files
-from syncer.pushlog import PushLogWriter
 from syncer.core import snapshot
 from syncer.core.rounds import Close
-from syncer.core.shard import DUPLICATE, Ack, PushMeta, PushPayload, RoundJob, ShardCore, Segment, compute_round
+from syncer.core.shard import DUPLICATE, Ack, PushPayload, RoundJob, ShardCore, Segment, compute_round
+from syncer.pushlog import PushLogWriter
 from syncer.telemetry import ShardTelemetry
 
 logger = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from diloco import auth, rpc
 from diloco.codec import Unframer, frame
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
+from diloco.convert import clock_from_proto, clock_to_proto, push_meta_from_proto
 from syncer import convert
 from syncer.core.shard import FragmentUpdate, PushPayload, Segment, inspect_payload
 from syncer.runtime import ShardRuntime
@@ -171,7 +172,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         span = self.runtime.telemetry.start_push()  # a child of the RPC's span: the learner's trace
         try:
             learner_id = self._authenticate(context)
-            meta = convert.push_meta_from_proto(await _header(requests, "push", self.runtime.core.cfg.stream_idle_timeout_s))
+            meta = push_meta_from_proto(await _header(requests, "push", self.runtime.core.cfg.stream_idle_timeout_s))
             if meta.learner_id != learner_id:
                 raise PermissionDenied(f"credential is for {learner_id!r}, the push claims {meta.learner_id!r}")
             span.set_attributes(push_attributes(meta))
@@ -225,7 +226,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 await _drain(requests, payload_bytes)
                 reading = False
                 return syncer_pb2.InitializeReply(initialized=False, version=core.fragments[header.fragment].version,
-                                                  clock=convert.clock_to_proto(core.clock))
+                                                  clock=clock_to_proto(core.clock))
             payload, _ = await self._receive(requests, specs, payload_bytes)
             reading = False
             values = [np.frombuffer(t.payload, dtype="<f4").reshape(t.spec.shape) for t in payload.tensors]
@@ -236,7 +237,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 added = self.runtime.initialize(learner_id, header.manifest_json, plan, header.fragment, values,
                                                 header.anchor_version if header.anchor else None)
             return syncer_pb2.InitializeReply(initialized=added, version=core.fragments[header.fragment].version,
-                                              clock=convert.clock_to_proto(core.clock))
+                                              clock=clock_to_proto(core.clock))
         except DilocoError as error:
             if reading:
                 await _drain(requests, self.runtime.core.cfg.max_push_bytes)
@@ -266,11 +267,11 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             if request.snapshot_id < 1 or not request.directory:
                 raise InvalidArgument("a marker needs a snapshot id >= 1 and a directory")
             result = await self.runtime.marker(
-                request.snapshot_id, request.directory, list(request.learners), convert.clock_from_proto(request.clock)
+                request.snapshot_id, request.directory, list(request.learners), clock_from_proto(request.clock)
             )
             return syncer_pb2.MarkerReply(
                 participant=self.runtime.core.process,
-                clock=convert.clock_to_proto(result.clock),
+                clock=clock_to_proto(result.clock),
                 files=[common_pb2.SnapshotFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in result.files],
             )
         except DilocoError as error:
@@ -310,7 +311,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             pushes_received=counters.pushes,
             bytes_received=counters.bytes_received,
             bytes_sent=counters.bytes_sent,
-            clock=convert.clock_to_proto(core.clock),
+            clock=clock_to_proto(core.clock),
             plan_hash=core.plan.plan_hash if core.plan is not None else "",
             model_state=self.runtime.model_state(),
             anchors_only=self.runtime.anchors_only,

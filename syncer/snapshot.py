@@ -24,7 +24,8 @@ import numpy as np
 from diloco.errors import InvalidArgument
 from diloco import snapshots
 from diloco.snapshots import files_of, find_manifest, join, read_manifest, write_file
-from syncer.core.shard import PushMeta, PushPayload
+from diloco.wire import PushMeta
+from syncer.core.shard import PushPayload
 from syncer.core.snapshot import FORMAT, push_in, push_out
 
 logger = logging.getLogger(__name__)

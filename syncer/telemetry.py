@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from opentelemetry import context, metrics, trace
 
 from diloco.telemetry import SECONDS_BUCKETS, SHARD_ID
-from syncer.core.shard import PushMeta, RoundJob
+from diloco.wire import PushMeta
+from syncer.core.shard import RoundJob
 
 SCOPE = "diloco.syncer"
 

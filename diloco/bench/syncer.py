@@ -84,8 +84,8 @@ def _client(index: int, address: str, secret: str, params: int, rounds: int, bar
     from diloco import auth
     from diloco.clock import VectorClock
     from diloco.codec import encode, frame
-    from syncer.client import SyncerClient, open_channel
-    from syncer.core.shard import PushMeta
+    from diloco.clients.syncer import SyncerClient, open_channel
+    from diloco.wire import PushMeta
 
     name = f"L{index}"
     plan = synthetic(params).plan(1)
@@ -225,7 +225,8 @@ def _merge_and_memcpy_ms(params: int, learners: int) -> tuple[float, float]:
     from diloco.clock import VectorClock
     from diloco.codec import encode
     from syncer.config import RoundConfig, SyncerConfig
-    from syncer.core.shard import PushMeta, ShardCore, compute_round, inspect_payload
+    from diloco.wire import PushMeta
+    from syncer.core.shard import ShardCore, compute_round, inspect_payload
 
     plan = synthetic(params).plan(1)
     core = ShardCore(SyncerConfig(rounds=RoundConfig(grace_mode="off")), plan, {0: synthetic_values(plan)})
@@ -277,7 +278,7 @@ def _initialize(address: str, secret: str, params: int) -> None:
     """Give the benchmark shard its starting values, as the first learner of a run does."""
     from diloco import auth
     from diloco.codec import encode
-    from syncer.client import SyncerClient, open_channel
+    from diloco.clients.syncer import SyncerClient, open_channel
 
     manifest = synthetic(params)
     plan = manifest.plan(1)

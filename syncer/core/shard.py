@@ -28,6 +28,7 @@ from diloco.codec import (
 )
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import Fragment, FragmentPlan
+from diloco.wire import PushMeta
 from syncer.config import SyncerConfig
 from syncer.core.merge import Contribution, merge_piece, token_weights
 from syncer.core.outer import outer_step_
@@ -36,30 +37,6 @@ from syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
 ACCEPTED = "accepted"
 ACCEPTED_NEXT_ROUND = "accepted_next_round"
 DUPLICATE = "duplicate"
-
-
-@dataclass(frozen=True)
-class PushMeta:
-    """A push header, validated before any payload byte is accepted."""
-
-    learner_id: str
-    fragment: int
-    base_version: int
-    tokens: int
-    inner_steps: int
-    step_time_s: float
-    clock: VectorClock
-    specs: tuple[TensorSpec, ...]
-    snapshot_epoch: int = 0
-
-    @property
-    def seq(self) -> int:
-        """The learner's own clock entry: with (learner, fragment) it identifies the push."""
-        return self.clock[self.learner_id]
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(s.byte_length for s in self.specs)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ from diloco.clock import VectorClock
 from diloco.codec import EncodedTensor, TensorSpec
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.manifest import Manifest
+from diloco.wire import PushMeta
 from syncer.core.rounds import Timings
-from syncer.core.shard import DUPLICATE, Pending, PushMeta, PushPayload, Segment, ShardCore, inspect_payload
+from syncer.core.shard import DUPLICATE, Pending, PushPayload, Segment, ShardCore, inspect_payload
 
 FORMAT = 1
 

@@ -14,12 +14,12 @@ import time
 import grpc
 import pytest
 
-from coordinator.client import AdminClient
+from diloco.clients.coordinator import AdminClient
 from diloco import auth
 from diloco.errors import Unavailable
 from diloco.tape import read_tape
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from syncer.client import SyncerClient, open_channel
+from diloco.clients.syncer import SyncerClient, open_channel
 from tests.cluster.test_snapshot_restore import TINY, free_port
 from tests.polling import poll
 

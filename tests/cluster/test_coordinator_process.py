@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.client import AdminClient
+from diloco.clients.coordinator import AdminClient
 from tests.grpc.conftest import SECRET
 from tests.polling import poll
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from diloco import auth
-from syncer.client import SyncerClient, open_channel
+from diloco.clients.syncer import SyncerClient, open_channel
 from tests.polling import poll
 
 pytestmark = pytest.mark.cluster

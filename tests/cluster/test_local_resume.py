@@ -28,7 +28,7 @@ def diloco(*args, timeout=300):
 def trained(out) -> int:
     """Tokens the run's learners reported (0 while its coordinator is not up): asked in
     process, so the stop comes early in a run this tiny."""
-    from coordinator.client import AdminClient
+    from diloco.clients.coordinator import AdminClient
     from diloco.errors import DilocoError
 
     try:

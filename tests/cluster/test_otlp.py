@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from coordinator.client import AdminClient
+from diloco.clients.coordinator import AdminClient
 from diloco.bench.otlp import OtlpReceiver
 from tests.grpc.conftest import SECRET
 from tests.polling import poll

@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 
 from diloco import auth
 from diloco.errors import Unavailable
-from coordinator.client import AdminClient
+from diloco.clients.coordinator import AdminClient
 from diloco.tasks.byte_gpt import GPT, ModelConfig
 from diloco.snapshots import find_manifest, read_manifest
 from syncer import snapshot as snapshot_files
-from syncer.client import SyncerClient, open_channel
+from diloco.clients.syncer import SyncerClient, open_channel
 from tests.polling import poll
 
 pytestmark = pytest.mark.cluster

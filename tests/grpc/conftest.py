@@ -4,7 +4,7 @@ import contextlib
 import pytest
 
 from diloco import auth
-from syncer.client import SyncerClient, open_channel
+from diloco.clients.syncer import SyncerClient, open_channel
 from syncer.config import MergeConfig, RoundConfig, SyncerConfig
 from syncer.server import ShardServer, ShardServerConfig
 from tests.seeded import gpt_run, seeded_core

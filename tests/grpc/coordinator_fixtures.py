@@ -5,7 +5,7 @@ import contextlib
 
 import grpc
 
-from coordinator.client import LearnerSession
+from diloco.clients.coordinator import LearnerSession
 from coordinator.config import CoordinatorConfig
 from coordinator.server import CoordinatorServer, default_launcher
 from diloco import auth

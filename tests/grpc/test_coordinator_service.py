@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.client import LearnerSession
+from diloco.clients.coordinator import LearnerSession
 from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument

@@ -10,12 +10,12 @@ import time
 import grpc
 import pytest
 
-from coordinator.client import LearnerSession
+from diloco.clients.coordinator import LearnerSession
 from diloco import auth
 from diloco.errors import InvalidArgument, Unauthenticated
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from learner.membership import Heartbeats, Membership
-from syncer.client import SyncerClient, open_channel
+from diloco.clients.syncer import SyncerClient, open_channel
 from tests.grpc.conftest import SECRET, TINY, running_shard
 from tests.grpc.coordinator_fixtures import running_coordinator
 

@@ -13,8 +13,8 @@ from diloco.codec import EncodedTensor, TensorSpec, checksum
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.snapshots import files_of
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, syncer_pb2
-from syncer.convert import push_meta_to_proto
-from syncer.core.shard import PushMeta
+from diloco.convert import push_meta_to_proto
+from diloco.wire import PushMeta
 from tests.grpc.conftest import SECRET, client_for, run, running_shard
 from tests.grpc.coordinator_fixtures import joined, running_coordinator
 from tests.grpc.test_syncer_service import FakeLearner, chunk_msgs, header_msg, raw_push

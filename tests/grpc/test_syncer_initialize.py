@@ -204,7 +204,7 @@ def test_a_shard_that_restarts_without_its_state_takes_only_an_anchor(tmp_path):
 def test_the_operator_sees_each_shards_model_state_through_the_coordinator(tmp_path):
     """``diloco admin shards``: every shard's Status relayed by the coordinator, or why it
     could not be reached."""
-    from coordinator.client import AdminClient
+    from diloco.clients.coordinator import AdminClient
     from tests.grpc.coordinator_fixtures import ADMIN, running_coordinator
 
     async def scenario():
@@ -233,7 +233,7 @@ def test_an_operator_lets_a_shard_without_anchors_take_fresh_initial_values(tmp_
     """A shard back without its state and no learner left with an anchor: it refuses fresh
     values until ``diloco admin accept-initial-values`` says so (through the coordinator);
     then the next learner's values are taken and the decision is on the tape."""
-    from coordinator.client import AdminClient
+    from diloco.clients.coordinator import AdminClient
     from diloco.errors import FailedPrecondition, InvalidArgument
     from tests.grpc.coordinator_fixtures import ADMIN, running_coordinator
 

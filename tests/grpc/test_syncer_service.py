@@ -13,10 +13,10 @@ from diloco.codec import EncodedTensor, TensorSpec, checksum, encode
 from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
-from syncer.client import write_all
+from diloco.clients.syncer import write_all
 from syncer.config import MergeConfig
-from syncer.convert import push_meta_to_proto
-from syncer.core.shard import PushMeta
+from diloco.convert import push_meta_to_proto
+from diloco.wire import PushMeta
 from tests.grpc.conftest import client_for, run, running_shard
 from tests.checks import assert_same_tensors
 

@@ -1,4 +1,6 @@
-"""Architectural rule: core modules and the shared kernel never import grpc or protos."""
+"""Architectural rules: the pure cores and the kernel's pure modules never import grpc or
+protos; services (learner, syncer, coordinator) never import each other, only the
+kernel (diloco, less its tools); the kernel imports no service and no tool."""
 
 import ast
 import subprocess
@@ -8,14 +10,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "diloco.v1", "opentelemetry")
 # The kernel's own service-side modules, allowed to touch grpc/protos (telemetry.py: the
-# OpenTelemetry providers every process installs; core code never imports it).
+# OpenTelemetry providers every process installs; core code never imports it; clients/:
+# the services' clients).
 KERNEL_SERVICE_MODULES = {"rpc.py", "convert.py", "cli.py", "telemetry.py"}
+SERVICES = ("learner", "syncer", "coordinator")
+# What drives or measures a run: it lives in diloco/ for now (issue: a package of its own)
+# and may import services; the kernel may not import it.
+TOOLS = {"cli.py", "local.py", "local_config.py", "compare.py", "chaos.py", "replay.py", "timeline.py", "export.py",
+         "baseline", "bench", "simulate"}
 
 
 def core_modules():
     for path in sorted((ROOT / "diloco").rglob("*.py")):
         rel = path.relative_to(ROOT / "diloco")
-        if rel.parts[0] in ("v1", "bench") or rel.name in KERNEL_SERVICE_MODULES:
+        if rel.parts[0] in ("v1", "bench", "clients") or rel.name in KERNEL_SERVICE_MODULES:
             continue
         yield path
     for package in ("learner", "syncer", "coordinator"):
@@ -87,5 +95,45 @@ def test_syncer_and_coordinator_import_no_model_code():
         for path in sorted((ROOT / package).rglob("*.py"))
         for name in imported_modules(path)
         if name.startswith(("diloco.tasks", "diloco.task", "learner"))
+    ]
+    assert not offenders, offenders
+
+
+def _imports(path):
+    return [(path.relative_to(ROOT), name) for name in imported_modules(path)]
+
+
+def kernel_modules():
+    """diloco/ less its generated stubs, its tools and diloco/__init__.py: the public API's
+    facade, which hands out diloco.Learner (learner.api) on first use."""
+    for path in sorted((ROOT / "diloco").rglob("*.py")):
+        rel = path.relative_to(ROOT / "diloco")
+        if rel.parts[0] != "v1" and rel.parts[0] not in TOOLS and rel != Path("__init__.py"):
+            yield path
+
+
+def test_services_import_only_the_kernel_never_each_other():
+    """A learner reaches a shard or the coordinator through the kernel's clients and wire
+    types (diloco.clients, diloco.wire), never through the other service's code."""
+    offenders = [
+        f"{rel} imports {name}"
+        for service in SERVICES
+        for path in sorted((ROOT / service).rglob("*.py"))
+        for rel, name in _imports(path)
+        if name.split(".")[0] in SERVICES and name.split(".")[0] != service
+    ]
+    assert any(p.name == "streamer.py" for p in (ROOT / "learner").rglob("*.py"))
+    assert not offenders, offenders
+
+
+def test_the_kernel_imports_no_service_and_no_tool():
+    kernel = list(kernel_modules())
+    assert {"wire.py", "syncer.py", "coordinator.py", "fragments.py"} <= {p.name for p in kernel}
+    tools = {f"diloco.{t.removesuffix('.py')}" for t in TOOLS}
+    offenders = [
+        f"{rel} imports {name}"
+        for path in kernel
+        for rel, name in _imports(path)
+        if name.split(".")[0] in SERVICES or any(name == t or name.startswith(t + ".") for t in tools)
     ]
     assert not offenders, offenders

@@ -16,11 +16,10 @@ import torch
 
 from diloco import auth, rpc
 from diloco.codec import EncodedTensor, decode, frame, unframe
-from diloco.convert import clock_from_proto, spec_from_proto, spec_to_proto
+from diloco.convert import clock_from_proto, spec_from_proto, spec_to_proto, push_meta_to_proto
 from diloco.errors import InvalidArgument
 from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
-from syncer.core.shard import PushMeta
-from syncer.convert import push_meta_to_proto
+from diloco.wire import PushMeta
 
 _KIND = {syncer_pb2.UPDATE_KIND_DELTA: "delta", syncer_pb2.UPDATE_KIND_FULL: "full"}
 _OUTCOME = {

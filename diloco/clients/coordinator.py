@@ -117,8 +117,10 @@ class LearnerSession:
         self._received(reply.clock)
         return reply
 
-    async def leave(self, reason: str = "") -> None:
-        request = coordinator_pb2.LeaveRequest(learner_id=self.learner_id, reason=reason, clock=self._send())
+    async def leave(self, reason: str = "", tokens: int | None = None, inner_steps: int | None = None) -> None:
+        """``tokens``, ``inner_steps``: the learner's final counts (unset: the last heartbeat's stand)."""
+        counts = {k: v for k, v in (("tokens", tokens), ("inner_steps", inner_steps)) if v is not None}
+        request = coordinator_pb2.LeaveRequest(learner_id=self.learner_id, reason=reason, clock=self._send(), **counts)
         await self._call("Leave", self.stub.Leave, request, self.metadata)
 
     async def topology(self) -> common_pb2.Topology:
@@ -130,12 +132,16 @@ class LearnerSession:
         self._received(reply.clock)
         return reply.topology
 
-    async def report_snapshot(self, snapshot_id: int, files: Sequence[tuple[str, int, str]] = ()) -> None:
-        """``files``: (path relative to the snapshot directory, size in bytes, hex SHA-256)."""
+    async def report_snapshot(self, snapshot_id: int, files: Sequence[tuple[str, int, str]] = (),
+                              clock: VectorClock | None = None) -> None:
+        """``files``: (path relative to the snapshot directory, size in bytes, hex SHA-256).
+        ``clock``: the learner's clock when it recorded (default: this session's, ticked)."""
+        if clock is not None:
+            self.clock = self.clock.merge(clock)
         request = coordinator_pb2.ReportSnapshotRequest(
             snapshot_id=snapshot_id,
             participant=self.learner_id,
-            clock=self._send(),
+            clock=_clock_proto(clock) if clock is not None else self._send(),
             files=[common_pb2.SnapshotFile(path=p, size_bytes=n, sha256=h) for p, n, h in files],
         )
         await self._call("ReportSnapshot", self.stub.ReportSnapshot, request, self.metadata)
