@@ -24,10 +24,11 @@ from diloco import auth
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition
+from diloco.files import atomic_write_json
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
 from diloco.snapshots import (
-    MANIFEST, atomic_write_json, find_manifest, join, pins, prepare, read_manifest, remove_snapshot, sign_manifest, snapshot_ids,
+    MANIFEST, find_manifest, join, pins, prepare, read_manifest, remove_snapshot, sign_manifest, snapshot_ids,
     write_file,
 )
 

@@ -10,7 +10,6 @@ elsewhere, ``snapshots/``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from coordinator.service import CoordinatorServicer
 from diloco import auth, rpc
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
+from diloco.files import atomic_write
 from diloco.v1 import coordinator_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -53,11 +53,7 @@ def default_launcher(server: CoordinatorServer, address: str) -> Launcher | None
 
 def write_secret_file(path: Path, value: str) -> None:
     """Owner-only, written whole: learners may read it the moment it appears."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, value + "\n", mode=0o600)
 
 
 class ShardCalls:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from pathlib import Path
 
 from cryptography import x509
@@ -21,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from diloco.errors import AlreadyExists, InvalidArgument
+from diloco.files import atomic_write
 from diloco.rpc import TLS_SERVER_NAME
 
 CA_KEY = "ca.key"
@@ -87,10 +87,5 @@ def make_certs(out: Path, hosts: list[str] = (), days: int = 365, overwrite: boo
     contents = [ca.public_bytes(serialization.Encoding.PEM), _pem_key(ca_key),
                 cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)]
     for path, data in zip(files, contents):
-        private = path.name.endswith(".key")
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        atomic_write(path, data, mode=0o600 if path.name.endswith(".key") else 0o644)
     return files

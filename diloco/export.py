@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from diloco.errors import FailedPrecondition, InvalidArgument
+from diloco.files import replacing
 from diloco.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -91,13 +92,10 @@ def save(exported: Exported, path: Path) -> None:
     """Write ``model.safetensors`` atomically (a reader never sees half a file)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     versions = ",".join(f"{f}:{v}" for f, v in sorted(exported.versions.items()))
-    save_file({k: v.contiguous() for k, v in exported.state.items()}, str(tmp),
-              metadata={"format": "pt", "diloco_versions": versions})
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        save_file({k: v.contiguous() for k, v in exported.state.items()}, str(tmp),
+                  metadata={"format": "pt", "diloco_versions": versions})
 
 
 def export_model(admin, path: Path, timeout_s: float = 600.0) -> Exported:

@@ -37,6 +37,7 @@ from diloco.chaos import SCAVENGED_POOL, ChaosMonkey
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from diloco.export import export_model
+from diloco.files import atomic_write
 from diloco.snapshots import snapshot_ids
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
@@ -78,9 +79,7 @@ class Cluster:
 
     def _endpoint(self, role: str, address: str, pid: int) -> None:
         self.endpoints = [e for e in self.endpoints if e["role"] != role] + [{"role": role, "address": address, "pid": pid}]
-        tmp = self.dir / "endpoints.json.tmp"
-        tmp.write_text(json.dumps(self.endpoints, indent=1))
-        os.replace(tmp, self.dir / "endpoints.json")
+        atomic_write(self.dir / "endpoints.json", json.dumps(self.endpoints, indent=1))
 
     def _shard_args(self, m: int) -> list[str]:
         address = self.shards[m]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
 from diloco import errors
 from diloco.errors import InvalidArgument, Unavailable
+from diloco.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -237,9 +237,7 @@ async def announce_and_wait_for_signal(what: str, address: str, port_file: Path 
     """Write ``address`` to ``port_file`` (atomically: launchers poll for it), print it, and
     return once SIGTERM or SIGINT arrives."""
     if port_file is not None:
-        tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(f"{address}\n")
-        os.replace(tmp, port_file)
+        atomic_write(port_file, f"{address}\n")
     print(f"{what} listening on {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

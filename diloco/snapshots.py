@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import posixpath
 import re
 from pathlib import Path
@@ -25,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from diloco import auth
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound
+from diloco.files import atomic_write
 
 MANIFEST = "manifest.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
@@ -113,28 +113,6 @@ def remove_snapshot(root: str | Path, snapshot_id: int) -> None:
         fs.rm_file(manifest)
     if fs.exists(path):
         fs.rm(path, recursive=True)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write, fsync, rename, fsync the directory: after this the file is either the old
-    one or the new one, also across a power cut."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_json(path: Path, value: object) -> None:
-    atomic_write(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
 
 
 def find_manifest(root: str | Path | None, spec: str) -> str:

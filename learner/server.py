@@ -18,6 +18,7 @@ from pathlib import Path
 from diloco.config import RunConfig
 from diloco.tape import TapeWriter
 from diloco.errors import Cancelled
+from diloco.files import atomic_write
 from learner.api import Learner, Summary
 from learner.config import LearnerConfig
 from learner.membership import Heartbeats, Membership, join
@@ -105,10 +106,7 @@ def _fmt(value: float | None) -> str:
 
 
 def write_summary(summary: Summary, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(summary), indent=1))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(asdict(summary), indent=1))
 
 
 def static_membership(run: RunConfig, learner_id: str, secret: str, shards: list[str]) -> Membership:

@@ -21,7 +21,7 @@ from diloco.clock import VectorClock
 from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
-from diloco.snapshots import atomic_write
+from diloco.files import atomic_write
 from diloco.tape import TapeWriter
 from diloco.wire import PushMeta
 from syncer import snapshot as snapshot_files

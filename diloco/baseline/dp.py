@@ -39,7 +39,7 @@ from diloco.baseline.common import (
 )
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument, Unavailable
-from diloco.snapshots import atomic_write_json
+from diloco.files import atomic_write_json
 from diloco.task import TaskError
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from diloco.baseline.common import (
     TASK_ERROR_EXIT, TASK_ERROR_PREFIX, JsonlWriter, advance_schedule, grad_dtype, next_batch, skip_batches,
 )
 from diloco.baseline.dp import DPConfig
-from diloco.snapshots import atomic_write
+from diloco.files import atomic_write
 from diloco.task import TaskError, checked_loss, checked_tokens
 from learner.runner import inner_optimizer
 

@@ -38,7 +38,7 @@ from diloco.baseline.common import (
 )
 from diloco.config import RunConfig
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
-from diloco.snapshots import atomic_write_json
+from diloco.files import atomic_write_json
 from diloco.task import TaskError
 from syncer.config import MergeConfig
 

@@ -35,7 +35,7 @@ from diloco.baseline.common import (
     TASK_ERROR_EXIT, TASK_ERROR_PREFIX, JsonlWriter, advance_schedule, next_batch, ring_allreduce_bytes, skip_batches,
 )
 from diloco.baseline.torchft_peer import TorchftConfig
-from diloco.snapshots import atomic_write, atomic_write_json
+from diloco.files import atomic_write, atomic_write_json
 from diloco.task import TaskError, checked_loss, checked_tokens
 from learner.runner import inner_optimizer
 
