@@ -43,6 +43,32 @@ def inner_optimizer(task: Task, cfg: LearnerConfig) -> tuple[torch.optim.Optimiz
     return optimizer, schedule
 
 
+def inner_step(spec: str, task: Task, batch, optimizer: torch.optim.Optimizer, schedule, grad_clip: float, *,
+               device: Device | None = None, set_to_none: bool = True,
+               before_update: Callable[[torch.Tensor], None] = lambda loss: None) -> torch.Tensor:
+    """One inner step, the same for a learner and the baselines it is compared with (they
+    must train alike for the comparison to be fair): the task's loss on ``batch`` (placed
+    on ``device`` and under its autocast), backward, ``before_update(loss)`` (a
+    baseline's gradient all-reduce or simulated slowness), gradient clipping, the optimizer's step
+    and the schedule's. Returns the loss. ``set_to_none`` False keeps the gradient
+    tensors (a baseline whose gradients are views of one all-reduce buffer)."""
+    optimizer.zero_grad(set_to_none=set_to_none)
+    if device is not None:
+        with device.autocast():
+            loss = checked_loss(spec, task.loss(task.model, device.place_batch(batch)))
+    else:
+        loss = checked_loss(spec, task.loss(task.model, batch))
+    loss.backward()
+    before_update(loss)
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_([p for p in task.model.parameters() if p.requires_grad], grad_clip)
+    optimizer.step()
+    schedule.step()
+    if device is not None:
+        device.step_done()
+    return loss
+
+
 class TaskRunner:
     """Trains ``task`` for ``cfg.steps`` inner steps (or until the learner is asked to
     stop), syncing through ``learner``."""
@@ -70,15 +96,7 @@ class TaskRunner:
                 raise TaskError(
                     f"task {self.spec!r}: its batches ended after {step} batches; this learner trains {cfg.steps} inner steps"
                 ) from None
-            with learner.device.autocast():
-                loss = checked_loss(self.spec, task.loss(task.model, learner.device.place_batch(batch)))
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(task.model.parameters(), cfg.grad_clip)
-            self.optimizer.step()
-            self.schedule.step()
-            learner.device.step_done()
+            loss = inner_step(self.spec, task, batch, self.optimizer, self.schedule, cfg.grad_clip, device=learner.device)
             if learner.device.kind != "xla":  # reading the loss is a host sync point on XLA
                 value = float(loss.detach())
                 if not math.isfinite(value):

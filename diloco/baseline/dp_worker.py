@@ -31,8 +31,8 @@ from diloco.baseline.common import (
 )
 from diloco.baseline.dp import DPConfig
 from diloco.files import atomic_write
-from diloco.task import TaskError, checked_loss, checked_tokens
-from learner.runner import inner_optimizer
+from diloco.task import TaskError, checked_tokens
+from learner.runner import inner_optimizer, inner_step
 
 logger = logging.getLogger(__name__)
 
@@ -104,22 +104,20 @@ def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
             raise SystemExit(f"worker {rank}: the supervisor is gone; stopping")
         t0 = time.time()
         batch = next_batch(spec, batches, step, cfg.steps)
-        optimizer.zero_grad(set_to_none=False)  # zeroes the views in place
-        loss = checked_loss(spec, task.loss(model, batch))
-        loss.backward()
+
+        def all_reduce(loss: torch.Tensor) -> None:
+            if slow > 1.0:
+                time.sleep((slow - 1.0) * (time.time() - t0))  # a simulated slower accelerator
+            flat[-1] = loss.detach()
+            group.allreduce([flat]).wait()
+            flat.div_(cfg.workers)
+            if not math.isfinite(float(flat[-1])):
+                raise TaskError(f"task {spec!r}: the loss is {float(flat[-1])} at step {step}")
+
+        # Gradients are views of the one all-reduce buffer: zeroed in place, never replaced.
+        inner_step(spec, task, batch, optimizer, schedule, inner.grad_clip, set_to_none=False, before_update=all_reduce)
         tokens = checked_tokens(spec, task.tokens(batch))
-        if slow > 1.0:
-            time.sleep((slow - 1.0) * (time.time() - t0))  # a simulated slower accelerator
-        flat[-1] = loss.detach()
-        group.allreduce([flat]).wait()
-        flat.div_(cfg.workers)
         mean_loss = float(flat[-1])
-        if not math.isfinite(mean_loss):
-            raise TaskError(f"task {spec!r}: the loss is {mean_loss} at step {step}")
-        if inner.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
-        optimizer.step()
-        schedule.step()
         t1 = time.time()
         done = step + 1
         if timeline is None:

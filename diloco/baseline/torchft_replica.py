@@ -36,8 +36,8 @@ from diloco.baseline.common import (
 )
 from diloco.baseline.torchft_peer import TorchftConfig
 from diloco.files import atomic_write, atomic_write_json
-from diloco.task import TaskError, checked_loss, checked_tokens
-from learner.runner import inner_optimizer
+from diloco.task import TaskError, checked_tokens
+from learner.runner import inner_optimizer, inner_step
 
 logger = logging.getLogger(__name__)
 
@@ -145,19 +145,16 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
                 raise SystemExit(f"replica {index}: the supervisor is gone; stopping")
             t0 = time.time()
             batch = next_batch(spec, batches, step, cfg.steps)
-            loss = checked_loss(spec, task.loss(model, batch))
-            optimizer.zero_grad()
-            loss.backward()
+
+            def checked(loss: torch.Tensor) -> None:
+                if not math.isfinite(loss.item()):
+                    raise TaskError(f"task {spec!r}: the loss is {loss.item()} at inner step {step}")
+                if slow > 1.0:
+                    time.sleep((slow - 1.0) * (time.time() - t0))  # a simulated slower accelerator
+
+            # torchft's hooks on the optimizer's step prepare / perform the due fragment sync.
+            value = inner_step(spec, task, batch, optimizer, schedule, inner.grad_clip, before_update=checked).item()
             tokens = checked_tokens(spec, task.tokens(batch))
-            value = loss.item()
-            if not math.isfinite(value):
-                raise TaskError(f"task {spec!r}: the loss is {value} at inner step {step}")
-            if slow > 1.0:
-                time.sleep((slow - 1.0) * (time.time() - t0))  # a simulated slower accelerator
-            if inner.grad_clip:
-                nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
-            optimizer.step()  # torchft's hooks prepare / perform the due fragment sync here
-            schedule.step()
             timeline.write(kind="step", step=step + 1, t0=t0, t1=time.time(), loss=round(value, 5), tokens=tokens)
     final = model.state_dict()
     names = {id(p): name for name, p in model.named_parameters()}
