@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from coordinator.cli import add_admin_parser, add_coordinator_parser
+from diloco.cli_coordinator import add_admin_parser, add_coordinator_parser
 from diloco import __version__
 from diloco.errors import DilocoError, InvalidArgument
 from diloco.config import REPLY_RULES, RunConfig

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import add_admin_parser, add_coordinator_parser
+from diloco.cli_coordinator import add_admin_parser, add_coordinator_parser
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from tests.grpc.conftest import run
 from tests.grpc.coordinator_fixtures import ADMIN, joined, running_coordinator
