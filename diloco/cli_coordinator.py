@@ -17,17 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.config import CoordinatorConfig
-from diloco import auth
+from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
 from diloco.errors import InvalidArgument, NotFound
+from diloco.settings import add_flag
 
 ENDPOINTS_FILE = "endpoints.json"
 ADMIN_TOKEN_FILE = "admin-token"
-
-
-def _default(name: str):
-    """The coordinator setting's default, from its one source (``CoordinatorConfig``)."""
-    return CoordinatorConfig.__dataclass_fields__[name].default
 
 
 # --- diloco coordinator ----------------------------------------------------------------
@@ -70,7 +65,6 @@ def _admin_token(args: argparse.Namespace, data_dir: Path) -> str:
 def _coordinator(args: argparse.Namespace) -> int:
     import asyncio
 
-    from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
     from coordinator.server import run_coordinator
     from diloco.cli import _run_config, _secret, _start_telemetry
 
@@ -135,13 +129,13 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
             "from DATA_DIR/coordinator-state.json."
         ),
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    add_flag(p, "--host", CoordinatorConfig, "host", "address to bind")
     p.add_argument("--health-port", type=int, metavar="PORT",
                    help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
                         "makes the main port mutual TLS)")
     p.add_argument("--reflection", action="store_true",
                    help="serve gRPC reflection (grpcurl without the .proto files); off by default")
-    p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
+    add_flag(p, "--port", CoordinatorConfig, "port", "port (0: any free port; see --port-file)", type=int)
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--advertise-address", metavar="HOST:PORT", help="address launched learners use (default: the bound one)")
     p.add_argument("--data-dir", default="coordinator", help="state, tokens, learner logs, snapshots (default ./coordinator)")
@@ -149,34 +143,38 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token-file", help="admin token (default: $DILOCO_ADMIN_TOKEN, else DATA_DIR/admin-token, made if absent)")
     p.add_argument("--shards", metavar="HOST:PORT,...", help="every shard's address, in shard id order")
     p.add_argument("--pools", default="default", help="pools learners may join, comma-separated; the first is the default")
-    p.add_argument("--lease-s", type=float, default=5.0, help="heartbeat lease (default 5 s)")
-    p.add_argument("--credential-lifetime-s", type=float, default=auth.CREDENTIAL_LIFETIME_S, metavar="S",
-                   help=f"learner credentials expire after S seconds; every heartbeat reply renews them "
-                        f"(default {auth.CREDENTIAL_LIFETIME_S:g})")
-    p.add_argument("--max-learners", type=int, default=64, help="cap on learners joined or launching (default 64)")
-    p.add_argument("--drain-timeout-s", type=float, default=60.0, help="stop a draining learner after this long (default 60 s)")
-    p.add_argument("--join-timeout-s", type=float, default=300.0, help="a launch not joined by then frees its slot (default 300 s)")
-    p.add_argument("--snapshot-timeout-s", type=float, default=120.0, help="fail a snapshot not complete by then (default 120 s)")
+    add_flag(p, "--lease-s", CoordinatorConfig, "lease_s", "heartbeat lease, seconds", type=float)
+    add_flag(p, "--credential-lifetime-s", CoordinatorConfig, "credential_lifetime_s",
+             "learner credentials expire after S seconds; every heartbeat reply renews them", type=float, metavar="S")
+    add_flag(p, "--max-learners", CoordinatorConfig, "max_learners", "cap on learners joined or launching", type=int)
+    add_flag(p, "--drain-timeout-s", CoordinatorConfig, "drain_timeout_s", "stop a draining learner after this long, seconds",
+             type=float)
+    add_flag(p, "--join-timeout-s", CoordinatorConfig, "join_timeout_s", "a launch not joined by then frees its slot, seconds",
+             type=float)
+    add_flag(p, "--snapshot-timeout-s", CoordinatorConfig, "snapshot_timeout_s",
+             "fail a snapshot not complete by then, seconds", type=float)
     p.add_argument("--snapshot-dir", help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
                    "(default DATA_DIR/snapshots); shards and learners must reach the same place")
-    p.add_argument("--snapshot-every-s", type=float, default=_default('snapshot_every_s'), metavar="S",
-                   help="take a snapshot every S seconds once the run has a model (default 0: only on demand)")
-    p.add_argument("--snapshot-keep", type=int, default=_default('snapshot_keep'), metavar="N",
-                   help="keep the newest N complete snapshots, delete older ones (default 0: keep all)")
+    add_flag(p, "--snapshot-every-s", CoordinatorConfig, "snapshot_every_s",
+             "take a snapshot every S seconds once the run has a model (0: only on demand)", type=float, metavar="S")
+    add_flag(p, "--snapshot-keep", CoordinatorConfig, "snapshot_keep",
+             "keep the newest N complete snapshots, delete older ones (0: keep all)", type=int, metavar="N")
     p.add_argument("--restore", metavar="latest|ID", help="restart the run from a complete snapshot (learners re-join)")
-    p.add_argument("--launcher", choices=["local", "kubernetes", "none"], default="local", help="how AddLearners starts learners")
-    p.add_argument("--release", default="diloco", help="owner label of launched pods (the Helm release)")
+    add_flag(p, "--launcher", CoordinatorConfig, "launcher", "how AddLearners starts learners",
+             choices=["local", "kubernetes", "none"])
+    add_flag(p, "--release", CoordinatorConfig, "release", "owner label of launched pods (the Helm release)")
     local = p.add_argument_group("local launcher")
     local.add_argument("--learner-command", help="command line that starts a learner (default: this Python's -m diloco.cli learner, "
                                                    "with this coordinator's --tls-dir or --insecure)")
-    local.add_argument("--terminate-timeout-s", type=float, default=10.0, help="SIGKILL a learner this long after SIGTERM")
+    add_flag(local, "--terminate-timeout-s", LocalLauncherConfig, "terminate_timeout_s",
+             "SIGKILL a learner this long after SIGTERM, seconds", type=float)
     k8s = p.add_argument_group("kubernetes launcher")
     k8s.add_argument("--namespace", help="namespace of learner pods (default $POD_NAMESPACE, else default)")
     k8s.add_argument("--pod-template", action="append", type=_pod_template, metavar="[POOL=]PATH",
                      help="pod template (YAML/JSON) for POOL, or for every pool without its own (repeatable)")
-    k8s.add_argument("--learner-container", default="learner", help="learner container's name in the template")
-    k8s.add_argument("--join-token-path", default="/var/run/diloco/join-token", help="join token file inside learner pods")
-    k8s.add_argument("--kube-config", default="auto", help="in-cluster, auto or a kubeconfig path (default auto)")
+    add_flag(k8s, "--learner-container", KubernetesLauncherConfig, "container", "learner container's name in the template")
+    add_flag(k8s, "--join-token-path", KubernetesLauncherConfig, "join_token_path", "join token file inside learner pods")
+    add_flag(k8s, "--kube-config", KubernetesLauncherConfig, "kube_config", "in-cluster, auto or a kubeconfig path")
     k8s.add_argument("--owner-configmap", metavar="NAME",
                      help="ConfigMap (in --namespace) that owns learner pods, so deleting it deletes them "
                           "(default $DILOCO_OWNER_CONFIGMAP, else none: pods outlive everything)")

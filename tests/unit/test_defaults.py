@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator.config import CoordinatorConfig
 from diloco.baseline.torchft_peer import TorchftConfig
 from diloco.cli import build_parser
 from diloco.config import RunConfig
@@ -42,6 +43,13 @@ SETTINGS = [
     (MergeConfig, "scale_by", [("syncer", "scale_by"), ("local", "scale_by")], None),
     (MergeConfig, "block_size", [("syncer", "block_size"), ("learner", "block_size")], "syncer.blockSize"),
     (MergeConfig, "update_chain_length", [("syncer", "chain")], "syncer.chain"),
+    (CoordinatorConfig, "lease_s", [("coordinator", "lease_s")], "coordinator.leaseSeconds"),
+    (CoordinatorConfig, "max_learners", [("coordinator", "max_learners")], "coordinator.maxLearners"),
+    (CoordinatorConfig, "drain_timeout_s", [("coordinator", "drain_timeout_s")], "coordinator.drainTimeoutSeconds"),
+    (CoordinatorConfig, "join_timeout_s", [("coordinator", "join_timeout_s")], "coordinator.joinTimeoutSeconds"),
+    (CoordinatorConfig, "snapshot_timeout_s", [("coordinator", "snapshot_timeout_s")], "coordinator.snapshotTimeoutSeconds"),
+    (CoordinatorConfig, "snapshot_every_s", [("coordinator", "snapshot_every_s")], None),
+    (CoordinatorConfig, "credential_lifetime_s", [("coordinator", "credential_lifetime_s")], None),
     (LearnerConfig, "lr", [("learner", "lr")], "learners.lr"),
     (LearnerConfig, "warmup_steps", [("learner", "warmup_steps")], None),
     (LearnerConfig, "delta_codec", [("learner", "delta_codec"), ("local", "delta_codec")], None),
