@@ -27,7 +27,7 @@ from diloco.local_config import LocalConfig
 from diloco.settings import add_flag
 from diloco.task import DEFAULT_TASK
 from learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
-from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig
+from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, SyncerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -328,14 +328,15 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--block-size", MergeConfig, "block_size", "int4 block size", type=int)
     add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", "int4 scale dtype", choices=["float16", "float32"])
     add_flag(p, "--chain", MergeConfig, "update_chain_length", "int4 updates kept per fragment", type=int)
-    p.add_argument("--max-push-mib", type=int, default=512, help="largest accepted push, MiB (default 512)")
-    p.add_argument("--anchor-window-s", type=float, default=5.0, metavar="S",
-                   help="back without its state, collect learners' anchors of a fragment for S seconds and take the "
-                        "newest (default 5)")
-    p.add_argument("--max-delta-ratio", type=float, default=10.0,
-                   help="refuse a push whose delta norm exceeds this many times its fragment's norm (default 10)")
-    p.add_argument("--stream-idle-timeout-s", type=float, default=60.0,
-                   help="close a push stream that sends nothing for this long (default 60 s)")
+    p.add_argument("--max-push-mib", type=int, default=SyncerConfig.max_push_bytes // 2**20,
+                   help=f"largest accepted push, MiB (default {SyncerConfig.max_push_bytes // 2**20})")
+    add_flag(p, "--anchor-window-s", SyncerConfig, "anchor_window_s",
+             "back without its state, collect learners' anchors of a fragment for S seconds and take the newest",
+             type=float, metavar="S")
+    add_flag(p, "--max-delta-ratio", SyncerConfig, "max_delta_ratio",
+             "refuse a push whose delta norm exceeds this many times its fragment's norm", type=float)
+    add_flag(p, "--stream-idle-timeout-s", SyncerConfig, "stream_idle_timeout_s",
+             "close a push stream that sends nothing for this long, seconds", type=float)
     p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory or URL, s3://... (for --restore latest or an id)")
     p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of waiting for a learner to give it one")
     _add_telemetry(p)
@@ -548,10 +549,10 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
     snapshots.add_argument("--snapshot-dir", metavar="DIR|URL",
                            help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
                                 "(default RUN_DIR/coordinator/snapshots)")
-    snapshots.add_argument("--snapshot-every-s", type=float, default=0.0, metavar="S",
-                           help="the coordinator takes a snapshot every S seconds (default 0: only on demand)")
-    snapshots.add_argument("--snapshot-keep", type=int, default=0, metavar="N",
-                           help="keep the newest N complete snapshots (default 0: all)")
+    add_flag(snapshots, "--snapshot-every-s", LocalConfig, "snapshot_every_s",
+             "the coordinator takes a snapshot every S seconds (0: only on demand)", type=float, metavar="S")
+    add_flag(snapshots, "--snapshot-keep", LocalConfig, "snapshot_keep", "keep the newest N complete snapshots (0: all)",
+             type=int, metavar="N")
     chaos = p.add_argument_group("chaos")
     chaos.add_argument("--kill-learner-every", type=float, metavar="SECONDS",
                        help="SIGKILL a random learner every SECONDS on average (Poisson; times count from the launch of the learners); a replacement is launched")

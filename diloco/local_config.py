@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.config import CoordinatorConfig
 from diloco.chaos import ChaosConfig
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
@@ -58,9 +59,9 @@ class LocalConfig:
     """torch threads per learner (None: the cores shared out among learners, at least 1)."""
     snapshot_dir: str | None = None
     """Where the run's snapshots go, a directory or fsspec URL (None: RUN_DIR/coordinator/snapshots)."""
-    snapshot_every_s: float = 0.0
+    snapshot_every_s: float = CoordinatorConfig.snapshot_every_s
     """The coordinator takes a snapshot this often (0: only on demand and for --restart-shard-at)."""
-    snapshot_keep: int = 0
+    snapshot_keep: int = CoordinatorConfig.snapshot_keep
     """The coordinator keeps the newest this many complete snapshots (0: all)."""
     tls: bool = True
     """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls

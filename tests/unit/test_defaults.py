@@ -16,7 +16,7 @@ from diloco.config import RunConfig
 from diloco.local_config import LocalConfig
 from diloco.settings import add_flag, default_of
 from learner.config import LearnerConfig
-from syncer.config import MergeConfig, RoundConfig
+from syncer.config import MergeConfig, RoundConfig, SyncerConfig
 
 VALUES = yaml.safe_load((Path(__file__).parents[2] / "k8s" / "diloco" / "values.yaml").read_text())
 
@@ -50,6 +50,11 @@ SETTINGS = [
     (CoordinatorConfig, "snapshot_timeout_s", [("coordinator", "snapshot_timeout_s")], "coordinator.snapshotTimeoutSeconds"),
     (CoordinatorConfig, "snapshot_every_s", [("coordinator", "snapshot_every_s")], None),
     (CoordinatorConfig, "credential_lifetime_s", [("coordinator", "credential_lifetime_s")], None),
+    (SyncerConfig, "anchor_window_s", [("syncer", "anchor_window_s")], None),
+    (SyncerConfig, "max_delta_ratio", [("syncer", "max_delta_ratio")], None),
+    (SyncerConfig, "stream_idle_timeout_s", [("syncer", "stream_idle_timeout_s")], None),
+    (LocalConfig, "snapshot_every_s", [("local", "snapshot_every_s")], None),
+    (LocalConfig, "snapshot_keep", [("local", "snapshot_keep")], None),
     (LearnerConfig, "lr", [("learner", "lr")], "learners.lr"),
     (LearnerConfig, "warmup_steps", [("learner", "warmup_steps")], None),
     (LearnerConfig, "delta_codec", [("learner", "delta_codec"), ("local", "delta_codec")], None),
@@ -86,6 +91,8 @@ def test_the_configs_that_copy_a_default_take_it_from_its_source():
     assert LocalConfig().quorum == RoundConfig().quorum and LocalConfig().delta_codec == LearnerConfig().delta_codec
     assert LocalConfig().run == RunConfig()
     assert _parsed("syncer").grace[0] == _parsed("local").grace[0] == RoundConfig().grace_mode == VALUES["syncer"]["grace"]
+    assert _parsed("syncer").max_push_mib * 2**20 == SyncerConfig().max_push_bytes
+    assert VALUES["syncer"]["maxPushMiB"] * 2**20 == SyncerConfig().max_push_bytes
 
 
 def test_a_flag_shows_the_default_it_takes():
