@@ -24,7 +24,7 @@ from diloco import __version__
 from diloco.errors import DilocoError, InvalidArgument
 from diloco.config import REPLY_RULES, RunConfig
 from diloco.local_config import LocalConfig
-from diloco.settings import add_flag
+from diloco.settings import add_config_flag, add_flag, apply_config, read_config
 from diloco.task import DEFAULT_TASK
 from learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
 from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, SyncerConfig
@@ -299,6 +299,7 @@ def _add_syncer(commands: argparse._SubParsersAction) -> None:
         help="run one syncer shard (CPU parameter server owning fragments p with p mod S == shard id)",
         description="Run one syncer shard. SIGTERM closes open rounds, answers waiting pushes, flushes the tape, exits 0.",
     )
+    add_config_flag(p)
     p.add_argument("--shard-id", type=int, default=0, help="this shard's id m (default 0)")
     p.add_argument("--shards", type=int, default=1, help="S: number of shards (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -421,6 +422,7 @@ def _add_learner(commands: argparse._SubParsersAction) -> None:
         description="Run one learner. SIGTERM finishes in-flight pushes (bounded), leaves and exits 0. "
                     "With --coordinator the run's task comes from the coordinator's run config.",
     )
+    add_config_flag(p)
     join = p.add_argument_group("joining (coordinator) or a static topology")
     join.add_argument("--coordinator", metavar="HOST:PORT", help="join this coordinator (topology, id, credential)")
     join.add_argument("--join-token-file", help="file with the run's join token (with --coordinator)")
@@ -517,6 +519,7 @@ def _add_local(commands: argparse._SubParsersAction) -> None:
         help="the main job: a coordinator, S shards and M learners as processes on 127.0.0.1, training the default model",
         description="Run a real multi-process Decoupled DiLoCo training on this machine and write a run directory.",
     )
+    add_config_flag(p)
     add_flag(p, "--learners", LocalConfig, "learners", "M: learners", type=int)
     add_flag(p, "--shards", LocalConfig, "shards", "S: syncer shards", type=int)
     add_flag(p, "--quorum", LocalConfig, "quorum", "K: minimum pushes per round", type=int)
@@ -885,6 +888,13 @@ def _choose_transport(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "config", None):  # the file's settings become the command's defaults
+        try:
+            apply_config(_deepest_parser(parser, args), read_config(args.config), args.config)
+        except DilocoError as error:
+            print(f"diloco: error: {error}", file=sys.stderr)
+            return 2
+        args, unknown = parser.parse_known_args(argv)
     if unknown:
         _deepest_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
 from diloco.errors import InvalidArgument, NotFound
-from diloco.settings import add_flag
+from diloco.settings import add_config_flag, add_flag
 
 ENDPOINTS_FILE = "endpoints.json"
 ADMIN_TOKEN_FILE = "admin-token"
@@ -129,6 +129,7 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
             "from DATA_DIR/coordinator-state.json."
         ),
     )
+    add_config_flag(p)
     add_flag(p, "--host", CoordinatorConfig, "host", "address to bind")
     p.add_argument("--health-port", type=int, metavar="PORT",
                    help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -37,7 +38,7 @@ from diloco.chaos import SCAVENGED_POOL, ChaosMonkey
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from diloco.export import export_model
-from diloco.files import atomic_write
+from diloco.files import atomic_write, atomic_write_json
 from diloco.snapshots import snapshot_ids
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
@@ -82,14 +83,17 @@ class Cluster:
         atomic_write(self.dir / "endpoints.json", json.dumps(self.endpoints, indent=1))
 
     def _shard_args(self, m: int) -> list[str]:
-        address = self.shards[m]
-        return [
-            "syncer", "--shard-id", str(m), "--shards", str(self.cfg.shards), "--port", address.rsplit(":", 1)[1],
-            "--data-dir", str(self.dir / f"shard{m}"), "--push-log", "--coordinator", self.coordinator,
-            "--quorum", str(self.cfg.quorum), "--grace", self.cfg.grace,
-            "--outer-lr", str(self.cfg.outer_lr), "--outer-momentum", str(self.cfg.outer_momentum),
-            "--merge", self.cfg.merge, "--scale-by", self.cfg.scale_by, "--snapshot-dir", self.snapshot_dir, *self.common,
-        ]
+        """``diloco syncer --config`` with the shard's settings as one JSON document
+        (RUN_DIR/shard<m>/syncer.json), not flags turned back into strings."""
+        config = self.dir / f"shard{m}" / "syncer.json"
+        atomic_write_json(config, {
+            "shard_id": m, "shards": self.cfg.shards, "port": int(self.shards[m].rsplit(":", 1)[1]),
+            "data_dir": str(self.dir / f"shard{m}"), "push_log": True, "coordinator": self.coordinator,
+            "quorum": self.cfg.quorum, "grace": self.cfg.grace, "outer_lr": self.cfg.outer_lr,
+            "outer_momentum": self.cfg.outer_momentum, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
+            "snapshot_dir": self.snapshot_dir, **self.common,
+        })
+        return ["syncer", "--config", str(config)]
 
     @functools.cached_property
     def secret(self) -> str:
@@ -104,26 +108,30 @@ class Cluster:
         """Start the coordinator and the shards (``restore``: from that snapshot, as
         ``--restore`` takes it), wait until they serve."""
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.common = ["--secret-file", str(self.dir / "secret"), "--run-config", str(self.dir / "run.json")]
+        self.common = {"secret_file": str(self.dir / "secret"), "run_config": str(self.dir / "run.json")}
         self.restore = ["--restore", restore] if restore else []
         if self.cfg.tls:
             if not (self.dir / "tls").exists():  # a resumed run keeps its certificates
                 make_certs(self.dir / "tls", ["localhost", "127.0.0.1"])
             self._plain = rpc.use_tls(rpc.Tls.from_dir(self.dir / "tls"))  # this supervisor's own calls, until stop
         tls = f"--tls-dir {self.dir / 'tls'} " if self.cfg.tls else "--insecure "
-        learner_cmd = (f"{sys.executable} -m diloco.cli --exit-with-parent --log-level INFO {tls}learner --steps {self.learner_steps} "
-                       f"--eval-every {max(self.learner_steps // 6, 1)} --num-learners {self.cfg.learners} "
-                       f"--summary-dir {self.dir / 'learners'} --events-dir {self.dir / 'learners'} "
-                       f"--delta-codec {self.cfg.delta_codec} --threads {self.cfg.threads_per_learner}")
-        if self.cfg.delay_ms:
-            learner_cmd += f" --wire-delay-ms {self.cfg.delay_ms}"
-        coord = self._spawn("coordinator", [
-            "coordinator", "--port", self.coordinator.rsplit(":", 1)[1], "--data-dir", str(self.dir / "coordinator"),
-            "--shards", ",".join(self.shards), "--learner-command", learner_cmd,
-            "--pools", f"default,{SCAVENGED_POOL}", "--snapshot-dir", self.snapshot_dir,
-            "--snapshot-every-s", str(self.cfg.snapshot_every_s), "--snapshot-keep", str(self.cfg.snapshot_keep), *self.common,
-            *self.restore,
-        ])
+        # Every process gets its settings as one JSON document (diloco <command> --config);
+        # a launch's own overrides (--set, a slow factor) follow it on the command line and win.
+        learner_config = self.dir / "learner.json"
+        atomic_write_json(learner_config, {
+            "steps": self.learner_steps, "eval_every": max(self.learner_steps // 6, 1), "num_learners": self.cfg.learners,
+            "summary_dir": str(self.dir / "learners"), "events_dir": str(self.dir / "learners"),
+            "delta_codec": self.cfg.delta_codec, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
+        })
+        learner_cmd = f"{sys.executable} -m diloco.cli --exit-with-parent --log-level INFO {tls}learner --config {shlex.quote(str(learner_config))}"
+        coordinator_config = self.dir / "coordinator" / "coordinator.json"
+        atomic_write_json(coordinator_config, {
+            "port": int(self.coordinator.rsplit(":", 1)[1]), "data_dir": str(self.dir / "coordinator"),
+            "shards": ",".join(self.shards), "learner_command": learner_cmd, "pools": f"default,{SCAVENGED_POOL}",
+            "snapshot_dir": self.snapshot_dir, "snapshot_every_s": self.cfg.snapshot_every_s,
+            "snapshot_keep": self.cfg.snapshot_keep, **self.common,
+        })
+        coord = self._spawn("coordinator", ["coordinator", "--config", str(coordinator_config), *self.restore])
         self.shard_procs = []
         for m, address in enumerate(self.shards):
             shard = self._spawn(f"shard{m}", [*self._shard_args(m), *self.restore])

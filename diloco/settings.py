@@ -26,3 +26,77 @@ def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: st
     """``parser.add_argument(flag, ...)`` with ``cls.name``'s default, which its help shows."""
     default = default_of(cls, name)
     return parser.add_argument(flag, default=default, help=f"{help} (default {default})", **kwargs)
+
+
+CONFIG_FLAG = "--config"
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(CONFIG_FLAG, metavar="FILE",
+                        help="settings from a TOML or JSON file, one key per flag (its name without the leading "
+                             "dashes; - or _); flags given on the command line win")
+
+
+def read_config(path: str) -> dict:
+    """The table of a ``--config`` file: TOML, or JSON for a name ending in .json."""
+    import json
+    import tomllib
+
+    from diloco.errors import InvalidArgument, NotFound
+
+    try:
+        text = open(path, "rb").read()
+    except OSError as error:
+        raise NotFound(f"--config {path}: {error.strerror}") from None
+    try:
+        table = json.loads(text) if path.endswith(".json") else tomllib.loads(text.decode())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise InvalidArgument(f"--config {path} is not {'JSON' if path.endswith('.json') else 'TOML'}: {error}") from None
+    if not isinstance(table, dict):
+        raise InvalidArgument(f"--config {path}: expected a table of settings, got {type(table).__name__}")
+    return table
+
+
+def apply_config(parser: argparse.ArgumentParser, table: dict, path: str) -> None:
+    """Make the file's settings ``parser``'s defaults: a flag given on the command line
+    still wins. Every value goes through its flag's own checks (type, choices) when the
+    command line is parsed, as if it had been typed; an unknown key is an error naming it."""
+    from diloco.errors import InvalidArgument
+
+    actions = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                actions[option[2:].replace("-", "_")] = action
+    defaults = {}
+    for key, value in table.items():
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None or action.dest in ("help", "config"):
+            raise InvalidArgument(f"--config {path}: no setting {key!r} for this command (its flags: --help)")
+        if isinstance(action, argparse._StoreConstAction):  # store_true / store_false
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"--config {path}: {key} takes true or false, got {value!r}")
+            defaults[action.dest] = value == action.const
+        elif isinstance(action, argparse._AppendAction):
+            values = value if isinstance(value, list) else [value]
+            defaults[action.dest] = [_checked(action, v, key, path) for v in values]
+        else:
+            defaults[action.dest] = _checked(action, value, key, path)
+    parser.set_defaults(**defaults)
+
+
+def _checked(action: argparse.Action, value, key: str, path: str):
+    """``value`` as the flag would take it from the command line (its type and choices)."""
+    from diloco.errors import InvalidArgument
+
+    if isinstance(value, (dict, list)) or value is None:
+        raise InvalidArgument(f"--config {path}: {key} takes one value, got {value!r}")
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    try:
+        converted = action.type(text) if action.type is not None else text
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+        raise InvalidArgument(f"--config {path}: {key} = {value!r}: {error or 'not a valid value'}") from None
+    if action.choices is not None and converted not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise InvalidArgument(f"--config {path}: {key} = {value!r}: must be one of {choices}")
+    return converted

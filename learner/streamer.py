@@ -270,13 +270,23 @@ class Streamer:
         """A shard restarted without its state holds nothing until learners offer their
         anchors, which they do when a push to it fails. A learner leaving offers its anchors
         to every shard that is still recovering, so that a run ending during a recovery
-        still ends with a global model (a shard that does not answer is left alone)."""
+        still ends with a global model. A shard that is down may be restarting: it is asked
+        again until the caller's bound; one that refuses is left alone."""
         if self.reoffer is None:  # not bootstrapped: no anchors to offer
             return
 
         async def one(shard: int) -> None:
             try:
-                status = await asyncio.wait_for(self._client(shard).status(), 2)
+                while True:
+                    try:
+                        status = await asyncio.wait_for(self._client(shard).status(), 2)
+                        break
+                    except grpc.aio.AioRpcError as error:
+                        if error.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        # Down, perhaps restarting without its state: ask again until the
+                        # caller's bound (close: at most 10 s) cancels this.
+                        await asyncio.sleep(0.25)
                 if status.anchors_only:
                     await self._reoffer(shard, {f.fragment for f in status.fragments})
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
