@@ -142,8 +142,8 @@ class Learner:
         self._writes: list[Write] = []
         self._state_reads = 0
         self._stopping = False
-        self._bootstrapped = False
         """The stop decided at the last step boundary (a slice stops on the same step everywhere)."""
+        self._bootstrapped = False
         self.heartbeats = heartbeats
         self.streamer = None
         try:

@@ -48,24 +48,21 @@ def inner_step(spec: str, task: Task, batch, optimizer: torch.optim.Optimizer, s
                before_update: Callable[[torch.Tensor], None] = lambda loss: None) -> torch.Tensor:
     """One inner step, the same for a learner and the baselines it is compared with (they
     must train alike for the comparison to be fair): the task's loss on ``batch`` (placed
-    on ``device`` and under its autocast), backward, ``before_update(loss)`` (a
+    on ``device``, default the CPU, and under its autocast), backward, ``before_update(loss)`` (a
     baseline's gradient all-reduce or simulated slowness), gradient clipping, the optimizer's step
     and the schedule's. Returns the loss. ``set_to_none`` False keeps the gradient
     tensors (a baseline whose gradients are views of one all-reduce buffer)."""
+    device = device or Device("cpu")
     optimizer.zero_grad(set_to_none=set_to_none)
-    if device is not None:
-        with device.autocast():
-            loss = checked_loss(spec, task.loss(task.model, device.place_batch(batch)))
-    else:
-        loss = checked_loss(spec, task.loss(task.model, batch))
+    with device.autocast():
+        loss = checked_loss(spec, task.loss(task.model, device.place_batch(batch)))
     loss.backward()
     before_update(loss)
     if grad_clip:
         torch.nn.utils.clip_grad_norm_([p for p in task.model.parameters() if p.requires_grad], grad_clip)
     optimizer.step()
     schedule.step()
-    if device is not None:
-        device.step_done()
+    device.step_done()
     return loss
 
 
