@@ -29,7 +29,7 @@ class LocalLauncherConfig:
 
     command: tuple[str, ...] = ()
     """Argv that starts a learner, before the launcher's own flags. Empty: this Python's
-    ``-m diloco.cli learner``. Tests put a small fake learner script here."""
+    ``-m tools.cli learner``. Tests put a small fake learner script here."""
     terminate_timeout_s: float = 10.0
     """After SIGTERM, wait this long for the learner to exit before SIGKILL."""
 

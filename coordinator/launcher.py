@@ -156,7 +156,7 @@ class LocalProcessLauncher:
         self._watchers: set[asyncio.Task] = set()
 
     def command(self, launch_id: str, pool: str, overrides: Mapping[str, str]) -> list[str]:
-        prefix = list(self.cfg.command) or [sys.executable, "-m", "diloco.cli", "learner"]
+        prefix = list(self.cfg.command) or [sys.executable, "-m", "tools.cli", "learner"]
         return [*prefix, *learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)]
 
     async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:

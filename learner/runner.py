@@ -17,7 +17,8 @@ from collections.abc import Callable
 from diloco.config import RunConfig
 from diloco.tape import TapeWriter
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_loss, checked_tokens, evaluate
-from learner.api import Learner, Summary, learner_number
+from learner.api import Learner, learner_number
+from learner.summary import Summary
 from learner.config import LearnerConfig
 from learner.core.schedule import inner_lr
 from learner.device import Device

@@ -19,7 +19,8 @@ from diloco.config import RunConfig
 from diloco.tape import TapeWriter
 from diloco.errors import Cancelled
 from diloco.files import atomic_write
-from learner.api import Learner, Summary
+from learner.api import Learner
+from learner.summary import Summary
 from learner.config import LearnerConfig
 from learner.membership import Heartbeats, Membership, join
 from learner.runner import follow_slice, run_task

@@ -35,6 +35,7 @@ from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, send_offsets
 from learner.core.sync import Write, write_into
 from learner.device import Device
+from learner.summary import Summary
 from learner.telemetry import LearnerTelemetry
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,6 @@ class SliceFollower:
 
     def __init__(self, model: torch.nn.Module, run: RunConfig, learner_id: str, cfg: LearnerConfig, link: SliceLink,
                  device: Device, optimizer: torch.optim.Optimizer | None) -> None:
-        from learner.api import Summary
-
         self.model, self.run, self.cfg, self.link, self.device, self.optimizer = model, run, cfg, link, device, optimizer
         self.learner_id = f"{learner_id}/host{link.index}"
         self.summary = Summary(self.learner_id)

@@ -49,7 +49,7 @@ if sys.byteorder != "little":
     _KERNEL_MISSING_REASON = "big-endian host"
 
 SCALE_DTYPES = ("float16", "float32")
-_SCALE_BYTES = {"float16": 2, "float32": 4}
+SCALE_BYTES = {"float16": 2, "float32": 4}
 _STATUS_NONFINITE = 1
 _STATUS_SCALE_OVERFLOW = 2
 QMAX = 7
@@ -70,15 +70,18 @@ def _warn_fallback() -> None:
     )
 
 
+def native():
+    """The C kernel (``_int4.c``) for a caller outside the codec that runs its own fused
+    pass over int4 blocks (the shard's outer step, ``syncer.core.outer``), or None when it
+    is unavailable: the caller then runs the same math in torch ops."""
+    return _kernel if _use_kernel() else None
+
+
 def _use_kernel() -> bool:
     if _kernel is None:
         _warn_fallback()
         return False
     return True
-
-
-def _threads() -> int:
-    return math_threads()
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -91,7 +94,7 @@ def packed_nbytes(numel: int) -> int:
 
 def int4_nbytes(numel: int, block_size: int, scale_dtype: str) -> int:
     """Payload bytes of one int4 tensor: packed nibbles, then one scale per block."""
-    return packed_nbytes(numel) + num_blocks(numel, block_size) * _SCALE_BYTES[scale_dtype]
+    return packed_nbytes(numel) + num_blocks(numel, block_size) * SCALE_BYTES[scale_dtype]
 
 
 def _describe(name: str | None) -> str:
@@ -201,7 +204,7 @@ def quantize_int4(
     packed = empty_tensor(packed_nbytes(numel), "uint8")
     scales = empty_tensor(num_blocks(numel, block_size), scale_dtype)
     status, bad_block, _ = _kernel.quantize(
-        flat, numel, block_size, _SCALE_BYTES[scale_dtype], u, _threads(), packed.numpy(), scales.numpy()
+        flat, numel, block_size, SCALE_BYTES[scale_dtype], u, math_threads(), packed.numpy(), scales.numpy()
     )
     if status:
         _raise_for_status(status, bad_block, flat, block_size, scale_dtype, name)
@@ -268,7 +271,7 @@ def _dequantize(
     if numel == 0:
         return out
     if _use_kernel():
-        _kernel.dequantize(packed, scales, numel, block_size, _SCALE_BYTES[scale_dtype], out.numpy(), _threads())
+        _kernel.dequantize(packed, scales, numel, block_size, SCALE_BYTES[scale_dtype], out.numpy(), math_threads())
         return out
     packed_t = torch.from_numpy(np.frombuffer(packed, dtype=np.uint8).copy())
     little_endian = np.dtype(scale_dtype).newbyteorder("<")
@@ -289,7 +292,7 @@ def quantize_to_payload(
     numel = flat.size
     u = _uniforms(numel, generator)
     if _use_kernel():
-        status, bad_block, payload = _kernel.quantize(flat, numel, block_size, _SCALE_BYTES[scale_dtype], u, _threads())
+        status, bad_block, payload = _kernel.quantize(flat, numel, block_size, SCALE_BYTES[scale_dtype], u, math_threads())
         if status:
             _raise_for_status(status, bad_block, flat, block_size, scale_dtype, name)
         return payload
@@ -392,7 +395,7 @@ def axpy_many_int4(
     if numel and _use_kernel():
         return float(_kernel.axpy_many(
             [p for p, _ in inputs], [s for _, s in inputs], [float(a) for a in alphas],
-            numel, block_size, _SCALE_BYTES[scale_dtype], out, _threads(), overwrite,
+            numel, block_size, SCALE_BYTES[scale_dtype], out, math_threads(), overwrite,
         ))
     if overwrite:
         out.fill(0)
@@ -408,30 +411,6 @@ def sumsq_int4(
     if numel == 0:
         return 0.0
     if _use_kernel():
-        return float(_kernel.sumsq(packed, scales, numel, block_size, _SCALE_BYTES[scale_dtype], _threads()))
+        return float(_kernel.sumsq(packed, scales, numel, block_size, SCALE_BYTES[scale_dtype], math_threads()))
     values = _dequantize(packed, scales, numel, block_size, scale_dtype, None).double()
     return float(values.square().sum())
-
-
-def fused_outer_step(
-    delta: np.ndarray, momentum: np.ndarray, residual: np.ndarray, params: np.ndarray,
-    block_size: int, scale_dtype: str, c: float, lr: float, mu: float,
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """The shard's Nesterov step with int4 error feedback in one pass (see ``_int4.c``):
-    momentum, residual and params (flat float32 arrays, updated in place) and the int4
-    update (packed, scales) that was added to params. None when the C kernel is
-    unavailable or the block size does not suit it: the caller then runs the same math in
-    torch ops."""
-    if not _use_kernel() or block_size % 2 or block_size > 1024:
-        return None
-    numel = params.size
-    packed = np.empty(packed_nbytes(numel), np.uint8)
-    scales = np.empty(num_blocks(numel, block_size), scale_dtype)
-    status = _kernel.outer_step(
-        delta, momentum, residual, params, packed, scales,
-        numel, block_size, _SCALE_BYTES[scale_dtype], c, lr, mu, _threads(),
-    )
-    if status:
-        # The parameters diverged (a block's update is non-finite or beyond float16 scales).
-        raise CodecError(f"outer update cannot be quantized (status {status}): values are non-finite or too large")
-    return packed, scales

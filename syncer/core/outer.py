@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from diloco.codec import dequantize_int4, quantize_int4
-from diloco.codec.int4 import fused_outer_step
+from diloco.codec.int4 import SCALE_BYTES, native, num_blocks, packed_nbytes
+from diloco.codec.threads import math_threads
+from diloco.errors import CodecError
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +40,30 @@ def apply_quantized_(
     applied = dequantize_int4(packed, scales, residual.numel(), block_size, out=step)
     residual.sub_(applied)
     params.add_(applied)
+    return packed, scales
+
+
+def fused_outer_step(
+    delta: np.ndarray, momentum: np.ndarray, residual: np.ndarray, params: np.ndarray,
+    block_size: int, scale_dtype: str, c: float, lr: float, mu: float,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``nesterov_`` on ``c * delta`` and ``apply_quantized_`` in one pass of the C kernel
+    (``diloco/codec/_int4.c``): momentum, residual and params (flat float32 arrays) updated
+    in place; returns the int4 update (packed, scales) that was added to params. None when
+    the kernel is unavailable or the block size does not suit it (even, at most 1024)."""
+    kernel = native()
+    if kernel is None or block_size % 2 or block_size > 1024:
+        return None
+    numel = params.size
+    packed = np.empty(packed_nbytes(numel), np.uint8)
+    scales = np.empty(num_blocks(numel, block_size), scale_dtype)
+    status = kernel.outer_step(
+        delta, momentum, residual, params, packed, scales,
+        numel, block_size, SCALE_BYTES[scale_dtype], c, lr, mu, math_threads(),
+    )
+    if status:
+        # The parameters diverged (a block's update is non-finite or beyond float16 scales).
+        raise CodecError(f"outer update cannot be quantized (status {status}): values are non-finite or too large")
     return packed, scales
 
 

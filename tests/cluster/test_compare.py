@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from diloco.baseline.common import ring_allreduce_bytes
+from tools.baseline.common import ring_allreduce_bytes
 from diloco.tape import read_tape
 from diloco.tasks.byte_gpt import GPT, ModelConfig
 
@@ -21,7 +21,7 @@ WORKERS, STEPS, TOKENS_PER_STEP = 2, 16, 8 * 32
 
 def compare(out):
     return subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "--insecure", "compare", "--scenario", "nofault", "--systems", "decoupled,dp",
+        [sys.executable, "-m", "tools.cli", "--insecure", "compare", "--scenario", "nofault", "--systems", "decoupled,dp",
          "--workers", str(WORKERS), "--steps", str(STEPS), "--json", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=300,
     )

@@ -31,7 +31,7 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
     (tmp_path / "secret").write_text("s")
     common = ["--secret-file", str(tmp_path / "secret"), *TINY]
     shard = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "--insecure", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
+        [sys.executable, "-m", "tools.cli", "--insecure", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
          "--port-file", str(tmp_path / "port"), *common],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -39,7 +39,7 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
     try:
         poll(lambda: (tmp_path / "port").exists(), "the shard", timeout_s=60)
         learner = subprocess.Popen(
-            [sys.executable, "-m", "diloco.cli", "--insecure", "--log-level", "INFO", "learner", "--shards",
+            [sys.executable, "-m", "tools.cli", "--insecure", "--log-level", "INFO", "learner", "--shards",
              (tmp_path / "port").read_text().strip(), "--learner-id", "L0", "--steps", "100000",
              "--batch-size", "4", "--summary", str(tmp_path / "summary.json"), *common],
             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"),

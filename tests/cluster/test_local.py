@@ -20,7 +20,7 @@ TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--f
 def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "local", "--learners", "2", "--shards", "2", "--steps", "48",
+        [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "48",
          "--batch-size", "8", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=300,
     )

@@ -18,7 +18,7 @@ TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--f
 
 
 def diloco(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

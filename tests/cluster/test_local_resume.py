@@ -21,7 +21,7 @@ STEPS = 3000
 
 
 def diloco(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 
@@ -49,11 +49,11 @@ def trained(out) -> int:
 
 
 def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, capsys):
-    from diloco import cli
+    from tools.cli import main as cli
 
     out = tmp_path / "run"
     first = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "local", "--insecure", "--learners", "2", "--shards", "2",
+        [sys.executable, "-m", "tools.cli", "local", "--insecure", "--learners", "2", "--shards", "2",
          "--steps", str(STEPS), "--out", str(out), *TINY],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -1,5 +1,5 @@
 """``diloco admin`` and ``diloco coordinator`` parsers, driven through a parser built
-here (as ``diloco.cli.build_parser`` will build it) against a real coordinator."""
+here (as ``tools.cli.main.build_parser`` will build it) against a real coordinator."""
 
 import argparse
 import asyncio
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.cli_coordinator import add_admin_parser, add_coordinator_parser
+from tools.cli.coordinator import add_admin_parser, add_coordinator_parser
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from tests.grpc.conftest import run
 from tests.grpc.coordinator_fixtures import ADMIN, joined, running_coordinator
@@ -141,7 +141,7 @@ def test_what_an_operator_gets_wrong_is_said_plainly(tmp_path, capsys):
     line naming the problem and what to check, exit code 2, the usage of the command given."""
     import socket
 
-    from diloco import cli
+    from tools.cli import main as cli
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -170,7 +170,7 @@ def test_diloco_local_never_writes_into_another_run_s_directory(tmp_path, capsys
     import subprocess
     import sys
 
-    from diloco import cli
+    from tools.cli import main as cli
 
     finished, stopped, live, other = (tmp_path / name for name in ("finished", "stopped", "live", "other"))
     for directory in (finished, stopped, live, other):
@@ -199,7 +199,7 @@ def test_diloco_local_never_writes_into_another_run_s_directory(tmp_path, capsys
 def test_admin_on_a_run_directory_whose_coordinator_is_gone_says_what_became_of_the_run(tmp_path, capsys):
     import socket
 
-    from diloco import cli
+    from tools.cli import main as cli
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.launcher import override_args
 from diloco import auth, rpc
-from diloco.cli import build_parser
+from tools.cli.main import build_parser
 from diloco.codec import EncodedTensor, TensorSpec, checksum
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.snapshots import files_of

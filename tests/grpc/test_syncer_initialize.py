@@ -271,7 +271,7 @@ def test_an_operator_lets_a_shard_without_anchors_take_fresh_initial_values(tmp_
 
 
 def test_accept_initial_values_needs_a_confirmation(capsys):
-    from diloco import cli
+    from tools.cli import main as cli
 
     assert cli.main(["--insecure", "admin", "--coordinator", "127.0.0.1:1", "--token-file", "/dev/null", "accept-initial-values", "0"]) == 2
     err = capsys.readouterr().err

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from diloco import auth, rpc
-from diloco.certs import make_certs
-from diloco.cli import main
+from tools.certs import make_certs
+from tools.cli.main import main
 from diloco.errors import AlreadyExists, InvalidArgument
 from diloco.v1 import syncer_pb2, syncer_pb2_grpc
 from tests.grpc.conftest import SECRET, running_shard

@@ -6,7 +6,7 @@ import pytest
 
 from coordinator.config import KubernetesLauncherConfig
 from coordinator.kubernetes import KubernetesLauncher
-from diloco.cli import build_parser
+from tools.cli.main import build_parser
 from tests.k8s.chart import (
     EXISTING_SECRET,
     INLINE_SECRET,

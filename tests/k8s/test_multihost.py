@@ -16,7 +16,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from diloco.cli import build_parser
+from tools.cli.main import build_parser
 from tests.k8s.chart import (
     CLUSTER_DOMAIN,
     EXISTING_SECRET,

@@ -14,7 +14,8 @@ from argparse import Namespace
 import pytest
 import yaml
 
-from diloco.cli import _run_config, build_parser
+from tools.cli.common import build_run_config
+from tools.cli.main import build_parser
 from diloco.config import RunConfig
 from diloco.task import DEFAULT_TASK, TaskContext
 from diloco.tasks.byte_gpt import ModelConfig, Options
@@ -76,7 +77,7 @@ def test_the_task_and_its_options_reach_the_coordinator_and_every_shard(variants
         source = mounted(pod, c, parsed.run_config)
         assert (source.kind, source.source, source.key) == ("configMap", configmap["metadata"]["name"], "run-config.json")
         # What the real command line makes of the file it names: the task, its options verbatim.
-        assert _run_config(Namespace(**{**vars(parsed), "run_config": str(tmp_path / "run-config.json")})) == expected
+        assert build_run_config(Namespace(**{**vars(parsed), "run_config": str(tmp_path / "run-config.json")})) == expected
         # The file is the one source: no task flags beside it that it would silently override.
         assert not {"--task", "--task-option", "--seed"} & set(given), name
 

@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
-from diloco import cli
-from diloco.baseline import torchft_peer
-from diloco.baseline.common import (
+from tools.cli import main as cli
+from tools.baseline import torchft_peer
+from tools.baseline.common import (
     SUMMARY_KEYS, TASK_ERROR_PREFIX, KillPlan, advance_schedule, parse_slow_workers, ring_allreduce_bytes,
     skip_batches, summary, task_error, worker_task,
 )
-from diloco.baseline.dp import Attempt, DPConfig, dp_metrics
-from diloco.baseline.torchft_peer import TorchftConfig, ft_metrics
+from tools.baseline.dp import Attempt, DPConfig, dp_metrics
+from tools.baseline.torchft_peer import TorchftConfig, ft_metrics
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from diloco.task import TaskError
@@ -214,14 +214,14 @@ def test_a_restarted_worker_resumes_the_batches_and_the_schedule_where_it_was():
 
 def test_a_task_error_a_worker_logged_becomes_the_supervisors_message(tmp_path):
     log = tmp_path / "worker1.log"
-    log.write_text(f"2025 INFO x: training\n2025 ERROR diloco.baseline.dp_worker: {TASK_ERROR_PREFIX}task 'a.py:b': "
+    log.write_text(f"2025 INFO x: training\n2025 ERROR tools.baseline.dp_worker: {TASK_ERROR_PREFIX}task 'a.py:b': "
                    "the loss is nan at step 3\n")
     assert task_error(log) == f"task 'a.py:b': the loss is nan at step 3 (see {log})"
     assert "see" in task_error(tmp_path / "missing.log")
 
 
 def test_compare_counts_the_tasks_tokens_and_unit():
-    from diloco.compare import CompareConfig
+    from tools.compare import CompareConfig
 
     cfg = CompareConfig(run=RunConfig(task_options=TINY_GPT), workers=2, steps=10)
     assert (cfg.tokens_per_step, cfg.eval_unit, cfg.tokens) == (4 * 16, "bits/byte", 2 * 10 * 4 * 16)

@@ -260,7 +260,7 @@ def test_results_do_not_depend_on_thread_count(block_size, monkeypatch):
     x = sample(3 * (1 << 18) + 11, 5)
     results = []
     for threads in (1, 3, 8):
-        monkeypatch.setattr(int4, "_threads", lambda t=threads: t)
+        monkeypatch.setattr(int4, "math_threads", lambda t=threads: t)
         packed, scales = quantize_int4(x, block_size, "float16", torch.Generator().manual_seed(1))
         results.append((packed, scales.view(torch.int16), dequantize_int4(packed, scales, x.numel(), block_size)))
     for packed, scales, values in results[1:]:
@@ -913,34 +913,6 @@ def test_math_threads_follows_torch_or_the_cpu_affinity(monkeypatch):
     for cpus in ({0}, {0, 1, 2}):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cpus=cpus: cpus)
         assert math_threads() == len(cpus)
-
-
-@needs_kernel
-def test_fused_outer_step_takes_even_blocks_up_to_1024():
-    """The shard's fused step runs for even block sizes up to 1024 (and returns the int4
-    update it added to params); otherwise it touches nothing and leaves it to torch ops."""
-    n = 2100
-
-    def state():
-        return [(torch.randn(n, generator=torch.Generator().manual_seed(s)) * 0.1).numpy() for s in range(4)]
-
-    for block_size in (64, 1024):
-        delta, momentum, residual, params = state()
-        before = params.copy()
-        packed, scales = int4.fused_outer_step(delta, momentum, residual, params, block_size, "float16", 1.0, 0.7, 0.9)
-        applied = dequantize_int4(torch.from_numpy(packed), torch.from_numpy(scales), n, block_size)
-        assert scales.size == -(-n // block_size)
-        torch.testing.assert_close(torch.from_numpy(params), torch.from_numpy(before) + applied, rtol=0, atol=1e-6)
-    for block_size in (3, 2048):
-        arrays = state()
-        assert int4.fused_outer_step(*arrays, block_size, "float16", 1.0, 0.7, 0.9) is None
-        assert all(np.array_equal(a, b) for a, b in zip(arrays, state()))
-    with kernel_path("torch"):
-        assert int4.fused_outer_step(*state(), 64, "float16", 1.0, 0.7, 0.9) is None
-    delta, *rest = state()
-    delta[5] = math.nan
-    assert _message(int4.fused_outer_step, delta, *rest, 64, "float16", 1.0, 0.7, 0.9) == (
-        "outer update cannot be quantized (status 1): values are non-finite or too large")
 
 
 # --- framing edges -------------------------------------------------------------------------

@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from coordinator.config import CoordinatorConfig
-from diloco.baseline.torchft_peer import TorchftConfig
-from diloco.cli import build_parser
+from tools.baseline.torchft_peer import TorchftConfig
+from tools.cli.main import build_parser
 from diloco.config import RunConfig
-from diloco.local_config import LocalConfig
-from diloco.settings import add_flag, default_of
+from tools.local.config import LocalConfig
+from tools.cli.settings import add_flag, default_of
 from learner.config import LearnerConfig
 from syncer.config import MergeConfig, RoundConfig, SyncerConfig
 

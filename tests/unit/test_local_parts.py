@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from diloco.chaos import ChaosConfig, learner_pid, parse_learner_device, parse_scavenge, parse_slow
+from tools.chaos import ChaosConfig, learner_pid, parse_learner_device, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
-from diloco.local import LocalConfig, slot_seconds, tape_stats, uptime
+from tools.local.config import LocalConfig
+from tools.metrics import slot_seconds, tape_stats, uptime
 from diloco.tape import TapeWriter
-from diloco.timeline import learner_intervals
+from tools.timeline import learner_intervals
 
 
 def test_chaos_flags_parse_and_reject_nonsense():
@@ -42,7 +43,7 @@ def test_learner_devices_parse_and_a_device_this_machine_lacks_fails_before_anyt
     with pytest.raises(InvalidArgument, match="--learner-device L3: there are only 3 learners"):
         LocalConfig(learner_devices=((3, "xla"),))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "diloco.cli", "local", "--learner-device", "L0:xla", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "local", "--learner-device", "L0:xla", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "torch-xla is not installed here" in proc.stderr and "constraints-xla.txt" in proc.stderr, proc.stderr
@@ -120,15 +121,15 @@ def test_timeline_spans_from_state_changes_and_death():
 def test_the_progress_line_for_logs_carries_the_table_s_essentials():
     from types import SimpleNamespace
 
-    from diloco.local import _progress_line
+    from tools.local.progress import progress_line
 
     shard = SimpleNamespace(fragments=[SimpleNamespace(version=3), SimpleNamespace(version=5)], rounds_closed=7)
     members = [{"id": "L0", "state": "active", "tokens": 1000}, {"id": "L1", "state": "left", "tokens": 500}]
     events = {"L0": [{"kind": "eval", "loss": 4.25}]}
-    line = _progress_line(members, [shard, RuntimeError("down")], events, time.monotonic() - 12, "bits/byte")
+    line = progress_line(members, [shard, RuntimeError("down")], events, time.monotonic() - 12, "bits/byte")
     assert line.startswith("[   12 s] tokens 1,500 · learners 1 active, 1 left · outer versions 3–5 · rounds 7")
     assert "latest eval 4.250 bits/byte" in line and line.endswith("1/2 shards up")
-    assert "learners none joined yet" in _progress_line([], [], {}, time.monotonic(), "bits/byte")
+    assert "learners none joined yet" in progress_line([], [], {}, time.monotonic(), "bits/byte")
 
 
 def test_stopping_says_which_processes_it_waits_for(tmp_path):
@@ -137,7 +138,7 @@ def test_stopping_says_which_processes_it_waits_for(tmp_path):
     import subprocess
     import sys
 
-    from diloco.local import Cluster, LocalConfig
+    from tools.local.supervisor import Cluster
 
     cluster = Cluster(LocalConfig(tls=False), tmp_path, 1)
     quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

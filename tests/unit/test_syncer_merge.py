@@ -1,9 +1,13 @@
+import math
+
+import numpy as np
 import pytest
 import torch
 
 from diloco.codec import dequantize_int4, quantize_int4
 from syncer.core.merge import Contribution, merge_piece, token_weights
 from syncer.core.outer import apply_quantized_, nesterov_
+from tests.unit.test_codec import _message, kernel_path, needs_kernel
 
 
 def merged(deltas, weights, rda=True):
@@ -192,3 +196,33 @@ def test_outer_step_without_the_kernel_is_the_kernels_step(monkeypatch, block_si
         (fm, fr, fp), _ = step(fused=True)
         for ours, ref in ((fm, m), (fr, r), (fp, p)):
             torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+
+@needs_kernel
+def test_fused_outer_step_takes_even_blocks_up_to_1024():
+    """The shard's fused step (in syncer.core.outer, on the codec's C kernel) runs for even block sizes up to 1024 (and returns the int4
+    update it added to params); otherwise it touches nothing and leaves it to torch ops."""
+    from syncer.core import outer
+
+    n = 2100
+
+    def state():
+        return [(torch.randn(n, generator=torch.Generator().manual_seed(s)) * 0.1).numpy() for s in range(4)]
+
+    for block_size in (64, 1024):
+        delta, momentum, residual, params = state()
+        before = params.copy()
+        packed, scales = outer.fused_outer_step(delta, momentum, residual, params, block_size, "float16", 1.0, 0.7, 0.9)
+        applied = dequantize_int4(torch.from_numpy(packed), torch.from_numpy(scales), n, block_size)
+        assert scales.size == -(-n // block_size)
+        torch.testing.assert_close(torch.from_numpy(params), torch.from_numpy(before) + applied, rtol=0, atol=1e-6)
+    for block_size in (3, 2048):
+        arrays = state()
+        assert outer.fused_outer_step(*arrays, block_size, "float16", 1.0, 0.7, 0.9) is None
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, state()))
+    with kernel_path("torch"):
+        assert outer.fused_outer_step(*state(), 64, "float16", 1.0, 0.7, 0.9) is None
+    delta, *rest = state()
+    delta[5] = math.nan
+    assert _message(outer.fused_outer_step, delta, *rest, 64, "float16", 1.0, 0.7, 0.9) == (
+        "outer update cannot be quantized (status 1): values are non-finite or too large")

@@ -7,7 +7,8 @@ import urllib.request
 import pytest
 from opentelemetry import metrics, trace
 
-from diloco import cli, telemetry
+from diloco import telemetry
+from tools.cli import main as cli
 from diloco.errors import InvalidArgument
 
 

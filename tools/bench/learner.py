@@ -52,7 +52,7 @@ def _start_shard(tmp: Path, run: RunConfig) -> tuple[subprocess.Popen, str]:
     (tmp / "secret").write_text(_SECRET)
     port_file = tmp / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "--insecure", "syncer", "--run-config", str(tmp / "run.json"), "--learners", "L0",
+        [sys.executable, "-m", "tools.cli", "--insecure", "syncer", "--run-config", str(tmp / "run.json"), "--learners", "L0",
          "--secret-file", str(tmp / "secret"), "--port-file", str(port_file)],
         stdout=subprocess.DEVNULL,
     )
@@ -92,7 +92,7 @@ def _run_tracing(run_cfg: RunConfig, cfg: LearnerConfig, address: str, threads: 
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from diloco.bench.otlp import OtlpReceiver
+    from tools.bench.otlp import OtlpReceiver
 
     results: dict[bool, list[dict]] = {True: [], False: []}
     with OtlpReceiver() as receiver:

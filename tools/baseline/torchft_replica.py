@@ -1,5 +1,5 @@
 """One torchft replica, or the torchft Lighthouse, as a process (started by
-``diloco.baseline.torchft_peer``). Needs the optional extra ``diloco[peers]``.
+``tools.baseline.torchft_peer``). Needs the optional extra ``diloco[peers]``.
 
 A replica is one replica group of one process: its own TCPStore, a torchft ``Manager``
 (gloo, CPU) that asks the Lighthouse for a quorum, and torchft's Streaming DiLoCo
@@ -11,8 +11,8 @@ fragment is all-reduced every H/P inner steps, so each is synced every H steps, 
 ``fragment_sync_delay`` = tau steps of overlap (capped below H/P, as torchft requires).
 
 Usage:
-``python -m diloco.baseline.torchft_replica lighthouse --run-dir DIR``
-``python -m diloco.baseline.torchft_replica replica --run-dir DIR --replica I --attempt A
+``python -m tools.baseline.torchft_replica lighthouse --run-dir DIR``
+``python -m tools.baseline.torchft_replica replica --run-dir DIR --replica I --attempt A
 --lighthouse ADDR --store-port P --start-step S``
 """
 
@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diloco.baseline.common import (
+from tools.baseline.common import (
     TASK_ERROR_EXIT, TASK_ERROR_PREFIX, JsonlWriter, advance_schedule, next_batch, ring_allreduce_bytes, skip_batches,
 )
-from diloco.baseline.torchft_peer import TorchftConfig
+from tools.baseline.torchft_peer import TorchftConfig
 from diloco.files import atomic_write, atomic_write_json
 from diloco.task import TaskError, checked_tokens
 from learner.runner import inner_optimizer, inner_step
@@ -191,7 +191,7 @@ def _observed(perform_sync, fragment: int, manager, fragment_bytes: int, timelin
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diloco.baseline.torchft_replica")
+    parser = argparse.ArgumentParser(prog="python -m tools.baseline.torchft_replica")
     roles = parser.add_subparsers(dest="role", required=True)
     lh = roles.add_parser("lighthouse")
     lh.add_argument("--run-dir", type=Path, required=True)

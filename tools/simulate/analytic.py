@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from diloco.simulate.engine import SimOptions, slice_layout
+from tools.simulate.engine import SimOptions, slice_layout
 
 
 def stall_fraction(chips: float, hold_s: float, options: SimOptions) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diloco.simulate.engine import JobResult, Table
+from tools.simulate.engine import JobResult, Table
 
 # Paper, Table 1 (goodput %, MTBI 1 year per chip): the cells the defaults are calibrated to.
 PUBLISHED_GOODPUT_PCT: dict[str, dict] = {

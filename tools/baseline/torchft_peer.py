@@ -2,7 +2,7 @@
 closest published peer (torchft 0.2.0, CPU, gloo, its Lighthouse on 127.0.0.1). torchft is
 an optional extra (``pip install 'diloco[peers]'``); without it the command says so.
 
-M replicas (one process each, ``diloco.baseline.torchft_replica``) train the run's task
+M replicas (one process each, ``tools.baseline.torchft_replica``) train the run's task
 (replica i builds it as learner Li does; the task must initialise its model from the
 seed, as replicas do not sync before their first step) with the learners' inner loop;
 torchft syncs one fragment every H/P steps by a fault-tolerant all-reduce of its
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from diloco.baseline.common import (
+from tools.baseline.common import (
     PERIOD_SLACK, TASK_ERROR_EXIT, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median,
     spawn, summary, task_error,
 )
@@ -44,7 +44,7 @@ from syncer.config import MergeConfig
 
 logger = logging.getLogger(__name__)
 
-REPLICA_MODULE = "diloco.baseline.torchft_replica"
+REPLICA_MODULE = "tools.baseline.torchft_replica"
 NOT_INSTALLED = "torchft is not installed: pip install 'diloco[peers]'"
 
 
@@ -129,7 +129,7 @@ def ft_metrics(timelines: list[list[dict]], fragments: int, sync_every_steps: in
       being replaced). ``stats.json`` also has ``goodput_with_overlap``, which counts the
       steps between a prepare and its committed sync as useful (as diloco local's tape
       statistics count a push's steps).
-    - **uptime / global_stall_s**: ``diloco.local.uptime`` over the commit times (any
+    - **uptime / global_stall_s**: ``tools.metrics.uptime`` over the commit times (any
       replica's on the run's model) with the expected period = H/P x median step duration x ``PERIOD_SLACK``,
       as diloco local computes it from round closes.
     - **bytes**: each replica's share of every fragment all-reduce it took part in (ring:
@@ -137,7 +137,7 @@ def ft_metrics(timelines: list[list[dict]], fragments: int, sync_every_steps: in
       received; ``bytes_per_1k_tokens`` = 1000 x bytes / tokens computed. Quorum RPCs and
       heartbeats are not counted.
     """
-    from diloco.local import uptime
+    from tools.metrics import uptime
 
     useful = useful_with_overlap = wire = 0.0
     durations, commits, ready, ends = [], [], [], []
@@ -358,7 +358,7 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     import torch
     from torch.distributed import TCPStore
 
-    from diloco.local import eval_task, supervisor_task, tokens_per_step
+    from tools.metrics import eval_task, supervisor_task, tokens_per_step
 
     run_dir = cfg.out or Path("runs") / time.strftime("torchft-%Y%m%d-%H%M%S")
     if (run_dir / "summary.json").exists() or (run_dir / "events.jsonl").exists():

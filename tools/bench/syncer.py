@@ -304,7 +304,7 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> d
         port_file, secret_file = Path(tmp) / "port", Path(tmp) / "secret"
         secret_file.write_text(secret)
         shard = subprocess.Popen(
-            [sys.executable, "-m", "diloco.cli", "--insecure", "syncer", "--fragments", "1",
+            [sys.executable, "-m", "tools.cli", "--insecure", "syncer", "--fragments", "1",
              "--learners", ",".join(f"L{i}" for i in range(learners)), "--grace", "off",
              "--port-file", str(port_file), "--secret-file", str(secret_file)],
             stdout=subprocess.DEVNULL,

@@ -1,9 +1,9 @@
 """``diloco coordinator`` and ``diloco admin``: their parsers and handlers, wired into
-the ``diloco`` command by ``diloco.cli.build_parser``.
+the ``diloco`` command by ``tools.cli.main.build_parser``.
 
 Like the main CLI, parsers import nothing heavy; handlers import their implementation
-when they run. The helpers shared with ``diloco.cli`` are imported inside functions, so
-``diloco.cli`` may import this module at its top (also when it runs as ``__main__``). This module may read the environment (the Kubernetes chart passes the
+when they run. The helpers shared with ``tools.cli.main`` are imported inside functions, so
+``tools.cli.main`` may import this module at its top (also when it runs as ``__main__``). This module may read the environment (the Kubernetes chart passes the
 admin token and the pod's namespace that way); nothing below it does.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
 from diloco.errors import InvalidArgument, NotFound
-from diloco.settings import add_config_flag, add_flag
+from tools.cli.settings import add_config_flag, add_flag
 
 ENDPOINTS_FILE = "endpoints.json"
 ADMIN_TOKEN_FILE = "admin-token"
@@ -66,9 +66,9 @@ def _coordinator(args: argparse.Namespace) -> int:
     import asyncio
 
     from coordinator.server import run_coordinator
-    from diloco.cli import _run_config, _secret, _start_telemetry
+    from tools.cli.common import build_run_config, run_secret, start_telemetry
 
-    run = _run_config(args)
+    run = build_run_config(args)
     data_dir = Path(args.data_dir)
     cfg = CoordinatorConfig(
         data_dir=data_dir,
@@ -93,7 +93,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         launcher=args.launcher,
         local=LocalLauncherConfig(
             command=(tuple(shlex.split(args.learner_command)) if args.learner_command
-                     else (sys.executable, "-m", "diloco.cli", *args.transport, "learner")),
+                     else (sys.executable, "-m", "tools.cli", *args.transport, "learner")),
             terminate_timeout_s=args.terminate_timeout_s,
         ),
         kubernetes=KubernetesLauncherConfig(
@@ -108,8 +108,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     if cfg.launcher == "kubernetes" and not cfg.kubernetes.pod_templates:
         raise InvalidArgument("--launcher kubernetes needs --pod-template [POOL=]PATH")
     port_file = Path(args.port_file) if args.port_file else None
-    secret, admin_token = _secret(args), _admin_token(args, data_dir)
-    telemetry = _start_telemetry(args, "coordinator")
+    secret, admin_token = run_secret(args), _admin_token(args, data_dir)
+    telemetry = start_telemetry(args, "coordinator")
     try:
         return asyncio.run(run_coordinator(run, cfg, secret, admin_token, port_file))
     finally:
@@ -117,7 +117,7 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
-    from diloco.cli import _add_run_config, _add_telemetry
+    from tools.cli.common import add_run_config, add_telemetry
 
     p = commands.add_parser(
         "coordinator",
@@ -165,7 +165,7 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
              choices=["local", "kubernetes", "none"])
     add_flag(p, "--release", CoordinatorConfig, "release", "owner label of launched pods (the Helm release)")
     local = p.add_argument_group("local launcher")
-    local.add_argument("--learner-command", help="command line that starts a learner (default: this Python's -m diloco.cli learner, "
+    local.add_argument("--learner-command", help="command line that starts a learner (default: this Python's -m tools.cli learner, "
                                                    "with this coordinator's --tls-dir or --insecure)")
     add_flag(local, "--terminate-timeout-s", LocalLauncherConfig, "terminate_timeout_s",
              "SIGKILL a learner this long after SIGTERM, seconds", type=float)
@@ -179,8 +179,8 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     k8s.add_argument("--owner-configmap", metavar="NAME",
                      help="ConfigMap (in --namespace) that owns learner pods, so deleting it deletes them "
                           "(default $DILOCO_OWNER_CONFIGMAP, else none: pods outlive everything)")
-    _add_telemetry(p)
-    _add_run_config(p)
+    add_telemetry(p)
+    add_run_config(p)
     p.set_defaults(func=_coordinator, transport=[])  # --tls-dir or --insecure, for the learners it launches
 
 
@@ -438,7 +438,7 @@ def _accept_initial_values(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from diloco.export import export_model
+    from tools.export import export_model
 
     client = _client(args)
     try:

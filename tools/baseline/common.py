@@ -9,7 +9,7 @@ Definitions (the same for every system ``diloco compare`` puts side by side):
   ``PERIOD_SLACK`` (diloco local uses the same factor of 4).
 - **global stall**: time beyond the expected period between two advances, or from the
   start of training to the first advance, or from the last advance to the end
-  (``diloco.local.uptime``); **uptime** = 1 − stall / (end − start).
+  (``tools.metrics.uptime``); **uptime** = 1 − stall / (end − start).
 """
 
 from __future__ import annotations

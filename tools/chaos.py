@@ -11,7 +11,7 @@ directory (``diloco timeline`` draws them).
   recovers from the learners' anchors)
   the same address; learners find it down, probe it and re-sync.
 
-Slow learners and wire delay are learner flags set at launch (``diloco.local``).
+Slow learners and wire delay are learner flags set at launch (``tools.local.run``).
 """
 
 from __future__ import annotations

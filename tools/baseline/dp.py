@@ -1,7 +1,7 @@
 """``diloco baseline dp``: synchronous data-parallel on the same workload as ``diloco
 local``, with the failure behaviour real DP jobs have.
 
-M workers, each a separate OS process (``diloco.baseline.dp_worker``), train the run's
+M workers, each a separate OS process (``tools.baseline.dp_worker``), train the run's
 task (``--task``) in lock step: every step each computes the gradient of its own batch
 (worker i builds the task as learner Li does, so it reads Li's share of the data), one
 all-reduce averages them (torch.distributed gloo over 127.0.0.1), and every worker applies
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from diloco.baseline.common import (
+from tools.baseline.common import (
     PERIOD_SLACK, TASK_ERROR_EXIT, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median,
     ring_allreduce_bytes, spawn, summary, task_error,
 )
@@ -44,7 +44,7 @@ from diloco.task import TaskError
 
 logger = logging.getLogger(__name__)
 
-WORKER_MODULE = "diloco.baseline.dp_worker"
+WORKER_MODULE = "tools.baseline.dp_worker"
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def dp_metrics(attempts: list[Attempt], workers: int, buffer_bytes: int, tokens_
     - **goodput**: the fraction of worker time spent in steps whose gradients reached the
       final model = workers x (summed durations of survived steps) / (workers x window).
       In lock step all workers are inside the same step, so the worker count cancels.
-    - **uptime / global_stall_s**: ``diloco.local.uptime`` over every step's end (rolled
+    - **uptime / global_stall_s**: ``tools.metrics.uptime`` over every step's end (rolled
       back or not: the job was up; the loss of work is goodput's business) with the
       expected period = median step duration x ``PERIOD_SLACK``.
     - **bytes**: a ring all-reduce of the gradient buffer per finished step
@@ -139,7 +139,7 @@ def dp_metrics(attempts: list[Attempt], workers: int, buffer_bytes: int, tokens_
       computed, both counting rolled-back steps, which makes it the protocol's cost
       2(M-1) x buffer / (M x tokens per batch), the same with or without faults.
     """
-    from diloco.local import uptime
+    from tools.metrics import uptime
 
     ran = [a for a in attempts if a.ready_t is not None]
     if not ran or not ran[-1].steps:
@@ -334,7 +334,7 @@ def run_dp(cfg: DPConfig, show_progress: bool = True) -> dict:
     import torch
     from torch.distributed import TCPStore
 
-    from diloco.local import eval_task, supervisor_task, tokens_per_step
+    from tools.metrics import eval_task, supervisor_task, tokens_per_step
 
     run_dir = cfg.out or Path("runs") / time.strftime("dp-%Y%m%d-%H%M%S")
     if (run_dir / "checkpoint.pt").exists() or (run_dir / "summary.json").exists():

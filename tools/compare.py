@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
-from diloco.chaos import ChaosConfig
+from tools.chaos import ChaosConfig
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 
@@ -80,8 +80,8 @@ class CompareConfig:
     @cached_property
     def workload(self) -> tuple[int, str]:
         """(tokens of one worker's step, eval unit) of the run's task, built once as the
-        supervisors build it (``diloco.local.supervisor_task``)."""
-        from diloco.local import supervisor_task, tokens_per_step
+        supervisors build it (``tools.metrics.supervisor_task``)."""
+        from tools.metrics import supervisor_task, tokens_per_step
 
         task = supervisor_task(self.run, self.workers)
         return tokens_per_step(self.run, task), task.eval_unit
@@ -100,14 +100,14 @@ class CompareConfig:
 
 
 def _local_cfg(cfg: CompareConfig, out: Path, **changes):
-    from diloco.local import LocalConfig
+    from tools.local.config import LocalConfig
 
     local = LocalConfig(run=cfg.run, learners=cfg.workers, steps=cfg.steps, out=out)
     return replace(local, **changes)
 
 
 def _decoupled(cfg: CompareConfig, scenario: str, out: Path, reference_wall_s: float | None) -> dict:
-    from diloco.local import run_local
+    from tools.local.run import run_local
 
     if scenario == "nofault":
         local = _local_cfg(cfg, out)
@@ -146,11 +146,11 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
     slow = {"slow_workers": cfg.slow} if scenario == "hetero" else {}
     common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, out=out, **faults, **slow)
     if system == "dp":
-        from diloco.baseline.dp import DPConfig, run_dp
+        from tools.baseline.dp import DPConfig, run_dp
 
         result = run_dp(DPConfig(**common), show_progress=True)
     else:
-        from diloco.baseline.torchft_peer import TorchftConfig, run_torchft, torchft_available
+        from tools.baseline.torchft_peer import TorchftConfig, run_torchft, torchft_available
 
         if not torchft_available():
             return {"skipped": "torchft is not installed: pip install 'diloco[peers]'"}
@@ -183,7 +183,7 @@ def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | No
 
 def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ("nofault", "hetero")) -> dict:
     """Decoupled only, one setting changed at a time."""
-    from diloco.local import run_local
+    from tools.local.run import run_local
 
     results: dict[str, dict] = {}
     for scenario in scenarios:

@@ -1,4 +1,4 @@
-"""The configuration of ``diloco local`` (``diloco.local``), importable without torch:
+"""The configuration of ``diloco local`` (``tools.local.run``), importable without torch:
 the command line builds its flags from it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
-from diloco.chaos import ChaosConfig
+from tools.chaos import ChaosConfig
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from learner.config import LearnerConfig

@@ -1,4 +1,4 @@
-"""One data-parallel worker process (started by ``diloco.baseline.dp.Supervisor``).
+"""One data-parallel worker process (started by ``tools.baseline.dp.Supervisor``).
 
 It builds the run's task as learner L<rank> would (``common.worker_task``), loads the
 last checkpoint if there is one (and skips the batches trained before it), joins the gloo
@@ -8,7 +8,7 @@ backward on its own batch, one all-reduce of a single flat buffer holding every 
 clip, inner optimizer step. A fresh start takes rank 0's initial parameters, as DDP does.
 Rank 0 writes the timeline and the checkpoints.
 
-Usage: ``python -m diloco.baseline.dp_worker --run-dir DIR --rank R --attempt A --store-port P``
+Usage: ``python -m tools.baseline.dp_worker --run-dir DIR --rank R --attempt A --store-port P``
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from diloco.baseline.common import (
+from tools.baseline.common import (
     TASK_ERROR_EXIT, TASK_ERROR_PREFIX, JsonlWriter, advance_schedule, grad_dtype, next_batch, skip_batches,
 )
-from diloco.baseline.dp import DPConfig
+from tools.baseline.dp import DPConfig
 from diloco.files import atomic_write
 from diloco.task import TaskError, checked_tokens
 from learner.runner import inner_optimizer, inner_step
@@ -135,7 +135,7 @@ def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diloco.baseline.dp_worker")
+    parser = argparse.ArgumentParser(prog="python -m tools.baseline.dp_worker")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--attempt", type=int, required=True)

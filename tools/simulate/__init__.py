@@ -18,8 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from diloco.errors import InvalidArgument
-from diloco.simulate import report
-from diloco.simulate.engine import RECOVERY_KINDS, RecoveryDist, SimOptions, Table, simulate_table, validate_sweep
+from tools.simulate import report
+from tools.simulate.engine import RECOVERY_KINDS, RecoveryDist, SimOptions, Table, simulate_table, validate_sweep
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,136 @@
+"""What several commands share: the run config's flags, the run secret, the grace flag and
+the telemetry flags. The only other module (with tools/cli/main.py) that reads the environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from diloco.config import REPLY_RULES, RunConfig
+from diloco.task import DEFAULT_TASK
+from tools.cli.settings import add_flag
+
+
+GPT_OPTIONS = ("width", "depth", "heads", "context", "batch_size", "data")
+
+
+def add_run_config(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("run (must match across every process of a run)")
+    group.add_argument("--run-config", metavar="FILE", help="JSON run config (as written by diloco local); overrides the flags below")
+    group.add_argument("--task", default=DEFAULT_TASK, metavar="FILE.py:FUNCTION",
+                       help="what to train: a function (FILE.py:FUNCTION or package.module:FUNCTION) taking a "
+                            f"diloco.TaskContext and returning a diloco.Task (default {DEFAULT_TASK}, the byte GPT)")
+    group.add_argument("--task-option", action="append", metavar="KEY=VALUE",
+                       help="an option for the task (TaskContext.options; repeatable)")
+    add_flag(group, "--seed", RunConfig, "seed", "the run's seed: model initialisation, data order", type=int)
+    group.add_argument("--init", default="", metavar="FILE.safetensors",
+                       help="start the model from these weights (an export: diloco admin export, or a run's model.safetensors)")
+    add_flag(group, "--fragments", RunConfig, "fragments", "P: fragments the model is cut into", type=int)
+    add_flag(group, "--sync-every", RunConfig, "sync_every_steps", "H: inner steps between two sends of a fragment", type=int)
+    add_flag(group, "--overlap", RunConfig, "overlap_steps", "tau: inner steps before a reply is needed", type=int)
+    add_flag(group, "--alpha", RunConfig, "merge_alpha", "merge alpha when applying a reply (0: overwrite)", type=float)
+    add_flag(group, "--reply-rule", RunConfig, "reply_rule",
+             "apply a reply by rebasing the progress made since the push onto it, or by mixing with --alpha "
+             "(DESIGN's rule)", choices=REPLY_RULES)
+    gpt = parser.add_argument_group("the built-in byte GPT task (shorthands for its --task-option values)")
+    gpt.add_argument("--width", type=int, help="model width (default 128)")
+    gpt.add_argument("--depth", type=int, help="transformer blocks (default 2)")
+    gpt.add_argument("--heads", type=int, help="attention heads (default 4)")
+    gpt.add_argument("--context", type=int, help="tokens per sequence (default 128)")
+    gpt.add_argument("--batch-size", type=int, help="sequences per inner step (default 16)")
+    gpt.add_argument("--data", help="a text file or a directory of them (default: the Python standard library's sources)")
+
+
+def _absolute_task(spec: str) -> str:
+    """A task file given relative to this directory, made absolute: the run config travels
+    to processes with other working directories (a path that is not a file here, say one
+    inside a learner image, is kept as it is)."""
+    path, sep, name = spec.rpartition(":")
+    if sep and path.endswith(".py") and Path(path).is_file():
+        return f"{Path(path).resolve()}:{name}"
+    return spec
+
+
+def build_run_config(args: argparse.Namespace):
+    from diloco.errors import InvalidArgument, NotFound
+    from diloco.task import parse_options
+
+    if args.run_config:
+        try:
+            text = Path(args.run_config).read_text()
+        except OSError as error:
+            raise NotFound(f"cannot read run config {args.run_config}: {error.strerror}") from None
+        return RunConfig.from_json(text)
+    shorthands = {k: str(getattr(args, k)) for k in GPT_OPTIONS if getattr(args, k) is not None}
+    if shorthands and args.task != DEFAULT_TASK:
+        flags = ", ".join("--" + k.replace("_", "-") for k in shorthands)
+        raise InvalidArgument(f"{flags} set options of the built-in byte GPT task; give your task's options "
+                              "with --task-option KEY=VALUE")
+    return RunConfig(
+        task=_absolute_task(args.task),
+        task_options={**shorthands, **parse_options(args.task_option or [])},
+        seed=args.seed,
+        init=str(Path(args.init).resolve()) if args.init else "",
+        fragments=args.fragments,
+        sync_every_steps=args.sync_every,
+        overlap_steps=args.overlap,
+        merge_alpha=args.alpha,
+        reply_rule=args.reply_rule,
+    )
+
+
+def run_secret(args: argparse.Namespace) -> str:
+    from diloco.errors import InvalidArgument, NotFound
+
+    if args.secret_file:
+        try:
+            secret = Path(args.secret_file).read_text().strip()
+        except OSError as error:
+            raise NotFound(f"cannot read secret file {args.secret_file}: {error.strerror}") from None
+    else:
+        secret = os.environ.get("DILOCO_SECRET", "")
+    if not secret:
+        raise InvalidArgument("no run secret: pass --secret-file PATH or set DILOCO_SECRET")
+    return secret
+
+
+def parse_grace(value: str) -> tuple[str, float]:
+    if value in ("auto", "off"):
+        return value, 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"grace must be auto, off or seconds, got {value!r}") from None
+    if not (seconds >= 0 and seconds != float("inf")):
+        raise argparse.ArgumentTypeError(f"grace seconds must be finite and >= 0, got {value!r}")
+    return "fixed", seconds
+
+
+def _prometheus(value: str) -> tuple[str, int]:
+    from diloco.errors import InvalidArgument
+    from diloco.telemetry import prometheus_address
+
+    try:
+        return prometheus_address(value)
+    except InvalidArgument as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_telemetry(parser: argparse.ArgumentParser) -> None:
+    """Traces and OTLP metrics follow the standard OTEL_* environment variables (README,
+    "Tracing and metrics"); only the Prometheus endpoint has a flag."""
+    parser.add_argument(
+        "--prometheus", type=_prometheus, metavar="[HOST:]PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST default 0.0.0.0; needs the diloco[metrics] "
+             "extra). Traces and OTLP export follow the OTEL_* environment variables",
+    )
+
+
+def start_telemetry(args: argparse.Namespace, role: str, **ids):
+    """OpenTelemetry from this process's environment (nothing unless OTEL_* says so)."""
+    from diloco import telemetry
+
+    return telemetry.start(role, os.environ, prometheus=args.prometheus, **ids)
+
+

@@ -1,0 +1,163 @@
+"""The ``diloco`` command line: one entry point, one subcommand per job.
+
+Parsers are built without importing torch or grpc so ``diloco --help`` stays instant;
+each subcommand imports its implementation when it runs. This is the only module that
+configures logging handlers (and, later, reads environment variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import io
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from diloco import __version__
+from diloco.errors import DilocoError, InvalidArgument
+from tools.cli.coordinator import add_admin_parser, add_coordinator_parser
+from tools.cli.runs import (add_baseline, add_bench, add_certs, add_compare, add_local, add_run_tools, add_simulate,
+                            add_tape)
+from tools.cli.services import add_learner, add_syncer
+from tools.cli.settings import apply_config, read_config
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco",
+        description="Decoupled DiLoCo over gRPC: learners, syncer shards and a coordinator.",
+    )
+    parser.add_argument("--version", action="version", version=f"diloco {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level for messages on stderr (default WARNING)",
+    )
+    parser.add_argument(
+        "--exit-with-parent", action="store_true",
+        help="stop (as on SIGTERM) when the parent process is gone (diloco local starts every process of its run so)",
+    )
+    transport = parser.add_mutually_exclusive_group()
+    transport.add_argument(
+        "--tls-dir", metavar="DIR",
+        help="mutual TLS for every server and channel of this process: DIR holds ca.crt, tls.crt and tls.key "
+             "(`diloco certs`, or a cert-manager Secret; default $DILOCO_TLS_DIR)",
+    )
+    transport.add_argument(
+        "--insecure", dest="plaintext", action="store_true",
+        help="plaintext gRPC for this process: tokens and credentials cross the network in clear "
+             "(default $DILOCO_INSECURE). coordinator, syncer, learner and admin refuse to start "
+             "with neither this nor --tls-dir",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_local(commands)
+    add_certs(commands)
+    add_run_tools(commands)
+    add_compare(commands)
+    add_baseline(commands)
+    add_bench(commands)
+    add_syncer(commands)
+    add_learner(commands)
+    add_tape(commands)
+    add_simulate(commands)
+    add_coordinator_parser(commands)
+    add_admin_parser(commands)
+    return parser
+
+
+def _exit_with_parent() -> None:
+    """SIGTERM this process (its graceful shutdown) once its parent process is gone: a
+    run's processes never outlive the process that started them, however it ended
+    (SIGKILL included, which no handler of the parent sees)."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)  # nothing to wait on: the kernel reparents us without telling
+        logger.warning("parent process %d is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="diloco-parent-watch", daemon=True).start()
+
+
+def _deepest_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command given, so its usage, not the top level's, is shown."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return _deepest_parser(chosen, args)
+    return parser
+
+
+_NETWORKED = ("coordinator", "syncer", "learner", "admin")
+"""The commands that open gRPC servers or channels: they need --tls-dir or --insecure."""
+
+
+def _choose_transport(args: argparse.Namespace) -> None:
+    """Mutual TLS from --tls-dir, or plaintext only when asked for (--insecure). The
+    choice is kept as ``args.transport`` (flags), so what the process launches (the
+    coordinator's local learners) talks the same way."""
+    from diloco import rpc
+
+    tls_dir, plaintext = args.tls_dir, args.plaintext  # a flag wins over the environment
+    if not tls_dir and not plaintext:
+        tls_dir = os.environ.get("DILOCO_TLS_DIR") or None
+        plaintext = os.environ.get("DILOCO_INSECURE", "").lower() in ("1", "true", "yes")
+    if tls_dir:
+        rpc.use_tls(rpc.Tls.from_dir(tls_dir))
+        args.transport = ["--tls-dir", str(Path(tls_dir).resolve())]
+    elif plaintext:
+        if args.command in _NETWORKED:
+            logger.warning("--insecure: plaintext gRPC, tokens and credentials cross the network in clear")
+        args.transport = ["--insecure"]
+    elif args.command in _NETWORKED and not (args.command == "admin" and args.run_dir):
+        # (admin --run-dir follows the run: its RUN_DIR/tls, or plaintext for a run made --insecure)
+        raise InvalidArgument(
+            f"{args.command} refuses plaintext gRPC: give --tls-dir DIR (mutual TLS; `diloco certs --out DIR` "
+            "makes one for a run) or --insecure (tokens and credentials then cross the network in clear); "
+            "both go before the command, e.g. `diloco --tls-dir DIR " + args.command + " ...`")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "config", None):  # the file's settings become the command's defaults
+        try:
+            apply_config(_deepest_parser(parser, args), read_config(args.config), args.config)
+        except DilocoError as error:
+            print(f"diloco: error: {error}", file=sys.stderr)
+            return 2
+        args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _deepest_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if args.exit_with_parent:
+        _exit_with_parent()
+    # A supervisor that gives up on a process sends SIGUSR1 before SIGKILL: the stacks of
+    # every thread go to the log, so a hang says where it was.
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr not a file: in-process callers
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        _choose_transport(args)
+        return args.func(args)
+    except DilocoError as error:
+        print(f"diloco: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("diloco: interrupted", file=sys.stderr)
+        return 130
+

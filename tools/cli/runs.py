@@ -1,0 +1,415 @@
+"""The commands that drive or measure runs: local, compare, baseline, bench, simulate, replay,
+timeline, tape and certs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+from diloco.errors import InvalidArgument
+from learner.config import DELTA_CODECS
+from syncer.config import MERGE_MODES, SCALE_MODES
+from tools.cli.common import add_run_config, build_run_config, parse_grace
+from tools.cli.settings import add_config_flag, add_flag
+from tools.local.config import LocalConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _bench_codec(args: argparse.Namespace) -> int:
+    from tools.bench import codec
+
+    result = codec.run(size_mib=args.size_mib, repeats=args.repeats)
+    _print_result(result, args.json)
+    return 0
+
+
+def _bench_syncer(args: argparse.Namespace) -> int:
+    from tools.bench import syncer
+
+    _print_result(syncer.run(params=args.params, learners=args.learners, rounds=args.rounds), args.json)
+    return 0
+
+
+def _bench_learner(args: argparse.Namespace) -> int:
+    from tools.bench import learner
+
+    result = learner.run(steps=args.steps, overlap_steps=args.overlap, threads=args.threads, tracing=args.tracing,
+                         runs=args.runs)
+    _print_result(result, args.json)
+    return 0
+
+
+def _print_result(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+
+
+def add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    codec = kinds.add_parser("codec", help="int4 quantize/dequantize and zstd framing vs memcpy")
+    codec.add_argument("--size-mib", type=int, default=64, help="fp32 data per measurement (default 64 MiB)")
+    codec.add_argument("--repeats", type=int, default=5, help="timed repetitions; the best is reported")
+    codec.add_argument("--json", action="store_true", help="print one JSON object")
+    codec.set_defaults(func=_bench_codec)
+    sync = kinds.add_parser("syncer", help="one shard's ingress vs raw loopback TCP, merge time vs memcpy, memory")
+    sync.add_argument("--params", type=int, default=4 * 1024 * 1024, help="parameters of the shard's fragment (default 4Mi)")
+    sync.add_argument("--learners", type=int, default=8, help="client processes pushing (default 8)")
+    sync.add_argument("--rounds", type=int, default=30, help="rounds to measure, after one warm-up round (default 30)")
+    sync.add_argument("--json", action="store_true", help="print one JSON object")
+    sync.set_defaults(func=_bench_syncer)
+    lrn = kinds.add_parser("learner", help="a learner's tokens/s with syncing on vs off, side by side")
+    lrn.add_argument("--steps", type=int, default=120, help="inner steps per run (default 120)")
+    lrn.add_argument("--overlap", type=int, default=2, help="tau, inner steps of overlap (default 2)")
+    lrn.add_argument("--threads", type=int, help="torch threads of the learner (default: all cores but one)")
+    lrn.add_argument("--tracing", action="store_true",
+                     help="compare OpenTelemetry on (SDK + OTLP exporters) vs off instead, syncing on in both")
+    lrn.add_argument("--runs", type=int, default=2, help="with --tracing: runs per configuration, interleaved (default 2)")
+    lrn.add_argument("--json", action="store_true", help="print one JSON object")
+    lrn.set_defaults(func=_bench_learner)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tools import simulate
+
+    return simulate.run(args)
+
+
+def add_simulate(commands: argparse._SubParsersAction) -> None:
+    from tools.simulate import add_arguments
+
+    parser = commands.add_parser(
+        "simulate",
+        help="goodput and uptime of DP, elastic DP and Decoupled DiLoCo at scale (discrete-event simulation)",
+        description="Simulate chip failures at the paper's scale and report goodput and uptime.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=_simulate)
+
+
+def _local(args: argparse.Namespace) -> int:
+    from tools.local.run import resume_config, run_local
+
+    cfg = _local_config(args)
+    if args.resume:  # the stored run, with what was given checked against it
+        commands = argparse.ArgumentParser().add_subparsers()
+        add_local(commands)  # its defaults (and the top level's transport flag's)
+        defaults = argparse.Namespace(**vars(commands.choices["local"].parse_args([])), plaintext=False)
+        cfg = resume_config(Path(args.resume), cfg, _local_config(defaults))
+    if not cfg.tls:
+        logger.warning("--insecure: the run's processes talk plaintext gRPC (tokens and credentials in clear)")
+    summary = run_local(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0 if not summary["interrupted"] else 130
+
+
+def _local_config(args: argparse.Namespace):
+    from tools.chaos import ChaosConfig, parse_learner_device, parse_scavenge, parse_slow
+
+    grace_mode, grace_s = args.grace
+    return LocalConfig(
+        run=build_run_config(args), learners=args.learners, shards=args.shards, quorum=args.quorum,
+        grace=grace_mode if grace_mode != "fixed" else str(grace_s), steps=args.steps, tokens=args.tokens,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        merge=args.merge, scale_by=args.scale_by, delta_codec=args.delta_codec, out=Path(args.out) if args.out else None,
+        chaos=ChaosConfig(
+            kill_every_s=args.kill_learner_every, max_kills=args.max_kills, restart_shard_at_s=args.restart_shard_at,
+            restart_from=args.restart_from,
+            scavenge=parse_scavenge(args.scavenge) if args.scavenge else None, seed=args.chaos_seed,
+        ),
+        slow_learners=tuple(parse_slow(x) for x in args.slow_learner or ()),
+        learner_devices=tuple(parse_learner_device(x) for x in args.learner_device or ()),
+        delay_ms=args.delay_ms,
+        child_env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint,
+                   "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
+        learner_threads=args.learner_threads,
+        snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_keep=args.snapshot_keep,
+        tls=not (args.insecure or args.plaintext),
+    )
+
+
+def add_local(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "local",
+        help="the main job: a coordinator, S shards and M learners as processes on 127.0.0.1, training the default model",
+        description="Run a real multi-process Decoupled DiLoCo training on this machine and write a run directory.",
+    )
+    add_config_flag(p)
+    add_flag(p, "--learners", LocalConfig, "learners", "M: learners", type=int)
+    add_flag(p, "--shards", LocalConfig, "shards", "S: syncer shards", type=int)
+    add_flag(p, "--quorum", LocalConfig, "quorum", "K: minimum pushes per round", type=int)
+    p.add_argument("--grace", type=parse_grace, default=("auto", 0.0), help="auto (default), off, or SECONDS")
+    budget = p.add_mutually_exclusive_group()
+    add_flag(budget, "--steps", LocalConfig, "steps", "inner steps per learner", type=int)
+    budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
+    add_flag(p, "--outer-lr", LocalConfig, "outer_lr", "shards' outer learning rate (see README)", type=float)
+    add_flag(p, "--outer-momentum", LocalConfig, "outer_momentum", "shards' outer Nesterov momentum", type=float)
+    add_flag(p, "--merge", LocalConfig, "merge", "shards' merge", choices=MERGE_MODES)
+    add_flag(p, "--scale-by", LocalConfig, "scale_by",
+             "shards scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)
+    add_flag(p, "--delta-codec", LocalConfig, "delta_codec", "learners' delta encoding", choices=DELTA_CODECS)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
+    where.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue a stopped run from its newest complete snapshot (Ctrl-C and SIGTERM take one; "
+                            "--snapshot-every-s for crashes), with its stored config: flags that would change it are "
+                            "refused (--learners, --learner-threads, chaos, telemetry and snapshot schedule may differ)")
+    p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
+    p.add_argument("--learner-device", action="append", metavar="ID:DEVICE",
+                   help="the ID-th learner launched (0-based; L0 reads as 0) trains on DEVICE: cpu, cuda or xla "
+                        "(repeatable; default: every learner on the CPU). xla uses every device PJRT_DEVICE gives "
+                        "(on the CPU: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4) and needs torch-xla (constraints-xla.txt)")
+    p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext gRPC between the run's processes instead of mutual TLS with a CA and certificate "
+                        "made for the run in RUN_DIR/tls (the default)")
+    snapshots = p.add_argument_group("snapshots")
+    snapshots.add_argument("--snapshot-dir", metavar="DIR|URL",
+                           help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
+                                "(default RUN_DIR/coordinator/snapshots)")
+    add_flag(snapshots, "--snapshot-every-s", LocalConfig, "snapshot_every_s",
+             "the coordinator takes a snapshot every S seconds (0: only on demand)", type=float, metavar="S")
+    add_flag(snapshots, "--snapshot-keep", LocalConfig, "snapshot_keep", "keep the newest N complete snapshots (0: all)",
+             type=int, metavar="N")
+    chaos = p.add_argument_group("chaos")
+    chaos.add_argument("--kill-learner-every", type=float, metavar="SECONDS",
+                       help="SIGKILL a random learner every SECONDS on average (Poisson; times count from the launch of the learners); a replacement is launched")
+    chaos.add_argument("--max-kills", type=int, metavar="N", help="stop killing after N kills (default: no limit)")
+    chaos.add_argument("--slow-learner", action="append", metavar="ID:FACTOR",
+                       help="the ID-th learner launched (0-based; L1 reads as 1) takes FACTOR x as long per "
+                       "step (repeatable); ids are given at join, so its events file says slow_factor")
+    chaos.add_argument("--delay-ms", type=float, default=0.0, help="delay added to every push and reply (default 0)")
+    chaos.add_argument("--restart-shard-at", type=float, metavar="SECONDS",
+                       help="snapshot, SIGKILL shard 0 and restart it from the snapshot at SECONDS")
+    chaos.add_argument("--restart-from", choices=["snapshot", "learners"], default="snapshot",
+                       help="the restarted shard comes back from a snapshot (default) or, with no state, from the "
+                            "learners' anchors")
+    chaos.add_argument("--scavenge", metavar="N@SECONDS", help="add N learners through AddLearners at SECONDS")
+    chaos.add_argument("--chaos-seed", type=int, default=0, help="seed of the kill schedule and victims (default 0)")
+    add_run_config(p)
+    p.set_defaults(func=_local)
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from tools.timeline import draw_timeline
+
+    print(draw_timeline(Path(args.run_dir), Path(args.out) if args.out else None))
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from tools.replay import replay
+
+    results = replay(Path(args.run_dir), args.snapshot_dir or None)
+    worst = max(r.max_abs_diff for r in results)
+    if args.json:
+        print(json.dumps({"max_abs_diff": worst, "shards": [r.__dict__ for r in results]}))
+    else:
+        for r in results:
+            origin = f"snapshot {r.restored_from}" if r.restored_from is not None else "its initial values"
+            print(f"shard {r.shard_id}: replayed {r.rounds} rounds from {origin}; "
+                  f"fragments at versions {r.fragments}; max |diff| {r.max_abs_diff:.3g}")
+        print(f"max absolute difference from the run's final global parameters: {worst:.3g}")
+    return 0 if worst == 0 or not args.check else 1
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from tools import compare
+
+    scenarios = tuple(args.scenario or compare.SCENARIOS)
+    cfg = compare.CompareConfig(
+        run=build_run_config(args), workers=args.workers, steps=args.steps, seed=args.seed_faults,
+        systems=tuple(x for x in args.systems.split(",") if x), out=Path(args.out),
+    )
+    emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
+    compare.run(cfg, scenarios, args.ablations, on_result=emit)
+    if not args.json:
+        print((cfg.out / "results.md").read_text())
+    return 0
+
+
+def add_compare(commands: argparse._SubParsersAction) -> None:
+    from tools.compare import SCENARIOS, SYSTEMS
+
+    p = commands.add_parser(
+        "compare",
+        help="Decoupled DiLoCo vs synchronous DP vs torchft, scenario by scenario (real runs); markdown, JSON, plots",
+        description="Run the same task (--task) and workload under each system for each scenario and write "
+                    "OUT/results.md, OUT/results.json and OUT/compare.png.",
+    )
+    p.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only this scenario (repeatable; default all)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
+    p.add_argument("--ablations", action="store_true", help="also run the Decoupled ablations on nofault and hetero")
+    p.add_argument("--workers", type=int, default=4, help="M: learners / DP workers / torchft replicas (default 4)")
+    p.add_argument("--steps", type=int, default=120, help="inner steps per worker (default 120)")
+    p.add_argument("--seed-faults", type=int, default=3,
+                   help="seed of the fault schedules (default 3: its first kill falls 8 s in, inside a one-minute run)")
+    p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per scenario as it finishes")
+    add_run_config(p)
+    p.set_defaults(func=_compare)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from tools.certs import make_certs
+
+    hosts = [h.strip() for h in (args.hosts or "").split(",") if h.strip()]
+    files = make_certs(Path(args.out), hosts, days=args.days, overwrite=args.overwrite)
+    print(f"wrote {', '.join(str(f) for f in files)}: give every process of the run --tls-dir {args.out} "
+          f"(keep {files[1].name} to yourself; it signs more certificates)")
+    return 0
+
+
+def add_certs(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "certs", help="make a run's CA and certificate for mutual TLS (--tls-dir)",
+        description="Write ca.crt, ca.key, tls.crt and tls.key: a CA for one run and one certificate, signed by "
+                    "it, that every process of the run presents (as server and client) with --tls-dir DIR.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write (created; keys are 0600)")
+    p.add_argument("--hosts", metavar="H1,H2", help="extra DNS names or IPs the certificate names (channels verify "
+                   "the name 'diloco', which it always carries)")
+    p.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    p.add_argument("--overwrite", action="store_true", help="replace certificates already in DIR")
+    p.set_defaults(func=_certs)
+
+
+def add_run_tools(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("timeline", help="redraw a diloco local run's busy/idle timeline from its tapes")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", help="PNG to write (default RUN_DIR/timeline.png)")
+    p.set_defaults(func=_timeline)
+    p = commands.add_parser("replay", help="re-run a diloco local run's rounds from its tapes; compare with its final model")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--snapshot-dir", help="where the run's snapshots are, a directory or URL (default RUN_DIR/coordinator/snapshots)")
+    p.add_argument("--check", action="store_true", help="exit 1 unless the replay matches bit for bit")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_replay)
+
+
+def add_baseline(commands: argparse._SubParsersAction) -> None:
+    """``diloco baseline dp|torchft``: the systems Decoupled DiLoCo is compared against."""
+    from tools.baseline.torchft_peer import TorchftConfig
+
+    def baseline(args: argparse.Namespace) -> int:
+        from tools.baseline.common import parse_slow_workers
+
+        common = dict(
+            run=build_run_config(args), workers=args.workers, steps=args.steps,
+            kill_every_s=args.kill_every, slow_workers=parse_slow_workers(args.slow_worker),
+            kill_at_steps=tuple(args.kill_at_step or ()), fault_seed=args.fault_seed,
+            threads_per_worker=args.threads_per_worker, out=Path(args.out) if args.out else None,
+        )
+        if args.baseline == "dp":
+            from tools.baseline.dp import DPConfig, run_dp
+
+            result = run_dp(DPConfig(**common, checkpoint_every_steps=args.checkpoint_every))
+        else:
+            from tools.baseline.torchft_peer import TorchftConfig, run_torchft
+
+            # torchft's Streaming DiLoCo mixes a synced fragment in with alpha: its own rule.
+            from dataclasses import replace
+
+            common["run"] = replace(common["run"], reply_rule="mix")
+            result = run_torchft(TorchftConfig(**common, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum))
+        _print_result(result, args.json)
+        return 0
+
+    parser = commands.add_parser(
+        "baseline",
+        help="the baselines on the same workload as diloco local: synchronous data-parallel, torchft",
+        description="Run a baseline on diloco local's task (--task: model, data, loss, eval), token budget and "
+                    "worker count; write a run directory with summary.json (wall_s, tokens, eval_unit, eval_loss_*, "
+                    "goodput, uptime, global_stall_s, bytes_per_1k_tokens, restarts, steps).",
+    )
+    kinds = parser.add_subparsers(dest="baseline", required=True, metavar="BASELINE")
+    dp = kinds.add_parser(
+        "dp", help="synchronous data-parallel: one gradient all-reduce per step (gloo), elastic restart from checkpoints",
+        description="Synchronous data-parallel over gloo on 127.0.0.1. A dead worker stalls every worker until the "
+                    "supervisor restarts all of them from the last checkpoint.",
+    )
+    ft = kinds.add_parser(
+        "torchft", help="torchft's Streaming DiLoCo (needs the optional extra: pip install 'diloco[peers]')",
+        description="The same workload under torchft's Streaming DiLoCo (Lighthouse on 127.0.0.1, gloo, CPU). "
+                    "A killed replica is restarted alone and heals from a peer.",
+    )
+    for p, who in ((dp, "workers"), (ft, "replicas")):
+        p.add_argument("--workers", type=int, default=3, help=f"M: {who}, one process each (default 3)")
+        p.add_argument("--steps", type=int, default=150, help="steps per worker (default 150, as diloco local)")
+        p.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
+                       help=f"SIGKILL a random one of the {who} every SECONDS on average (exponential; default 0: never)")
+        p.add_argument("--kill-at-step", type=int, action="append", metavar="STEP",
+                       help="deterministic fault: SIGKILL a random one once step STEP is done (repeatable)")
+        p.add_argument("--slow-worker", action="append", metavar="ID:FACTOR",
+                       help="that worker's steps take FACTOR x as long (repeatable, or comma-separated)")
+        p.add_argument("--fault-seed", type=int, default=0, help="seed of the kill plan (default 0)")
+        p.add_argument("--threads-per-worker", type=int, default=1,
+                       help="torch threads of each process (default 1, as torchrun sets)")
+        p.add_argument("--out", help="run directory (default ./runs/<baseline>-<timestamp>)")
+        p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+        add_run_config(p)
+        p.set_defaults(func=baseline)
+    dp.add_argument("--checkpoint-every", type=int, default=25, metavar="STEPS",
+                    help="steps between two checkpoints (default 25)")
+    add_flag(ft, "--outer-lr", TorchftConfig, "outer_lr", "outer SGD learning rate, as the shards'", type=float)
+    add_flag(ft, "--outer-momentum", TorchftConfig, "outer_momentum", "outer Nesterov momentum, as the shards'", type=float)
+
+def _tape_show(args: argparse.Namespace) -> int:
+    from diloco.tape import read_tape
+
+    records = list(read_tape(args.path))
+    if args.kind:
+        present = sorted({r["kind"] for r in records})
+        unknown = sorted(set(args.kind) - set(present))
+        if unknown:
+            raise InvalidArgument(f"{args.path} has no records of kind {', '.join(unknown)}; its kinds: {', '.join(present)}")
+        records = [r for r in records if r["kind"] in args.kind]
+    if args.json:
+        print(json.dumps(records))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=True, header_style="bold", title=str(args.path))
+    for column in ("t", "kind", "learner", "fragment", "version", "detail"):
+        table.add_column(column)
+    start = records[0]["t"] if records else 0.0
+    for r in records:
+        version = r.get("version", r.get("target_version", ""))
+        if r["kind"] == "round":
+            detail = f"{len(r['participants'])} learners, {r['reason']}, merge {r['merge_s'] * 1e3:.1f} ms"
+        elif r["kind"] == "push":
+            detail = f"base {r['base_version']}, {r['tokens']} tokens / {r['steps']} steps, {r['bytes']} B, {r['outcome']}"
+        else:
+            detail = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("t", "kind", "learner", "fragment"))
+        table.add_row(
+            f"{r['t'] - start:9.3f}", r["kind"], str(r.get("learner", "")), str(r.get("fragment", "")), str(version), detail
+        )
+    Console().print(table)
+    return 0
+
+
+def add_tape(commands: argparse._SubParsersAction) -> None:
+    tape = commands.add_parser("tape", help="read a shard's event tape")
+    verbs = tape.add_subparsers(dest="tape", required=True, metavar="VERB")
+    show = verbs.add_parser("show", help="print a tape as a table (or JSON)")
+    show.add_argument("path", type=Path, help="tape file (tape-S<m>.jsonl in a shard's data directory)")
+    show.add_argument("--kind", action="append", help="only these record kinds (repeatable): push, round, membership, ...")
+    show.add_argument("--json", action="store_true", help="print the records as one JSON list")
+    show.set_defaults(func=_tape_show)
+
+

@@ -1,0 +1,249 @@
+"""``diloco syncer`` and ``diloco learner``: a shard's and a learner's process, from flags or
+--config (the coordinator's are in tools/cli/coordinator.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from diloco.task import DEFAULT_TASK
+from learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
+from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, SyncerConfig
+from tools.cli.common import GPT_OPTIONS, add_run_config, add_telemetry, build_run_config, parse_grace, run_secret, start_telemetry
+from tools.cli.settings import add_config_flag, add_flag
+
+
+def _syncer(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from syncer.server import ShardServerConfig, run_shard
+
+    run = build_run_config(args)
+    grace_mode, grace_s = args.grace
+    cfg = SyncerConfig(
+        shard_id=args.shard_id,
+        num_shards=args.shards,
+        rounds=RoundConfig(
+            quorum=args.quorum,
+            grace_mode=grace_mode,
+            grace_fixed_s=grace_s,
+            grace_gamma=args.grace_gamma,
+            grace_max_s=args.grace_max_s,
+            overlap_steps=run.overlap_steps,
+        ),
+        merge=MergeConfig(
+            merge=args.merge,
+            staleness_lambda=args.staleness_lambda,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            scale_by=args.scale_by,
+            block_size=args.block_size,
+            scale_dtype=args.scale_dtype,
+            update_chain_length=args.chain,
+        ),
+        max_push_bytes=args.max_push_mib * 1024 * 1024,
+        max_delta_ratio=args.max_delta_ratio,
+        anchor_window_s=args.anchor_window_s,
+        stream_idle_timeout_s=args.stream_idle_timeout_s,
+    )
+    server_cfg = ShardServerConfig(
+        secret=run_secret(args),
+        host=args.host,
+        health_port=args.health_port,
+        reflection=args.reflection,
+        port=args.port,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        static_learners=tuple(x for x in args.learners.split(",") if x) if args.learners else (),
+        coordinator=args.coordinator,
+        snapshot_dir=args.snapshot_dir or None,
+        restore=args.restore,
+        push_log=args.push_log,
+    )
+    telemetry = start_telemetry(args, "syncer", shard_id=args.shard_id)
+    try:
+        return asyncio.run(run_shard(run, cfg, server_cfg, Path(args.port_file) if args.port_file else None))
+    finally:
+        telemetry.shutdown()
+
+
+def add_syncer(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "syncer",
+        help="run one syncer shard (CPU parameter server owning fragments p with p mod S == shard id)",
+        description="Run one syncer shard. SIGTERM closes open rounds, answers waiting pushes, flushes the tape, exits 0.",
+    )
+    add_config_flag(p)
+    p.add_argument("--shard-id", type=int, default=0, help="this shard's id m (default 0)")
+    p.add_argument("--shards", type=int, default=1, help="S: number of shards (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--health-port", type=int, metavar="PORT",
+                   help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
+                        "makes the main port mutual TLS)")
+    p.add_argument("--reflection", action="store_true",
+                   help="serve gRPC reflection (grpcurl without the .proto files); off by default")
+    p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
+    p.add_argument("--port-file", help="write HOST:PORT here once serving")
+    p.add_argument("--data-dir", help="directory for the event tape (default: keep no tape)")
+    p.add_argument("--push-log", action="store_true",
+                   help="also log every accepted push's payload in DATA_DIR (for diloco replay; costs disk ~ bytes pushed)")
+    p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
+    p.add_argument("--learners", help="static live learners, e.g. L0,L1 (when there is no coordinator)")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="follow this coordinator's membership stream")
+    add_flag(p, "--quorum", RoundConfig, "quorum", "K: pushes needed before the grace window", type=int)
+    p.add_argument("--grace", type=parse_grace, default=("auto", 0.0), help="auto (default), off, or fixed SECONDS")
+    add_flag(p, "--grace-gamma", RoundConfig, "grace_gamma", "share of the estimated slack granted", type=float)
+    add_flag(p, "--grace-max-s", RoundConfig, "grace_max_s", "upper bound of the adaptive grace, seconds", type=float)
+    add_flag(p, "--merge", MergeConfig, "merge", "merge of non-embedding pieces", choices=MERGE_MODES)
+    add_flag(p, "--staleness-lambda", MergeConfig, "staleness_lambda", "staleness discount lambda (0: off)", type=float)
+    add_flag(p, "--outer-lr", MergeConfig, "outer_lr", "outer Nesterov learning rate", type=float)
+    add_flag(p, "--outer-momentum", MergeConfig, "outer_momentum", "outer Nesterov momentum", type=float)
+    add_flag(p, "--scale-by", MergeConfig, "scale_by",
+             "scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)
+    add_flag(p, "--block-size", MergeConfig, "block_size", "int4 block size", type=int)
+    add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", "int4 scale dtype", choices=["float16", "float32"])
+    add_flag(p, "--chain", MergeConfig, "update_chain_length", "int4 updates kept per fragment", type=int)
+    p.add_argument("--max-push-mib", type=int, default=SyncerConfig.max_push_bytes // 2**20,
+                   help=f"largest accepted push, MiB (default {SyncerConfig.max_push_bytes // 2**20})")
+    add_flag(p, "--anchor-window-s", SyncerConfig, "anchor_window_s",
+             "back without its state, collect learners' anchors of a fragment for S seconds and take the newest",
+             type=float, metavar="S")
+    add_flag(p, "--max-delta-ratio", SyncerConfig, "max_delta_ratio",
+             "refuse a push whose delta norm exceeds this many times its fragment's norm", type=float)
+    add_flag(p, "--stream-idle-timeout-s", SyncerConfig, "stream_idle_timeout_s",
+             "close a push stream that sends nothing for this long, seconds", type=float)
+    p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory or URL, s3://... (for --restore latest or an id)")
+    p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of waiting for a learner to give it one")
+    add_telemetry(p)
+    add_run_config(p)
+    p.set_defaults(func=_syncer)
+
+
+def _learner(args: argparse.Namespace) -> int:
+    import time
+
+    started = time.time()
+    from diloco.errors import InvalidArgument, NotFound
+
+    from learner.server import joined_membership, run_learner, run_slice_follower, static_membership
+    from learner.slice import SliceLink
+
+    if args.prometheus:
+        from diloco.telemetry import require_prometheus
+
+        require_prometheus()  # before joining: fail with the fix, not after taking a slot
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidArgument(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    cfg = LearnerConfig(
+        device=args.device, precision=args.precision, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+        eval_every_steps=args.eval_every, delta_codec=args.delta_codec,
+        block_size=args.block_size, step_delay_s=args.step_delay_s, slow_factor=args.slow_factor,
+        wire_delay_ms=args.wire_delay_ms, push_timeout_s=args.push_timeout_s,
+        max_inflight_pushes=args.max_inflight, heartbeat_interval_s=args.heartbeat_s,
+        coordinator_loss_timeout_s=args.coordinator_loss_timeout_s, slice_timeout_s=args.slice_timeout_s,
+    )
+    link = None
+    if args.slice_hosts > 1 or args.slice_index:
+        if not args.slice_leader:
+            raise InvalidArgument("--slice-hosts N > 1 needs --slice-leader HOST:PORT (host 0's address on the slice port)")
+        link = SliceLink(args.slice_hosts, args.slice_index, args.slice_leader, cfg.slice_timeout_s)
+        if not link.leader:  # never joins: the leader is the learner
+            run_slice_follower(cfg, link)
+            return 0
+    if args.coordinator:
+        if not args.join_token_file:
+            raise InvalidArgument("--coordinator needs --join-token-file")
+        given = [f"--{k.replace('_', '-')}" for k in GPT_OPTIONS if getattr(args, k) is not None]
+        given += ["--task"] * (args.task != DEFAULT_TASK) + ["--task-option"] * bool(args.task_option)
+        given += ["--init"] * bool(args.init)
+        if given or args.run_config:
+            raise InvalidArgument(f"{', '.join(given or ['--run-config'])}: a learner that joins a coordinator trains "
+                                  "the coordinator's run config; set the task and its options there")
+        try:
+            token = Path(args.join_token_file).read_text().strip()
+        except OSError as error:
+            raise NotFound(f"cannot read join token {args.join_token_file}: {error.strerror}") from None
+        member = joined_membership(args.coordinator, token, args.pool, args.launch_id)
+    else:
+        if not args.shards or not args.learner_id:
+            raise InvalidArgument("without --coordinator, give --shards HOST:PORT,... and --learner-id (static topology)")
+        member = static_membership(build_run_config(args), args.learner_id, run_secret(args), args.shards.split(","))
+    summary_path = Path(args.summary) if args.summary else None
+    if args.summary_dir:
+        summary_path = Path(args.summary_dir) / f"{member.learner_id}.json"
+    # Started once the learner's id is known (it is a resource attribute): the Join call
+    # itself is not traced.
+    telemetry = start_telemetry(args, "learner", learner_id=member.learner_id,
+                                 pool=args.pool if args.coordinator else None)
+    try:
+        run_learner(cfg, member, args.coordinator, summary_path,
+                    events_dir=Path(args.events_dir) if args.events_dir else None, started_t=started,
+                    num_learners=args.num_learners, slice_link=link)
+    finally:
+        telemetry.shutdown()
+    return 0
+
+
+def add_learner(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "learner",
+        allow_abbrev=False,  # launch overrides must not reach a reserved flag through a prefix (--coord)
+        help="run one learner: the task's model trained with inner steps, fragments streamed to the shards",
+        description="Run one learner. SIGTERM finishes in-flight pushes (bounded), leaves and exits 0. "
+                    "With --coordinator the run's task comes from the coordinator's run config.",
+    )
+    add_config_flag(p)
+    join = p.add_argument_group("joining (coordinator) or a static topology")
+    join.add_argument("--coordinator", metavar="HOST:PORT", help="join this coordinator (topology, id, credential)")
+    join.add_argument("--join-token-file", help="file with the run's join token (with --coordinator)")
+    join.add_argument("--pool", default="default", help="pool name reported to the coordinator (default: default)")
+    join.add_argument("--launch-id", default="", help="set by launchers to match the process they started")
+    join.add_argument("--shards", help="static topology: shard addresses in shard-id order, comma-separated")
+    join.add_argument("--learner-id", help="static topology: this learner's id, e.g. L0")
+    join.add_argument("--secret-file", help="static topology: the run secret (default: $DILOCO_SECRET)")
+    join.add_argument("--num-learners", type=int, default=1, help="learners the run is planned for (TaskContext.num_learners; default 1)")
+    t = p.add_argument_group("training")
+    add_flag(t, "--device", LearnerConfig, "device",
+             "xla uses every device of the host (SPMD: parameters and optimizer state split, batches split; the "
+             "task's batch size must be a multiple of the device count)", choices=DEVICES)
+    add_flag(t, "--precision", LearnerConfig, "precision",
+             "bf16: forward pass and loss under bfloat16 autocast; parameters, optimizer state and deltas stay fp32",
+             choices=PRECISIONS)
+    add_flag(t, "--steps", LearnerConfig, "steps", "inner steps", type=int)
+    add_flag(t, "--lr", LearnerConfig, "lr",
+             "peak inner AdamW learning rate (a task's own optimizer keeps its lr, scaled by the schedule)", type=float)
+    add_flag(t, "--warmup-steps", LearnerConfig, "warmup_steps", "linear warmup steps", type=int)
+    add_flag(t, "--eval-every", LearnerConfig, "eval_every_steps", "inner steps between evaluations", type=int)
+    add_flag(t, "--delta-codec", LearnerConfig, "delta_codec", "delta encoding", choices=DELTA_CODECS)
+    add_flag(t, "--block-size", LearnerConfig, "block_size", "int4 block size; must match the shards'", type=int)
+    add_flag(t, "--step-delay-s", LearnerConfig, "step_delay_s", "extra seconds per step: a simulated slow learner", type=float)
+    t.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
+    add_flag(t, "--slow-factor", LearnerConfig, "slow_factor", "steps take FACTOR x their compute time: a slower chip",
+             type=float)
+    add_flag(t, "--wire-delay-ms", LearnerConfig, "wire_delay_ms", "delay added to each push and each reply: a slow network",
+             type=float)
+    add_flag(t, "--push-timeout-s", LearnerConfig, "push_timeout_s", "deadline of one push, seconds", type=float)
+    add_flag(t, "--max-inflight", LearnerConfig, "max_inflight_pushes", "pushes in flight before new ones are dropped", type=int)
+    add_flag(t, "--heartbeat-s", LearnerConfig, "heartbeat_interval_s", "heartbeat interval, seconds", type=float)
+    add_flag(t, "--coordinator-loss-timeout-s", LearnerConfig, "coordinator_loss_timeout_s",
+             "leave after S seconds with every heartbeat failing (a coordinator restart shorter than that is "
+             "trained through)", type=float, metavar="S")
+    s = p.add_argument_group("a multi-host slice: one learner, one process per host (every host runs the same command)")
+    s.add_argument("--slice-hosts", type=int, default=1, metavar="N", help="hosts of this learner's slice (default 1)")
+    s.add_argument("--slice-index", type=int, default=0, metavar="I",
+                   help="this host's index, 0..N-1; host 0 is the learner toward the coordinator and shards, the "
+                        "others repeat its writes (default 0)")
+    s.add_argument("--slice-leader", metavar="HOST:PORT", help="host 0's address on the slice port (with N > 1)")
+    add_flag(s, "--slice-timeout-s", LearnerConfig, "slice_timeout_s",
+             "a host waits this long for the others at any step before it fails", type=float, metavar="S")
+    t.add_argument("--summary", help="write the JSON summary here at exit")
+    t.add_argument("--summary-dir", help="write the JSON summary to DIR/<learner id>.json at exit")
+    t.add_argument("--events-dir", help="write the event tape (states, evaluations) to DIR/<learner id>.events.jsonl")
+    add_telemetry(p)
+    add_run_config(p)
+    p.set_defaults(func=_learner)
+
+

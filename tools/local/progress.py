@@ -1,0 +1,70 @@
+"""What a local run shows while it runs and when it ends: a live table on a terminal, one
+line every 10 s in a log, and the final table drawn from summary.json's records."""
+
+from __future__ import annotations
+
+import time
+
+
+def progress_line(members: list[dict], statuses: list, events: dict[str, list[dict]], started: float, unit: str) -> str:
+    """The progress table's essentials on one line (for logs, where a live table is not drawn)."""
+    ok = [s for s in statuses if not isinstance(s, BaseException)]
+    versions = [f.version for s in ok for f in s.fragments]
+    evals = [e["loss"] for m in members for e in events.get(m["id"], [])[-20:] if e["kind"] == "eval"]
+    states = {}
+    for m in members:
+        states[m["state"]] = states.get(m["state"], 0) + 1
+    return (f"[{time.monotonic() - started:5.0f} s] tokens {sum(m.get('tokens', 0) for m in members):,} · learners "
+            + (", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none joined yet")
+            + f" · outer versions {min(versions, default=0)}–{max(versions, default=0)} · rounds "
+            f"{sum(s.rounds_closed for s in ok)} · latest eval {f'{evals[-1]:.3f} {unit}' if evals else '–'}"
+            + (f" · {len(ok)}/{len(statuses)} shards up" if len(ok) < len(statuses) else ""))
+
+
+def progress_table(members: list[dict], statuses: list, events: dict[str, list[dict]], goodput: float | None,
+                    started: float, unit: str):
+    from rich.table import Table
+
+    table = Table(title=f"diloco local — {time.monotonic() - started:5.0f} s", title_justify="left")
+    for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", f"eval {unit}"):
+        table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right")
+    for m in members:
+        evals = [e["loss"] for e in events.get(m["id"], []) if e["kind"] == "eval"]
+        table.add_row(m["id"], m["state"], m.get("pool", ""), f"{m.get('tokens', 0):,}",
+                      f"{m.get('tokens_per_s', 0):,.0f}", f"{m.get('inner_steps', 0):,}",
+                      f"{evals[-1]:.3f}" if evals else "")
+    ok = [s for s in statuses if not isinstance(s, BaseException)]
+    versions = [f.version for s in ok for f in s.fragments]
+    table.caption = (
+        f"global tokens {sum(m.get('tokens', 0) for m in members):,} · outer versions "
+        f"{min(versions, default=0)}–{max(versions, default=0)} · rounds {sum(s.rounds_closed for s in ok)} · "
+        f"step goodput {'–' if goodput is None else f'{goodput:.2f}'} · "
+        f"pushes {sum(s.pushes_received for s in ok)} · wire ↑{sum(s.bytes_received for s in ok) / 1e6:.1f} MB "
+        f"↓{sum(s.bytes_sent for s in ok) / 1e6:.1f} MB"
+        + (f" · {len(ok)}/{len(statuses)} shards up" if len(ok) < len(statuses) else "")
+        + "".join(f" · shard {s.shard_id}: {s.model_state}" for s in ok if not s.model_state.startswith("serving"))
+    )
+    return table
+
+
+def final_table(summary: dict, events: dict[str, list[dict]]):
+    """The run's last table, drawn from its summary (what summary.json says, row for row)."""
+    from rich.table import Table
+
+    unit = summary["eval_unit"]
+    state = "interrupted" if summary["interrupted"] else "finished"
+    table = Table(title=f"diloco local — {state} after {summary['wall_s']:.0f} s", title_justify="left")
+    for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", f"eval {unit}"):
+        table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right")
+    for learner in summary["learners"]:
+        evals = [e["loss"] for e in events.get(learner["id"], []) if e["kind"] == "eval"]
+        table.add_row(learner["id"], learner["state"], learner["pool"], f"{learner['tokens']:,}",
+                      f"{learner['tokens_per_s']:,.0f}", f"{learner['inner_steps']:,}", f"{evals[-1]:.3f}" if evals else "")
+    versions = summary["final_versions"].values()
+    table.caption = (
+        f"global tokens {summary['tokens']:,} · outer versions {min(versions, default=0)}–{max(versions, default=0)} · "
+        f"rounds {summary['rounds']} · step goodput {summary['step_goodput']:.2f} · eval {summary['eval_loss_start']:.3f} → "
+        f"{summary['eval_loss_final']:.3f} {unit} · wire ↑{summary['bytes_up'] / 1e6:.1f} MB ↓{summary['bytes_down'] / 1e6:.1f} MB"
+    )
+    return table
+

@@ -1,0 +1,226 @@
+"""The processes of a local run: a coordinator and S shards started with their settings as
+JSON documents (the coordinator launches the learners), watched, restarted by chaos and
+stopped together. It starts and stops processes; it draws and measures nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from diloco import auth, rpc
+from diloco.errors import AlreadyExists, Unavailable
+from diloco.files import atomic_write, atomic_write_json
+from tools.certs import make_certs
+from tools.chaos import SCAVENGED_POOL
+from tools.local.config import LocalConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """The processes of one local run; every one of them ends when the run does."""
+
+    def __init__(self, cfg: LocalConfig, run_dir: Path, learner_steps: int) -> None:
+        self.cfg, self.dir = cfg, run_dir
+        self.learner_steps = learner_steps
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._plain: rpc.Tls | None = None
+        self.endpoints: list[dict] = []
+        self.coordinator = f"127.0.0.1:{_free_port()}"
+        self.shards = [f"127.0.0.1:{_free_port()}" for _ in range(cfg.shards)]
+
+    def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.dir / "logs" / f"{role}.log", "ab")
+        tls = ["--tls-dir", str(self.dir / "tls")] if self.cfg.tls else ["--insecure"]
+        proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "--exit-with-parent", "--log-level", "INFO", *tls, *args],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(self.cfg.child_env) if self.cfg.child_env is not None else None)
+        log.close()
+        self.procs.append((role, proc))
+        return proc
+
+    def _endpoint(self, role: str, address: str, pid: int) -> None:
+        self.endpoints = [e for e in self.endpoints if e["role"] != role] + [{"role": role, "address": address, "pid": pid}]
+        atomic_write(self.dir / "endpoints.json", json.dumps(self.endpoints, indent=1))
+
+    def _shard_args(self, m: int) -> list[str]:
+        """``diloco syncer --config`` with the shard's settings as one JSON document
+        (RUN_DIR/shard<m>/syncer.json), not flags turned back into strings."""
+        config = self.dir / f"shard{m}" / "syncer.json"
+        atomic_write_json(config, {
+            "shard_id": m, "shards": self.cfg.shards, "port": int(self.shards[m].rsplit(":", 1)[1]),
+            "data_dir": str(self.dir / f"shard{m}"), "push_log": True, "coordinator": self.coordinator,
+            "quorum": self.cfg.quorum, "grace": self.cfg.grace, "outer_lr": self.cfg.outer_lr,
+            "outer_momentum": self.cfg.outer_momentum, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
+            "snapshot_dir": self.snapshot_dir, **self.common,
+        })
+        return ["syncer", "--config", str(config)]
+
+    @functools.cached_property
+    def secret(self) -> str:
+        """The run secret (written before the cluster starts; read once, not every poll)."""
+        return (self.dir / "secret").read_text().strip()
+
+    @property
+    def snapshot_dir(self) -> str:
+        return self.cfg.snapshot_dir or str(self.dir / "coordinator" / "snapshots")
+
+    def start(self, restore: str | None = None) -> None:
+        """Start the coordinator and the shards (``restore``: from that snapshot, as
+        ``--restore`` takes it), wait until they serve."""
+        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.common = {"secret_file": str(self.dir / "secret"), "run_config": str(self.dir / "run.json")}
+        self.restore = ["--restore", restore] if restore else []
+        if self.cfg.tls:
+            if not (self.dir / "tls").exists():  # a resumed run keeps its certificates
+                make_certs(self.dir / "tls", ["localhost", "127.0.0.1"])
+            self._plain = rpc.use_tls(rpc.Tls.from_dir(self.dir / "tls"))  # this supervisor's own calls, until stop
+        tls = f"--tls-dir {self.dir / 'tls'} " if self.cfg.tls else "--insecure "
+        # Every process gets its settings as one JSON document (diloco <command> --config);
+        # a launch's own overrides (--set, a slow factor) follow it on the command line and win.
+        learner_config = self.dir / "learner.json"
+        atomic_write_json(learner_config, {
+            "steps": self.learner_steps, "eval_every": max(self.learner_steps // 6, 1), "num_learners": self.cfg.learners,
+            "summary_dir": str(self.dir / "learners"), "events_dir": str(self.dir / "learners"),
+            "delta_codec": self.cfg.delta_codec, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
+        })
+        learner_cmd = f"{sys.executable} -m tools.cli --exit-with-parent --log-level INFO {tls}learner --config {shlex.quote(str(learner_config))}"
+        coordinator_config = self.dir / "coordinator" / "coordinator.json"
+        atomic_write_json(coordinator_config, {
+            "port": int(self.coordinator.rsplit(":", 1)[1]), "data_dir": str(self.dir / "coordinator"),
+            "shards": ",".join(self.shards), "learner_command": learner_cmd, "pools": f"default,{SCAVENGED_POOL}",
+            "snapshot_dir": self.snapshot_dir, "snapshot_every_s": self.cfg.snapshot_every_s,
+            "snapshot_keep": self.cfg.snapshot_keep, **self.common,
+        })
+        coord = self._spawn("coordinator", ["coordinator", "--config", str(coordinator_config), *self.restore])
+        self.shard_procs = []
+        for m, address in enumerate(self.shards):
+            shard = self._spawn(f"shard{m}", [*self._shard_args(m), *self.restore])
+            self.shard_procs.append(shard)
+            self._wait_serving(address, f"shard {m}", shard)
+            self._endpoint(f"shard{m}", address, shard.pid)
+        self._wait_serving(self.coordinator, "the coordinator", coord)
+        self._endpoint("coordinator", self.coordinator, coord.pid)
+        token_file = self.dir / "coordinator" / "admin-token"
+        wait_until(lambda: token_file.exists(), self.cfg.startup_timeout_s, "the admin token")
+        (self.dir / "admin-token").write_text(token_file.read_text())
+        os.chmod(self.dir / "admin-token", 0o600)
+
+    def restart_shard(self, m: int, admin, log) -> None:
+        """SIGKILL shard ``m`` and start it again: from a snapshot taken just before
+        (``restart_from`` snapshot), or with no state at all, to recover from the learners'
+        anchors (``learners``)."""
+        restore, snapshot_id = [], None
+        if self.cfg.chaos.restart_from == "snapshot":
+            snapshot_id, state = take_snapshot(admin)
+            if state != "complete":
+                raise Unavailable(f"snapshot {snapshot_id} {state}: not restarting shard {m}")
+            restore = ["--restore", str(snapshot_id)]
+        old = self.shard_procs[m]
+        # Its versions just before the kill: what a recovery from the learners is measured
+        # against (its tape's last records may die unflushed with it).
+        status = shard_status([self.shards[m]], self.secret)[0]
+        versions = {} if isinstance(status, BaseException) else {f.fragment: f.version for f in status.fragments}
+        killed = time.time()
+        os.killpg(old.pid, signal.SIGKILL)
+        old.wait(timeout=10)
+        new = self._spawn(f"shard{m}", [*self._shard_args(m), *restore])
+        self.shard_procs[m] = new
+        self._wait_serving(self.shards[m], f"shard {m}", new)
+        self._endpoint(f"shard{m}", self.shards[m], new.pid)
+        log("restart_shard", t=killed, shard=m, snapshot=snapshot_id, source=self.cfg.chaos.restart_from,
+            versions_before={str(f): v for f, v in sorted(versions.items())},
+            old_pid=old.pid, pid=new.pid, down_s=round(time.time() - killed, 3))
+
+    def _wait_serving(self, address: str, what: str, proc: subprocess.Popen) -> None:
+        def serving() -> bool:
+            if proc.poll() is not None:
+                raise Unavailable(f"{what} exited with code {proc.returncode}; see {self.dir / 'logs'}")
+            host, port = address.rsplit(":", 1)
+            with socket.socket() as s:
+                return s.connect_ex((host, int(port))) == 0
+
+        wait_until(serving, self.cfg.startup_timeout_s, what)
+
+    def stop(self, say: Callable[[str], None] = lambda line: None) -> None:
+        """SIGTERM everything (the coordinator reaps its learners), SIGKILL what lingers
+        after 30 s; ``say`` hears, every 5 s, which processes are still being waited for."""
+        if self.cfg.tls:
+            rpc.use_tls(self._plain)
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        deadline, next_say = started + 30, started + 5
+        while (waiting := [(role, proc) for role, proc in self.procs if proc.poll() is None]) and time.monotonic() < deadline:
+            if time.monotonic() >= next_say:
+                say(f"stopping: waiting {time.monotonic() - started:.0f} s for "
+                    + ", ".join(f"{role} (pid {proc.pid})" for role, proc in waiting)
+                    + f"; SIGKILL at {deadline - started:.0f} s")
+                next_say += 5
+            time.sleep(0.1)
+        for role, proc in waiting:
+            say(f"stopping: {role} (pid {proc.pid}) ignored SIGTERM for 30 s: its stacks go to its log, then SIGKILL")
+            proc.send_signal(signal.SIGUSR1)  # its threads' stacks go to its log (faulthandler)
+            time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise Unavailable(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def shard_status(addresses: list[str], secret: str) -> list:
+    """Each shard's Status (or the exception), asked as the coordinator: the supervisor
+    holds the run secret it made."""
+    from diloco.clients.syncer import SyncerClient, open_channel
+
+    async def one(address):
+        async with open_channel(address) as channel:
+            return await SyncerClient(channel, auth.Credential(auth.COORDINATOR_ID, secret=secret),
+                                      timeout_s=2).status()
+
+    async def all_():
+        return await asyncio.gather(*(one(a) for a in addresses), return_exceptions=True)
+
+    return asyncio.run(all_())
+
+
+def take_snapshot(admin, timeout_s: float = 60.0) -> tuple[int, str]:
+    """Start a snapshot (after a scheduled one that is running) and wait for it: its id and
+    how it ended, "complete", "failed" or "did not complete within N s"."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            snapshot_id = admin.start_snapshot()
+            break
+        except AlreadyExists:  # a scheduled snapshot is running: ours starts after it
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    while time.monotonic() < deadline:
+        state = next((x["state"] for x in admin.snapshots() if x["id"] == snapshot_id), "running")
+        if state in ("complete", "failed"):
+            return snapshot_id, state
+        time.sleep(0.2)
+    return snapshot_id, f"did not complete within {timeout_s:g} s"
+
