@@ -47,6 +47,8 @@ class RunConfig:
             raise InvalidArgument(f"task must be FILE.py:FUNCTION or package.module:FUNCTION, got {self.task!r}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(self.task_options).items()):
             raise InvalidArgument("task options must map strings to strings")
+        if self.seed < 0:
+            raise InvalidArgument(f"seed must be >= 0, got {self.seed}")
         if self.fragments < 1:
             raise InvalidArgument(f"fragments must be >= 1, got {self.fragments}")
         if self.sync_every_steps < 1:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from diloco.errors import InvalidArgument
 
 GRACE_MODES = ("auto", "fixed", "off")
 SCALE_MODES = ("live", "round")
 MERGE_MODES = ("rda", "mean")
+MAX_SHARDS = 1024
+"""More shards than this split no model usefully (each owns whole fragments); the bound
+keeps a typo from planning a million-entry shard table."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +120,8 @@ class SyncerConfig:
     crafted one must not be able to move (or overflow) the global model."""
 
     def __post_init__(self) -> None:
-        if self.num_shards < 1:
-            raise InvalidArgument(f"shard count must be >= 1, got {self.num_shards}")
+        if not 1 <= self.num_shards <= MAX_SHARDS:
+            raise InvalidArgument(f"shard count must be in [1, {MAX_SHARDS}], got {self.num_shards}")
         if not 0 <= self.shard_id < self.num_shards:
             raise InvalidArgument(f"shard id must be in [0, {self.num_shards}), got {self.shard_id}")
         if self.max_push_bytes <= 0:
@@ -128,3 +132,31 @@ class SyncerConfig:
             raise InvalidArgument(f"anchor window must be a finite number of seconds >= 0, got {self.anchor_window_s}")
         if not (math.isfinite(self.max_delta_ratio) and self.max_delta_ratio > 0):
             raise InvalidArgument(f"max delta ratio must be a positive number, got {self.max_delta_ratio}")
+
+
+@dataclass(frozen=True)
+class ShardServerConfig:
+    secret: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    health_port: int | None = None
+    """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
+    TLS); None: only on the main port."""
+    reflection: bool = False
+    """Serve gRPC reflection (off: it lists every method to anyone who connects)."""
+    data_dir: Path | None = None
+    """Where the event tape (and, later, snapshots) go; None keeps no tape."""
+    static_learners: tuple[str, ...] = ()
+    """Live learners when running without a coordinator (tests, benchmarks)."""
+    coordinator: str | None = None
+    snapshot_dir: str | None = None
+    """Where snapshots live, a directory or an fsspec URL (the coordinator's); needed by
+    restore by id or "latest"."""
+    restore: str | None = None
+    """Start from a complete snapshot: "latest", an id, a snapshot directory or manifest."""
+    report_timeout_s: float = 30.0
+    max_message_bytes: int = 8 * 1024 * 1024
+    tape_fsync_every: int = 64
+    push_log: bool = False
+    """Also log every accepted push's payload (``diloco replay`` re-runs the rounds from it)."""
+    shutdown_grace_s: float = 10.0

@@ -7,7 +7,6 @@ import asyncio
 import ctypes
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -18,7 +17,7 @@ from diloco.errors import Unavailable
 from diloco.tape import TapeWriter
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from syncer import snapshot
-from syncer.config import SyncerConfig
+from syncer.config import ShardServerConfig, SyncerConfig
 from syncer.core.shard import ShardCore
 from syncer.pushlog import PushLogWriter, log_name
 from syncer.runtime import MANIFEST_FILE, MarkerResult, ShardRuntime
@@ -33,34 +32,6 @@ _MEMBERSHIP_EVENTS = {
     common_pb2.LEARNER_STATE_LEFT: "left",
     common_pb2.LEARNER_STATE_DRAINING: "draining",
 }
-
-
-@dataclass(frozen=True)
-class ShardServerConfig:
-    secret: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    health_port: int | None = None
-    """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
-    TLS); None: only on the main port."""
-    reflection: bool = False
-    """Serve gRPC reflection (off: it lists every method to anyone who connects)."""
-    data_dir: Path | None = None
-    """Where the event tape (and, later, snapshots) go; None keeps no tape."""
-    static_learners: tuple[str, ...] = ()
-    """Live learners when running without a coordinator (tests, benchmarks)."""
-    coordinator: str | None = None
-    snapshot_dir: str | None = None
-    """Where snapshots live, a directory or an fsspec URL (the coordinator's); needed by
-    restore by id or "latest"."""
-    restore: str | None = None
-    """Start from a complete snapshot: "latest", an id, a snapshot directory or manifest."""
-    report_timeout_s: float = 30.0
-    max_message_bytes: int = 8 * 1024 * 1024
-    tape_fsync_every: int = 64
-    push_log: bool = False
-    """Also log every accepted push's payload (``diloco replay`` re-runs the rounds from it)."""
-    shutdown_grace_s: float = 10.0
 
 
 class ShardServer:

@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 SCAVENGED_POOL = "scavenged"
 
 
+RESTART_SOURCES = ("snapshot", "learners")
+"""Where a restarted shard gets its state: a snapshot taken just before, or no state (the
+learners' anchors)."""
+
+
 @dataclass(frozen=True)
 class ChaosConfig:
     kill_every_s: float | None = None
@@ -56,7 +61,7 @@ class ChaosConfig:
             raise InvalidArgument(f"--max-kills must be >= 0, got {self.max_kills}")
         if self.restart_shard_at_s is not None and not self.restart_shard_at_s >= 0:
             raise InvalidArgument(f"--restart-shard-at must be >= 0 seconds, got {self.restart_shard_at_s}")
-        if self.restart_from not in ("snapshot", "learners"):
+        if self.restart_from not in RESTART_SOURCES:
             raise InvalidArgument(f"--restart-from must be snapshot or learners, got {self.restart_from!r}")
         if self.scavenge is not None and (self.scavenge[0] < 1 or self.scavenge[1] < 0):
             raise InvalidArgument(f"--scavenge needs N >= 1 learners at SECONDS >= 0, got {self.scavenge}")

@@ -12,7 +12,6 @@ byte.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,31 +19,12 @@ from torch.nn import functional as F
 
 from diloco.errors import InvalidArgument
 from diloco.task import Task, TaskContext
+from diloco.tasks.byte_gpt_options import ModelConfig, Options
 from diloco.tasks.corpus import load_corpus
 
 VOCAB_SIZE = 256
 EVAL_SEED = 12345
 """The eval batches are the same for every learner and every system."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    width: int = 128
-    """Residual stream width (d_model)."""
-    depth: int = 2
-    """Transformer blocks."""
-    heads: int = 4
-    context: int = 128
-    """Tokens (bytes) per training sequence."""
-    seed: int = 0
-    """Initialisation seed (the run's seed)."""
-
-    def __post_init__(self) -> None:
-        for name in ("width", "depth", "heads", "context"):
-            if getattr(self, name) < 1:
-                raise InvalidArgument(f"model {name} must be >= 1, got {getattr(self, name)}")
-        if self.width % self.heads:
-            raise InvalidArgument(f"model width {self.width} must be divisible by heads {self.heads}")
 
 
 class Block(nn.Module):
@@ -103,32 +83,6 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.view(-1, VOCAB_SIZE), targets.reshape(-1))
-
-
-@dataclass(frozen=True)
-class Options:
-    """The task's options, parsed and checked once."""
-
-    model: ModelConfig
-    batch_size: int = 16
-    """Sequences per inner step."""
-    data: str | None = None
-    data_shards: int = 8
-    """Disjoint training shards; learner i reads shard i mod data_shards."""
-    eval_batches: int = 8
-
-    @classmethod
-    def parse(cls, ctx: TaskContext) -> Options:
-        model = ModelConfig(
-            width=ctx.option("width", 128, int), depth=ctx.option("depth", 2, int),
-            heads=ctx.option("heads", 4, int), context=ctx.option("context", 128, int), seed=ctx.seed,
-        )
-        opts = cls(model, ctx.option("batch_size", 16, int), ctx.option("data", None),
-                   ctx.option("data_shards", 8, int), ctx.option("eval_batches", 8, int))
-        for name in ("batch_size", "data_shards", "eval_batches"):
-            if getattr(opts, name) < 1:
-                raise InvalidArgument(f"task option {name} must be >= 1, got {getattr(opts, name)}")
-        return opts
 
 
 def loss(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

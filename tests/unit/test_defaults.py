@@ -4,6 +4,8 @@ values.yaml agree (they disagreed: H 16 in the library and the chart, 4 on the c
 line; outer lr/momentum 0.7/0.9 in the library, the chart and `diloco syncer`, 1.0/0 in
 `diloco local` and the torchft baseline)."""
 
+import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -13,53 +15,52 @@ from coordinator.config import CoordinatorConfig
 from tools.baseline.torchft_peer import TorchftConfig
 from tools.cli.main import build_parser
 from diloco.config import RunConfig
+from diloco.errors import DilocoError
 from tools.local.config import LocalConfig
+from tools.cli.reference import CHART_VALUES, COMMANDS, DOC, command_parser, render
 from tools.cli.settings import add_flag, default_of
 from learner.config import LearnerConfig
-from syncer.config import MergeConfig, RoundConfig, SyncerConfig
+from syncer.config import GRACE_MODES, MergeConfig, RoundConfig, SyncerConfig
 
 VALUES = yaml.safe_load((Path(__file__).parents[2] / "k8s" / "diloco" / "values.yaml").read_text())
 
-# (config class, field, [(command line, argparse dest)], values.yaml path or None)
+# (config class, field, [(command line, argparse dest)]): the same setting in every command that
+# sets it, whichever config class it lands in; the chart's value is CHART_VALUES's.
 SETTINGS = [
-    (RunConfig, "seed", [("learner", "seed"), ("syncer", "seed"), ("local", "seed")], "run.seed"),
-    (RunConfig, "fragments", [("learner", "fragments"), ("syncer", "fragments"), ("local", "fragments")], "run.fragments"),
-    (RunConfig, "sync_every_steps", [("learner", "sync_every"), ("syncer", "sync_every"), ("local", "sync_every")],
-     "run.syncEverySteps"),
-    (RunConfig, "overlap_steps", [("learner", "overlap"), ("syncer", "overlap"), ("local", "overlap")], "run.overlapSteps"),
-    (RunConfig, "merge_alpha", [("learner", "alpha"), ("syncer", "alpha"), ("local", "alpha")], "run.mergeAlpha"),
-    (RunConfig, "reply_rule", [("learner", "reply_rule"), ("syncer", "reply_rule"), ("local", "reply_rule")],
-     "run.replyRule"),
-    (RoundConfig, "quorum", [("syncer", "quorum"), ("local", "quorum")], "syncer.quorum"),
-    (RoundConfig, "grace_gamma", [("syncer", "grace_gamma")], "syncer.graceGamma"),
-    (RoundConfig, "grace_max_s", [("syncer", "grace_max_s")], "syncer.graceMaxSeconds"),
-    (MergeConfig, "merge", [("syncer", "merge"), ("local", "merge")], "syncer.merge"),
-    (MergeConfig, "staleness_lambda", [("syncer", "staleness_lambda")], "syncer.stalenessLambda"),
-    (MergeConfig, "outer_lr", [("syncer", "outer_lr"), ("local", "outer_lr"), ("baseline torchft", "outer_lr")],
-     "syncer.outerLr"),
+    (RunConfig, "seed", [("learner", "seed"), ("syncer", "seed"), ("local", "seed")]),
+    (RunConfig, "fragments", [("learner", "fragments"), ("syncer", "fragments"), ("local", "fragments")]),
+    (RunConfig, "sync_every_steps", [("learner", "sync_every"), ("syncer", "sync_every"), ("local", "sync_every")]),
+    (RunConfig, "overlap_steps", [("learner", "overlap"), ("syncer", "overlap"), ("local", "overlap")]),
+    (RunConfig, "merge_alpha", [("learner", "alpha"), ("syncer", "alpha"), ("local", "alpha")]),
+    (RunConfig, "reply_rule", [("learner", "reply_rule"), ("syncer", "reply_rule"), ("local", "reply_rule")]),
+    (RoundConfig, "quorum", [("syncer", "quorum"), ("local", "quorum")]),
+    (RoundConfig, "grace_gamma", [("syncer", "grace_gamma")]),
+    (RoundConfig, "grace_max_s", [("syncer", "grace_max_s")]),
+    (MergeConfig, "merge", [("syncer", "merge"), ("local", "merge")]),
+    (MergeConfig, "staleness_lambda", [("syncer", "staleness_lambda")]),
+    (MergeConfig, "outer_lr", [("syncer", "outer_lr"), ("local", "outer_lr"), ("baseline torchft", "outer_lr")]),
     (MergeConfig, "outer_momentum",
-     [("syncer", "outer_momentum"), ("local", "outer_momentum"), ("baseline torchft", "outer_momentum")],
-     "syncer.outerMomentum"),
-    (MergeConfig, "scale_by", [("syncer", "scale_by"), ("local", "scale_by")], None),
-    (MergeConfig, "block_size", [("syncer", "block_size"), ("learner", "block_size")], "syncer.blockSize"),
-    (MergeConfig, "update_chain_length", [("syncer", "chain")], "syncer.chain"),
-    (CoordinatorConfig, "lease_s", [("coordinator", "lease_s")], "coordinator.leaseSeconds"),
-    (CoordinatorConfig, "max_learners", [("coordinator", "max_learners")], "coordinator.maxLearners"),
-    (CoordinatorConfig, "drain_timeout_s", [("coordinator", "drain_timeout_s")], "coordinator.drainTimeoutSeconds"),
-    (CoordinatorConfig, "join_timeout_s", [("coordinator", "join_timeout_s")], "coordinator.joinTimeoutSeconds"),
-    (CoordinatorConfig, "snapshot_timeout_s", [("coordinator", "snapshot_timeout_s")], "coordinator.snapshotTimeoutSeconds"),
-    (CoordinatorConfig, "snapshot_every_s", [("coordinator", "snapshot_every_s")], None),
-    (CoordinatorConfig, "credential_lifetime_s", [("coordinator", "credential_lifetime_s")], None),
-    (SyncerConfig, "anchor_window_s", [("syncer", "anchor_window_s")], None),
-    (SyncerConfig, "max_delta_ratio", [("syncer", "max_delta_ratio")], None),
-    (SyncerConfig, "stream_idle_timeout_s", [("syncer", "stream_idle_timeout_s")], None),
-    (LocalConfig, "snapshot_every_s", [("local", "snapshot_every_s")], None),
-    (LocalConfig, "snapshot_keep", [("local", "snapshot_keep")], None),
-    (LearnerConfig, "lr", [("learner", "lr")], "learners.lr"),
-    (LearnerConfig, "warmup_steps", [("learner", "warmup_steps")], None),
-    (LearnerConfig, "delta_codec", [("learner", "delta_codec"), ("local", "delta_codec")], None),
-    (LearnerConfig, "device", [("learner", "device")], None),
-    (LearnerConfig, "precision", [("learner", "precision")], None),
+     [("syncer", "outer_momentum"), ("local", "outer_momentum"), ("baseline torchft", "outer_momentum")]),
+    (MergeConfig, "scale_by", [("syncer", "scale_by"), ("local", "scale_by")]),
+    (MergeConfig, "block_size", [("syncer", "block_size"), ("learner", "block_size")]),
+    (MergeConfig, "update_chain_length", [("syncer", "chain")]),
+    (CoordinatorConfig, "lease_s", [("coordinator", "lease_s")]),
+    (CoordinatorConfig, "max_learners", [("coordinator", "max_learners")]),
+    (CoordinatorConfig, "drain_timeout_s", [("coordinator", "drain_timeout_s")]),
+    (CoordinatorConfig, "join_timeout_s", [("coordinator", "join_timeout_s")]),
+    (CoordinatorConfig, "snapshot_timeout_s", [("coordinator", "snapshot_timeout_s")]),
+    (CoordinatorConfig, "snapshot_every_s", [("coordinator", "snapshot_every_s")]),
+    (CoordinatorConfig, "credential_lifetime_s", [("coordinator", "credential_lifetime_s")]),
+    (SyncerConfig, "anchor_window_s", [("syncer", "anchor_window_s")]),
+    (SyncerConfig, "max_delta_ratio", [("syncer", "max_delta_ratio")]),
+    (SyncerConfig, "stream_idle_timeout_s", [("syncer", "stream_idle_timeout_s")]),
+    (LocalConfig, "snapshot_every_s", [("local", "snapshot_every_s")]),
+    (LocalConfig, "snapshot_keep", [("local", "snapshot_keep")]),
+    (LearnerConfig, "lr", [("learner", "lr")]),
+    (LearnerConfig, "warmup_steps", [("learner", "warmup_steps")]),
+    (LearnerConfig, "delta_codec", [("learner", "delta_codec"), ("local", "delta_codec")]),
+    (LearnerConfig, "device", [("learner", "device")]),
+    (LearnerConfig, "precision", [("learner", "precision")]),
 ]
 
 
@@ -74,13 +75,28 @@ def _value(path: str):
     return node
 
 
-@pytest.mark.parametrize(("cls", "name", "flags", "chart"), SETTINGS, ids=[f"{c.__name__}.{n}" for c, n, _, _ in SETTINGS])
-def test_library_command_line_and_chart_agree(cls, name, flags, chart):
+@pytest.mark.parametrize(("cls", "name", "flags"), SETTINGS, ids=[f"{c.__name__}.{n}" for c, n, _ in SETTINGS])
+def test_library_command_line_and_chart_agree(cls, name, flags):
     default = default_of(cls, name)
     for command, dest in flags:
         assert getattr(_parsed(command), dest) == default, f"diloco {command} --{dest.replace('_', '-')}"
-    if chart is not None:
-        assert _value(chart) == default, f"values.yaml {chart}"
+    chart = CHART_VALUES.get((cls, name))
+    if chart is not None and not chart.own_default:
+        assert _value(chart.path) == default, f"values.yaml {chart.path}"
+
+
+@pytest.mark.parametrize("key", CHART_VALUES, ids=[f"{c.__name__}.{n}" for c, n in CHART_VALUES])
+def test_the_charts_defaults_are_the_fields(key):
+    """Every chart value that sets a config field defaults to that field's default (in
+    the flag's units), unless the chart says why not."""
+    chart = CHART_VALUES[key]
+    default = default_of(*key)
+    if chart.shown is not None:
+        default = chart.shown(default)
+    if chart.own_default:
+        assert _value(chart.path) != default, f"{chart.path} is the field's default: drop its own_default"
+    else:
+        assert _value(chart.path) == default, f"values.yaml {chart.path}"
 
 
 def test_the_configs_that_copy_a_default_take_it_from_its_source():
@@ -95,11 +111,111 @@ def test_the_configs_that_copy_a_default_take_it_from_its_source():
     assert VALUES["syncer"]["maxPushMiB"] * 2**20 == SyncerConfig().max_push_bytes
 
 
-def test_a_flag_shows_the_default_it_takes():
-    import argparse
+# The flags of those commands that have a default of their own and set no config field.
+NOT_A_FIELD = {
+    "launch_id": "the id a launcher gives the process it starts, to match its Join; none by hand",
+    "num_learners": "a static-topology learner's TaskContext.num_learners (a joined one gets the coordinator's)",
+    "slice_hosts": "the SliceLink's host count (1: no slice)",
+    "slice_index": "the SliceLink's host index",
+    "data_dir": "the coordinator's directory, ./coordinator: CoordinatorConfig.data_dir has no default",
+    "ablations": "what compare runs, not how",
+    "json": "how a command prints",
+}
 
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_with_a_default_takes_it_from_a_config_field(command):
+    """No hand-written default beside a config field: a flag whose default is not None
+    was made by add_flag (and remembers its field), or is one of the few above."""
+    flags = [a for a in command_parser(build_parser(), command)._actions if a.option_strings and a.default not in (None, argparse.SUPPRESS)]
+    assert any(hasattr(a, "field") for a in flags)
+    offenders = [f"diloco {command} {a.option_strings[0]} (default {a.default!r})"
+                 for a in flags if not hasattr(a, "field") and a.dest not in NOT_A_FIELD]
+    assert not offenders, offenders
+
+
+def test_a_flag_shows_the_default_it_takes():
     parser = argparse.ArgumentParser()
     action = add_flag(parser, "--sync-every", RunConfig, "sync_every_steps", "H", type=int)
     assert action.default == RunConfig().sync_every_steps and action.help == f"H (default {RunConfig().sync_every_steps})"
     with pytest.raises(KeyError, match="no field 'nope'"):
         default_of(RunConfig, "nope")
+    assert action.field == (RunConfig, "sync_every_steps")
+    mib = add_flag(parser, "--max-push-mib", SyncerConfig, "max_push_bytes", "MiB", type=int, shown=lambda b: b // 2**20)
+    assert mib.default == SyncerConfig().max_push_bytes // 2**20 and mib.help.endswith(f"(default {mib.default})")
+    with pytest.raises(ValueError, match="is on by default"):
+        add_flag(parser, "--tls", LocalConfig, "tls", "switch", action="store_true")
+    assert add_flag(parser, "--insecure", LocalConfig, "tls", "off", action="store_true", shown=lambda tls: not tls).default is False
+
+
+def test_the_settings_reference_is_fresh():
+    """docs/SETTINGS.md is what the parser says (python -m tools.cli.reference rewrites it)."""
+    text = render(build_parser())
+    assert "| `--quorum` | `1` | `RoundConfig.quorum` | `syncer.quorum` |" in text
+    assert DOC.read_text() == text, "docs/SETTINGS.md is stale: run python -m tools.cli.reference"
+
+
+SCHEMA = json.loads((Path(__file__).parents[2] / "k8s" / "diloco" / "values.schema.json").read_text())
+
+
+def _schema(path: str) -> dict:
+    node = SCHEMA
+    for key in path.split("."):
+        node = node["properties"][key]
+    if "$ref" in node:  # #/definitions/NAME
+        node = SCHEMA["definitions"][node["$ref"].rsplit("/", 1)[1]]
+    return node
+
+
+def _make(cls: type, **changes):
+    """``cls`` with ``changes`` (the coordinator's config needs its directory)."""
+    return cls(**({"data_dir": Path("coordinator")} if cls is CoordinatorConfig else {}), **changes)
+
+
+def _accepts(cls: type, name: str, value) -> bool:
+    try:
+        _make(cls, **{name: value})
+    except DilocoError:
+        return False
+    return True
+
+
+BOUNDS = [(key, chart) for key, chart in CHART_VALUES.items() if chart.shown is None]
+
+
+@pytest.mark.parametrize(("key", "chart"), BOUNDS, ids=[f"{c.__name__}.{n}" for (c, n), _ in BOUNDS])
+def test_the_charts_schema_and_the_fields_checks_agree(key, chart):
+    """What values.schema.json lets through, the field's own check takes, and at each bound
+    the schema sets the field refuses what the schema refuses: a chart value that passes
+    the schema never fails the process at start (a crash loop), and no check is only in
+    one of them. Choices: the schema's enum is the flag's choices."""
+    cls, name = key
+    schema = _schema(chart.path)
+    default = default_of(cls, name)
+    choices = {c for words in COMMANDS for a in command_parser(build_parser(), words)._actions
+               if getattr(a, "field", None) == key and a.choices for c in a.choices}
+    if key == (RoundConfig, "grace_mode"):  # auto, off or SECONDS (the mode "fixed")
+        assert schema["oneOf"] == [{"enum": [m for m in GRACE_MODES if m != "fixed"]}, {"type": "number", "minimum": 0}]
+        assert not _accepts(RoundConfig, "grace_fixed_s", -1e-9) and _accepts(RoundConfig, "grace_fixed_s", 0.0)
+        return
+    if "enum" in schema or choices:
+        assert set(schema.get("enum", ())) == choices, chart.path
+        return
+    kind = schema.get("type")
+    assert kind == {int: "integer", float: "number", str: "string"}[type(default)], chart.path
+    step = 1 if kind == "integer" else 1e-9
+    cast = int if kind == "integer" else float
+    if "minimum" in schema:
+        low = cast(schema["minimum"])
+        assert _accepts(cls, name, low) and (chart.narrower or not _accepts(cls, name, low - step)), chart.path
+    if "exclusiveMinimum" in schema:
+        low = schema["exclusiveMinimum"]
+        assert not _accepts(cls, name, cast(low)) and _accepts(cls, name, cast(low + step)), chart.path
+    if "maximum" in schema:
+        assert _accepts(cls, name, cast(schema["maximum"])) and not _accepts(cls, name, cast(schema["maximum"] + step)), chart.path
+    if "exclusiveMaximum" in schema:
+        high = schema["exclusiveMaximum"]
+        assert not _accepts(cls, name, cast(high)) and _accepts(cls, name, cast(high - step)), chart.path
+    if "multipleOf" in schema:
+        base = schema.get("minimum", schema["multipleOf"])
+        assert not _accepts(cls, name, cast(base + 1)), chart.path

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from diloco.config import REPLY_RULES, RunConfig
 from diloco.task import DEFAULT_TASK
-from tools.cli.settings import add_flag
+from diloco.tasks.byte_gpt_options import ModelConfig, Options
+from tools.cli.settings import add_flag, default_of
 
 
 GPT_OPTIONS = ("width", "depth", "heads", "context", "batch_size", "data")
@@ -18,14 +19,15 @@ GPT_OPTIONS = ("width", "depth", "heads", "context", "batch_size", "data")
 def add_run_config(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("run (must match across every process of a run)")
     group.add_argument("--run-config", metavar="FILE", help="JSON run config (as written by diloco local); overrides the flags below")
-    group.add_argument("--task", default=DEFAULT_TASK, metavar="FILE.py:FUNCTION",
-                       help="what to train: a function (FILE.py:FUNCTION or package.module:FUNCTION) taking a "
-                            f"diloco.TaskContext and returning a diloco.Task (default {DEFAULT_TASK}, the byte GPT)")
+    add_flag(group, "--task", RunConfig, "task",
+             "what to train: a function (FILE.py:FUNCTION or package.module:FUNCTION) taking a diloco.TaskContext "
+             "and returning a diloco.Task (the default is the byte GPT)", metavar="FILE.py:FUNCTION")
     group.add_argument("--task-option", action="append", metavar="KEY=VALUE",
                        help="an option for the task (TaskContext.options; repeatable)")
     add_flag(group, "--seed", RunConfig, "seed", "the run's seed: model initialisation, data order", type=int)
-    group.add_argument("--init", default="", metavar="FILE.safetensors",
-                       help="start the model from these weights (an export: diloco admin export, or a run's model.safetensors)")
+    add_flag(group, "--init", RunConfig, "init",
+             "start the model from these weights (an export: diloco admin export, or a run's model.safetensors)",
+             metavar="FILE.safetensors")
     add_flag(group, "--fragments", RunConfig, "fragments", "P: fragments the model is cut into", type=int)
     add_flag(group, "--sync-every", RunConfig, "sync_every_steps", "H: inner steps between two sends of a fragment", type=int)
     add_flag(group, "--overlap", RunConfig, "overlap_steps", "tau: inner steps before a reply is needed", type=int)
@@ -34,11 +36,11 @@ def add_run_config(parser: argparse.ArgumentParser) -> None:
              "apply a reply by rebasing the progress made since the push onto it, or by mixing with --alpha "
              "(DESIGN's rule)", choices=REPLY_RULES)
     gpt = parser.add_argument_group("the built-in byte GPT task (shorthands for its --task-option values)")
-    gpt.add_argument("--width", type=int, help="model width (default 128)")
-    gpt.add_argument("--depth", type=int, help="transformer blocks (default 2)")
-    gpt.add_argument("--heads", type=int, help="attention heads (default 4)")
-    gpt.add_argument("--context", type=int, help="tokens per sequence (default 128)")
-    gpt.add_argument("--batch-size", type=int, help="sequences per inner step (default 16)")
+    gpt.add_argument("--width", type=int, help=f"model width (default {ModelConfig.width})")
+    gpt.add_argument("--depth", type=int, help=f"transformer blocks (default {ModelConfig.depth})")
+    gpt.add_argument("--heads", type=int, help=f"attention heads (default {ModelConfig.heads})")
+    gpt.add_argument("--context", type=int, help=f"tokens per sequence (default {ModelConfig.context})")
+    gpt.add_argument("--batch-size", type=int, help=f"sequences per inner step (default {Options.batch_size})")
     gpt.add_argument("--data", help="a text file or a directory of them (default: the Python standard library's sources)")
 
 
@@ -105,6 +107,16 @@ def parse_grace(value: str) -> tuple[str, float]:
     if not (seconds >= 0 and seconds != float("inf")):
         raise argparse.ArgumentTypeError(f"grace seconds must be finite and >= 0, got {value!r}")
     return "fixed", seconds
+
+
+def add_grace_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, name: str,
+                   help: str) -> argparse.Action:
+    """``--grace auto|off|SECONDS`` with ``cls.name``'s default (a grace mode, or a
+    ``--grace`` value as a string)."""
+    said = default_of(cls, name)
+    action = parser.add_argument("--grace", type=parse_grace, default=parse_grace(said), help=f"{help} (default {said})")
+    action.field = (cls, name)
+    return action
 
 
 def _prometheus(value: str) -> tuple[str, int]:

@@ -134,8 +134,8 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--health-port", type=int, metavar="PORT",
                    help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
                         "makes the main port mutual TLS)")
-    p.add_argument("--reflection", action="store_true",
-                   help="serve gRPC reflection (grpcurl without the .proto files); off by default")
+    add_flag(p, "--reflection", CoordinatorConfig, "reflection", "serve gRPC reflection (grpcurl without the .proto files)",
+             action="store_true")
     add_flag(p, "--port", CoordinatorConfig, "port", "port (0: any free port; see --port-file)", type=int)
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--advertise-address", metavar="HOST:PORT", help="address launched learners use (default: the bound one)")
@@ -143,7 +143,8 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
     p.add_argument("--admin-token-file", help="admin token (default: $DILOCO_ADMIN_TOKEN, else DATA_DIR/admin-token, made if absent)")
     p.add_argument("--shards", metavar="HOST:PORT,...", help="every shard's address, in shard id order")
-    p.add_argument("--pools", default="default", help="pools learners may join, comma-separated; the first is the default")
+    add_flag(p, "--pools", CoordinatorConfig, "pools", "pools learners may join, comma-separated; the first is the default",
+             shown=",".join)
     add_flag(p, "--lease-s", CoordinatorConfig, "lease_s", "heartbeat lease, seconds", type=float)
     add_flag(p, "--credential-lifetime-s", CoordinatorConfig, "credential_lifetime_s",
              "learner credentials expire after S seconds; every heartbeat reply renews them", type=float, metavar="S")

@@ -12,7 +12,8 @@ from pathlib import Path
 from diloco.errors import InvalidArgument
 from learner.config import DELTA_CODECS
 from syncer.config import MERGE_MODES, SCALE_MODES
-from tools.cli.common import add_run_config, build_run_config, parse_grace
+from tools.chaos import RESTART_SOURCES, ChaosConfig
+from tools.cli.common import add_grace_flag, add_run_config, build_run_config
 from tools.cli.settings import add_config_flag, add_flag
 from tools.local.config import LocalConfig
 
@@ -152,7 +153,7 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--learners", LocalConfig, "learners", "M: learners", type=int)
     add_flag(p, "--shards", LocalConfig, "shards", "S: syncer shards", type=int)
     add_flag(p, "--quorum", LocalConfig, "quorum", "K: minimum pushes per round", type=int)
-    p.add_argument("--grace", type=parse_grace, default=("auto", 0.0), help="auto (default), off, or SECONDS")
+    add_grace_flag(p, LocalConfig, "grace", "auto, off, or SECONDS")
     budget = p.add_mutually_exclusive_group()
     add_flag(budget, "--steps", LocalConfig, "steps", "inner steps per learner", type=int)
     budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
@@ -174,9 +175,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                         "(repeatable; default: every learner on the CPU). xla uses every device PJRT_DEVICE gives "
                         "(on the CPU: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4) and needs torch-xla (constraints-xla.txt)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
-    p.add_argument("--insecure", action="store_true",
-                   help="plaintext gRPC between the run's processes instead of mutual TLS with a CA and certificate "
-                        "made for the run in RUN_DIR/tls (the default)")
+    add_flag(p, "--insecure", LocalConfig, "tls",
+             "plaintext gRPC between the run's processes instead of mutual TLS with a CA and certificate made for "
+             "the run in RUN_DIR/tls", action="store_true", shown=lambda tls: not tls)
     snapshots = p.add_argument_group("snapshots")
     snapshots.add_argument("--snapshot-dir", metavar="DIR|URL",
                            help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
@@ -192,14 +193,14 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--slow-learner", action="append", metavar="ID:FACTOR",
                        help="the ID-th learner launched (0-based; L1 reads as 1) takes FACTOR x as long per "
                        "step (repeatable); ids are given at join, so its events file says slow_factor")
-    chaos.add_argument("--delay-ms", type=float, default=0.0, help="delay added to every push and reply (default 0)")
+    add_flag(chaos, "--delay-ms", LocalConfig, "delay_ms", "delay added to every push and reply", type=float)
     chaos.add_argument("--restart-shard-at", type=float, metavar="SECONDS",
                        help="snapshot, SIGKILL shard 0 and restart it from the snapshot at SECONDS")
-    chaos.add_argument("--restart-from", choices=["snapshot", "learners"], default="snapshot",
-                       help="the restarted shard comes back from a snapshot (default) or, with no state, from the "
-                            "learners' anchors")
+    add_flag(chaos, "--restart-from", ChaosConfig, "restart_from",
+             "the restarted shard comes back from a snapshot or, with no state, from the learners' anchors",
+             choices=RESTART_SOURCES)
     chaos.add_argument("--scavenge", metavar="N@SECONDS", help="add N learners through AddLearners at SECONDS")
-    chaos.add_argument("--chaos-seed", type=int, default=0, help="seed of the kill schedule and victims (default 0)")
+    add_flag(chaos, "--chaos-seed", ChaosConfig, "seed", "seed of the kill schedule and victims", type=int)
     add_run_config(p)
     p.set_defaults(func=_local)
 
@@ -233,7 +234,7 @@ def _compare(args: argparse.Namespace) -> int:
     scenarios = tuple(args.scenario or compare.SCENARIOS)
     cfg = compare.CompareConfig(
         run=build_run_config(args), workers=args.workers, steps=args.steps, seed=args.seed_faults,
-        systems=tuple(x for x in args.systems.split(",") if x), out=Path(args.out),
+        systems=tuple(x for x in args.systems.split(",") if x), out=args.out,
     )
     emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
     compare.run(cfg, scenarios, args.ablations, on_result=emit)
@@ -243,7 +244,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def add_compare(commands: argparse._SubParsersAction) -> None:
-    from tools.compare import SCENARIOS, SYSTEMS
+    from tools.compare import SCENARIOS, SYSTEMS, CompareConfig
 
     p = commands.add_parser(
         "compare",
@@ -252,13 +253,12 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
                     "OUT/results.md, OUT/results.json and OUT/compare.png.",
     )
     p.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only this scenario (repeatable; default all)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)} (default all)")
+    add_flag(p, "--systems", CompareConfig, "systems", f"comma-separated subset of {','.join(SYSTEMS)}", shown=",".join)
     p.add_argument("--ablations", action="store_true", help="also run the Decoupled ablations on nofault and hetero")
-    p.add_argument("--workers", type=int, default=4, help="M: learners / DP workers / torchft replicas (default 4)")
-    p.add_argument("--steps", type=int, default=120, help="inner steps per worker (default 120)")
-    p.add_argument("--seed-faults", type=int, default=3,
-                   help="seed of the fault schedules (default 3: its first kill falls 8 s in, inside a one-minute run)")
-    p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
+    add_flag(p, "--workers", CompareConfig, "workers", "M: learners / DP workers / torchft replicas", type=int)
+    add_flag(p, "--steps", CompareConfig, "steps", "inner steps per worker", type=int)
+    add_flag(p, "--seed-faults", CompareConfig, "seed", "seed of the fault schedules", type=int)
+    add_flag(p, "--out", CompareConfig, "out", "output directory", type=Path)
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario as it finishes")
     add_run_config(p)
     p.set_defaults(func=_compare)
@@ -303,6 +303,7 @@ def add_run_tools(commands: argparse._SubParsersAction) -> None:
 
 def add_baseline(commands: argparse._SubParsersAction) -> None:
     """``diloco baseline dp|torchft``: the systems Decoupled DiLoCo is compared against."""
+    from tools.baseline.dp import DPConfig
     from tools.baseline.torchft_peer import TorchftConfig
 
     def baseline(args: argparse.Namespace) -> int:
@@ -347,24 +348,25 @@ def add_baseline(commands: argparse._SubParsersAction) -> None:
         description="The same workload under torchft's Streaming DiLoCo (Lighthouse on 127.0.0.1, gloo, CPU). "
                     "A killed replica is restarted alone and heals from a peer.",
     )
-    for p, who in ((dp, "workers"), (ft, "replicas")):
-        p.add_argument("--workers", type=int, default=3, help=f"M: {who}, one process each (default 3)")
-        p.add_argument("--steps", type=int, default=150, help="steps per worker (default 150, as diloco local)")
-        p.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
-                       help=f"SIGKILL a random one of the {who} every SECONDS on average (exponential; default 0: never)")
+    for p, who, cls in ((dp, "workers", DPConfig), (ft, "replicas", TorchftConfig)):
+        add_flag(p, "--workers", cls, "workers", f"M: {who}, one process each", type=int)
+        add_flag(p, "--steps", cls, "steps", "steps per worker", type=int)
+        add_flag(p, "--kill-every", cls, "kill_every_s",
+                 f"SIGKILL a random one of the {who} every SECONDS on average (exponential; 0: never)", type=float,
+                 metavar="SECONDS")
         p.add_argument("--kill-at-step", type=int, action="append", metavar="STEP",
                        help="deterministic fault: SIGKILL a random one once step STEP is done (repeatable)")
         p.add_argument("--slow-worker", action="append", metavar="ID:FACTOR",
                        help="that worker's steps take FACTOR x as long (repeatable, or comma-separated)")
-        p.add_argument("--fault-seed", type=int, default=0, help="seed of the kill plan (default 0)")
-        p.add_argument("--threads-per-worker", type=int, default=1,
-                       help="torch threads of each process (default 1, as torchrun sets)")
+        add_flag(p, "--fault-seed", cls, "fault_seed", "seed of the kill plan", type=int)
+        add_flag(p, "--threads-per-worker", cls, "threads_per_worker", "torch threads of each process (as torchrun sets)",
+                 type=int)
         p.add_argument("--out", help="run directory (default ./runs/<baseline>-<timestamp>)")
         p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
         add_run_config(p)
         p.set_defaults(func=baseline)
-    dp.add_argument("--checkpoint-every", type=int, default=25, metavar="STEPS",
-                    help="steps between two checkpoints (default 25)")
+    add_flag(dp, "--checkpoint-every", DPConfig, "checkpoint_every_steps", "steps between two checkpoints", type=int,
+             metavar="STEPS")
     add_flag(ft, "--outer-lr", TorchftConfig, "outer_lr", "outer SGD learning rate, as the shards'", type=float)
     add_flag(ft, "--outer-momentum", TorchftConfig, "outer_momentum", "outer Nesterov momentum, as the shards'", type=float)
 

@@ -6,17 +6,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from coordinator.config import CoordinatorConfig
 from diloco.task import DEFAULT_TASK
 from learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
-from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, SyncerConfig
-from tools.cli.common import GPT_OPTIONS, add_run_config, add_telemetry, build_run_config, parse_grace, run_secret, start_telemetry
+from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
+from tools.cli.common import (GPT_OPTIONS, add_grace_flag, add_run_config, add_telemetry, build_run_config, run_secret,
+                              start_telemetry)
 from tools.cli.settings import add_config_flag, add_flag
 
 
 def _syncer(args: argparse.Namespace) -> int:
     import asyncio
 
-    from syncer.server import ShardServerConfig, run_shard
+    from syncer.server import run_shard
 
     run = build_run_config(args)
     grace_mode, grace_s = args.grace
@@ -73,24 +75,25 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
         description="Run one syncer shard. SIGTERM closes open rounds, answers waiting pushes, flushes the tape, exits 0.",
     )
     add_config_flag(p)
-    p.add_argument("--shard-id", type=int, default=0, help="this shard's id m (default 0)")
-    p.add_argument("--shards", type=int, default=1, help="S: number of shards (default 1)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    add_flag(p, "--shard-id", SyncerConfig, "shard_id", "this shard's id m", type=int)
+    add_flag(p, "--shards", SyncerConfig, "num_shards", "S: number of shards", type=int)
+    add_flag(p, "--host", ShardServerConfig, "host", "address to bind")
     p.add_argument("--health-port", type=int, metavar="PORT",
                    help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
                         "makes the main port mutual TLS)")
-    p.add_argument("--reflection", action="store_true",
-                   help="serve gRPC reflection (grpcurl without the .proto files); off by default")
-    p.add_argument("--port", type=int, default=0, help="port (default 0: any free port; see --port-file)")
+    add_flag(p, "--reflection", ShardServerConfig, "reflection", "serve gRPC reflection (grpcurl without the .proto files)",
+             action="store_true")
+    add_flag(p, "--port", ShardServerConfig, "port", "port (0: any free port; see --port-file)", type=int)
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--data-dir", help="directory for the event tape (default: keep no tape)")
-    p.add_argument("--push-log", action="store_true",
-                   help="also log every accepted push's payload in DATA_DIR (for diloco replay; costs disk ~ bytes pushed)")
+    add_flag(p, "--push-log", ShardServerConfig, "push_log",
+             "also log every accepted push's payload in DATA_DIR (for diloco replay; costs disk ~ bytes pushed)",
+             action="store_true")
     p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
     p.add_argument("--learners", help="static live learners, e.g. L0,L1 (when there is no coordinator)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="follow this coordinator's membership stream")
     add_flag(p, "--quorum", RoundConfig, "quorum", "K: pushes needed before the grace window", type=int)
-    p.add_argument("--grace", type=parse_grace, default=("auto", 0.0), help="auto (default), off, or fixed SECONDS")
+    add_grace_flag(p, RoundConfig, "grace_mode", "auto, off, or fixed SECONDS")
     add_flag(p, "--grace-gamma", RoundConfig, "grace_gamma", "share of the estimated slack granted", type=float)
     add_flag(p, "--grace-max-s", RoundConfig, "grace_max_s", "upper bound of the adaptive grace, seconds", type=float)
     add_flag(p, "--merge", MergeConfig, "merge", "merge of non-embedding pieces", choices=MERGE_MODES)
@@ -102,8 +105,8 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--block-size", MergeConfig, "block_size", "int4 block size", type=int)
     add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", "int4 scale dtype", choices=["float16", "float32"])
     add_flag(p, "--chain", MergeConfig, "update_chain_length", "int4 updates kept per fragment", type=int)
-    p.add_argument("--max-push-mib", type=int, default=SyncerConfig.max_push_bytes // 2**20,
-                   help=f"largest accepted push, MiB (default {SyncerConfig.max_push_bytes // 2**20})")
+    add_flag(p, "--max-push-mib", SyncerConfig, "max_push_bytes", "largest accepted push, MiB", type=int,
+             shown=lambda size: size // 2**20)
     add_flag(p, "--anchor-window-s", SyncerConfig, "anchor_window_s",
              "back without its state, collect learners' anchors of a fragment for S seconds and take the newest",
              type=float, metavar="S")
@@ -199,7 +202,8 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
     join = p.add_argument_group("joining (coordinator) or a static topology")
     join.add_argument("--coordinator", metavar="HOST:PORT", help="join this coordinator (topology, id, credential)")
     join.add_argument("--join-token-file", help="file with the run's join token (with --coordinator)")
-    join.add_argument("--pool", default="default", help="pool name reported to the coordinator (default: default)")
+    add_flag(join, "--pool", CoordinatorConfig, "pools", "pool reported to the coordinator (its default pool)",
+             shown=lambda pools: pools[0])
     join.add_argument("--launch-id", default="", help="set by launchers to match the process they started")
     join.add_argument("--shards", help="static topology: shard addresses in shard-id order, comma-separated")
     join.add_argument("--learner-id", help="static topology: this learner's id, e.g. L0")

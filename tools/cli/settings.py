@@ -6,6 +6,7 @@ values against the same fields."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import MISSING, fields
 
 
@@ -22,10 +23,24 @@ def default_of(cls: type, name: str):
 
 
 def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, cls: type, name: str, help: str,
-             **kwargs) -> argparse.Action:
-    """``parser.add_argument(flag, ...)`` with ``cls.name``'s default, which its help shows."""
+             *, shown: Callable[[object], object] | None = None, **kwargs) -> argparse.Action:
+    """``parser.add_argument(flag, ...)`` with ``cls.name``'s default, which its help shows.
+    ``shown``: the default as the flag says it (MiB for a field in bytes, a comma list for
+    a tuple); the command turns the value back. A switch (``action="store_true"``) needs a
+    field that is off by default. The action remembers its field (``action.field``):
+    tests/unit/test_defaults.py and docs/SETTINGS.md read it."""
     default = default_of(cls, name)
-    return parser.add_argument(flag, default=default, help=f"{help} (default {default})", **kwargs)
+    if shown is not None:
+        default = shown(default)
+    if kwargs.get("action") == "store_true":
+        if default is not False:
+            raise ValueError(f"{flag} is a switch, but {cls.__name__}.{name} is on by default")
+        action = parser.add_argument(flag, help=f"{help} (default off)", **kwargs)
+    else:
+        action = parser.add_argument(flag, default=default, help=f"{help} (default {default if default != '' else 'none'})",
+                                     **kwargs)
+    action.field = (cls, name)
+    return action
 
 
 CONFIG_FLAG = "--config"
