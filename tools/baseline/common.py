@@ -1,5 +1,6 @@
 """What the baselines share: the summary's keys, the fault plan, the wire-byte count of a
-ring all-reduce, and the supervisor's process handling.
+ring all-reduce, the supervisor's process handling and progress line, the run directory's
+config, stats and summary, and a worker process's start, steps and exit status.
 
 Definitions (the same for every system ``diloco compare`` puts side by side):
 
@@ -15,20 +16,27 @@ Definitions (the same for every system ``diloco compare`` puts side by side):
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from diloco.errors import InvalidArgument
+from diloco.files import atomic_write_json
 
 if TYPE_CHECKING:
     import torch
+
+    from diloco.task import Task
+
+logger = logging.getLogger(__name__)
 
 PERIOD_SLACK = 4.0
 """An advance may come up to this many times the expected interval late before the gap
@@ -95,6 +103,19 @@ stops the run with the error instead of restarting a worker that would fail agai
 TASK_ERROR_PREFIX = "task error: "
 
 
+def run_worker(work: Callable[..., None], *args) -> int:
+    """A worker process's exit status from ``work(*args)``: ``TASK_ERROR_EXIT``, with the
+    error logged for ``task_error``, when the task is broken."""
+    from diloco.task import TaskError
+
+    try:
+        work(*args)
+    except TaskError as error:  # the task is broken: a restart would fail the same way
+        logger.error("%s%s", TASK_ERROR_PREFIX, error)
+        return TASK_ERROR_EXIT
+    return 0
+
+
 def task_error(log: Path) -> str:
     """The task error a worker logged (``TASK_ERROR_PREFIX``), for the supervisor's message."""
     try:
@@ -141,6 +162,17 @@ def next_batch(spec: str, batches, step: int, steps: int):
             from None
 
 
+def worker_steps(cfg: WorkloadConfig, who: str, batches, start: int):
+    """(step, start time, batch) of each of a worker's steps ``start``..``cfg.steps - 1``.
+    The worker stops once its supervisor is gone: nothing would stop it otherwise."""
+    supervisor = os.getppid()
+    for step in range(start, cfg.steps):
+        if os.getppid() != supervisor:
+            raise SystemExit(f"{who}: the supervisor is gone; stopping")
+        t0 = time.time()
+        yield step, t0, next_batch(cfg.run.task, batches, step, cfg.steps)
+
+
 def advance_schedule(schedule, steps: int) -> None:
     """Put the inner lr schedule at step ``steps`` (a restarted or replacement worker)."""
     import warnings
@@ -172,6 +204,21 @@ class WorkloadConfig:
         """Worker ``worker``'s instance of the run's task (``worker_task``)."""
         return worker_task(self.run, worker, self.workers)
 
+    @classmethod
+    def read(cls, run_dir: Path):
+        """The config ``BaselineRun.start`` wrote to ``run_dir``."""
+        return cls.from_json((run_dir / "config.json").read_text())
+
+    @classmethod
+    def for_worker(cls, run_dir: Path, worker: int):
+        """In worker process ``worker``: the run's config and the worker's task, built with
+        ``threads_per_worker`` torch threads."""
+        import torch
+
+        cfg = cls.read(run_dir)
+        torch.set_num_threads(cfg.threads_per_worker)
+        return cfg, cfg.task(worker)
+
     def slow_factor(self, worker: int) -> float:
         return dict(self.slow_workers).get(worker, 1.0)
 
@@ -193,6 +240,63 @@ class WorkloadConfig:
         raw["kill_at_steps"] = tuple(raw.get("kill_at_steps", ()))
         raw["out"] = Path(raw["out"]) if raw.get("out") else None
         return cls(**raw)
+
+
+@dataclass(frozen=True)
+class BaselineRun:
+    """A baseline run from its ``config.json`` to its ``summary.json``, with what the
+    summary needs from before the training."""
+
+    cfg: WorkloadConfig
+    """The run's config, ``out`` set to its directory."""
+    task: Task
+    """The run's task as the supervisor builds it: for the evaluations and the tokens."""
+    batch_tokens: int
+    """Tokens of one task batch."""
+    eval_start: float
+    """The eval loss of the task's initial model."""
+
+    @classmethod
+    def start(cls, cfg: WorkloadConfig, name: str, holds: tuple[str, ...]) -> BaselineRun:
+        """Make the run directory (``cfg.out`` or ``runs/<name>-<time>``) and write the
+        config its workers read. A directory with any of the files ``holds`` already holds
+        a run; a broken task fails before the directory is made."""
+        from tools.metrics import eval_task, supervisor_task, tokens_per_step
+
+        run_dir = cfg.out or Path("runs") / time.strftime(f"{name}-%Y%m%d-%H%M%S")
+        if any((run_dir / held).exists() for held in holds):
+            raise InvalidArgument(f"{run_dir} already holds a run; give a new --out directory")
+        task = supervisor_task(cfg.run, cfg.workers)
+        batch_tokens = tokens_per_step(cfg.run, task)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        cfg = replace(cfg, out=run_dir)
+        (run_dir / "config.json").write_text(cfg.to_json())
+        return cls(cfg, task, batch_tokens, eval_task(cfg.run, task))
+
+    @property
+    def dir(self) -> Path:
+        return self.cfg.out
+
+    def finish(self, final_model: dict[str, torch.Tensor], metrics: dict, details: dict, **values) -> dict:
+        """Evaluate the final model and write ``stats.json`` (the metrics, rounded, then
+        ``details``) and, last, as it marks a finished run, ``summary.json``: ``values``
+        (wall_s, tokens, goodput, restarts) with the eval losses, the metrics' uptime,
+        global stall and bytes, and the steps. Returns the summary."""
+        from tools.metrics import eval_task
+
+        result = summary(
+            eval_unit=self.task.eval_unit, eval_loss_start=self.eval_start,
+            eval_loss_final=eval_task(self.cfg.run, self.task, final_model), uptime=metrics["uptime"],
+            global_stall_s=metrics["global_stall_s"], bytes_per_1k_tokens=metrics["bytes_per_1k_tokens"],
+            steps=self.cfg.steps, **values,
+        )
+        atomic_write_json(self.dir / "stats.json", {
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
+            **details,
+            "run_dir": str(self.dir),
+        })
+        atomic_write_json(self.dir / "summary.json", result)
+        return result
 
 
 def ring_allreduce_bytes(buffer_bytes: int, members: int) -> int:
@@ -272,6 +376,30 @@ def kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
         pass
+
+
+class StatusLine:
+    """A supervisor's one-line progress on stderr, redrawn in place while it is entered;
+    it ends in the seconds since it was made."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.live = Live(console=Console(stderr=True), refresh_per_second=4)
+        self.started = time.monotonic()
+
+    def __enter__(self):
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.__exit__(*exc)
+
+    def show(self, text: str) -> None:
+        from rich.text import Text
+
+        self.live.update(Text(f"{text} · {time.monotonic() - self.started:5.0f} s"))
 
 
 class JsonlTail:

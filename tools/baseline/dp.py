@@ -30,16 +30,16 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field, replace
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.baseline.common import (
-    PERIOD_SLACK, TASK_ERROR_EXIT, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median,
-    ring_allreduce_bytes, spawn, summary, task_error,
+    PERIOD_SLACK, TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
+    check_slow_workers, kill, median, ring_allreduce_bytes, spawn, task_error,
 )
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument, Unavailable
-from diloco.files import atomic_write_json
 from diloco.task import TaskError
 
 logger = logging.getLogger(__name__)
@@ -182,31 +182,15 @@ def dp_metrics(attempts: list[Attempt], workers: int, buffer_bytes: int, tokens_
 # --- the supervisor -------------------------------------------------------------------
 
 
-class _Progress:
+class _Progress(StatusLine):
     def __init__(self, cfg: DPConfig) -> None:
-        from rich.console import Console
-        from rich.live import Live
-
+        super().__init__()
         self.cfg = cfg
-        self.console = Console(stderr=True)
-        self.live = Live(console=self.console, refresh_per_second=4, transient=False)
-        self.started = time.monotonic()
-
-    def __enter__(self):
-        self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.live.__exit__(*exc)
 
     def update(self, attempt: int, step: int, loss: float | None, restarts: int, state: str) -> None:
-        from rich.text import Text
-
         loss_text = f"{loss:.3f}" if loss is not None else "—"
-        self.live.update(Text(
-            f"dp {self.cfg.workers} workers · {state:<10} · step {step}/{self.cfg.steps} · loss {loss_text} · "
-            f"attempt {attempt} · restarts {restarts} · {time.monotonic() - self.started:5.0f} s"
-        ))
+        self.show(f"dp {self.cfg.workers} workers · {state:<10} · step {step}/{self.cfg.steps} · loss {loss_text} · "
+                  f"attempt {attempt} · restarts {restarts}")
 
 
 class Supervisor:
@@ -334,18 +318,10 @@ def run_dp(cfg: DPConfig, show_progress: bool = True) -> dict:
     import torch
     from torch.distributed import TCPStore
 
-    from tools.metrics import eval_task, supervisor_task, tokens_per_step
-
-    run_dir = cfg.out or Path("runs") / time.strftime("dp-%Y%m%d-%H%M%S")
-    if (run_dir / "checkpoint.pt").exists() or (run_dir / "summary.json").exists():
-        raise InvalidArgument(f"{run_dir} already holds a run; give a new --out directory")
-    task = supervisor_task(cfg.run, cfg.workers)  # a broken task fails here, before the run directory
-    step_tokens = cfg.workers * tokens_per_step(cfg.run, task)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    cfg = replace(cfg, out=run_dir)
-    (run_dir / "config.json").write_text(cfg.to_json())
-    eval_start = eval_task(cfg.run, task)
-    params = [p for p in task.model.parameters() if p.requires_grad]
+    run = BaselineRun.start(cfg, "dp", holds=("checkpoint.pt", "summary.json"))
+    cfg, run_dir = run.cfg, run.dir
+    step_tokens = cfg.workers * run.batch_tokens
+    params = [p for p in run.task.model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     # The gradients plus the loss, one buffer per step (fp32 for the byte GPT).
     buffer_bytes = (numel + 1) * params[0].element_size()
@@ -356,38 +332,15 @@ def run_dp(cfg: DPConfig, show_progress: bool = True) -> dict:
     progress = _Progress(cfg) if show_progress else None
     supervisor = Supervisor(cfg, run_dir, store.port, progress)
     try:
-        if progress is not None:
-            with progress:
-                supervisor.run()
-        else:
+        with progress or nullcontext():
             supervisor.run()
     finally:
         supervisor.close()
         del store
     wall_s = time.monotonic() - started
 
-    state = torch.load(run_dir / "model.pt", weights_only=True)
-    eval_final = eval_task(cfg.run, task, state)
     metrics = dp_metrics(supervisor.attempts, cfg.workers, buffer_bytes, step_tokens)
-    result = summary(
-        wall_s=wall_s,
-        tokens=cfg.steps * step_tokens,
-        eval_unit=task.eval_unit,
-        eval_loss_start=eval_start,
-        eval_loss_final=eval_final,
-        goodput=metrics["goodput"],
-        uptime=metrics["uptime"],
-        global_stall_s=metrics["global_stall_s"],
-        bytes_per_1k_tokens=metrics["bytes_per_1k_tokens"],
-        restarts=supervisor.restarts,
-        steps=cfg.steps,
-    )
-    atomic_write_json(run_dir / "stats.json", {
-        **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
-        "params": numel,
-        "buffer_bytes": buffer_bytes,
-        "restarts_detail": _restarts_detail(run_dir, supervisor.attempts),
-        "run_dir": str(run_dir),
-    })
-    atomic_write_json(run_dir / "summary.json", result)
-    return result
+    details = {"params": numel, "buffer_bytes": buffer_bytes,
+               "restarts_detail": _restarts_detail(run_dir, supervisor.attempts)}
+    return run.finish(torch.load(run_dir / "model.pt", weights_only=True), metrics, details, wall_s=wall_s,
+                      tokens=cfg.steps * step_tokens, goodput=metrics["goodput"], restarts=supervisor.restarts)

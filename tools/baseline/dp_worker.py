@@ -17,7 +17,6 @@ import argparse
 import io
 import logging
 import math
-import os
 import sys
 import time
 from datetime import timedelta
@@ -26,9 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tools.baseline.common import (
-    TASK_ERROR_EXIT, TASK_ERROR_PREFIX, JsonlWriter, advance_schedule, grad_dtype, next_batch, skip_batches,
-)
+from tools.baseline.common import JsonlWriter, advance_schedule, grad_dtype, run_worker, skip_batches, worker_steps
 from tools.baseline.dp import DPConfig
 from diloco.files import atomic_write
 from diloco.task import TaskError, checked_tokens
@@ -66,11 +63,9 @@ def _save(path: Path, value: object) -> None:
 
 
 def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
-    cfg = DPConfig.from_json((run_dir / "config.json").read_text())
+    cfg, task = DPConfig.for_worker(run_dir, rank)
     inner = cfg.inner()
     spec = cfg.run.task
-    torch.set_num_threads(cfg.threads_per_worker)
-    task = cfg.task(rank)
     model = task.model
     params = [p for p in model.parameters() if p.requires_grad]
     # One buffer for every gradient and the loss: the step's single all-reduce.
@@ -98,13 +93,7 @@ def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
         timeline.write(kind="ready", step=start, t=time.time())
     logger.info("worker %d attempt %d training from step %d", rank, attempt, start)
     slow = cfg.slow_factor(rank)
-    supervisor = os.getppid()
-    for step in range(start, cfg.steps):
-        if os.getppid() != supervisor:
-            raise SystemExit(f"worker {rank}: the supervisor is gone; stopping")
-        t0 = time.time()
-        batch = next_batch(spec, batches, step, cfg.steps)
-
+    for step, t0, batch in worker_steps(cfg, f"worker {rank}", batches, start):
         def all_reduce(loss: torch.Tensor) -> None:
             if slow > 1.0:
                 time.sleep((slow - 1.0) * (time.time() - t0))  # a simulated slower accelerator
@@ -142,12 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-port", type=int, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        train(args.run_dir, args.rank, args.attempt, args.store_port)
-    except TaskError as error:  # the task is broken: a restart would fail the same way
-        logger.error("%s%s", TASK_ERROR_PREFIX, error)
-        return TASK_ERROR_EXIT
-    return 0
+    return run_worker(train, args.run_dir, args.rank, args.attempt, args.store_port)
 
 
 if __name__ == "__main__":

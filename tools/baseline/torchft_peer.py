@@ -29,16 +29,16 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field, replace
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.baseline.common import (
-    PERIOD_SLACK, TASK_ERROR_EXIT, JsonlTail, JsonlWriter, KillPlan, WorkloadConfig, check_slow_workers, kill, median,
-    spawn, summary, task_error,
+    PERIOD_SLACK, TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
+    check_slow_workers, kill, median, spawn, task_error,
 )
 from diloco.config import RunConfig
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
-from diloco.files import atomic_write_json
 from diloco.task import TaskError
 from syncer.config import MergeConfig
 
@@ -315,28 +315,15 @@ class Supervisor:
         self.events.close()
 
 
-class _Progress:
+class _Progress(StatusLine):
     def __init__(self, cfg: TorchftConfig) -> None:
-        from rich.console import Console
-        from rich.live import Live
-
+        super().__init__()
         self.cfg = cfg
-        self.live = Live(console=Console(stderr=True), refresh_per_second=4)
-        self.started = time.monotonic()
-
-    def __enter__(self):
-        self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.live.__exit__(*exc)
 
     def update(self, slots: list[_Slot], restarts: int, state: str) -> None:
-        from rich.text import Text
-
         steps = " ".join(f"{s.step}" for s in slots)
-        self.live.update(Text(f"torchft {len(slots)} replicas · {state:<8} · steps {steps} (of {self.cfg.steps}) · "
-                              f"restarts {restarts} · {time.monotonic() - self.started:5.0f} s"))
+        self.show(f"torchft {len(slots)} replicas · {state:<8} · steps {steps} (of {self.cfg.steps}) · "
+                  f"restarts {restarts}")
 
 
 def _wait_for_file(path: Path, proc, timeout_s: float) -> str:
@@ -358,18 +345,8 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     import torch
     from torch.distributed import TCPStore
 
-    from tools.metrics import eval_task, supervisor_task, tokens_per_step
-
-    run_dir = cfg.out or Path("runs") / time.strftime("torchft-%Y%m%d-%H%M%S")
-    if (run_dir / "summary.json").exists() or (run_dir / "events.jsonl").exists():
-        raise InvalidArgument(f"{run_dir} already holds a run; give a new --out directory")
-    task = supervisor_task(cfg.run, cfg.workers)  # a broken task fails here, before the run directory
-    step_tokens = tokens_per_step(cfg.run, task)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    cfg = replace(cfg, out=run_dir)
-    (run_dir / "config.json").write_text(cfg.to_json())
-    eval_start = eval_task(cfg.run, task)
-
+    run = BaselineRun.start(cfg, "torchft", holds=("summary.json", "events.jsonl"))
+    cfg, run_dir = run.cfg, run.dir
     started = time.monotonic()
     lighthouse = spawn(REPLICA_MODULE, ["lighthouse", "--run-dir", str(run_dir)], run_dir / "logs" / "lighthouse.log")
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -378,10 +355,7 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     try:
         address = _wait_for_file(run_dir / "lighthouse", lighthouse, cfg.startup_timeout_s)
         supervisor = Supervisor(cfg, run_dir, store, address, progress)
-        if progress is not None:
-            with progress:
-                supervisor.run()
-        else:
+        with progress or nullcontext():
             supervisor.run()
     finally:
         if supervisor is not None:
@@ -396,31 +370,15 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     newest = max(finals)[1]
     state = torch.load(newest, weights_only=True)
     torch.save(state, run_dir / "model.pt")
-    eval_final = eval_task(cfg.run, task, state)
     timelines = [records for slot in supervisor.slots for records in slot.records]
-    metrics = ft_metrics(timelines, cfg.fragments, cfg.run.sync_every_steps, step_tokens)
+    metrics = ft_metrics(timelines, cfg.fragments, cfg.run.sync_every_steps, run.batch_tokens)
     window = metrics["window_s"]
     goodput = metrics["useful_worker_s"] / (cfg.workers * window) if window > 0 else 0.0
-    result = summary(
-        wall_s=wall_s,
-        tokens=metrics["tokens_computed"],
-        eval_unit=task.eval_unit,
-        eval_loss_start=eval_start,
-        eval_loss_final=eval_final,
-        goodput=goodput,
-        uptime=metrics["uptime"],
-        global_stall_s=metrics["global_stall_s"],
-        bytes_per_1k_tokens=metrics["bytes_per_1k_tokens"],
-        restarts=supervisor.restarts,
-        steps=cfg.steps,
-    )
-    atomic_write_json(run_dir / "stats.json", {
-        **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
+    details = {
         "goodput": round(goodput, 4),
         "goodput_with_overlap": (round(metrics["useful_worker_s_with_overlap"] / (cfg.workers * window), 4)
                                  if window > 0 else 0.0),
         "final_model_from": newest.name,
-        "run_dir": str(run_dir),
-    })
-    atomic_write_json(run_dir / "summary.json", result)
-    return result
+    }
+    return run.finish(state, metrics, details, wall_s=wall_s, tokens=metrics["tokens_computed"], goodput=goodput,
+                      restarts=supervisor.restarts)

@@ -22,7 +22,6 @@ import argparse
 import io
 import logging
 import math
-import os
 import sys
 import time
 from datetime import timedelta
@@ -32,21 +31,19 @@ import torch
 from torch import nn
 
 from tools.baseline.common import (
-    TASK_ERROR_EXIT, TASK_ERROR_PREFIX, JsonlWriter, advance_schedule, next_batch, ring_allreduce_bytes, skip_batches,
+    JsonlWriter, advance_schedule, ring_allreduce_bytes, run_worker, skip_batches, worker_steps,
 )
 from tools.baseline.torchft_peer import TorchftConfig
 from diloco.files import atomic_write, atomic_write_json
 from diloco.task import TaskError, checked_tokens
 from learner.runner import inner_optimizer, inner_step
 
-logger = logging.getLogger(__name__)
-
 
 def lighthouse(run_dir: Path) -> None:
     """Serve the Lighthouse on 127.0.0.1 until killed; its address goes to a file."""
     from torchft.coordination import LighthouseServer
 
-    cfg = TorchftConfig.from_json((run_dir / "config.json").read_text())
+    cfg = TorchftConfig.read(run_dir)
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=cfg.join_timeout_ms,
                               quorum_tick_ms=100, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
     atomic_write(run_dir / "lighthouse", server.address().encode())
@@ -83,11 +80,9 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    cfg = TorchftConfig.from_json((run_dir / "config.json").read_text())
+    cfg, task = TorchftConfig.for_worker(run_dir, index)
     inner = cfg.inner()
     spec = cfg.run.task
-    torch.set_num_threads(cfg.threads_per_worker)
-    task = cfg.task(index)
     model = task.model
     optimizer, schedule = inner_optimizer(task, inner)
     advance_schedule(schedule, start_step)  # a replacement continues the dead one's budget
@@ -138,14 +133,8 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
         supervisor.wait(["go"])
     timeline.write(kind="ready", t=time.time(), step=start_step, attempt=attempt, fragment_delay=fragment_delay)
     slow = cfg.slow_factor(index)
-    parent = os.getppid()
     with diloco:
-        for step in range(start_step, cfg.steps):
-            if os.getppid() != parent:
-                raise SystemExit(f"replica {index}: the supervisor is gone; stopping")
-            t0 = time.time()
-            batch = next_batch(spec, batches, step, cfg.steps)
-
+        for step, t0, batch in worker_steps(cfg, f"replica {index}", batches, start_step):
             def checked(loss: torch.Tensor) -> None:
                 if not math.isfinite(loss.item()):
                     raise TaskError(f"task {spec!r}: the loss is {loss.item()} at inner step {step}")
@@ -207,12 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "lighthouse":
         lighthouse(args.run_dir)
         return 0
-    try:
-        replica(args.run_dir, args.replica, args.attempt, args.lighthouse, args.store_port, args.start_step)
-    except TaskError as error:  # the task is broken: a restart would fail the same way
-        logger.error("%s%s", TASK_ERROR_PREFIX, error)
-        return TASK_ERROR_EXIT
-    return 0
+    return run_worker(replica, args.run_dir, args.replica, args.attempt, args.lighthouse, args.store_port,
+                      args.start_step)
 
 
 if __name__ == "__main__":
