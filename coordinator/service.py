@@ -7,6 +7,7 @@ for that id; admin calls need the admin token.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import grpc
@@ -28,6 +29,21 @@ SHARD_STATUS_TIMEOUT_S = 5.0
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+def _status_on_error(handler):
+    """A unary handler whose domain errors end the call with their status code (the one
+    translator, ``rpc.abort_with``). Streaming handlers are async generators, which this
+    cannot wrap: they translate their errors themselves."""
+
+    @functools.wraps(handler)
+    async def call(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    return call
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -64,61 +80,51 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     # --- learner calls ---------------------------------------------------------------
 
+    @_status_on_error
     async def Join(self, request, context):
-        try:
-            auth.check_join(self._secret, _metadata(context).get(auth.JOIN_METADATA))
-            learner = self.runtime.join(request.pool, request.address, request.launch_id, request.plan_hash)
-            self._telemetry.membership("joined", request.pool)
-            return coordinator_pb2.JoinReply(
-                learner_id=learner.id,
-                credential=self._credential(learner.id),
-                topology=self._topology_now(),
-                lease_s=self.runtime.cfg.lease_s,
-                clock=self._clock(request.clock),
-            )
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        auth.check_join(self._secret, _metadata(context).get(auth.JOIN_METADATA))
+        learner = self.runtime.join(request.pool, request.address, request.launch_id, request.plan_hash)
+        self._telemetry.membership("joined", request.pool)
+        return coordinator_pb2.JoinReply(
+            learner_id=learner.id,
+            credential=self._credential(learner.id),
+            topology=self._topology_now(),
+            lease_s=self.runtime.cfg.lease_s,
+            clock=self._clock(request.clock),
+        )
 
+    @_status_on_error
     async def Heartbeat(self, request, context):
-        try:
-            self._caller(context, request.learner_id)
-            _, directives = self.runtime.heartbeat(request.learner_id, convert.stats_from_proto(request))
-            self._telemetry.heartbeat(request.learner_id, request.version_lag, request.tokens_per_s)
-            return coordinator_pb2.HeartbeatReply(
-                directives=[_directive(d) for d in directives],
-                lease_s=self.runtime.cfg.lease_s,
-                topology_epoch=self.runtime.topology_epoch,
-                clock=self._clock(request.clock),
-                credential=self._credential(request.learner_id),
-            )
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._caller(context, request.learner_id)
+        _, directives = self.runtime.heartbeat(request.learner_id, convert.stats_from_proto(request))
+        self._telemetry.heartbeat(request.learner_id, request.version_lag, request.tokens_per_s)
+        return coordinator_pb2.HeartbeatReply(
+            directives=[_directive(d) for d in directives],
+            lease_s=self.runtime.cfg.lease_s,
+            topology_epoch=self.runtime.topology_epoch,
+            clock=self._clock(request.clock),
+            credential=self._credential(request.learner_id),
+        )
 
+    @_status_on_error
     async def Leave(self, request, context):
-        try:
-            self._caller(context, request.learner_id)
-            final = (request.tokens, request.inner_steps) if request.HasField("tokens") and request.HasField("inner_steps") else None
-            self.runtime.leave(request.learner_id, request.reason, final)
-            self._telemetry.membership("left")
-            self._clock(request.clock)
-            return coordinator_pb2.LeaveReply()
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._caller(context, request.learner_id)
+        final = (request.tokens, request.inner_steps) if request.HasField("tokens") and request.HasField("inner_steps") else None
+        self.runtime.leave(request.learner_id, request.reason, final)
+        self._telemetry.membership("left")
+        self._clock(request.clock)
+        return coordinator_pb2.LeaveReply()
 
+    @_status_on_error
     async def GetTopology(self, request, context):
-        try:
-            self._caller(context)
-            return self._topology_now()
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._caller(context)
+        return self._topology_now()
 
+    @_status_on_error
     async def RegisterModel(self, request, context):
-        try:
-            self._caller(context, request.learner_id)
-            self.runtime.register_model(request.learner_id, request.manifest_json)
-            return coordinator_pb2.RegisterModelReply(topology=self._topology_now(), clock=self._clock(request.clock))
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._caller(context, request.learner_id)
+        self.runtime.register_model(request.learner_id, request.manifest_json)
+        return coordinator_pb2.RegisterModelReply(topology=self._topology_now(), clock=self._clock(request.clock))
 
     async def WatchMembership(self, request, context):
         try:
@@ -135,63 +141,51 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         finally:
             self.runtime.unwatch(queue)
 
+    @_status_on_error
     async def ReportSnapshot(self, request, context):
-        try:
-            self._caller(context, request.participant, "participant")
-            files = convert.files_from_proto(request.files)
-            self.runtime.report_snapshot(request.snapshot_id, request.participant, convert.clock_from_proto(request.clock), files)
-            self._clock(request.clock)
-            return coordinator_pb2.ReportSnapshotReply()
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._caller(context, request.participant, "participant")
+        files = convert.files_from_proto(request.files)
+        self.runtime.report_snapshot(request.snapshot_id, request.participant, convert.clock_from_proto(request.clock), files)
+        self._clock(request.clock)
+        return coordinator_pb2.ReportSnapshotReply()
 
     # --- admin calls -----------------------------------------------------------------
 
+    @_status_on_error
     async def AddLearners(self, request, context):
-        try:
-            self._admin(context)
-            results = await self.runtime.add_learners(request.count, request.pool, convert.overrides_from_proto(request))
-            return coordinator_pb2.AddLearnersReply(
-                launches=[coordinator_pb2.LaunchResult(launch_id=r.launch_id, ok=r.ok, detail=r.detail) for r in results]
-            )
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._admin(context)
+        results = await self.runtime.add_learners(request.count, request.pool, convert.overrides_from_proto(request))
+        return coordinator_pb2.AddLearnersReply(
+            launches=[coordinator_pb2.LaunchResult(launch_id=r.launch_id, ok=r.ok, detail=r.detail) for r in results]
+        )
 
+    @_status_on_error
     async def RemoveLearners(self, request, context):
-        try:
-            self._admin(context)
-            removed = self.runtime.remove_learners(list(request.learner_ids), request.count, request.drain)
-            return coordinator_pb2.RemoveLearnersReply(learner_ids=removed)
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._admin(context)
+        removed = self.runtime.remove_learners(list(request.learner_ids), request.count, request.drain)
+        return coordinator_pb2.RemoveLearnersReply(learner_ids=removed)
 
+    @_status_on_error
     async def ListLearners(self, request, context):
-        try:
-            self._admin(context)
-            learners = self.runtime.list_learners(request.include_gone)
-            return coordinator_pb2.ListLearnersReply(
-                learners=[convert.learner_to_proto(l) for l in learners],
-                launches=[convert.launch_to_proto(x) for x in self.runtime.list_launches()],
-            )
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._admin(context)
+        learners = self.runtime.list_learners(request.include_gone)
+        return coordinator_pb2.ListLearnersReply(
+            learners=[convert.learner_to_proto(l) for l in learners],
+            launches=[convert.launch_to_proto(x) for x in self.runtime.list_launches()],
+        )
 
+    @_status_on_error
     async def StartSnapshot(self, request, context):
-        try:
-            self._admin(context)
-            snapshot = self.runtime.start_snapshot()
-            return coordinator_pb2.StartSnapshotReply(snapshot_id=snapshot.id)
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._admin(context)
+        snapshot = self.runtime.start_snapshot()
+        return coordinator_pb2.StartSnapshotReply(snapshot_id=snapshot.id)
 
+    @_status_on_error
     async def ListSnapshots(self, request, context):
-        try:
-            self._admin(context)
-            return coordinator_pb2.ListSnapshotsReply(
-                snapshots=[convert.snapshot_to_proto(s) for s in self.runtime.list_snapshots()]
-            )
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+        self._admin(context)
+        return coordinator_pb2.ListSnapshotsReply(
+            snapshots=[convert.snapshot_to_proto(s) for s in self.runtime.list_snapshots()]
+        )
 
     async def ExportModel(self, request, context):
         try:
@@ -217,30 +211,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             except grpc.aio.AioRpcError as error:
                 await context.abort(error.code(), f"shard {m} at {address}: {error.details()}")
 
+    @_status_on_error
     async def AcceptInitialValues(self, request, context):
+        self._admin(context)
+        shards = self.runtime.cfg.shards
+        if not 0 <= request.shard_id < len(shards):
+            raise InvalidArgument(f"shard {request.shard_id} does not exist (this run has shards 0..{len(shards) - 1})")
+        if self._shards is None:
+            raise FailedPrecondition("this coordinator cannot call its shards")
+        reason = request.reason or "an operator's decision"
+        logger.warning("shard %d: accepting fresh initial values (%s)", request.shard_id, reason)
         try:
-            self._admin(context)
-            shards = self.runtime.cfg.shards
-            if not 0 <= request.shard_id < len(shards):
-                raise InvalidArgument(f"shard {request.shard_id} does not exist (this run has shards 0..{len(shards) - 1})")
-            if self._shards is None:
-                raise FailedPrecondition("this coordinator cannot call its shards")
-            reason = request.reason or "an operator's decision"
-            logger.warning("shard %d: accepting fresh initial values (%s)", request.shard_id, reason)
-            try:
-                reply = await self._shards.accept_initial_values(shards[request.shard_id], reason, SHARD_STATUS_TIMEOUT_S)
-            except grpc.aio.AioRpcError as error:
-                await context.abort(error.code(), f"shard {request.shard_id} at {shards[request.shard_id]}: {error.details()}")
-            return coordinator_pb2.AcceptShardInitialValuesReply(shard=reply)
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
+            reply = await self._shards.accept_initial_values(shards[request.shard_id], reason, SHARD_STATUS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), f"shard {request.shard_id} at {shards[request.shard_id]}: {error.details()}")
+        return coordinator_pb2.AcceptShardInitialValuesReply(shard=reply)
 
+    @_status_on_error
     async def ListShards(self, request, context):
-        try:
-            self._admin(context)
-        except DilocoError as error:
-            await rpc.abort_with(context, error)
-            return
+        self._admin(context)
         shards = []
         for m, address in enumerate(self.runtime.cfg.shards):
             entry = coordinator_pb2.ShardStatus(shard_id=m, address=address)

@@ -42,16 +42,19 @@ def clock_from_proto(msg: common_pb2.VectorClock) -> VectorClock:
     return VectorClock(entries)
 
 
+# The fields each message carries unchanged, one list for both directions: a field added
+# to one direction only would not survive a round trip.
+_SPEC_FIELDS = ("name", "dtype", "block_size", "scale_dtype", "byte_length", "checksum")
+_PUSH_FIELDS = ("learner_id", "fragment", "base_version", "tokens", "inner_steps", "step_time_s", "snapshot_epoch")
+
+
+def _fields(source, names: tuple[str, ...]) -> dict:
+    return {name: getattr(source, name) for name in names}
+
+
 def spec_to_proto(spec: TensorSpec) -> common_pb2.TensorHeader:
     return common_pb2.TensorHeader(
-        name=spec.name,
-        shape=list(spec.shape),
-        dtype=spec.dtype,
-        encoding=_ENCODING_TO_PROTO[spec.encoding],
-        block_size=spec.block_size,
-        scale_dtype=spec.scale_dtype,
-        byte_length=spec.byte_length,
-        checksum=spec.checksum,
+        shape=list(spec.shape), encoding=_ENCODING_TO_PROTO[spec.encoding], **_fields(spec, _SPEC_FIELDS)
     )
 
 
@@ -61,14 +64,7 @@ def spec_from_proto(msg: common_pb2.TensorHeader) -> TensorSpec:
     if any(d < 0 for d in msg.shape):
         raise InvalidArgument(f"tensor {msg.name!r}: negative dimension in shape {list(msg.shape)}")
     return TensorSpec(
-        name=msg.name,
-        shape=tuple(msg.shape),
-        dtype=msg.dtype,
-        encoding=_ENCODING_FROM_PROTO[msg.encoding],
-        block_size=msg.block_size,
-        scale_dtype=msg.scale_dtype,
-        byte_length=msg.byte_length,
-        checksum=msg.checksum,
+        shape=tuple(msg.shape), encoding=_ENCODING_FROM_PROTO[msg.encoding], **_fields(msg, _SPEC_FIELDS)
     )
 
 
@@ -100,27 +96,15 @@ def push_meta_from_proto(msg: syncer_pb2.PushHeader) -> PushMeta:
     if not msg.learner_id:
         raise InvalidArgument("push header lacks learner_id")
     return PushMeta(
-        learner_id=msg.learner_id,
-        fragment=msg.fragment,
-        base_version=msg.base_version,
-        tokens=msg.tokens,
-        inner_steps=msg.inner_steps,
-        step_time_s=msg.step_time_s,
         clock=clock_from_proto(msg.clock),
         specs=tuple(spec_from_proto(t) for t in msg.tensors),
-        snapshot_epoch=msg.snapshot_epoch,
+        **_fields(msg, _PUSH_FIELDS),
     )
 
 
 def push_meta_to_proto(meta: PushMeta) -> syncer_pb2.PushHeader:
     return syncer_pb2.PushHeader(
-        learner_id=meta.learner_id,
-        fragment=meta.fragment,
-        base_version=meta.base_version,
-        tokens=meta.tokens,
-        inner_steps=meta.inner_steps,
-        step_time_s=meta.step_time_s,
         clock=clock_to_proto(meta.clock),
-        snapshot_epoch=meta.snapshot_epoch,
         tensors=[spec_to_proto(s) for s in meta.specs],
+        **_fields(meta, _PUSH_FIELDS),
     )

@@ -109,6 +109,10 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         auth.verify(self._secret, learner_id, meta.get(auth.CREDENTIAL_METADATA))
         return learner_id
 
+    def _coordinator_only(self, context: grpc.aio.ServicerContext, doing: str) -> None:
+        if self._authenticate(context) != auth.COORDINATOR_ID:
+            raise PermissionDenied(f"only the coordinator {doing}")
+
     async def _chunk_messages(self, segment: Segment, wrap) -> list[tuple[bytes, int]]:
         """A segment's chunk messages (``wrap(chunk=...)``), framed and serialized once in a
         worker thread however many replies carry them (every waiter of a round wakes at
@@ -262,8 +266,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
 
     async def Marker(self, request, context):
         try:
-            if self._authenticate(context) != auth.COORDINATOR_ID:
-                raise PermissionDenied("only the coordinator sends snapshot markers")
+            self._coordinator_only(context, "sends snapshot markers")
             if request.snapshot_id < 1 or not request.directory:
                 raise InvalidArgument("a marker needs a snapshot id >= 1 and a directory")
             result = await self.runtime.marker(
@@ -279,8 +282,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
 
     async def AcceptInitialValues(self, request, context):
         try:
-            if self._authenticate(context) != auth.COORDINATOR_ID:
-                raise PermissionDenied("only the coordinator relays an operator's decision")
+            self._coordinator_only(context, "relays an operator's decision")
             fragments = self.runtime.accept_initial_values(request.reason[:500])
             return syncer_pb2.AcceptInitialValuesReply(fragments=fragments, model_state=self.runtime.model_state())
         except DilocoError as error:

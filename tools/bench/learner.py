@@ -88,6 +88,21 @@ def _median(runs: list[dict], key: str) -> float:
     return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
+def _tracing_off_on(results: dict[bool, list[dict]], key: str, prefix: str) -> dict:
+    """``key`` of the best run of each configuration, their ratio, the ratio of medians
+    and every run; the ratios and runs named with ``prefix``."""
+    on = max(r[key] for r in results[True])
+    off = max(r[key] for r in results[False])
+    return {
+        f"{key}_tracing_off": round(off, 1),
+        f"{key}_tracing_on": round(on, 1),
+        f"{prefix}ratio": round(on / off, 3),
+        f"{prefix}ratio_of_medians": round(_median(results[True], key) / _median(results[False], key), 3),
+        f"{prefix}runs_off": [round(r[key], 1) for r in results[False]],
+        f"{prefix}runs_on": [round(r[key], 1) for r in results[True]],
+    }
+
+
 def _run_tracing(run_cfg: RunConfig, cfg: LearnerConfig, address: str, threads: int, runs: int) -> dict:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
@@ -104,25 +119,11 @@ def _run_tracing(run_cfg: RunConfig, cfg: LearnerConfig, address: str, threads: 
         spans = receiver.spans()
     if not all(r["traced"] for r in results[True]) or any(r["traced"] for r in results[False]):
         raise InvalidArgument("the traced runs did not install the SDK, or the untraced ones did")
-    on = max(r["tokens_per_s"] for r in results[True])
-    off = max(r["tokens_per_s"] for r in results[False])
-    cpu_on = max(r["tokens_per_cpu_s"] for r in results[True])
-    cpu_off = max(r["tokens_per_cpu_s"] for r in results[False])
     return {
-        "tokens_per_s_tracing_off": round(off, 1),
-        "tokens_per_s_tracing_on": round(on, 1),
-        "ratio": round(on / off, 3),
-        "ratio_of_medians": round(_median(results[True], "tokens_per_s") / _median(results[False], "tokens_per_s"), 3),
-        "runs_off": [round(r["tokens_per_s"], 1) for r in results[False]],
-        "runs_on": [round(r["tokens_per_s"], 1) for r in results[True]],
+        **_tracing_off_on(results, "tokens_per_s", ""),
         # Tokens per CPU-second of the learner process (all its threads, exporters included):
         # what tokens/s would be on dedicated cores; far less sensitive to a busy machine.
-        "tokens_per_cpu_s_tracing_off": round(cpu_off, 1),
-        "tokens_per_cpu_s_tracing_on": round(cpu_on, 1),
-        "cpu_ratio": round(cpu_on / cpu_off, 3),
-        "cpu_ratio_of_medians": round(_median(results[True], "tokens_per_cpu_s") / _median(results[False], "tokens_per_cpu_s"), 3),
-        "cpu_runs_off": [round(r["tokens_per_cpu_s"], 1) for r in results[False]],
-        "cpu_runs_on": [round(r["tokens_per_cpu_s"], 1) for r in results[True]],
+        **_tracing_off_on(results, "tokens_per_cpu_s", "cpu_"),
         "spans_received": len(spans),
         "sync_spans_received": sum(s.name == "sync fragment" for s in spans),
         "pushes_acked_on": sum(r["pushes_acked"] for r in results[True]),
