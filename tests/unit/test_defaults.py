@@ -18,7 +18,7 @@ from diloco.config import RunConfig
 from diloco.errors import DilocoError
 from tools.local.config import LocalConfig
 from tools.cli.reference import CHART_VALUES, COMMANDS, DOC, command_parser, render
-from tools.cli.settings import add_flag, default_of
+from tools.cli.settings import add_flag, default_of, from_flags
 from learner.config import LearnerConfig
 from syncer.config import GRACE_MODES, MergeConfig, RoundConfig, SyncerConfig
 
@@ -219,3 +219,29 @@ def test_the_charts_schema_and_the_fields_checks_agree(key, chart):
     if "multipleOf" in schema:
         base = schema.get("minimum", schema["multipleOf"])
         assert not _accepts(cls, name, cast(base + 1)), chart.path
+
+
+def test_from_flags_puts_each_flag_back_into_its_field():
+    """A config built from a command's flags takes every flag add_flag made for its class
+    (through ``taken`` where the flag speaks other units), and what the command gives wins."""
+    parser = argparse.ArgumentParser()
+    group = parser.add_argument_group("g")  # a group records into its parser's defaults
+    add_flag(parser, "--quorum", RoundConfig, "quorum", "K", type=int)
+    add_flag(group, "--grace-max-s", RoundConfig, "grace_max_s", "max", type=float)
+    add_flag(parser, "--max-push-mib", SyncerConfig, "max_push_bytes", "MiB", type=int,
+             shown=lambda b: b // 2**20, taken=lambda mib: mib * 2**20)
+    args = parser.parse_args(["--quorum", "3", "--grace-max-s", "2.5", "--max-push-mib", "7"])
+    assert from_flags(args, RoundConfig) == RoundConfig(quorum=3, grace_max_s=2.5)
+    assert from_flags(args, RoundConfig, quorum=2).quorum == 2
+    assert from_flags(args, SyncerConfig).max_push_bytes == 7 * 2**20
+    assert from_flags(parser.parse_args([]), SyncerConfig) == SyncerConfig()
+
+
+def test_local_takes_every_flag_it_is_given():
+    from tools.cli.runs import _local_config
+
+    args = build_parser().parse_args(["local", "--grace", "0.5", "--insecure", "--delay-ms", "3", "--chaos-seed", "7",
+                                      "--restart-from", "learners", "--outer-lr", "0.5", "--learners", "5"])
+    cfg = _local_config(args)
+    assert (cfg.grace, cfg.tls, cfg.delay_ms, cfg.chaos.seed, cfg.chaos.restart_from, cfg.outer_lr, cfg.learners) == (
+        "0.5", False, 3.0, 7, "learners", 0.5, 5)

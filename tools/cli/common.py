@@ -110,12 +110,11 @@ def parse_grace(value: str) -> tuple[str, float]:
 
 
 def add_grace_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, name: str,
-                   help: str) -> argparse.Action:
+                   help: str, taken=None) -> argparse.Action:
     """``--grace auto|off|SECONDS`` with ``cls.name``'s default (a grace mode, or a
-    ``--grace`` value as a string)."""
-    said = default_of(cls, name)
-    action = parser.add_argument("--grace", type=parse_grace, default=parse_grace(said), help=f"{help} (default {said})")
-    action.field = (cls, name)
+    ``--grace`` value as a string); its value is (mode, seconds)."""
+    action = add_flag(parser, "--grace", cls, name, help, type=parse_grace, shown=parse_grace, taken=taken)
+    action.help = f"{help} (default {default_of(cls, name)})"  # as it is given, not parsed
     return action
 
 

@@ -10,6 +10,7 @@ admin token and the pod's namespace that way); nothing below it does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
 from diloco.errors import InvalidArgument, NotFound
-from tools.cli.settings import add_config_flag, add_flag
+from tools.cli.settings import add_config_flag, add_flag, from_flags
 
 ENDPOINTS_FILE = "endpoints.json"
 ADMIN_TOKEN_FILE = "admin-token"
@@ -70,38 +71,21 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     run = build_run_config(args)
     data_dir = Path(args.data_dir)
-    cfg = CoordinatorConfig(
+    cfg = from_flags(
+        args, CoordinatorConfig,
         data_dir=data_dir,
         shards=tuple(x for x in (args.shards or "").split(",") if x),
-        pools=tuple(x for x in args.pools.split(",") if x),
-        lease_s=args.lease_s,
-        credential_lifetime_s=args.credential_lifetime_s,
-        max_learners=args.max_learners,
-        drain_timeout_s=args.drain_timeout_s,
-        join_timeout_s=args.join_timeout_s,
-        snapshot_timeout_s=args.snapshot_timeout_s,
         snapshot_dir=args.snapshot_dir or None,
-        snapshot_every_s=args.snapshot_every_s,
-        snapshot_keep=args.snapshot_keep,
         restore=args.restore,
-        host=args.host,
         health_port=args.health_port,
-        reflection=args.reflection,
-        port=args.port,
         advertise_address=args.advertise_address or "",
-        release=args.release,
-        launcher=args.launcher,
-        local=LocalLauncherConfig(
-            command=(tuple(shlex.split(args.learner_command)) if args.learner_command
-                     else (sys.executable, "-m", "tools.cli", *args.transport, "learner")),
-            terminate_timeout_s=args.terminate_timeout_s,
-        ),
-        kubernetes=KubernetesLauncherConfig(
+        local=from_flags(args, LocalLauncherConfig, command=(
+            tuple(shlex.split(args.learner_command)) if args.learner_command
+            else (sys.executable, "-m", "tools.cli", *args.transport, "learner"))),
+        kubernetes=from_flags(
+            args, KubernetesLauncherConfig,
             namespace=args.namespace or os.environ.get("POD_NAMESPACE", "default"),
             pod_templates=tuple(args.pod_template or ()),
-            container=args.learner_container,
-            join_token_path=args.join_token_path,
-            kube_config=args.kube_config,
             owner_configmap=args.owner_configmap or os.environ.get("DILOCO_OWNER_CONFIGMAP", ""),
         ),
     )
@@ -144,7 +128,7 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token-file", help="admin token (default: $DILOCO_ADMIN_TOKEN, else DATA_DIR/admin-token, made if absent)")
     p.add_argument("--shards", metavar="HOST:PORT,...", help="every shard's address, in shard id order")
     add_flag(p, "--pools", CoordinatorConfig, "pools", "pools learners may join, comma-separated; the first is the default",
-             shown=",".join)
+             shown=",".join, taken=lambda pools: tuple(x for x in pools.split(",") if x))
     add_flag(p, "--lease-s", CoordinatorConfig, "lease_s", "heartbeat lease, seconds", type=float)
     add_flag(p, "--credential-lifetime-s", CoordinatorConfig, "credential_lifetime_s",
              "learner credentials expire after S seconds; every heartbeat reply renews them", type=float, metavar="S")
@@ -226,15 +210,21 @@ def _token(args: argparse.Namespace) -> str:
     return _read_token(run_dir / ADMIN_TOKEN_FILE, "admin token file")
 
 
+@contextlib.contextmanager
 def _client(args: argparse.Namespace):
-    from diloco.clients.coordinator import AdminClient
+    """The admin client of the coordinator ``args`` name, closed when the block ends."""
     from diloco import rpc
+    from diloco.clients.coordinator import AdminClient
 
     run_dir = _run_dir(args)
     if not rpc.tls_enabled() and run_dir is not None and (run_dir / "tls").is_dir():
         rpc.use_tls(rpc.Tls.from_dir(run_dir / "tls"))  # a `diloco local --tls` run: its certificates
-    return AdminClient(_coordinator_address(args), _token(args), timeout_s=args.timeout_s,
-                       unreachable_hint=_run_state(run_dir) if run_dir is not None else "")
+    client = AdminClient(_coordinator_address(args), _token(args), timeout_s=args.timeout_s,
+                         unreachable_hint=_run_state(run_dir) if run_dir is not None else "")
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 def _run_state(run_dir: Path) -> str:
@@ -268,11 +258,8 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def _members(args: argparse.Namespace) -> int:
-    client = _client(args)
-    try:
+    with _client(args) as client:
         learners, launches = client.listing(include_gone=args.all)
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(learners))
         return 0
@@ -304,12 +291,9 @@ def _add_learners(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"count must be >= 1, got {args.count}")
     if not (args.wait_s >= 0):
         raise InvalidArgument(f"--wait-s must be >= 0, got {args.wait_s}")
-    client = _client(args)
-    try:
+    with _client(args) as client:
         launches = client.add_learners(args.count, args.pool or "", _overrides(args.set))
         outcomes = _joined_or_failed(client, launches, args.wait_s)
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(outcomes))
     else:
@@ -349,11 +333,8 @@ def _remove_learners(args: argparse.Namespace) -> int:
         raise InvalidArgument("give learner ids or --count N, not both")
     if args.count is not None and args.count <= 0:
         raise InvalidArgument(f"count must be >= 1, got {args.count}")
-    client = _client(args)
-    try:
+    with _client(args) as client:
         removed = client.remove_learners(args.ids, args.count or 0, args.drain)
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(removed))
     else:
@@ -362,8 +343,7 @@ def _remove_learners(args: argparse.Namespace) -> int:
 
 
 def _snapshot(args: argparse.Namespace) -> int:
-    client = _client(args)
-    try:
+    with _client(args) as client:
         snapshot_id = client.start_snapshot()
         info = {"id": snapshot_id, "state": "running"}
         deadline = time.monotonic() + args.wait_s
@@ -372,8 +352,6 @@ def _snapshot(args: argparse.Namespace) -> int:
             if info["state"] != "running" or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)  # polling a remote state on a human's behalf
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(info))
     else:
@@ -382,11 +360,8 @@ def _snapshot(args: argparse.Namespace) -> int:
 
 
 def _snapshots(args: argparse.Namespace) -> int:
-    client = _client(args)
-    try:
+    with _client(args) as client:
         snapshots = client.snapshots()
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(snapshots))
         return 0
@@ -401,11 +376,8 @@ def _snapshots(args: argparse.Namespace) -> int:
 
 
 def _shards(args: argparse.Namespace) -> int:
-    client = _client(args)
-    try:
+    with _client(args) as client:
         shards = client.shards()
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(shards))
         return 0
@@ -425,11 +397,8 @@ def _accept_initial_values(args: argparse.Namespace) -> int:
             "discarding what they had trained; restarting the shard with --restore (a snapshot) loses less. "
             "Pass --yes to do it anyway"
         )
-    client = _client(args)
-    try:
+    with _client(args) as client:
         result = client.accept_initial_values(args.shard, args.reason)
-    finally:
-        client.close()
     if args.json:
         print(json.dumps(result))
     else:
@@ -441,11 +410,8 @@ def _accept_initial_values(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from tools.export import export_model
 
-    client = _client(args)
-    try:
+    with _client(args) as client:
         exported = export_model(client, Path(args.out), timeout_s=args.deadline_s)
-    finally:
-        client.close()
     info = {
         "path": str(args.out),
         "tensors": len(exported.state),

@@ -14,7 +14,7 @@ from learner.config import DELTA_CODECS
 from syncer.config import MERGE_MODES, SCALE_MODES
 from tools.chaos import RESTART_SOURCES, ChaosConfig
 from tools.cli.common import add_grace_flag, add_run_config, build_run_config
-from tools.cli.settings import add_config_flag, add_flag
+from tools.cli.settings import add_config_flag, add_flag, from_flags
 from tools.local.config import LocalConfig
 
 logger = logging.getLogger(__name__)
@@ -119,26 +119,21 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _local_config(args: argparse.Namespace):
-    from tools.chaos import ChaosConfig, parse_learner_device, parse_scavenge, parse_slow
+    from tools.chaos import parse_learner_device, parse_scavenge, parse_slow
 
-    grace_mode, grace_s = args.grace
-    return LocalConfig(
-        run=build_run_config(args), learners=args.learners, shards=args.shards, quorum=args.quorum,
-        grace=grace_mode if grace_mode != "fixed" else str(grace_s), steps=args.steps, tokens=args.tokens,
-        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        merge=args.merge, scale_by=args.scale_by, delta_codec=args.delta_codec, out=Path(args.out) if args.out else None,
-        chaos=ChaosConfig(
+    return from_flags(
+        args, LocalConfig,
+        run=build_run_config(args), tokens=args.tokens, out=Path(args.out) if args.out else None,
+        chaos=from_flags(
+            args, ChaosConfig,
             kill_every_s=args.kill_learner_every, max_kills=args.max_kills, restart_shard_at_s=args.restart_shard_at,
-            restart_from=args.restart_from,
-            scavenge=parse_scavenge(args.scavenge) if args.scavenge else None, seed=args.chaos_seed,
+            scavenge=parse_scavenge(args.scavenge) if args.scavenge else None,
         ),
         slow_learners=tuple(parse_slow(x) for x in args.slow_learner or ()),
         learner_devices=tuple(parse_learner_device(x) for x in args.learner_device or ()),
-        delay_ms=args.delay_ms,
         child_env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint,
                    "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
-        learner_threads=args.learner_threads,
-        snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_keep=args.snapshot_keep,
+        learner_threads=args.learner_threads, snapshot_dir=args.snapshot_dir,
         tls=not (args.insecure or args.plaintext),
     )
 
@@ -153,7 +148,8 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--learners", LocalConfig, "learners", "M: learners", type=int)
     add_flag(p, "--shards", LocalConfig, "shards", "S: syncer shards", type=int)
     add_flag(p, "--quorum", LocalConfig, "quorum", "K: minimum pushes per round", type=int)
-    add_grace_flag(p, LocalConfig, "grace", "auto, off, or SECONDS")
+    add_grace_flag(p, LocalConfig, "grace", "auto, off, or SECONDS",
+                   taken=lambda grace: grace[0] if grace[0] != "fixed" else str(grace[1]))
     budget = p.add_mutually_exclusive_group()
     add_flag(budget, "--steps", LocalConfig, "steps", "inner steps per learner", type=int)
     budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
@@ -232,10 +228,7 @@ def _compare(args: argparse.Namespace) -> int:
     from tools import compare
 
     scenarios = tuple(args.scenario or compare.SCENARIOS)
-    cfg = compare.CompareConfig(
-        run=build_run_config(args), workers=args.workers, steps=args.steps, seed=args.seed_faults,
-        systems=tuple(x for x in args.systems.split(",") if x), out=args.out,
-    )
+    cfg = from_flags(args, compare.CompareConfig, run=build_run_config(args))
     emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
     compare.run(cfg, scenarios, args.ablations, on_result=emit)
     if not args.json:
@@ -253,7 +246,8 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
                     "OUT/results.md, OUT/results.json and OUT/compare.png.",
     )
     p.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only this scenario (repeatable; default all)")
-    add_flag(p, "--systems", CompareConfig, "systems", f"comma-separated subset of {','.join(SYSTEMS)}", shown=",".join)
+    add_flag(p, "--systems", CompareConfig, "systems", f"comma-separated subset of {','.join(SYSTEMS)}", shown=",".join,
+             taken=lambda systems: tuple(x for x in systems.split(",") if x))
     p.add_argument("--ablations", action="store_true", help="also run the Decoupled ablations on nofault and hetero")
     add_flag(p, "--workers", CompareConfig, "workers", "M: learners / DP workers / torchft replicas", type=int)
     add_flag(p, "--steps", CompareConfig, "steps", "inner steps per worker", type=int)
@@ -303,30 +297,26 @@ def add_run_tools(commands: argparse._SubParsersAction) -> None:
 
 def add_baseline(commands: argparse._SubParsersAction) -> None:
     """``diloco baseline dp|torchft``: the systems Decoupled DiLoCo is compared against."""
+    from dataclasses import replace
+
     from tools.baseline.dp import DPConfig
     from tools.baseline.torchft_peer import TorchftConfig
 
     def baseline(args: argparse.Namespace) -> int:
         from tools.baseline.common import parse_slow_workers
 
-        common = dict(
-            run=build_run_config(args), workers=args.workers, steps=args.steps,
-            kill_every_s=args.kill_every, slow_workers=parse_slow_workers(args.slow_worker),
-            kill_at_steps=tuple(args.kill_at_step or ()), fault_seed=args.fault_seed,
-            threads_per_worker=args.threads_per_worker, out=Path(args.out) if args.out else None,
-        )
+        given = dict(run=build_run_config(args), slow_workers=parse_slow_workers(args.slow_worker),
+                     kill_at_steps=tuple(args.kill_at_step or ()), out=Path(args.out) if args.out else None)
         if args.baseline == "dp":
-            from tools.baseline.dp import DPConfig, run_dp
+            from tools.baseline.dp import run_dp
 
-            result = run_dp(DPConfig(**common, checkpoint_every_steps=args.checkpoint_every))
+            result = run_dp(from_flags(args, DPConfig, **given))
         else:
-            from tools.baseline.torchft_peer import TorchftConfig, run_torchft
+            from tools.baseline.torchft_peer import run_torchft
 
             # torchft's Streaming DiLoCo mixes a synced fragment in with alpha: its own rule.
-            from dataclasses import replace
-
-            common["run"] = replace(common["run"], reply_rule="mix")
-            result = run_torchft(TorchftConfig(**common, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum))
+            given["run"] = replace(given["run"], reply_rule="mix")
+            result = run_torchft(from_flags(args, TorchftConfig, **given))
         _print_result(result, args.json)
         return 0
 

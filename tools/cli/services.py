@@ -12,7 +12,7 @@ from learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
 from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
 from tools.cli.common import (GPT_OPTIONS, add_grace_flag, add_run_config, add_telemetry, build_run_config, run_secret,
                               start_telemetry)
-from tools.cli.settings import add_config_flag, add_flag
+from tools.cli.settings import add_config_flag, add_flag, from_flags
 
 
 def _syncer(args: argparse.Namespace) -> int:
@@ -22,44 +22,20 @@ def _syncer(args: argparse.Namespace) -> int:
 
     run = build_run_config(args)
     grace_mode, grace_s = args.grace
-    cfg = SyncerConfig(
-        shard_id=args.shard_id,
-        num_shards=args.shards,
-        rounds=RoundConfig(
-            quorum=args.quorum,
-            grace_mode=grace_mode,
-            grace_fixed_s=grace_s,
-            grace_gamma=args.grace_gamma,
-            grace_max_s=args.grace_max_s,
-            overlap_steps=run.overlap_steps,
-        ),
-        merge=MergeConfig(
-            merge=args.merge,
-            staleness_lambda=args.staleness_lambda,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            scale_by=args.scale_by,
-            block_size=args.block_size,
-            scale_dtype=args.scale_dtype,
-            update_chain_length=args.chain,
-        ),
-        max_push_bytes=args.max_push_mib * 1024 * 1024,
-        max_delta_ratio=args.max_delta_ratio,
-        anchor_window_s=args.anchor_window_s,
-        stream_idle_timeout_s=args.stream_idle_timeout_s,
+    cfg = from_flags(
+        args, SyncerConfig,
+        rounds=from_flags(args, RoundConfig, grace_mode=grace_mode, grace_fixed_s=grace_s, overlap_steps=run.overlap_steps),
+        merge=from_flags(args, MergeConfig),
     )
-    server_cfg = ShardServerConfig(
+    server_cfg = from_flags(
+        args, ShardServerConfig,
         secret=run_secret(args),
-        host=args.host,
         health_port=args.health_port,
-        reflection=args.reflection,
-        port=args.port,
         data_dir=Path(args.data_dir) if args.data_dir else None,
         static_learners=tuple(x for x in args.learners.split(",") if x) if args.learners else (),
         coordinator=args.coordinator,
         snapshot_dir=args.snapshot_dir or None,
         restore=args.restore,
-        push_log=args.push_log,
     )
     telemetry = start_telemetry(args, "syncer", shard_id=args.shard_id)
     try:
@@ -106,7 +82,7 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", "int4 scale dtype", choices=["float16", "float32"])
     add_flag(p, "--chain", MergeConfig, "update_chain_length", "int4 updates kept per fragment", type=int)
     add_flag(p, "--max-push-mib", SyncerConfig, "max_push_bytes", "largest accepted push, MiB", type=int,
-             shown=lambda size: size // 2**20)
+             shown=lambda size: size // 2**20, taken=lambda mib: mib * 2**20)
     add_flag(p, "--anchor-window-s", SyncerConfig, "anchor_window_s",
              "back without its state, collect learners' anchors of a fragment for S seconds and take the newest",
              type=float, metavar="S")
@@ -140,14 +116,7 @@ def _learner(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    cfg = LearnerConfig(
-        device=args.device, precision=args.precision, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
-        eval_every_steps=args.eval_every, delta_codec=args.delta_codec,
-        block_size=args.block_size, step_delay_s=args.step_delay_s, slow_factor=args.slow_factor,
-        wire_delay_ms=args.wire_delay_ms, push_timeout_s=args.push_timeout_s,
-        max_inflight_pushes=args.max_inflight, heartbeat_interval_s=args.heartbeat_s,
-        coordinator_loss_timeout_s=args.coordinator_loss_timeout_s, slice_timeout_s=args.slice_timeout_s,
-    )
+    cfg = from_flags(args, LearnerConfig)
     link = None
     if args.slice_hosts > 1 or args.slice_index:
         if not args.slice_leader:

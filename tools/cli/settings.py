@@ -23,12 +23,14 @@ def default_of(cls: type, name: str):
 
 
 def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, cls: type, name: str, help: str,
-             *, shown: Callable[[object], object] | None = None, **kwargs) -> argparse.Action:
-    """``parser.add_argument(flag, ...)`` with ``cls.name``'s default, which its help shows.
-    ``shown``: the default as the flag says it (MiB for a field in bytes, a comma list for
-    a tuple); the command turns the value back. A switch (``action="store_true"``) needs a
-    field that is off by default. The action remembers its field (``action.field``):
-    tests/unit/test_defaults.py and docs/SETTINGS.md read it."""
+             *, shown: Callable[[object], object] | None = None, taken: Callable[[object], object] | None = None,
+             **kwargs) -> argparse.Action:
+    """``parser.add_argument(flag, ...)`` with ``cls.name``'s default, which its help shows,
+    and whose value ``from_flags`` puts back into that field. ``shown``: the default as
+    the flag says it (MiB for a field in bytes, a comma list for a tuple), ``taken`` the
+    way back. A switch (``action="store_true"``) needs a field that is off by default. The
+    action remembers its field (``action.field``): tests/unit/test_defaults.py and
+    docs/SETTINGS.md read it."""
     default = default_of(cls, name)
     if shown is not None:
         default = shown(default)
@@ -40,7 +42,27 @@ def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: st
         action = parser.add_argument(flag, default=default, help=f"{help} (default {default if default != '' else 'none'})",
                                      **kwargs)
     action.field = (cls, name)
+    # The command's namespace carries which flag sets which field (argument groups share
+    # their parser's defaults), for from_flags.
+    fields = dict(parser.get_default(FIELDS) or {})
+    fields[cls, name] = (action.dest, taken)
+    parser.set_defaults(**{FIELDS: fields})
     return action
+
+
+FIELDS = "_config_fields"
+
+
+def from_flags(args: argparse.Namespace, cls: type, **given):
+    """``cls`` with each field a flag of this command sets (``add_flag``) taken from
+    ``args``; ``given`` sets the others (nested configs, values the command works out)
+    and wins."""
+    values = dict(given)
+    for (owner, name), (dest, taken) in getattr(args, FIELDS, {}).items():
+        if owner is cls and name not in values:
+            value = getattr(args, dest)
+            values[name] = taken(value) if taken is not None else value
+    return cls(**values)
 
 
 CONFIG_FLAG = "--config"
