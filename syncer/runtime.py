@@ -274,6 +274,12 @@ class ShardRuntime:
         if self.tape is not None:
             self.tape.append(kind, self._wall(), **fields)
 
+    def sent(self, learner_id: str, what: str, fragment: int, size: int) -> None:
+        """A reply or a bootstrap to ``learner_id`` went out whole, ``size`` payload bytes:
+        on the tape, so a run's downlink is counted from the shards whatever becomes of
+        the learner (a killed one writes no summary)."""
+        self._record("sent", learner=learner_id, what=what, fragment=fragment, bytes=size)
+
     # --- pushes ----------------------------------------------------------------------
 
     def push(
@@ -586,5 +592,6 @@ class ShardRuntime:
                      bytes_received=self.counters.bytes_received, bytes_sent=self.counters.bytes_sent)
         if self.tape is not None:
             self.tape.close()
+            self.tape = None  # "stop" is its last record: replies still going out are not taped
         if self.push_log is not None:
             self.push_log.close()

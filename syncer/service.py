@@ -131,15 +131,18 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             weakref.finalize(segment, self._framing.pop, key, None)
         return await framing
 
-    async def _update_messages(self, update: FragmentUpdate, wrap) -> AsyncIterator:
+    async def _update_messages(self, update: FragmentUpdate, wrap, learner_id: str, what: str) -> AsyncIterator:
         header = convert.update_to_proto(update, self.runtime.core.clock)
         header.snapshot_epoch = self.runtime.snapshot_epoch
         yield wrap(update=header)
+        sent = 0
         for segment in update.segments:
             for message, size in await self._chunk_messages(segment, wrap):
                 self.runtime.counters.bytes_sent += size
                 self.runtime.telemetry.bytes_sent(size)
+                sent += size
                 yield message
+        self.runtime.sent(learner_id, what, update.fragment, sent)
 
     async def _receive(self, requests, specs, payload_bytes: int) -> tuple[PushPayload, int]:
         """Read a push's chunks and unframe each one in a worker thread while the next one
@@ -191,7 +194,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             yield reply
             update = await waiter
             span.add_event("round closed", {"diloco.version": update.version, "diloco.close_reason": update.close_reason})
-            async for message in self._update_messages(update, syncer_pb2.PushReply):
+            async for message in self._update_messages(update, syncer_pb2.PushReply, learner_id, "reply"):
                 yield message
         except DilocoError as error:
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
@@ -249,7 +252,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
 
     async def Bootstrap(self, request, context):
         try:
-            self._authenticate(context)
+            learner_id = self._authenticate(context)
             core = self.runtime.core
             wanted = list(request.fragments) or [f.id for f in core.owned]
             if not wanted:
@@ -259,7 +262,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             for fragment_id in wanted:
                 full = await self.runtime.full(fragment_id)
                 update = FragmentUpdate(fragment_id, 0, full.version, (full,))
-                async for message in self._update_messages(update, syncer_pb2.BootstrapReply):
+                async for message in self._update_messages(update, syncer_pb2.BootstrapReply, learner_id, "bootstrap"):
                     yield message
         except DilocoError as error:
             await rpc.abort_with(context, error)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from diloco.auth import COORDINATOR_ID
 from diloco.config import RunConfig
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
@@ -87,6 +88,23 @@ def tape_stats(run_dir: Path, fragments: int, steps: dict[str, int]) -> dict:
         "round_closes": sorted(r["t"] for r in rounds),
         "step_s": typical,
     }
+
+
+def wire_bytes(run_dir: Path) -> dict:
+    """The run's traffic as its shards saw it, from their tapes (every life of every
+    shard): ``bytes_up``, the pushes received (duplicates too: they crossed the wire), and
+    ``bytes_down``, the replies and bootstraps sent whole to learners (not the
+    coordinator's exports). Learners' own counts miss the killed ones, which write no
+    summary. Payload bytes, as the learners count theirs; the initial values a learner
+    uploads once per fragment and run are not in either."""
+    up = down = 0
+    for tape in sorted(run_dir.glob("shard*/tape-S*.jsonl")):
+        for r in read_tape(tape):
+            if r["kind"] == "push":
+                up += r["bytes"]
+            elif r["kind"] == "sent" and r["learner"] != COORDINATOR_ID:
+                down += r["bytes"]
+    return {"bytes_up": up, "bytes_down": down}
 
 
 def slot_seconds(slot_starts: list[float], end: float, scavenged: list[tuple[float, int]]) -> float:

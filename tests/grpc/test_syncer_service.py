@@ -76,7 +76,16 @@ def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path)
             shard_params = server.runtime.core.fragments[0].params
             for learner in learners:
                 assert_same_tensors(learner.anchor, shard_params)
-        rounds = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "round"]
+            async with client_for(address, "L0") as client:
+                await client.bootstrap()
+            sent = server.runtime.counters.bytes_sent
+        tape = list(read_tape(tmp_path / "tape-S0.jsonl"))
+        # Every reply and the bootstrap on the tape, with the bytes the shard counted sending.
+        replies = [r for r in tape if r["kind"] == "sent"]
+        assert [r["what"] for r in replies].count("reply") == 9 and replies[-1]["what"] == "bootstrap"
+        assert sum(r["bytes"] for r in replies) == sent > 0
+        assert {r["learner"] for r in replies} == {"L0", "L1", "L2"}
+        rounds = [r for r in tape if r["kind"] == "round"]
         assert [r["version"] for r in rounds] == [1, 2, 3]
         assert all(sorted(r["participants"]) == ["L0", "L1", "L2"] for r in rounds)
         assert all(abs(sum(r["weights"]) - 1) < 1e-5 for r in rounds)

@@ -10,7 +10,7 @@ import pytest
 from tools.chaos import ChaosConfig, learner_pid, parse_learner_device, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
 from tools.local.config import LocalConfig
-from tools.metrics import slot_seconds, tape_stats, uptime
+from tools.metrics import slot_seconds, tape_stats, uptime, wire_bytes
 from diloco.tape import TapeWriter
 from tools.timeline import learner_intervals
 
@@ -154,3 +154,25 @@ def test_stopping_says_which_processes_it_waits_for(tmp_path):
     assert 6 < time.monotonic() - started < 20
     assert said and all(line.startswith("stopping: waiting") and f"shard0 (pid {slow.pid})" in line for line in said)
     assert not any("coordinator" in line for line in said)  # it had stopped at once
+
+
+def test_wire_bytes_count_what_every_life_of_every_shard_received_and_sent(tmp_path):
+    """Traffic from the shards' tapes: every push received (a duplicate crossed the wire
+    too), every reply and bootstrap sent to a learner, across a restart; the coordinator's
+    export relay is not training traffic."""
+    s0, s1 = TapeWriter(tmp_path / "shard0" / "tape-S0.jsonl"), TapeWriter(tmp_path / "shard1" / "tape-S1.jsonl")
+    s0.append("start", 0.0)
+    s0.append("push", 1.0, learner="L0", bytes=100, outcome="accepted")
+    s0.append("push", 1.1, learner="L0", bytes=100, outcome="duplicate")
+    s0.append("sent", 1.5, learner="L0", what="reply", fragment=0, bytes=40)
+    s0.append("sent", 1.6, learner="C", what="bootstrap", fragment=0, bytes=999)
+    s1.append("start", 0.0)
+    s1.append("sent", 0.5, learner="L1", what="bootstrap", fragment=1, bytes=7)
+    s1.append("push", 1.0, learner="L1", bytes=30, outcome="accepted")  # L1 was killed: no summary of its own
+    s1.append("start", 2.0)  # restarted: the first life's records still count
+    s1.append("push", 3.0, learner="L0", bytes=5, outcome="stale")
+    s1.append("sent", 3.5, learner="L0", what="reply", fragment=1, bytes=3)
+    for tape in (s0, s1):
+        tape.close()
+    assert wire_bytes(tmp_path) == {"bytes_up": 235, "bytes_down": 50}
+    assert wire_bytes(tmp_path / "nowhere") == {"bytes_up": 0, "bytes_down": 0}

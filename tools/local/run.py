@@ -41,7 +41,7 @@ from tools.local.plots import plot_eval
 from tools.local.progress import final_table, progress_line, progress_table
 from tools.local.supervisor import Cluster, shard_status, take_snapshot
 from tools.metrics import (MIN_UPTIME_PERIOD_S, eval_task, learner_events, slot_seconds, supervisor_task, tape_stats,
-                           tokens_per_step, uptime)
+                           tokens_per_step, uptime, wire_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -413,8 +413,7 @@ def run_local(cfg: LocalConfig) -> dict:
         "step_goodput": stats.pop("step_goodput"),
         "uptime": up,
         "global_stall_s": stall,
-        "bytes_up": sum(s["bytes_up"] for s in summaries.values()),
-        "bytes_down": sum(s["bytes_down"] for s in summaries.values()),
+        **wire_bytes(run_dir),
         **{k: v for k, v in stats.items() if k != "step_s"},
         "learners_joined": len(members) if members else len(summaries),
         "learners_failed": sum(1 for m in members if m["state"] == "failed"),
