@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -61,6 +62,9 @@ class CompareConfig:
     """M: learners / DP workers / torchft replicas (4, so that half of them can be slow)."""
     steps: int = 120
     seed: int = 3
+    """Seed of the fault schedules (3: its first kill falls 8 s in, inside a one-minute run)."""
+    seeds: int = 3
+    """Runs of every cell; run i adds i to the run's seed (model, data order) and to ``seed``."""
     mtbf_s: float = 30.0
     slow_factor: float = 1.5
     systems: tuple[str, ...] = SYSTEMS
@@ -69,9 +73,15 @@ class CompareConfig:
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1:
             raise InvalidArgument("compare needs >= 2 workers and >= 1 step")
+        if self.seeds < 1:
+            raise InvalidArgument(f"--seeds must be >= 1, got {self.seeds}")
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
             raise InvalidArgument(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+
+    def seeded(self, i: int) -> CompareConfig:
+        """Run ``i`` of every cell: its own model initialisation, data order and faults."""
+        return replace(self, run=replace(self.run, seed=self.run.seed + i), seed=self.seed + i)
 
     @property
     def slow(self) -> tuple[tuple[int, float], ...]:
@@ -167,15 +177,20 @@ def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | No
     base = cfg.out / scenario
     systems = {}
     for system in cfg.systems:
-        out = base / system
-        if out.exists() and any(out.iterdir()):
-            raise InvalidArgument(f"{out} already holds a run; give a new --out directory")
-        started = time.monotonic()
-        if system == "decoupled":
-            systems[system] = _decoupled(cfg, scenario, out, reference_wall_s)
-        else:
-            systems[system] = _baseline(cfg, system, scenario, out)
-        logger.info("%s / %s done in %.0f s", scenario, system, time.monotonic() - started)
+        if (base / system).exists() and any((base / system).iterdir()):
+            raise InvalidArgument(f"{base / system} already holds a run; give a new --out directory")
+        runs = []
+        for i in range(cfg.seeds):
+            started, out = time.monotonic(), base / system / f"seed{i}"
+            seeded = cfg.seeded(i)
+            if system == "decoupled":
+                runs.append(_decoupled(seeded, scenario, out, reference_wall_s))
+            else:
+                runs.append(_baseline(seeded, system, scenario, out))
+            logger.info("%s / %s / seed %d done in %.0f s", scenario, system, i, time.monotonic() - started)
+            if "skipped" in runs[-1]:
+                break
+        systems[system] = over_seeds(runs)
     result = {"scenario": scenario, "systems": systems}
     (base / "result.json").write_text(json.dumps(result, indent=1))
     return result
@@ -197,12 +212,33 @@ def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ("nofault", "
                 run = replace(run, reply_rule=change.pop("reply_rule"))
             if change.get("quorum") == "all":
                 change["quorum"] = cfg.workers
-            local = _local_cfg(replace(cfg, run=run), out, **change)
-            if scenario == "hetero":
-                local = replace(local, slow_learners=cfg.slow)
-            results.setdefault(scenario, {})[name] = _decoupled_metrics(run_local(local))
+            runs = []
+            for i in range(cfg.seeds):
+                seeded = cfg.seeded(i)
+                local = _local_cfg(replace(seeded, run=replace(run, seed=seeded.run.seed)), out / f"seed{i}", **change)
+                if scenario == "hetero":
+                    local = replace(local, slow_learners=cfg.slow)
+                runs.append(_decoupled_metrics(run_local(local)))
+            results.setdefault(scenario, {})[name] = over_seeds(runs)
     (cfg.out / "ablations" / "result.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """One cell from its runs: each number's mean over the runs, its sample standard
+    deviation under ``spread`` (0 for one run), what every run agrees on as it is, and the
+    runs themselves under ``seeds``. A cell a system cannot run is its ``skipped``."""
+    if any("skipped" in r for r in runs):
+        return next(r for r in runs if "skipped" in r)
+    cell, spread = {}, {}
+    for key in runs[0]:
+        values = [r.get(key) for r in runs]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            cell[key] = round(statistics.fmean(values), 4)
+            spread[key] = round(statistics.stdev(values), 4) if len(values) > 1 else 0.0
+        elif all(v == values[0] for v in values):
+            cell[key] = values[0]
+    return {**cell, "spread": spread, "seeds": runs}
 
 
 # --- reporting ------------------------------------------------------------------------
@@ -216,14 +252,21 @@ def _fmt(value) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
+def _figure(cell: dict, key: str) -> str:
+    """The cell's mean, and its spread when it has more than one run."""
+    spread = cell.get("spread", {}).get(key)
+    return _fmt(cell.get(key)) + (f" ± {_fmt(spread)}" if spread is not None and len(cell.get("seeds", ())) > 1 else "")
+
+
 def markdown_table(results: list[dict]) -> str:
-    lines = ["| scenario | system | " + " | ".join(METRICS) + " |", "|---|---|" + "---:|" * len(METRICS)]
+    lines = ["| scenario | system | runs | " + " | ".join(METRICS) + " |", "|---|---|---:|" + "---:|" * len(METRICS)]
     for r in results:
         for system, m in r["systems"].items():
             if "skipped" in m:
-                lines.append(f"| {r['scenario']} | {system} | " + f"not run: {m['skipped']} |" + " |" * (len(METRICS) - 1))
+                lines.append(f"| {r['scenario']} | {system} | 0 | " + f"not run: {m['skipped']} |" + " |" * (len(METRICS) - 1))
             else:
-                lines.append(f"| {r['scenario']} | {system} | " + " | ".join(_fmt(m.get(k)) for k in METRICS) + " |")
+                lines.append(f"| {r['scenario']} | {system} | {len(m['seeds'])} | "
+                             + " | ".join(_figure(m, k) for k in METRICS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -232,7 +275,7 @@ def ablation_table(results: dict) -> str:
     lines = ["| scenario | variant | " + " | ".join(keys) + " |", "|---|---|" + "---:|" * len(keys)]
     for scenario, variants in results.items():
         for name, m in variants.items():
-            lines.append(f"| {scenario} | {name} | " + " | ".join(_fmt(m.get(k)) for k in keys) + " |")
+            lines.append(f"| {scenario} | {name} | " + " | ".join(_figure(m, k) for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -285,9 +328,10 @@ def plot(results: list[dict], path: Path) -> None:
     width = 0.8 / max(len(systems), 1)
     for ax, key in zip(axes, keys):
         for i, system in enumerate(systems):
-            values = [r["systems"].get(system, {}).get(key) for r in results]
-            xs = [j + i * width for j, v in enumerate(values) if v is not None]
-            ax.bar(xs, [v for v in values if v is not None], width, label=system)
+            cells = [r["systems"].get(system, {}) for r in results]
+            shown = [(j, c[key], c.get("spread", {}).get(key, 0.0)) for j, c in enumerate(cells) if c.get(key) is not None]
+            ax.bar([j + i * width for j, _, _ in shown], [v for _, v, _ in shown], width,
+                   yerr=[s for _, _, s in shown], capsize=2, label=system)
         ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(scenarios))], scenarios, rotation=30, fontsize=8)
         ax.set_title(key)
         ax.grid(axis="y", alpha=0.3)
@@ -300,7 +344,7 @@ def plot(results: list[dict], path: Path) -> None:
 def write_report(cfg: CompareConfig, results: list[dict], ablations: dict | None) -> Path:
     cfg.out.mkdir(parents=True, exist_ok=True)
     lines = [f"# diloco compare: {cfg.workers} workers x {cfg.steps} steps x {cfg.tokens_per_step:,} tokens = "
-             f"{cfg.tokens:,} tokens per system\n",
+             f"{cfg.tokens:,} tokens per system; {cfg.seeds} run(s) per cell (mean ± sample standard deviation)\n",
              f"Task `{cfg.run.task}`; eval loss in {cfg.eval_unit}.\n", markdown_table(results)]
     if ablations:
         lines += ["\n## Ablations (Decoupled)\n", ablation_table(ablations)]

@@ -22,7 +22,7 @@ WORKERS, STEPS, TOKENS_PER_STEP = 2, 16, 8 * 32
 def compare(out):
     return subprocess.run(
         [sys.executable, "-m", "tools.cli", "--insecure", "compare", "--scenario", "nofault", "--systems", "decoupled,dp",
-         "--workers", str(WORKERS), "--steps", str(STEPS), "--json", "--out", str(out), *TINY],
+         "--workers", str(WORKERS), "--steps", str(STEPS), "--seeds", "2", "--json", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=300,
     )
 
@@ -36,24 +36,32 @@ def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
     assert stored["results"] == [printed] and printed["scenario"] == "nofault"
     systems = printed["systems"]
     assert set(systems) == {"decoupled", "dp"}
-    for name, m in systems.items():
-        # The same budget for both: workers x steps x tokens of one batch.
-        assert m["tokens"] == WORKERS * STEPS * TOKENS_PER_STEP, (name, m)
-        assert 0 < m["goodput"] <= 1 and 0 <= m["uptime"] <= 1 and m["global_stall_s"] >= 0, (name, m)
-        assert m["eval_unit"] == "bits/byte" and m["eval_loss_final"] < m["eval_loss_start"], (name, m)
+    for name, cell in systems.items():
+        # Two runs per cell, each with its own seeds: the cell's figures are their mean.
+        assert len(cell["seeds"]) == 2, (name, cell)
+        first, second = cell["seeds"]
+        assert first["eval_loss_start"] != second["eval_loss_start"], "the runs share a model initialisation"
+        for key in ("eval_loss_final", "goodput", "wall_s"):
+            assert cell[key] == pytest.approx((first[key] + second[key]) / 2, abs=1e-4), (name, key)
+            assert cell["spread"][key] == pytest.approx(abs(first[key] - second[key]) / 2 ** 0.5, abs=1e-4), (name, key)
+        for m in cell["seeds"]:
+            # The same budget for both: workers x steps x tokens of one batch.
+            assert m["tokens"] == WORKERS * STEPS * TOKENS_PER_STEP, (name, m)
+            assert 0 < m["goodput"] <= 1 and 0 <= m["uptime"] <= 1 and m["global_stall_s"] >= 0, (name, m)
+            assert m["eval_unit"] == "bits/byte" and m["eval_loss_final"] < m["eval_loss_start"], (name, m)
 
     # Decoupled: what the learners say they sent is what the shards received; what they
     # received the shards sent (the shards also sent the bootstrap, which no push answers).
-    decoupled = json.loads((out / "nofault" / "decoupled" / "summary.json").read_text())
+    decoupled = json.loads((out / "nofault" / "decoupled" / "seed0" / "summary.json").read_text())
     stops, pushed = [], 0
-    for tape in sorted((out / "nofault" / "decoupled").glob("shard*/tape-S*.jsonl")):
+    for tape in sorted((out / "nofault" / "decoupled" / "seed0").glob("shard*/tape-S*.jsonl")):
         records = list(read_tape(tape))
         stops.append(next(r for r in records if r["kind"] == "stop"))
         pushed += sum(r["bytes"] for r in records if r["kind"] == "push")
     assert len(stops) == 2
     assert decoupled["bytes_up"] == pushed == sum(s["bytes_received"] for s in stops) > 0
     assert 0 < decoupled["bytes_down"] <= sum(s["bytes_sent"] for s in stops)
-    assert systems["decoupled"]["bytes_per_1k_tokens"] == round(
+    assert systems["decoupled"]["seeds"][0]["bytes_per_1k_tokens"] == round(
         1000 * (decoupled["bytes_up"] + decoupled["bytes_down"]) / decoupled["tokens"], 2)
 
     # DP: one ring all-reduce of the gradients (and the loss) per step, in fp32.
@@ -63,7 +71,7 @@ def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
 
     # The report: a row per system, the bandwidth target judged on these very figures.
     report = (out / "results.md").read_text()
-    assert "| nofault | decoupled |" in report and "| nofault | dp |" in report
+    assert "| nofault | decoupled | 2 |" in report and "| nofault | dp | 2 |" in report and " ± " in report
     ratio = systems["dp"]["bytes_per_1k_tokens"] / systems["decoupled"]["bytes_per_1k_tokens"]
     target = next(t for t in stored["targets"] if t[0].startswith("bytes on the wire"))
     assert target[1] == (ratio >= 50) and f"({ratio:.0f}x)" in target[2], target

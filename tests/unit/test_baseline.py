@@ -235,3 +235,27 @@ def test_a_broken_task_is_a_clear_error_before_any_run_directory(tmp_path, capsy
     err = capsys.readouterr().err
     assert "returned int, not diloco.Task" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_cell_over_seeds_is_the_mean_with_its_spread_and_its_runs():
+    from tools.compare import over_seeds
+
+    runs = [{"eval_loss_final": 3.0, "goodput": 0.9, "eval_unit": "bits/byte", "run_dir": "a", "restarts": None},
+            {"eval_loss_final": 3.2, "goodput": 0.7, "eval_unit": "bits/byte", "run_dir": "b", "restarts": None},
+            {"eval_loss_final": 3.4, "goodput": 0.8, "eval_unit": "bits/byte", "run_dir": "c", "restarts": None}]
+    cell = over_seeds(runs)
+    assert cell["eval_loss_final"] == 3.2 and cell["goodput"] == 0.8
+    assert cell["spread"] == {"eval_loss_final": 0.2, "goodput": 0.1}  # sample standard deviations
+    assert cell["eval_unit"] == "bits/byte" and cell["restarts"] is None and "run_dir" not in cell  # runs differ there
+    assert cell["seeds"] == runs
+    assert over_seeds(runs[:1])["spread"] == {"eval_loss_final": 0.0, "goodput": 0.0}
+    assert over_seeds([{"skipped": "torchft is not installed"}]) == {"skipped": "torchft is not installed"}
+
+
+def test_compare_runs_each_cell_with_its_own_seeds():
+    from tools.compare import CompareConfig
+
+    cfg = CompareConfig(seed=3, seeds=3)
+    assert [(cfg.seeded(i).run.seed, cfg.seeded(i).seed) for i in range(3)] == [(0, 3), (1, 4), (2, 5)]
+    with pytest.raises(InvalidArgument, match="--seeds must be >= 1"):
+        CompareConfig(seeds=0)

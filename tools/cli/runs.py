@@ -252,6 +252,8 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--workers", CompareConfig, "workers", "M: learners / DP workers / torchft replicas", type=int)
     add_flag(p, "--steps", CompareConfig, "steps", "inner steps per worker", type=int)
     add_flag(p, "--seed-faults", CompareConfig, "seed", "seed of the fault schedules", type=int)
+    add_flag(p, "--seeds", CompareConfig, "seeds", "runs of every cell, each with its own model, data order and faults "
+             "(the report gives their mean and spread)", type=int)
     add_flag(p, "--out", CompareConfig, "out", "output directory", type=Path)
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario as it finishes")
     add_run_config(p)
