@@ -35,6 +35,7 @@ from functools import cached_property
 from pathlib import Path
 
 from tools.chaos import ChaosConfig
+from tools.metrics import bytes_per_1k_tokens
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 
@@ -140,7 +141,7 @@ def _decoupled_metrics(summary: dict) -> dict:
     wire = summary["bytes_up"] + summary["bytes_down"]
     return {
         **{k: summary[k] for k in METRICS if k in summary},
-        "bytes_per_1k_tokens": round(1000 * wire / summary["tokens"], 2) if summary["tokens"] else None,
+        "bytes_per_1k_tokens": bytes_per_1k_tokens(wire, summary["tokens"]),
         "eval_unit": summary["eval_unit"],
         "eval_loss_start": summary["eval_loss_start"],
         "step_goodput": summary["step_goodput"],

@@ -1,22 +1,59 @@
-"""How runs are measured: the eval loss of a model, tokens per inner step, and goodput,
-uptime and global stall from a run's records (the shards' tapes, the learners' event
-tapes). ``diloco local`` and the baselines take these definitions from here."""
+"""How runs are measured, the same for every system ``diloco compare`` puts side by side
+(Decoupled DiLoCo through ``diloco local``, DP and torchft through their baselines): each
+system turns its own records into the inputs below, and these functions make the figures.
+
+- **advance**: a moment the global model changed (DP: an optimizer step finished;
+  Decoupled and torchft: a fragment's round closed / sync committed).
+- **expected period**: the interval between two advances when nothing goes wrong, times
+  ``PERIOD_SLACK``, and at least ``MIN_PERIOD_S`` (``expected_period``).
+- **global stall**: time beyond the expected period between two advances, or from the
+  start of training to the first advance, or from the last advance to the end;
+  **uptime** = 1 - stall / (end - start) (``uptime``).
+- **goodput**: worker-seconds of computation whose result reached the final model over
+  the worker-seconds of the slots the run held (``goodput``): DP counts the steps no
+  restart rolled back, torchft the steps whose fragment sync committed, Decoupled the
+  steps of pushes merged with weight > 0 (``tape_stats``) over its learner slots
+  (``slot_seconds``).
+- **bytes per 1k tokens**: bytes on the wire over tokens computed (``bytes_per_1k_tokens``).
+
+Also here: the eval loss of a model, and the tokens of one inner step."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from diloco.auth import COORDINATOR_ID
 from diloco.config import RunConfig
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
 
+if TYPE_CHECKING:
+    import torch
 
-MIN_UPTIME_PERIOD_S = 1.0
-"""Floor of uptime's expected period between two advances of the global model."""
+
+PERIOD_SLACK = 4.0
+"""An advance may come up to this many times the expected interval late before the gap
+counts as a global stall."""
+MIN_PERIOD_S = 1.0
+"""Floor of the expected period: below a second, OS scheduling jitter of a loaded machine
+(not the system) decides whether an advance is late (a tiny test model steps in ~15 ms)."""
+
+
+def expected_period(interval_s: float) -> float:
+    """The expected period of a system whose global model advances every ``interval_s``
+    when nothing goes wrong."""
+    return max(interval_s * PERIOD_SLACK, MIN_PERIOD_S)
+
+
+def goodput(useful_worker_s: float, slot_worker_s: float) -> float:
+    """The share of the slots' worker-seconds whose computation reached the final model."""
+    return round(useful_worker_s / slot_worker_s, 4) if slot_worker_s > 0 else 0.0
+
+
+def bytes_per_1k_tokens(wire_bytes: float, tokens: int) -> float | None:
+    return round(1000 * wire_bytes / tokens, 2) if tokens else None
 
 
 def learner_events(run_dir: Path) -> dict[str, list[dict]]:
@@ -30,6 +67,8 @@ def learner_events(run_dir: Path) -> dict[str, list[dict]]:
 def supervisor_task(run: RunConfig, learners: int) -> Task:
     """The run's task as the supervisor builds it: for the start and final evaluation
     (with the learners' eval batches) and the tokens of one batch."""
+    import torch  # not at the top: the command line imports this module while it builds its parser
+
     return build_task(run.task, TaskContext(0, learners, run.seed, torch.device("cpu"), dict(run.task_options)), run.init)
 
 

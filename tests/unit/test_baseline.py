@@ -78,7 +78,7 @@ def test_dp_metrics_without_faults():
     assert m["goodput"] == pytest.approx(1.0)
     assert (m["uptime"], m["global_stall_s"], m["steps_lost"]) == (1.0, 0.0, 0)
     # 2(M-1) buffers per step over M*B*T tokens per step.
-    assert m["bytes_per_1k_tokens"] == pytest.approx(1000 * 2 * 2 * 400 / (3 * 16 * 32))
+    assert m["bytes_per_1k_tokens"] == pytest.approx(1000 * 2 * 2 * 400 / (3 * 16 * 32), abs=0.005)  # 2 digits
 
 
 def test_dp_metrics_roll_back_steps_after_the_checkpoint_and_count_the_restart_as_stall():
@@ -89,7 +89,7 @@ def test_dp_metrics_roll_back_steps_after_the_checkpoint_and_count_the_restart_a
     m = dp_metrics([first, second], workers=2, buffer_bytes=100, tokens_per_step=10)
     assert m["steps_computed"] == 12 and m["steps_lost"] == 2
     assert m["window_s"] == pytest.approx(22.0)
-    assert m["goodput"] == pytest.approx(10 / 22)  # ten surviving 1 s steps in 22 s
+    assert m["goodput"] == pytest.approx(10 / 22, abs=5e-5)  # ten surviving 1 s steps in 22 s (4 digits)
     assert m["period_s"] == pytest.approx(4.0)
     assert m["global_stall_s"] == pytest.approx(11.0 - 4.0)  # advances at 7 and 18: 11 s, 4 s expected
     assert m["uptime"] == pytest.approx(1 - 7 / 22, abs=1e-4)  # uptime() rounds to 4 digits

@@ -10,7 +10,8 @@ import pytest
 from tools.chaos import ChaosConfig, learner_pid, parse_learner_device, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
 from tools.local.config import LocalConfig
-from tools.metrics import slot_seconds, tape_stats, uptime, wire_bytes
+from tools.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, expected_period, goodput, slot_seconds,
+                           tape_stats, uptime, wire_bytes)
 from diloco.tape import TapeWriter
 from tools.timeline import learner_intervals
 
@@ -176,3 +177,12 @@ def test_wire_bytes_count_what_every_life_of_every_shard_received_and_sent(tmp_p
         tape.close()
     assert wire_bytes(tmp_path) == {"bytes_up": 235, "bytes_down": 50}
     assert wire_bytes(tmp_path / "nowhere") == {"bytes_up": 0, "bytes_down": 0}
+
+
+def test_the_shared_definitions():
+    """One definition for every system: the expected period has the same slack and the
+    same floor whoever advances (DP's steps, Decoupled's rounds, torchft's syncs)."""
+    assert (PERIOD_SLACK, MIN_PERIOD_S) == (4.0, 1.0)
+    assert expected_period(0.5) == 2.0 and expected_period(0.1) == 1.0  # 0.4 s would be jitter's to decide
+    assert goodput(9.0, 12.0) == 0.75 and goodput(1.0, 3.0) == 0.3333 and goodput(5.0, 0.0) == 0.0
+    assert bytes_per_1k_tokens(300, 1200) == 250.0 and bytes_per_1k_tokens(5, 0) is None

@@ -2,15 +2,8 @@
 ring all-reduce, the supervisor's process handling and progress line, the run directory's
 config, stats and summary, and a worker process's start, steps and exit status.
 
-Definitions (the same for every system ``diloco compare`` puts side by side):
-
-- **advance**: a moment the global model changed (DP: an optimizer step finished on rank
-  0; Decoupled and torchft: a fragment's round closed / sync committed).
-- **expected period**: the interval between two advances when nothing goes wrong, times
-  ``PERIOD_SLACK`` (diloco local uses the same factor of 4).
-- **global stall**: time beyond the expected period between two advances, or from the
-  start of training to the first advance, or from the last advance to the end
-  (``tools.metrics.uptime``); **uptime** = 1 − stall / (end − start).
+The metrics' definitions, the same for every system ``diloco compare`` puts side by side, are
+``tools.metrics``'s.
 """
 
 from __future__ import annotations
@@ -37,10 +30,6 @@ if TYPE_CHECKING:
     from diloco.task import Task
 
 logger = logging.getLogger(__name__)
-
-PERIOD_SLACK = 4.0
-"""An advance may come up to this many times the expected interval late before the gap
-counts as a global stall."""
 
 SUMMARY_KEYS = (
     "wall_s", "tokens", "eval_unit", "eval_loss_start", "eval_loss_final", "goodput", "uptime", "global_stall_s",

@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.baseline.common import (
-    PERIOD_SLACK, TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
+    TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
     check_slow_workers, kill, median, ring_allreduce_bytes, spawn, task_error,
 )
 from diloco.config import RunConfig
+from tools.metrics import bytes_per_1k_tokens, expected_period, goodput, uptime
 from diloco.errors import InvalidArgument, Unavailable
 from diloco.task import TaskError
 
@@ -128,19 +129,16 @@ def dp_metrics(attempts: list[Attempt], workers: int, buffer_bytes: int, tokens_
       resumed from; the others were rolled back (lost).
     - The window is [first ready, last step's end]: the first start-up is excluded (as the
       learners' bootstrap is for Decoupled), every restart is inside it.
-    - **goodput**: the fraction of worker time spent in steps whose gradients reached the
-      final model = workers x (summed durations of survived steps) / (workers x window).
-      In lock step all workers are inside the same step, so the worker count cancels.
+    - **goodput** (``tools.metrics.goodput``): workers x (summed durations of survived
+      steps) over workers x window: in lock step every worker is inside the same step.
     - **uptime / global_stall_s**: ``tools.metrics.uptime`` over every step's end (rolled
       back or not: the job was up; the loss of work is goodput's business) with the
-      expected period = median step duration x ``PERIOD_SLACK``.
+      expected period of one advance per median step (``tools.metrics.expected_period``).
     - **bytes**: a ring all-reduce of the gradient buffer per finished step
       (``ring_allreduce_bytes``); ``bytes_per_1k_tokens`` = 1000 x bytes sent / tokens
       computed, both counting rolled-back steps, which makes it the protocol's cost
       2(M-1) x buffer / (M x tokens per batch), the same with or without faults.
     """
-    from tools.metrics import uptime
-
     ran = [a for a in attempts if a.ready_t is not None]
     if not ran or not ran[-1].steps:
         raise ValueError("the timeline has no finished step")
@@ -157,13 +155,13 @@ def dp_metrics(attempts: list[Attempt], workers: int, buffer_bytes: int, tokens_
     durations = [t1 - t0 for _, t0, t1 in all_steps]
     start, end = ran[0].ready_t, ran[-1].steps[-1][2]
     step_s = median(durations)
-    period = step_s * PERIOD_SLACK
+    period = expected_period(step_s)
     up, stall = uptime([t1 for _, _, t1 in all_steps], start, end, period)
     computed = len(all_steps)
     wire = computed * ring_allreduce_bytes(buffer_bytes, workers)
     return {
         "window_s": end - start,
-        "goodput": survived_s / (end - start) if end > start else 0.0,
+        "goodput": goodput(workers * survived_s, workers * (end - start)),
         "uptime": up,
         "global_stall_s": stall,
         "step_s_median": step_s,
@@ -175,7 +173,7 @@ def dp_metrics(attempts: list[Attempt], workers: int, buffer_bytes: int, tokens_
         "checkpoint_s": sum(t1 - t0 for a in ran for _, t0, t1 in a.checkpoints),
         "bytes_total": wire,
         "tokens_computed": computed * tokens_per_step,
-        "bytes_per_1k_tokens": 1000 * wire / (computed * tokens_per_step),
+        "bytes_per_1k_tokens": bytes_per_1k_tokens(wire, computed * tokens_per_step),
     }
 
 

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.baseline.common import (
-    PERIOD_SLACK, TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
+    TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
     check_slow_workers, kill, median, spawn, task_error,
 )
 from diloco.config import RunConfig
+from tools.metrics import bytes_per_1k_tokens, expected_period, goodput, uptime
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.task import TaskError
 from syncer.config import MergeConfig
@@ -130,15 +131,13 @@ def ft_metrics(timelines: list[list[dict]], fragments: int, sync_every_steps: in
       steps between a prepare and its committed sync as useful (as diloco local's tape
       statistics count a push's steps).
     - **uptime / global_stall_s**: ``tools.metrics.uptime`` over the commit times (any
-      replica's on the run's model) with the expected period = H/P x median step duration x ``PERIOD_SLACK``,
-      as diloco local computes it from round closes.
+      replica's on the run's model) with the expected period of one advance every H/P
+      median steps (``tools.metrics.expected_period``), as diloco local's from round closes.
     - **bytes**: each replica's share of every fragment all-reduce it took part in (ring:
       2(n-1)/n x fragment bytes, fp32, committed or not) plus the state a healing replica
       received; ``bytes_per_1k_tokens`` = 1000 x bytes / tokens computed. Quorum RPCs and
       heartbeats are not counted.
     """
-    from tools.metrics import uptime
-
     useful = useful_with_overlap = wire = 0.0
     durations, commits, ready, ends = [], [], [], []
     steps = heals = failed_commits = off_model_commits = 0
@@ -181,7 +180,7 @@ def ft_metrics(timelines: list[list[dict]], fragments: int, sync_every_steps: in
         raise ValueError("the timelines have no finished step")
     start, end = min(ready), max(ends)
     step_s = median(durations)
-    period = sync_every_steps / fragments * step_s * PERIOD_SLACK
+    period = expected_period(sync_every_steps / fragments * step_s)
     up, stall = uptime(sorted(set(commits)), start, end, period)
     tokens = steps * tokens_per_step
     return {
@@ -199,7 +198,7 @@ def ft_metrics(timelines: list[list[dict]], fragments: int, sync_every_steps: in
         "heals": heals,
         "bytes_total": int(wire),
         "tokens_computed": tokens,
-        "bytes_per_1k_tokens": 1000 * wire / tokens if tokens else 0.0,
+        "bytes_per_1k_tokens": bytes_per_1k_tokens(wire, tokens),
     }
 
 
@@ -373,12 +372,11 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     timelines = [records for slot in supervisor.slots for records in slot.records]
     metrics = ft_metrics(timelines, cfg.fragments, cfg.run.sync_every_steps, run.batch_tokens)
     window = metrics["window_s"]
-    goodput = metrics["useful_worker_s"] / (cfg.workers * window) if window > 0 else 0.0
+    good = goodput(metrics["useful_worker_s"], cfg.workers * window)
     details = {
-        "goodput": round(goodput, 4),
-        "goodput_with_overlap": (round(metrics["useful_worker_s_with_overlap"] / (cfg.workers * window), 4)
-                                 if window > 0 else 0.0),
+        "goodput": good,
+        "goodput_with_overlap": goodput(metrics["useful_worker_s_with_overlap"], cfg.workers * window),
         "final_model_from": newest.name,
     }
-    return run.finish(state, metrics, details, wall_s=wall_s, tokens=metrics["tokens_computed"], goodput=goodput,
+    return run.finish(state, metrics, details, wall_s=wall_s, tokens=metrics["tokens_computed"], goodput=good,
                       restarts=supervisor.restarts)

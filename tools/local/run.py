@@ -40,8 +40,8 @@ from tools.local.config import LocalConfig
 from tools.local.plots import plot_eval
 from tools.local.progress import final_table, progress_line, progress_table
 from tools.local.supervisor import Cluster, shard_status, take_snapshot
-from tools.metrics import (MIN_UPTIME_PERIOD_S, eval_task, learner_events, slot_seconds, supervisor_task, tape_stats,
-                           tokens_per_step, uptime, wire_bytes)
+from tools.metrics import (eval_task, expected_period, goodput, learner_events, slot_seconds, supervisor_task,
+                           tape_stats, tokens_per_step, uptime, wire_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ def run_local(cfg: LocalConfig) -> dict:
             monkey = ChaosMonkey(cfg.chaos, chaos_admin, lambda m: cluster.restart_shard(m, chaos_admin, monkey.record),
                                  learner_steps, run_dir / "chaos.jsonl", time.monotonic())
             monkey.start()
-        last_stats, goodput, idle_since, last_line = 0.0, None, None, 0.0
+        last_stats, step_goodput, idle_since, last_line = 0.0, None, None, 0.0
         # On a terminal a live table; in a log (CI, nohup, kubectl logs) one line every 10 s.
         # (transient: at the end the final table, from the summary's records, takes its place)
         with Live(console=console, refresh_per_second=2, transient=True) if console.is_terminal \
@@ -308,10 +308,10 @@ def run_local(cfg: LocalConfig) -> dict:
                 events = learner_events(run_dir)
                 if time.monotonic() - last_stats > 5:
                     steps = {m["id"]: m["inner_steps"] for m in members}
-                    goodput, last_stats = tape_stats(run_dir, cfg.run.fragments, steps)["step_goodput"], time.monotonic()
+                    step_goodput, last_stats = tape_stats(run_dir, cfg.run.fragments, steps)["step_goodput"], time.monotonic()
                 statuses = shard_status(cluster.shards, cluster.secret)
                 if live is not None:
-                    live.update(progress_table(members, statuses, events, goodput, started, unit))
+                    live.update(progress_table(members, statuses, events, step_goodput, started, unit))
                 elif time.monotonic() - last_line >= 10:
                     console.print(progress_line(members, statuses, events, started, unit), soft_wrap=True)
                     last_line = time.monotonic()
@@ -384,9 +384,8 @@ def run_local(cfg: LocalConfig) -> dict:
     # Uptime over the training window: from the first learner computing to the last one done.
     computing = [e["t"] for r in part.values() for e in r if e["kind"] == "state" and e["state"] == "computing"]
     done = [e["t"] for r in part.values() for e in r if e["kind"] == "state" and e["state"] in ("draining", "left")]
-    # At least a second: below that, OS scheduling jitter of a loaded machine (not the
-    # system) decides (a tiny test model steps in ~15 ms, a 0.12 s period).
-    period = max(cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"] * 4, MIN_UPTIME_PERIOD_S)
+    # A fragment's round closes every H/P inner steps.
+    period = expected_period(cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"])
     # Training ends with the last learner's last step, or when the budget drained them all
     # (a learner still starting then leaves later without having trained: no stall).
     end = max(done, default=started_wall + wall_s)
@@ -409,7 +408,7 @@ def run_local(cfg: LocalConfig) -> dict:
         "eval_unit": unit,
         "eval_loss_start": round(eval_start, 4),
         "eval_loss_final": round(eval_final, 4),
-        "goodput": round(min(stats.pop("useful_s") / slots, 1.0), 4) if slots else 0.0,
+        "goodput": goodput(stats.pop("useful_s"), slots),
         "step_goodput": stats.pop("step_goodput"),
         "uptime": up,
         "global_stall_s": stall,
