@@ -5,7 +5,10 @@ synchronous data-parallel (``diloco baseline dp``) and torchft's Streaming DiLoC
 Every system trains the run's task (``--task``; the byte GPT by default), worker i built
 as learner Li builds it, with the same workers and token budget (workers x steps x tokens
 per batch), and the same fault seed; every system reports the task's eval loss in its
-unit (``eval_unit``). Scenarios:
+unit (``eval_unit``). The budget is the run's, not a quota per worker: DP trains that many
+global steps, a torchft replacement continues the dead replica's steps, and Decoupled's
+learners train until together they have trained it (``diloco local --tokens``), so a
+fast learner or a replacement keeps going while the others finish. Scenarios:
 
 - ``nofault``: nothing happens.
 - ``mtbf30``: a random worker is SIGKILLed every 30 s on average and replaced (Decoupled:
@@ -113,7 +116,9 @@ class CompareConfig:
 def _local_cfg(cfg: CompareConfig, out: Path, **changes):
     from tools.local.config import LocalConfig
 
-    local = LocalConfig(run=cfg.run, learners=cfg.workers, steps=cfg.steps, out=out)
+    # The run's token budget, not a quota per learner: a learner that is fast, or replaces
+    # a killed one, keeps training until the learners together have trained the budget.
+    local = LocalConfig(run=cfg.run, learners=cfg.workers, tokens=cfg.tokens, out=out)
     return replace(local, **changes)
 
 
@@ -128,7 +133,7 @@ def _decoupled(cfg: CompareConfig, scenario: str, out: Path, reference_wall_s: f
         local = _local_cfg(cfg, out, slow_learners=cfg.slow)
     elif scenario == "scavenge":
         half = (reference_wall_s or 60.0) / 2
-        local = _local_cfg(cfg, out, tokens=cfg.tokens, chaos=ChaosConfig(scavenge=(cfg.workers, half), seed=cfg.seed))
+        local = _local_cfg(cfg, out, chaos=ChaosConfig(scavenge=(cfg.workers, half), seed=cfg.seed))
     elif scenario == "shard-restart":
         half = (reference_wall_s or 60.0) / 2
         local = _local_cfg(cfg, out, chaos=ChaosConfig(restart_shard_at_s=half, seed=cfg.seed))

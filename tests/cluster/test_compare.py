@@ -45,8 +45,14 @@ def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
             assert cell[key] == pytest.approx((first[key] + second[key]) / 2, abs=1e-4), (name, key)
             assert cell["spread"][key] == pytest.approx(abs(first[key] - second[key]) / 2 ** 0.5, abs=1e-4), (name, key)
         for m in cell["seeds"]:
-            # The same budget for both: workers x steps x tokens of one batch.
-            assert m["tokens"] == WORKERS * STEPS * TOKENS_PER_STEP, (name, m)
+            # The same budget for both, workers x steps x tokens of one batch: DP's global
+            # steps; Decoupled's learners train until together they have (the drain lets
+            # steps in flight finish, each learner launched for at most 1.5x its share).
+            budget = WORKERS * STEPS * TOKENS_PER_STEP
+            if name == "dp":
+                assert m["tokens"] == budget, m
+            else:
+                assert budget <= m["tokens"] <= 1.5 * budget, m
             assert 0 < m["goodput"] <= 1 and 0 <= m["uptime"] <= 1 and m["global_stall_s"] >= 0, (name, m)
             assert m["eval_unit"] == "bits/byte" and m["eval_loss_final"] < m["eval_loss_start"], (name, m)
 
