@@ -1002,3 +1002,11 @@ def test_unframer_limits_are_inclusive_and_messages_exact():
     assert _message(unframe, [no_size.compress(b"abc") + no_size.flush()], 3) == (
         "chunk 0: zstd frame does not declare its content size")
     assert _message(unframe, [zstandard.ZstdCompressor().compress(b"")], 0) == "chunk 0: zstd frame is empty"
+
+
+def test_a_one_byte_payload_frames_and_unframes():
+    """The smallest payload there is (one byte, e.g. a one-element int4 tensor's packed
+    nibble): its chunk declares 1 byte, which is not "empty"."""
+    chunks = list(frame([b"\x07"]))
+    assert len(chunks) == 1
+    assert bytes(unframe(chunks, 1)) == b"\x07"

@@ -226,3 +226,22 @@ def test_lr_schedule_of_a_single_decay_step():
     # total - warmup = 1: the one step after warmup is the end of the cosine.
     assert inner_lr(0, 1.0, 0, 1, 0.1) == pytest.approx(1.0)
     assert inner_lr(1, 1.0, 0, 1, 0.1) == pytest.approx(0.1)
+
+
+def test_a_write_rebases_onto_what_was_sent_or_mixes_with_alpha():
+    """What a slice follower repeats (learner.core.sync.Write): with ``sent`` the global
+    fragment plus the progress since the push; without, the mix with weight alpha."""
+    from learner.core.sync import Write, write_into
+
+    params = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
+    values = [torch.tensor([10.0, 20.0]), torch.tensor([[30.0]])]
+    sent = [torch.tensor([0.5, 1.0]), torch.tensor([[3.0]])]
+    rebased = [p.clone() for p in params]
+    write_into(rebased, Write(0, values, sent=sent, alpha=0.9))  # alpha is the mix's, not the rebase's
+    assert [r.tolist() for r in rebased] == [[10.5, 21.0], [[30.0]]]
+    mixed = [p.clone() for p in params]
+    write_into(mixed, Write(1, values, alpha=0.25))
+    assert [m.tolist() for m in mixed] == [[7.75, 15.5], [[23.25]]]  # 0.25 params + 0.75 global
+    overwritten = [p.clone() for p in params]
+    write_into(overwritten, Write(1, values))
+    assert [o.tolist() for o in overwritten] == [[10.0, 20.0], [[30.0]]]
