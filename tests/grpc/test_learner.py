@@ -128,8 +128,8 @@ def test_shard_outage_drops_pushes_keeps_training_and_resyncs(tmp_path):
             restarted_from = snapshot.loads(tmp_path / initial_name(fragment_id))["pieces"]
             assert not all(np.array_equal(a, b.numpy()) for a, b in zip(restarted_from, plan.gather(fragment_id, seed)))
         # The restarted shard knew from its data directory that it had held the model: it
-        # took the learner's anchors, at their versions, and rounds went on from there.
-        second.runtime.tape.flush()
+        # took the learner's anchors, at their versions, and rounds went on from there (its
+        # stop flushed and closed the tape).
         lives = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] in ("recovering", "initialize")]
         recovered = lives[lives.index(next(r for r in lives if r["kind"] == "recovering")) + 1:]
         assert len(recovered) == 4 and all(r["source"].startswith("anchor at version") and r["version"] >= 1 for r in recovered)
