@@ -218,10 +218,9 @@ def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ("nofault", "
                 run = replace(run, reply_rule=change.pop("reply_rule"))
             if change.get("quorum") == "all":
                 change["quorum"] = cfg.workers
-            runs = []
+            variant, runs = replace(cfg, run=run), []
             for i in range(cfg.seeds):
-                seeded = cfg.seeded(i)
-                local = _local_cfg(replace(seeded, run=replace(run, seed=seeded.run.seed)), out / f"seed{i}", **change)
+                local = _local_cfg(variant.seeded(i), out / f"seed{i}", **change)
                 if scenario == "hetero":
                     local = replace(local, slow_learners=cfg.slow)
                 runs.append(_decoupled_metrics(run_local(local)))

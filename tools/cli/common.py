@@ -1,5 +1,5 @@
 """What several commands share: the run config's flags, the run secret, the grace flag and
-the telemetry flags. The only other module (with tools/cli/main.py) that reads the environment."""
+the telemetry flags."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from pathlib import Path
 from diloco.config import REPLY_RULES, RunConfig
 from diloco.task import DEFAULT_TASK
 from diloco.tasks.byte_gpt_options import ModelConfig, Options
-from tools.cli.settings import add_flag, default_of
-
+from tools.cli.settings import add_flag, default_of, from_flags
 
 GPT_OPTIONS = ("width", "depth", "heads", "context", "batch_size", "data")
 
@@ -69,16 +68,11 @@ def build_run_config(args: argparse.Namespace):
         flags = ", ".join("--" + k.replace("_", "-") for k in shorthands)
         raise InvalidArgument(f"{flags} set options of the built-in byte GPT task; give your task's options "
                               "with --task-option KEY=VALUE")
-    return RunConfig(
+    return from_flags(
+        args, RunConfig,
         task=_absolute_task(args.task),
         task_options={**shorthands, **parse_options(args.task_option or [])},
-        seed=args.seed,
         init=str(Path(args.init).resolve()) if args.init else "",
-        fragments=args.fragments,
-        sync_every_steps=args.sync_every,
-        overlap_steps=args.overlap,
-        merge_alpha=args.alpha,
-        reply_rule=args.reply_rule,
     )
 
 

@@ -2,7 +2,7 @@
 
 Parsers are built without importing torch or grpc so ``diloco --help`` stays instant;
 each subcommand imports its implementation when it runs. This is the only module that
-configures logging handlers (and, later, reads environment variables).
+configures logging handlers; only the modules of tools/cli read environment variables.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ def render(parser: argparse.ArgumentParser) -> str:
             what, _, said = (action.help or "").partition(" (default ")
             default = _default(action) or _cell(said.rstrip(")"))
             lines.append(f"| `{', '.join(action.option_strings)}` | {default} | {sets} | {helm} | {_cell(what)} |")
-        lines += [""] + [f"† {note}" for note in notes] if notes else []
+        if notes:
+            lines += ["", *(f"† {note}" for note in notes)]
     return "\n".join(lines).rstrip() + "\n"
 
 

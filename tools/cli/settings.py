@@ -44,9 +44,9 @@ def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: st
     action.field = (cls, name)
     # The command's namespace carries which flag sets which field (argument groups share
     # their parser's defaults), for from_flags.
-    fields = dict(parser.get_default(FIELDS) or {})
-    fields[cls, name] = (action.dest, taken)
-    parser.set_defaults(**{FIELDS: fields})
+    known = dict(parser.get_default(FIELDS) or {})
+    known[cls, name] = (action.dest, taken)
+    parser.set_defaults(**{FIELDS: known})
     return action
 
 
