@@ -11,6 +11,7 @@ from diloco import auth
 from diloco.errors import InvalidArgument
 
 LAUNCHERS = ("local", "kubernetes", "none")
+MAX_WARM_SPARES = 64
 # Pool and release names end up in pod names and label values: keep them DNS labels.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _MAX_RELEASE_CHARS = 40  # leaves room for "-learner-<launch id>" within 63 characters
@@ -32,10 +33,17 @@ class LocalLauncherConfig:
     ``-m tools.cli learner``. Tests put a small fake learner script here."""
     terminate_timeout_s: float = 10.0
     """After SIGTERM, wait this long for the learner to exit before SIGKILL."""
+    warm_spares: int = 1
+    """Learner processes kept started in standby (``--standby``: Python, torch and the
+    learner's code loaded, nothing joined), handed the next launches so a replacement
+    does not pay the process start on the critical path; refilled after each launch.
+    Each is one idle process. 0: every launch starts a process."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.terminate_timeout_s) and self.terminate_timeout_s > 0):
             raise InvalidArgument(f"terminate timeout must be > 0 s, got {self.terminate_timeout_s}")
+        if not 0 <= self.warm_spares <= MAX_WARM_SPARES:
+            raise InvalidArgument(f"warm spares must be in [0, {MAX_WARM_SPARES}], got {self.warm_spares}")
 
 
 @dataclass(frozen=True)

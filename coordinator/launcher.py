@@ -9,6 +9,8 @@ keeps the books (a launch holds a slot under the cap until its learner joins).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import math
 import os
@@ -142,7 +144,15 @@ def log_tail(path: Path, lines: int = 2, max_chars: int = 400) -> str:
 class LocalProcessLauncher:
     """Learners as child processes: ``diloco learner`` (or ``cfg.command``), each in its
     own session so a Ctrl-C at the coordinator's terminal reaches only the coordinator,
-    which then stops them itself; output to ``<log_dir>/<launch id>.log``."""
+    which then stops them itself; output to ``<log_dir>/<launch id>.log``.
+
+    Warm spares (``cfg.warm_spares``): processes started ahead with ``--standby``, which
+    load Python, torch and the learner's code and then wait on stdin. A launch hands one
+    its flags (one JSON list on a line) instead of starting a process, and a new spare
+    is started behind it. A spare whose stdin closes (this launcher gone) exits."""
+
+    _MAX_SPARE_FAILURES = 3
+    """Spares that die unassigned before spares are given up (a command without --standby)."""
 
     def __init__(
         self, cfg: LocalLauncherConfig, coordinator: str, join_token_file: Path, log_dir: Path, on_exit: ExitCallback
@@ -153,37 +163,101 @@ class LocalProcessLauncher:
         self.log_dir = Path(log_dir)
         self.on_exit = on_exit
         self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.spares: list[asyncio.subprocess.Process] = []
+        self._spare_logs: dict[int, Path] = {}
+        self._spares_started = 0
+        self._spare_failures = 0
+        self._launch_of: dict[int, str] = {}
+        self._closing = False
         self._watchers: set[asyncio.Task] = set()
 
+    def prefix(self) -> list[str]:
+        return list(self.cfg.command) or [sys.executable, "-m", "tools.cli", "learner"]
+
     def command(self, launch_id: str, pool: str, overrides: Mapping[str, str]) -> list[str]:
-        prefix = list(self.cfg.command) or [sys.executable, "-m", "tools.cli", "learner"]
-        return [*prefix, *learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)]
+        return [*self.prefix(), *learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)]
 
     async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         results = []
         for launch_id in launch_ids:
-            argv = self.command(launch_id, pool, overrides)
+            args = learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)
             log_path = self.log_dir / f"{launch_id}.log"
-            try:
-                with open(log_path, "ab") as log:
-                    process = await asyncio.create_subprocess_exec(
-                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-            except OSError as error:
-                results.append(LaunchResult(launch_id, False, f"cannot start {argv[0]}: {error.strerror or error}"))
-                continue
+            process = await self._hand_to_spare(launch_id, args, log_path)
+            how = "a warm spare" if process else "a new process"
+            if process is None:
+                argv = [*self.prefix(), *args]
+                try:
+                    process = await self._start(argv, log_path, stdin=asyncio.subprocess.DEVNULL, launch_id=launch_id)
+                except OSError as error:
+                    results.append(LaunchResult(launch_id, False, f"cannot start {argv[0]}: {error.strerror or error}"))
+                    continue
             self.processes[launch_id] = process
-            watcher = asyncio.get_running_loop().create_task(self._watch(launch_id, process))
-            self._watchers.add(watcher)
-            watcher.add_done_callback(self._watchers.discard)
-            logger.info("launched learner %s (pid %d, pool %s), log %s", launch_id, process.pid, pool, log_path)
+            logger.info("launched learner %s (pid %d, pool %s, %s), log %s", launch_id, process.pid, pool, how, log_path)
             results.append(LaunchResult(launch_id, True, f"pid {process.pid}, log {log_path}"))
+        await self._refill_spares()
         return results
 
-    async def _watch(self, launch_id: str, process: asyncio.subprocess.Process) -> None:
+    async def _start(self, argv: list[str], log_path: Path, stdin: int, launch_id: str | None = None
+                     ) -> asyncio.subprocess.Process:
+        """``launch_id`` None: a spare."""
+        with open(log_path, "ab") as log:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=stdin, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            )
+        if launch_id is not None:
+            self._launch_of[process.pid] = launch_id
+        watcher = asyncio.get_running_loop().create_task(self._watch(process))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        return process
+
+    async def _hand_to_spare(self, launch_id: str, args: list[str], log_path: Path) -> asyncio.subprocess.Process | None:
+        """The oldest live spare, now ``launch_id`` running as ``args`` (its log renamed to
+        the launch's), or None when there is none. A spare that dies while being handed
+        the launch ends the launch (its watcher reports it)."""
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.returncode is not None:
+                continue
+            self._launch_of[spare.pid] = launch_id
+            os.replace(self._spare_logs.pop(spare.pid), log_path)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                spare.stdin.write(json.dumps(args).encode() + b"\n")
+                await spare.stdin.drain()
+                spare.stdin.close()
+            return spare
+        return None
+
+    async def _refill_spares(self) -> None:
+        while (len(self.spares) < self.cfg.warm_spares and self._spare_failures < self._MAX_SPARE_FAILURES
+               and not self._closing):
+            self._spares_started += 1
+            log_path = self.log_dir / f"spare-{self._spares_started}.log"
+            try:
+                spare = await self._start([*self.prefix(), "--standby"], log_path, stdin=asyncio.subprocess.PIPE)
+            except OSError as error:
+                logger.warning("cannot start a warm spare learner (%s): launches start their own processes",
+                               error.strerror or error)
+                self._spare_failures = self._MAX_SPARE_FAILURES
+                return
+            self._spare_logs[spare.pid] = log_path
+            self.spares.append(spare)
+
+    async def _watch(self, process: asyncio.subprocess.Process) -> None:
         returncode = await process.wait()
+        launch_id = self._launch_of.pop(process.pid, None)
+        if launch_id is None:  # a spare that ended unassigned
+            if process in self.spares:
+                self.spares.remove(process)
+            log_path = self._spare_logs.pop(process.pid, None)
+            if not self._closing:
+                self._spare_failures += 1
+                tail = log_tail(log_path) if log_path else ""
+                logger.warning("warm spare learner (pid %d) ended unassigned: %s%s%s", process.pid,
+                               describe_exit(returncode), f": {tail}" if tail else "",
+                               "; no more spares" if self._spare_failures >= self._MAX_SPARE_FAILURES else "")
+            return
         self.processes.pop(launch_id, None)
         detail = describe_exit(returncode)
         if returncode != 0:  # say why: the learner's last words
@@ -193,10 +267,9 @@ class LocalProcessLauncher:
         self.on_exit(launch_id, detail)
 
     async def stop(self, launch_ids: Sequence[str], gently: bool = False) -> None:
-        await asyncio.gather(*(self._stop_one(i, gently) for i in launch_ids))
+        await asyncio.gather(*(self._stop_one(self.processes.get(i), i, gently) for i in launch_ids))
 
-    async def _stop_one(self, launch_id: str, gently: bool = False) -> None:
-        process = self.processes.get(launch_id)
+    async def _stop_one(self, process: asyncio.subprocess.Process | None, name: str, gently: bool = False) -> None:
         if process is None or process.returncode is not None:
             return
         if gently:  # after Leave it writes its summary and exits: give it the time
@@ -204,13 +277,13 @@ class LocalProcessLauncher:
                 await asyncio.wait_for(process.wait(), self.cfg.terminate_timeout_s)
                 return
             except asyncio.TimeoutError:
-                logger.warning("learner %s left but did not exit within %.1f s", launch_id, self.cfg.terminate_timeout_s)
+                logger.warning("learner %s left but did not exit within %.1f s", name, self.cfg.terminate_timeout_s)
         _signal_group(process.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(process.wait(), self.cfg.terminate_timeout_s)
         except asyncio.TimeoutError:
             logger.warning("learner %s ignored SIGTERM for %.1f s: its threads' stacks go to its log, then SIGKILL",
-                           launch_id, self.cfg.terminate_timeout_s)
+                           name, self.cfg.terminate_timeout_s)
             _signal_group(process.pid, signal.SIGUSR1)  # diloco processes dump their stacks (faulthandler)
             await asyncio.sleep(0.5)
             _signal_group(process.pid, signal.SIGKILL)
@@ -220,8 +293,14 @@ class LocalProcessLauncher:
         return list(self.processes)
 
     async def close(self) -> None:
-        """Reap every child: no learner outlives a coordinator that shut down cleanly."""
-        await self.stop(list(self.processes))
+        """Reap every child: no learner (and no spare) outlives a coordinator that shut
+        down cleanly."""
+        self._closing = True
+        spares, self.spares = self.spares, []
+        for spare in spares:  # a spare exits by itself when its stdin closes
+            spare.stdin.close()
+        await asyncio.gather(self.stop(list(self.processes)),
+                             *(self._stop_one(spare, f"spare (pid {spare.pid})", gently=True) for spare in spares))
         if self._watchers:
             await asyncio.gather(*self._watchers, return_exceptions=True)
 

@@ -111,6 +111,10 @@ class Learner:
         self._stopping = False
         """The stop decided at the last step boundary (a slice stops on the same step everywhere)."""
         self._bootstrapped = False
+        self.joined_in_progress = False
+        """Bootstrapped a model other learners have trained (a replacement or a scavenged
+        learner), on its own: its runner then skips the evaluation at step 0, which would
+        delay its first step (a slice's hosts evaluate in step, so a slice never skips)."""
         self.heartbeats = heartbeats
         self.streamer = None
         try:
@@ -283,6 +287,8 @@ class Learner:
         if missing:
             raise FailedPrecondition(f"bootstrap returned no state for fragments {sorted(missing)}")
         self.book = SyncBook(fragments, self.run.overlap_steps)
+        self.joined_in_progress = self.slice is None and any(s.base_version > 0 for s in fragments.values())
+        self.event("bootstrapped", versions={str(f): s.base_version for f, s in sorted(fragments.items())})
 
         def encode_anchor(fragment_id: int):
             state = self.book.fragments[fragment_id]  # replaced, never mutated, by the training thread

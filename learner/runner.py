@@ -80,7 +80,8 @@ class TaskRunner:
 
     def train(self) -> Summary:
         learner, cfg, task = self.learner, self.cfg, self.task
-        self._evaluate(0)
+        if not learner.joined_in_progress:  # a learner joining a trained model starts at once
+            self._evaluate(0)
         learner.event("state", state="computing", step=0)
         batches = iter(task.batches)
         for step in range(cfg.steps):

@@ -104,6 +104,7 @@ class SliceFollower:
         self.summary = Summary(self.learner_id)
         self.telemetry = LearnerTelemetry(self.learner_id)
         self.stop = threading.Event()
+        self.joined_in_progress = False  # a slice evaluates at step 0 on every host, as its leader does
         self.manifest = manifest_of(model)
         self.plan = self.manifest.plan(run.fragments)
         self.tensors = synced_tensors(model, self.manifest)

@@ -20,6 +20,18 @@ from diloco.clients.coordinator import LearnerSession  # noqa: E402
 from diloco.errors import DilocoError  # noqa: E402
 
 
+def standby() -> bool:
+    """``--standby`` (a launcher's warm spare): the rest of the command line comes as one
+    JSON list on stdin; False when stdin closes first."""
+    if "--standby" not in sys.argv:
+        return True
+    line = sys.stdin.readline()
+    if not line:
+        return False
+    sys.argv = [a for a in sys.argv if a != "--standby"] + json.loads(line)
+    return True
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
@@ -66,4 +78,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(asyncio.run(main()) if standby() else 0)

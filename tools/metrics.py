@@ -15,6 +15,8 @@ system turns its own records into the inputs below, and these functions make the
   steps of pushes merged with weight > 0 (``tape_stats``) over its learner slots
   (``slot_seconds``).
 - **bytes per 1k tokens**: bytes on the wire over tokens computed (``bytes_per_1k_tokens``).
+- **start**: seconds from the system's launch (its supervisor starting the first process)
+  until every worker launched at the start has begun its first inner step (``start_s``).
 
 Also here: the eval loss of a model, and the tokens of one inner step."""
 
@@ -50,6 +52,12 @@ def expected_period(interval_s: float) -> float:
 def goodput(useful_worker_s: float, slot_worker_s: float) -> float:
     """The share of the slots' worker-seconds whose computation reached the final model."""
     return round(useful_worker_s / slot_worker_s, 4) if slot_worker_s > 0 else 0.0
+
+
+def start_s(launched: float, first_steps: list[float]) -> float | None:
+    """Launch to training: ``first_steps`` holds, for each worker launched at the start,
+    when it began its first inner step (wall clock, as ``launched``)."""
+    return round(max(first_steps) - launched, 3) if first_steps else None
 
 
 def bytes_per_1k_tokens(wire_bytes: float, tokens: int) -> float | None:

@@ -11,6 +11,7 @@ just the step number, which makes a learner's data order part of its small state
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,18 @@ _EVAL_EVERY = 20
 _TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst", ".json", ".c", ".h", ".html", ".csv", ".toml", ".yaml", ".yml"}
 
 
+_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
 def stdlib_sources() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    """The standard library's .py files outside its tests, site-packages and caches
+    (one directory walk that never enters those: it is on every learner's start)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    return sorted(files)
 
 
 def corpus_files(data: str | None) -> list[Path]:

@@ -54,6 +54,7 @@ def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
             else:
                 assert budget <= m["tokens"] <= 1.5 * budget, m
             assert 0 < m["goodput"] <= 1 and 0 <= m["uptime"] <= 1 and m["global_stall_s"] >= 0, (name, m)
+            assert 0 < m["start_s"] < m["wall_s"], (name, m)  # launch to every worker's first step
             assert m["eval_unit"] == "bits/byte" and m["eval_loss_final"] < m["eval_loss_start"], (name, m)
 
     # Decoupled: what the learners say they sent is what the shards received; what they
@@ -79,8 +80,12 @@ def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
     report = (out / "results.md").read_text()
     assert "| nofault | decoupled | 2 |" in report and "| nofault | dp | 2 |" in report and " ± " in report
     ratio = systems["dp"]["bytes_per_1k_tokens"] / systems["decoupled"]["bytes_per_1k_tokens"]
-    target = next(t for t in stored["targets"] if t[0].startswith("bytes on the wire"))
-    assert target[1] == (ratio >= 50) and f"({ratio:.0f}x)" in target[2], target
+    target = next(t for t in stored["targets"] if t[0].startswith("nofault: bytes on the wire per token >= 50x lower than dp"))
+    assert target[1] == (ratio >= 50) and f"({ratio:.1f}x)" in target[2], target
+    # Decoupled's split of those bytes, learners to shards and back, adds up to them.
+    for m in systems["decoupled"]["seeds"]:
+        assert m["bytes_up_per_1k_tokens"] + m["bytes_down_per_1k_tokens"] == pytest.approx(m["bytes_per_1k_tokens"], abs=0.02)
+    assert " up, " in report and " down" in report
     assert (out / "compare.png").stat().st_size > 10_000
 
     # A second compare into the same directory is refused before it runs anything.

@@ -27,7 +27,10 @@ def shard_pushes(address):
     return asyncio.run(status())
 
 
-def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
+@pytest.mark.parametrize("standby", [False, True], ids=["started", "warm-spare"])
+def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path, standby):
+    """Started with its flags, or as a launcher's warm spare (``--standby``) that loads
+    first and reads the rest of its command line from stdin."""
     (tmp_path / "secret").write_text("s")
     common = ["--secret-file", str(tmp_path / "secret"), *TINY]
     shard = subprocess.Popen(
@@ -38,12 +41,16 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
     learner = None
     try:
         poll(lambda: (tmp_path / "port").exists(), "the shard", timeout_s=60)
-        learner = subprocess.Popen(
-            [sys.executable, "-m", "tools.cli", "--insecure", "--log-level", "INFO", "learner", "--shards",
-             (tmp_path / "port").read_text().strip(), "--learner-id", "L0", "--steps", "100000",
-             "--batch-size", "4", "--summary", str(tmp_path / "summary.json"), *common],
-            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"),
-        )
+        flags = ["--shards", (tmp_path / "port").read_text().strip(), "--learner-id", "L0", "--steps", "100000",
+                 "--batch-size", "4", "--summary", str(tmp_path / "summary.json"), *common]
+        command = [sys.executable, "-m", "tools.cli", "--insecure", "--log-level", "INFO", "learner"]
+        learner = subprocess.Popen(command + (["--standby"] if standby else flags), stdin=subprocess.PIPE,
+                                   stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"))
+        if standby:
+            poll(lambda: learner.poll() is not None or "waiting for a launch" in (tmp_path / "learner.log").read_text(),
+                 "the spare to load", timeout_s=60)
+            learner.stdin.write((json.dumps(flags) + "\n").encode())
+        learner.stdin.close()
         address = (tmp_path / "port").read_text().strip()
         poll(lambda: learner.poll() is not None or shard_pushes(address) >= 2, "the first pushes", timeout_s=90)
         assert learner.poll() is None, (tmp_path / "learner.log").read_text()
@@ -59,3 +66,13 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path):
                 proc.terminate()
                 proc.wait(timeout=30)
     assert shard.returncode == 0
+
+
+def test_a_warm_spare_exits_when_its_launcher_goes_and_refuses_a_bad_launch_line():
+    command = [sys.executable, "-m", "tools.cli", "--insecure", "learner", "--standby"]
+    gone = subprocess.run(command, input=b"", capture_output=True, timeout=120)
+    assert gone.returncode == 0, gone.stderr
+    bad = subprocess.run(command, input=b'{"steps": 3}\n', capture_output=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.decode().strip().splitlines()[-1] == (
+        "diloco: error: --standby: stdin must be one JSON list of strings (the learner's arguments)")

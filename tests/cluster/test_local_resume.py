@@ -89,12 +89,17 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     steps = {l["id"]: l["inner_steps"] for l in summary["learners"]}
     assert sorted(steps) == ["L0", "L1", "L2", "L3"] and steps["L2"] == steps["L3"] == STEPS - done, steps
     assert summary["tokens"] == stopped["tokens"] + 2 * (STEPS - done) * 4 * 32  # the whole run's
-    # The resumed learners started from the snapshot's model, not the initial one: their
-    # step-0 eval is the stopped run's, far below the start, and the versions went on.
+    # The resumed learners started from the snapshot's model, not the initial one: they
+    # bootstrapped every fragment at a version the stopped run had reached (so they skip
+    # the evaluation at step 0), their first evaluation is already far below the start, and
+    # the versions went on.
     for learner in ("L2", "L3"):
         records = [json.loads(line) for line in (out / "learners" / f"{learner}.events.jsonl").read_text().splitlines()]
-        first_eval = next(r["loss"] for r in records if r["kind"] == "eval" and r["step"] == 0)
-        assert first_eval < (stopped["eval_loss_start"] + stopped["eval_loss_final"]) / 2, (learner, first_eval, stopped)
+        [bootstrapped] = [r["versions"] for r in records if r["kind"] == "bootstrapped"]
+        assert bootstrapped.keys() == stopped["final_versions"].keys() and all(v > 0 for v in bootstrapped.values())
+        first_eval = next(r for r in records if r["kind"] == "eval")
+        assert first_eval["step"] > 0, first_eval
+        assert first_eval["loss"] < (stopped["eval_loss_start"] + stopped["eval_loss_final"]) / 2, (learner, first_eval, stopped)
     assert stopped["final_versions"] and summary["final_versions"].keys() == stopped["final_versions"].keys()
     assert all(summary["final_versions"][f] > v for f, v in stopped["final_versions"].items())
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 2

@@ -119,12 +119,11 @@ def test_a_follower_whose_leader_dies_fails(tmp_path, shard):
     procs = [subprocess.Popen([*common, "--slice-index", str(i), "--summary", str(tmp_path / f"s{i}.json")],
                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"host{i}.log", "w")) for i in (0, 1)]
     try:
-        poll(lambda: "bootstrapped" in (tmp_path / "host0.log").read_text(), "the leader's bootstrap", timeout_s=90,
+        poll(lambda: "bootstrapped" in (tmp_path / "host0.log").read_text()
+             and "follows the slice's leader" in (tmp_path / "host1.log").read_text(), "the slice to train", timeout_s=90,
              procs=[("leader", procs[0]), ("follower", procs[1])])
         procs[0].send_signal(signal.SIGKILL)
-        assert procs[1].wait(timeout=60) != 0
-        log = (tmp_path / "host1.log").read_text()
-        assert "follows the slice's leader L0" in log, log[-2000:]
+        assert procs[1].wait(timeout=60) != 0  # well inside its 120 s link timeout
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -24,7 +24,8 @@ def local(**kw):
 
 def test_add_drain_terminate_and_reap_learner_processes(tmp_path):
     async def scenario():
-        async with running_coordinator(tmp_path, lease_s=5.0, **local(terminate_timeout_s=1.5)) as server:
+        # (no warm spares: the last launch below changes the learner command)
+        async with running_coordinator(tmp_path, lease_s=5.0, **local(terminate_timeout_s=1.5, warm_spares=0)) as server:
             membership, launcher = server.runtime.membership, server.runtime.launcher
             async with admin_stub(server.address) as (stub, md):
                 reply = await stub.AddLearners(
@@ -77,6 +78,51 @@ def test_add_drain_terminate_and_reap_learner_processes(tmp_path):
         # The coordinator stopped: its last child was stopped with it, none is left behind.
         assert all(p.returncode is not None for p in processes.values())
         assert membership.learner([i for i in by_id if i not in (newest[0], victim)][0]).reason == "stopped with the coordinator"
+
+    run(scenario())
+
+
+def test_launches_go_to_warm_spares_and_no_spare_outlives_the_coordinator(tmp_path):
+    async def scenario():
+        async with running_coordinator(tmp_path, lease_s=5.0, **local(terminate_timeout_s=5.0, warm_spares=1)) as server:
+            membership, launcher = server.runtime.membership, server.runtime.launcher
+            logs = tmp_path / "coordinator" / "learners"
+
+            async def add_one():
+                reply = await stub.AddLearners(
+                    coordinator_pb2.AddLearnersRequest(count=1, overrides={"heartbeat_s": "0.05"}), metadata=md)
+                [launch] = reply.launches
+                assert launch.ok, launch.detail
+                await wait_for(lambda: any(l.launch_id == launch.launch_id for l in membership.live()),
+                               f"launch {launch.launch_id} to join")
+                return launch.launch_id, int(launch.detail.split()[1].rstrip(","))
+
+            async with admin_stub(server.address) as (stub, md):
+                # The first launch starts its process; a spare is started behind it.
+                cold, cold_pid = await add_one()
+                [spare] = launcher.spares
+                assert spare.pid != cold_pid and spare.returncode is None
+                # The next launch is the spare: its pid, its log renamed to the launch's, the
+                # launcher's flags read from stdin (and --standby gone); a new spare behind it.
+                warm, warm_pid = await add_one()
+                assert warm_pid == spare.pid
+                argv = json.loads((logs / f"{warm}.log").read_text().splitlines()[0])["argv"]
+                assert "--standby" not in argv and argv[argv.index("--launch-id") + 1] == warm
+                assert argv[argv.index("--heartbeat-s") + 1] == "0.05"
+                [second_spare] = launcher.spares
+                assert second_spare.pid not in (cold_pid, warm_pid)
+                assert not list(logs.glob("spare-1.log"))
+                # A spare that dies unassigned is passed over: the launch starts its own process.
+                second_spare.kill()
+                await second_spare.wait()
+                await wait_for(lambda: second_spare not in launcher.spares, "the dead spare to be dropped")
+                _, third_pid = await add_one()
+                assert third_pid != second_spare.pid
+                [last_spare] = launcher.spares
+        # The coordinator stopped: learners and the unassigned spare are gone; the spare
+        # exited by itself when its stdin closed.
+        assert last_spare.returncode == 0
+        assert all(p.returncode is not None for p in (spare, last_spare))
 
     run(scenario())
 

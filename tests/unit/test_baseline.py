@@ -259,3 +259,33 @@ def test_compare_runs_each_cell_with_its_own_seeds():
     assert [(cfg.seeded(i).run.seed, cfg.seeded(i).seed) for i in range(3)] == [(0, 3), (1, 4), (2, 5)]
     with pytest.raises(InvalidArgument, match="--seeds must be >= 1"):
         CompareConfig(seeds=0)
+
+
+def test_compare_judges_each_target_from_the_cells_it_names():
+    from tools.compare import targets
+
+    def cell(**values):
+        return {**values, "eval_unit": "bits/byte"}
+
+    results = [
+        {"scenario": "nofault", "systems": {
+            "decoupled": cell(eval_loss_final=3.40, bytes_per_1k_tokens=20_000, start_s=6.0),
+            "dp": cell(eval_loss_final=3.31, bytes_per_1k_tokens=1_400_000, start_s=4.0),
+            "torchft": cell(eval_loss_final=3.35, bytes_per_1k_tokens=90_000, start_s=5.5)}},
+        {"scenario": "mtbf30", "systems": {
+            "decoupled": cell(uptime=1.0, goodput=0.95), "dp": cell(uptime=0.7, goodput=0.6),
+            "torchft": cell(uptime=0.8, goodput=0.96)}},
+        {"scenario": "hetero", "systems": {"decoupled": cell(goodput=0.93, eval_loss_final=3.45)}},
+    ]
+    met = {name: ok for name, ok, _ in targets(results, None)}
+    assert met == {
+        "mtbf30: Decoupled uptime >= 0.99 and goodput >= 0.9, above torchft's; DP uptime below Decoupled's": False,
+        "nofault: Decoupled eval loss within 3 % of DP's": True,  # 3.40 <= 3.31 x 1.03 = 3.409
+        "nofault: bytes on the wire per token >= 50x lower than dp's": True,  # 70x
+        "nofault: bytes on the wire per token >= 5x lower than torchft's": False,  # 4.5x
+        "nofault: launch to every worker's first step no slower than torchft's": False,
+        "hetero: Decoupled goodput >= 0.9, eval within 3 % of its nofault value": True,  # 3.45 <= 3.502
+    }
+    results[1]["systems"]["torchft"]["goodput"] = 0.94
+    assert all(ok for name, ok, _ in targets(results, None) if name.startswith("mtbf30"))
+    assert targets([], None) == []  # nothing run, nothing judged

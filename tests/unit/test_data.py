@@ -1,7 +1,10 @@
+import sysconfig
+from pathlib import Path
+
 import torch
 
 from diloco.errors import NotFound
-from diloco.tasks.corpus import corpus_files, load_corpus
+from diloco.tasks.corpus import corpus_files, load_corpus, stdlib_sources
 
 import pytest
 
@@ -13,6 +16,15 @@ def test_default_corpus_is_the_stdlib_and_shards_are_disjoint():
     assert a.train.tokens.numel() > 100_000 and a.eval.tokens.numel() > 50_000
     assert torch.equal(a.eval.tokens, b.eval.tokens)
     assert not torch.equal(a.train.tokens[:4096], b.train.tokens[:4096])
+
+
+def test_the_stdlib_walk_finds_every_source_outside_tests_and_caches():
+    """The pruning walk finds what a full search filtered afterwards finds (the data, so
+    every run's batches, depend on this list)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+    expected = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    assert len(expected) > 100 and stdlib_sources() == expected
 
 
 def test_batches_are_deterministic_in_the_step_cursor(tmp_path):

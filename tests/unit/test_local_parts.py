@@ -11,7 +11,7 @@ from tools.chaos import ChaosConfig, learner_pid, parse_learner_device, parse_sc
 from diloco.errors import InvalidArgument
 from tools.local.config import LocalConfig
 from tools.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, expected_period, goodput, slot_seconds,
-                           tape_stats, uptime, wire_bytes)
+                           start_s, tape_stats, uptime, wire_bytes)
 from diloco.tape import TapeWriter
 from tools.timeline import learner_intervals
 
@@ -64,6 +64,11 @@ def test_token_budget_sizes_the_learners():
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():
     assert slot_seconds([0.0, 2.0], 10.0, []) == 18.0
     assert slot_seconds([0.0], 10.0, [(4.0, 2), (12.0, 1)]) == 10.0 + 12.0
+
+
+def test_start_is_launch_to_the_last_first_step():
+    assert start_s(100.0, [103.5, 106.25, 104.0]) == 6.25
+    assert start_s(100.0, []) is None  # no worker stepped: no start to report
 
 
 def test_tape_stats_count_the_steps_of_merged_pushes_only(tmp_path):

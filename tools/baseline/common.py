@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SUMMARY_KEYS = (
     "wall_s", "tokens", "eval_unit", "eval_loss_start", "eval_loss_final", "goodput", "uptime", "global_stall_s",
-    "bytes_per_1k_tokens", "restarts", "steps",
+    "bytes_per_1k_tokens", "start_s", "restarts", "steps",
 )
 """Exactly the keys of every baseline's summary.json, in this order."""
 
@@ -277,7 +277,7 @@ class BaselineRun:
             eval_unit=self.task.eval_unit, eval_loss_start=self.eval_start,
             eval_loss_final=eval_task(self.cfg.run, self.task, final_model), uptime=metrics["uptime"],
             global_stall_s=metrics["global_stall_s"], bytes_per_1k_tokens=metrics["bytes_per_1k_tokens"],
-            steps=self.cfg.steps, **values,
+            start_s=metrics["start_s"], steps=self.cfg.steps, **values,
         )
         atomic_write_json(self.dir / "stats.json", {
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
@@ -333,8 +333,8 @@ def summary(**values) -> dict:
     if missing or extra:
         raise ValueError(f"summary keys: missing {sorted(missing)}, unexpected {sorted(extra)}")
     digits = {"wall_s": 2, "eval_loss_start": 4, "eval_loss_final": 4, "goodput": 4, "uptime": 4,
-              "global_stall_s": 3, "bytes_per_1k_tokens": 1}
-    return {k: (round(values[k], digits[k]) if k in digits else values[k]) for k in SUMMARY_KEYS}
+              "global_stall_s": 3, "bytes_per_1k_tokens": 1, "start_s": 3}
+    return {k: (round(values[k], digits[k]) if k in digits and values[k] is not None else values[k]) for k in SUMMARY_KEYS}
 
 
 def median(values: list[float]) -> float:

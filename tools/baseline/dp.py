@@ -39,7 +39,7 @@ from tools.baseline.common import (
     check_slow_workers, kill, median, ring_allreduce_bytes, spawn, task_error,
 )
 from diloco.config import RunConfig
-from tools.metrics import bytes_per_1k_tokens, expected_period, goodput, uptime
+from tools.metrics import bytes_per_1k_tokens, expected_period, goodput, start_s, uptime
 from diloco.errors import InvalidArgument, Unavailable
 from diloco.task import TaskError
 
@@ -326,7 +326,7 @@ def run_dp(cfg: DPConfig, show_progress: bool = True) -> dict:
 
     # The rendezvous store lives here, like torchrun's agent's: it outlives every worker.
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    started = time.monotonic()
+    started, launched = time.monotonic(), time.time()
     progress = _Progress(cfg) if show_progress else None
     supervisor = Supervisor(cfg, run_dir, store.port, progress)
     try:
@@ -338,6 +338,8 @@ def run_dp(cfg: DPConfig, show_progress: bool = True) -> dict:
     wall_s = time.monotonic() - started
 
     metrics = dp_metrics(supervisor.attempts, cfg.workers, buffer_bytes, step_tokens)
+    # The workers step together: the job's first step is every worker's.
+    metrics["start_s"] = start_s(launched, [a.steps[0][1] for a in supervisor.attempts if a.steps][:1])
     details = {"params": numel, "buffer_bytes": buffer_bytes,
                "restarts_detail": _restarts_detail(run_dir, supervisor.attempts)}
     return run.finish(torch.load(run_dir / "model.pt", weights_only=True), metrics, details, wall_s=wall_s,

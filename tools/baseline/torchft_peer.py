@@ -38,7 +38,7 @@ from tools.baseline.common import (
     check_slow_workers, kill, median, spawn, task_error,
 )
 from diloco.config import RunConfig
-from tools.metrics import bytes_per_1k_tokens, expected_period, goodput, uptime
+from tools.metrics import bytes_per_1k_tokens, expected_period, goodput, start_s, uptime
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.task import TaskError
 from syncer.config import MergeConfig
@@ -346,7 +346,7 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
 
     run = BaselineRun.start(cfg, "torchft", holds=("summary.json", "events.jsonl"))
     cfg, run_dir = run.cfg, run.dir
-    started = time.monotonic()
+    started, launched = time.monotonic(), time.time()
     lighthouse = spawn(REPLICA_MODULE, ["lighthouse", "--run-dir", str(run_dir)], run_dir / "logs" / "lighthouse.log")
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     progress = _Progress(cfg) if show_progress else None
@@ -371,6 +371,9 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     torch.save(state, run_dir / "model.pt")
     timelines = [records for slot in supervisor.slots for records in slot.records]
     metrics = ft_metrics(timelines, cfg.fragments, cfg.run.sync_every_steps, run.batch_tokens)
+    first_steps = [min((r["t0"] for records in slot.records for r in records if r["kind"] == "step"), default=None)
+                   for slot in supervisor.slots]
+    metrics["start_s"] = start_s(launched, [t for t in first_steps if t is not None])
     window = metrics["window_s"]
     good = goodput(metrics["useful_worker_s"], cfg.workers * window)
     details = {

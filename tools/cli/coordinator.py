@@ -154,6 +154,9 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
                                                    "with this coordinator's --tls-dir or --insecure)")
     add_flag(local, "--terminate-timeout-s", LocalLauncherConfig, "terminate_timeout_s",
              "SIGKILL a learner this long after SIGTERM, seconds", type=float)
+    add_flag(local, "--warm-spares", LocalLauncherConfig, "warm_spares",
+             "learner processes kept loaded in standby (--standby) and handed the next launches, so a replacement "
+             "skips the process start; 0: each launch starts a process", type=int, metavar="N")
     k8s = p.add_argument_group("kubernetes launcher")
     k8s.add_argument("--namespace", help="namespace of learner pods (default $POD_NAMESPACE, else default)")
     k8s.add_argument("--pod-template", action="append", type=_pod_template, metavar="[POOL=]PATH",

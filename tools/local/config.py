@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, LocalLauncherConfig
 from tools.chaos import ChaosConfig
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
@@ -63,6 +63,8 @@ class LocalConfig:
     """The coordinator takes a snapshot this often (0: only on demand and for --restart-shard-at)."""
     snapshot_keep: int = CoordinatorConfig.snapshot_keep
     """The coordinator keeps the newest this many complete snapshots (0: all)."""
+    warm_spares: int = LocalLauncherConfig.warm_spares
+    """Learner processes the coordinator's launcher keeps in standby for the next launches."""
     tls: bool = True
     """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls
     (False: plaintext gRPC on 127.0.0.1, ``--insecure``)."""

@@ -40,7 +40,7 @@ from tools.local.config import LocalConfig
 from tools.local.plots import plot_eval
 from tools.local.progress import final_table, progress_line, progress_table
 from tools.local.supervisor import Cluster, shard_status, take_snapshot
-from tools.metrics import (eval_task, expected_period, goodput, learner_events, slot_seconds, supervisor_task,
+from tools.metrics import (eval_task, expected_period, goodput, learner_events, slot_seconds, start_s, supervisor_task,
                            tape_stats, tokens_per_step, uptime, wire_bytes)
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def _check_new_run_dir(run_dir: Path) -> None:
 RUN_DEFINING = ("shards", "quorum", "grace", "steps", "tokens", "outer_lr", "outer_momentum", "merge", "scale_by",
                 "delta_codec", "tls", "snapshot_dir")
 # Kept from it unless given again.
-RUN_ADJUSTABLE = ("learners", "learner_threads", "snapshot_every_s", "snapshot_keep")
+RUN_ADJUSTABLE = ("learners", "learner_threads", "snapshot_every_s", "snapshot_keep", "warm_spares")
 
 
 def resume_config(run_dir: Path, given: LocalConfig, default: LocalConfig) -> LocalConfig:
@@ -408,6 +408,7 @@ def run_local(cfg: LocalConfig) -> dict:
         "eval_unit": unit,
         "eval_loss_start": round(eval_start, 4),
         "eval_loss_final": round(eval_final, 4),
+        "start_s": start_s(started_wall, first_steps[: cfg.learners]),
         "goodput": goodput(stats.pop("useful_s"), slots),
         "step_goodput": stats.pop("step_goodput"),
         "uptime": up,
