@@ -56,7 +56,11 @@ ABLATIONS = {
     "fp32 deltas": {"delta_codec": "fp32"},
     "reply rule mix": {"reply_rule": "mix"},
     "outer lr not scaled by participation": {"scale_by": "round"},
+    "H=8": {"sync_every": 8},
+    "H=16": {"sync_every": 16},
 }
+DEFAULT_VARIANT = "K=1+grace (default)"
+ABLATION_SCENARIOS = ("nofault", "hetero")
 
 
 @dataclass(frozen=True)
@@ -206,13 +210,21 @@ def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | No
     return result
 
 
-def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ("nofault", "hetero")) -> dict:
-    """Decoupled only, one setting changed at a time."""
+def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ABLATION_SCENARIOS,
+                  variants: tuple[str, ...] = tuple(ABLATIONS), done: list[dict] = ()) -> dict:
+    """Decoupled only, one setting changed at a time: ``variants`` and the default one
+    (taken from ``done``, the scenarios' results, when they ran Decoupled)."""
     from tools.local.run import run_local
 
     results: dict[str, dict] = {}
+    ran = {r["scenario"]: r["systems"]["decoupled"] for r in done if "decoupled" in r["systems"]}
     for scenario in scenarios:
         for name, change in ABLATIONS.items():
+            if name != DEFAULT_VARIANT and name not in variants:
+                continue
+            if name == DEFAULT_VARIANT and scenario in ran:  # the same runs as the scenario's own
+                results.setdefault(scenario, {})[name] = ran[scenario]
+                continue
             out = cfg.out / "ablations" / scenario / name.replace(" ", "_").replace(",", "").replace("=", "")
             change = dict(change)
             run = cfg.run
@@ -220,6 +232,8 @@ def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ("nofault", "
                 run = replace(run, merge_alpha=change.pop("alpha"))
             if "reply_rule" in change:
                 run = replace(run, reply_rule=change.pop("reply_rule"))
+            if "sync_every" in change:
+                run = replace(run, sync_every_steps=change.pop("sync_every"))
             if change.get("quorum") == "all":
                 change["quorum"] = cfg.workers
             variant, runs = replace(cfg, run=run), []
@@ -229,6 +243,7 @@ def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ("nofault", "
                     local = replace(local, slow_learners=cfg.slow)
                 runs.append(_decoupled_metrics(run_local(local)))
             results.setdefault(scenario, {})[name] = over_seeds(runs)
+    (cfg.out / "ablations").mkdir(parents=True, exist_ok=True)
     (cfg.out / "ablations" / "result.json").write_text(json.dumps(results, indent=1))
     return results
 
@@ -389,7 +404,10 @@ def write_report(cfg: CompareConfig, results: list[dict], ablations: dict | None
     return report
 
 
-def run(cfg: CompareConfig, scenarios: tuple[str, ...], ablations: bool, on_result=None) -> tuple[list[dict], dict | None]:
+def run(cfg: CompareConfig, scenarios: tuple[str, ...], ablations: tuple[str, ...] = (),
+        on_result=None) -> tuple[list[dict], dict | None]:
+    """The scenarios, then the ``ablations`` (variant names) on those of the scenarios that
+    ablations run on (all of them when none of those was asked for)."""
     results, reference = [], None
     for scenario in scenarios:
         result = run_scenario(cfg, scenario, reference)
@@ -399,7 +417,10 @@ def run(cfg: CompareConfig, scenarios: tuple[str, ...], ablations: bool, on_resu
         if on_result is not None:
             on_result(result)
         write_report(cfg, results, None)
-    found = run_ablations(cfg) if ablations else None
+    found = None
+    if ablations:
+        found = run_ablations(cfg, tuple(s for s in scenarios if s in ABLATION_SCENARIOS) or ABLATION_SCENARIOS,
+                              ablations, results)
     write_report(cfg, results, found)
     return results, found
 

@@ -289,3 +289,29 @@ def test_compare_judges_each_target_from_the_cells_it_names():
     results[1]["systems"]["torchft"]["goodput"] = 0.94
     assert all(ok for name, ok, _ in targets(results, None) if name.startswith("mtbf30"))
     assert targets([], None) == []  # nothing run, nothing judged
+
+
+def test_ablations_run_the_chosen_variants_and_reuse_the_scenario_for_the_default(tmp_path, monkeypatch):
+    """``compare --ablation H=8`` runs H=8 (its run config's H) for every seed; the default
+    variant is the scenario's own Decoupled cell, not run again."""
+    from tools import compare
+    from tools.local import run as local_run
+
+    launched = []
+
+    def fake_run_local(local):
+        launched.append(local)
+        return {"tokens": 1000, "bytes_up": 10, "bytes_down": 30, "eval_unit": "bits/byte", "eval_loss_start": 8.0,
+                "eval_loss_final": 3.0 + local.run.seed / 10, "goodput": 0.9, "step_goodput": 0.95,
+                "learners_killed": 0, "run_dir": str(local.out), "wall_s": 1.0, "uptime": 1.0,
+                "global_stall_s": 0.0, "start_s": 2.0}
+
+    monkeypatch.setattr(local_run, "run_local", fake_run_local)
+    cfg = compare.CompareConfig(seeds=2, out=tmp_path)
+    scenario_cell = {"eval_loss_final": 3.5, "seeds": [{}, {}]}
+    found = compare.run_ablations(cfg, ("nofault",), ("H=8",),
+                                  [{"scenario": "nofault", "systems": {"decoupled": scenario_cell}}])
+    assert list(found["nofault"]) == [compare.DEFAULT_VARIANT, "H=8"]
+    assert found["nofault"][compare.DEFAULT_VARIANT] is scenario_cell
+    assert [(l.run.sync_every_steps, l.run.seed) for l in launched] == [(8, cfg.run.seed), (8, cfg.run.seed + 1)]
+    assert found["nofault"]["H=8"]["eval_loss_final"] == round(3.0 + (2 * cfg.run.seed + 1) / 20, 4)

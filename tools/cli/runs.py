@@ -233,14 +233,15 @@ def _compare(args: argparse.Namespace) -> int:
     scenarios = tuple(args.scenario or compare.SCENARIOS)
     cfg = from_flags(args, compare.CompareConfig, run=build_run_config(args))
     emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
-    compare.run(cfg, scenarios, args.ablations, on_result=emit)
+    ablations = tuple(compare.ABLATIONS) if args.ablations else tuple(args.ablation or ())
+    compare.run(cfg, scenarios, ablations, on_result=emit)
     if not args.json:
         print((cfg.out / "results.md").read_text())
     return 0
 
 
 def add_compare(commands: argparse._SubParsersAction) -> None:
-    from tools.compare import SCENARIOS, SYSTEMS, CompareConfig
+    from tools.compare import ABLATIONS, DEFAULT_VARIANT, SCENARIOS, SYSTEMS, CompareConfig
 
     p = commands.add_parser(
         "compare",
@@ -251,7 +252,13 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only this scenario (repeatable; default all)")
     add_flag(p, "--systems", CompareConfig, "systems", f"comma-separated subset of {','.join(SYSTEMS)}", shown=",".join,
              taken=lambda systems: tuple(x for x in systems.split(",") if x))
-    p.add_argument("--ablations", action="store_true", help="also run the Decoupled ablations on nofault and hetero")
+    ablate = p.add_mutually_exclusive_group()
+    ablate.add_argument("--ablations", action="store_true",
+                        help="also run every Decoupled ablation on nofault and hetero (those of them in --scenario)")
+    ablate.add_argument("--ablation", action="append", metavar="VARIANT",
+                        choices=[a for a in ABLATIONS if a != DEFAULT_VARIANT],
+                        help="also run this ablation (repeatable), beside the default variant: "
+                             + "; ".join(a for a in ABLATIONS if a != DEFAULT_VARIANT))
     add_flag(p, "--workers", CompareConfig, "workers", "M: learners / DP workers / torchft replicas", type=int)
     add_flag(p, "--steps", CompareConfig, "steps", "inner steps per worker", type=int)
     add_flag(p, "--seed-faults", CompareConfig, "seed", "seed of the fault schedules", type=int)
