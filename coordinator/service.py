@@ -7,6 +7,7 @@ for that id; admin calls need the admin token.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT_S = 600.0
 """Deadline of the Bootstrap of one shard while exporting."""
+EXPORT_IDLE_S = 30.0
+"""An export fails (UNAVAILABLE, naming the shard) when a shard sends nothing for this long."""
 SHARD_STATUS_TIMEOUT_S = 5.0
 """Deadline of one shard's Status in ListShards."""
 
@@ -201,13 +204,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         yield coordinator_pb2.ExportModelReply(header=coordinator_pb2.ExportHeader(
             manifest_json=run.manifest_json, plan_hash=run.plan_hash, fragments=run.run.fragments))
         for m, address in enumerate(self.runtime.cfg.shards):
+            call = self._shards.bootstrap(address, EXPORT_TIMEOUT_S)
             try:
-                async for reply in self._shards.bootstrap(address, EXPORT_TIMEOUT_S):
+                while (reply := await asyncio.wait_for(call.read(), EXPORT_IDLE_S)) is not grpc.aio.EOF:
                     kind = reply.WhichOneof("kind")
                     if kind == "update":
                         yield coordinator_pb2.ExportModelReply(update=reply.update)
                     elif kind == "chunk":
                         yield coordinator_pb2.ExportModelReply(chunk=reply.chunk)
+            except asyncio.TimeoutError:
+                call.cancel()
+                try:  # is the shard alive at all? (the log says, for whoever looks into it)
+                    status = await self._shards.status(address, SHARD_STATUS_TIMEOUT_S)
+                    alive = "its Status answers: " + ", ".join(
+                        f"fragment {f.fragment} v{f.version} ({f.round_state or 'idle'})" for f in status.fragments)
+                except grpc.aio.AioRpcError as error:
+                    alive = f"its Status fails too: {error.code().name} {error.details()}"
+                logger.error("export: shard %d at %s sent nothing for %g s; %s", m, address, EXPORT_IDLE_S, alive)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"shard {m} at {address} sent nothing for {EXPORT_IDLE_S:g} s")
             except grpc.aio.AioRpcError as error:
                 await context.abort(error.code(), f"shard {m} at {address}: {error.details()}")
 

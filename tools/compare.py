@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -258,6 +259,9 @@ def over_seeds(runs: list[dict]) -> dict:
     for key in runs[0]:
         values = [r.get(key) for r in runs]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            if any(math.isnan(v) for v in values):  # a run that failed to measure it: so is the cell
+                cell[key] = spread[key] = math.nan
+                continue
             cell[key] = round(statistics.fmean(values), 4)
             spread[key] = round(statistics.stdev(values), 4) if len(values) > 1 else 0.0
         elif all(v == values[0] for v in values):

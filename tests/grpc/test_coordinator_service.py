@@ -1,6 +1,7 @@
 """A real coordinator on 127.0.0.1:0: membership over the RPCs, the membership stream a
 real shard follows, bad input answered with a specific status, state across restarts."""
 
+import asyncio
 import time
 
 import grpc
@@ -299,3 +300,44 @@ def test_restore_of_a_missing_snapshot_is_refused(tmp_path):
 
     with pytest.raises(NotFound, match="no complete snapshot"):
         run(running_coordinator(tmp_path, restore="latest").__aenter__())
+
+
+def test_an_export_names_the_shard_that_stops_sending(tmp_path, monkeypatch, caplog):
+    """A shard that accepts the export's Bootstrap and then sends nothing fails the export
+    within the idle bound, UNAVAILABLE and naming it, instead of holding it for the whole
+    deadline; the coordinator logs whether the shard still answers Status."""
+    from coordinator import service
+    from diloco.v1 import syncer_pb2, syncer_pb2_grpc
+
+    class Silent(syncer_pb2_grpc.SyncerServicer):
+        async def Bootstrap(self, request, context):
+            await asyncio.Event().wait()  # accepted, never answered
+            yield syncer_pb2.BootstrapReply()
+
+        async def Status(self, request, context):
+            return syncer_pb2.StatusReply(shard_id=0, fragments=[syncer_pb2.FragmentStatus(fragment=0, version=7)])
+
+    async def scenario():
+        silent = grpc.aio.server()
+        syncer_pb2_grpc.add_SyncerServicer_to_server(Silent(), silent)
+        address = f"127.0.0.1:{silent.add_insecure_port('127.0.0.1:0')}"
+        await silent.start()
+        monkeypatch.setattr(service, "EXPORT_IDLE_S", 0.5)
+        try:
+            async with running_coordinator(tmp_path, shards=(address,)) as server:
+                session = await joined(server.address)
+                await session.register_model(model_plan(TINY)[0].to_json())
+                async with admin_stub(server.address) as (stub, md):
+                    started = time.monotonic()
+                    with pytest.raises(grpc.aio.AioRpcError) as error:
+                        async for _ in stub.ExportModel(coordinator_pb2.ExportModelRequest(), metadata=md, timeout=20):
+                            pass
+                    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert error.value.details() == f"shard 0 at {address} sent nothing for 0.5 s"
+                    assert time.monotonic() - started < 10
+                assert f"export: shard 0 at {address} sent nothing for 0.5 s; its Status answers: fragment 0 v7 (idle)" \
+                    in caplog.text
+        finally:
+            await silent.stop(None)
+
+    run(scenario())

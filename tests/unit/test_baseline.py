@@ -250,6 +250,9 @@ def test_a_cell_over_seeds_is_the_mean_with_its_spread_and_its_runs():
     assert cell["seeds"] == runs
     assert over_seeds(runs[:1])["spread"] == {"eval_loss_final": 0.0, "goodput": 0.0}
     assert over_seeds([{"skipped": "torchft is not installed"}]) == {"skipped": "torchft is not installed"}
+    # A run whose final model could not be evaluated makes its cell's figure nan, not a crash.
+    failed = over_seeds([{"eval_loss_final": 3.5}, {"eval_loss_final": math.nan}])
+    assert math.isnan(failed["eval_loss_final"]) and math.isnan(failed["spread"]["eval_loss_final"])
 
 
 def test_compare_runs_each_cell_with_its_own_seeds():

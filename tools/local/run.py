@@ -46,6 +46,10 @@ from tools.metrics import (eval_task, expected_period, goodput, learner_events, 
 logger = logging.getLogger(__name__)
 
 
+EXPORT_ATTEMPTS = 3
+"""Tries of the final export (a shard that stops sending fails one in 30 s)."""
+
+
 def _launch(admin, cfg: LocalConfig) -> None:
     slow, devices = dict(cfg.slow_learners), dict(cfg.learner_devices)
     for index in range(cfg.learners):
@@ -349,14 +353,17 @@ def run_local(cfg: LocalConfig) -> dict:
         if interrupted and admin is not None:  # what --resume continues from
             stop_snapshot = _snapshot_for_resume(admin, run_dir, lambda line: console.print(line, soft_wrap=True))
         state, versions = None, {}
-        try:
-            if admin is not None:
-                console.print("exporting the trained model from the shards")
-                exported = export_model(AdminClient(cluster.coordinator, token, timeout_s=60), run_dir / "model.safetensors",
-                                        timeout_s=120)
-                state, versions = exported.state, exported.versions
-        except DilocoError as error:  # the cluster may already be gone after Ctrl-C
-            logger.warning("could not export the final model: %s", error)
+        if admin is not None:
+            console.print("exporting the trained model from the shards")
+            for attempt in range(1, EXPORT_ATTEMPTS + 1):
+                try:
+                    exported = export_model(AdminClient(cluster.coordinator, token, timeout_s=60),
+                                            run_dir / "model.safetensors", timeout_s=120)
+                    state, versions = exported.state, exported.versions
+                    break
+                except DilocoError as error:  # the cluster may already be gone after Ctrl-C
+                    logger.warning("could not export the final model (attempt %d of %d): %s", attempt, EXPORT_ATTEMPTS,
+                                   error)
         members = []
         if admin is not None:  # after Ctrl-C too: the processes run in their own sessions
             try:
@@ -399,7 +406,9 @@ def run_local(cfg: LocalConfig) -> dict:
     first_steps = sorted(min(e["t"] for e in r if e["kind"] == "state" and e["state"] == "computing")
                          for i, r in part.items()
                          if pools.get(i) != SCAVENGED_POOL and any(e.get("state") == "computing" for e in r))
-    slots = slot_seconds(first_steps[: cfg.learners], window[1],
+    # Slots are held until the last learner has left: the steps of a drain's last pushes
+    # count as useful, so the time they take counts as held (goodput stays <= 1).
+    slots = slot_seconds(first_steps[: cfg.learners], end,
                          [(c["t"], len(c["launched"])) for c in chaos if c["kind"] == "scavenge"])
     summary = {
         "tokens": tokens,

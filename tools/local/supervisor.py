@@ -107,10 +107,9 @@ class Cluster:
             "snapshot_keep": self.cfg.snapshot_keep, "warm_spares": self.cfg.warm_spares, **self.common,
         })
         coord = self._spawn("coordinator", ["coordinator", "--config", str(coordinator_config), *self.restore])
-        self.shard_procs = []
-        for m, address in enumerate(self.shards):
-            shard = self._spawn(f"shard{m}", [*self._shard_args(m), *self.restore])
-            self.shard_procs.append(shard)
+        # Every shard starts at once; then each is waited for.
+        self.shard_procs = [self._spawn(f"shard{m}", [*self._shard_args(m), *self.restore]) for m in range(len(self.shards))]
+        for m, (address, shard) in enumerate(zip(self.shards, self.shard_procs)):
             self._wait_serving(address, f"shard {m}", shard)
             self._endpoint(f"shard{m}", address, shard.pid)
         self._wait_serving(self.coordinator, "the coordinator", coord)
