@@ -372,6 +372,9 @@ class KubernetesLauncher:
                     if error.status != 404:
                         logger.warning("cannot delete %s %s: %s", what, name, _api_error(error))
 
+    def settled(self) -> None:
+        """No warm pods: a pod pool is not built."""
+
     def reaped_on_close(self) -> list[str]:
         return []
 

@@ -86,6 +86,10 @@ class Launcher(Protocol):
         """Stop these learners; unknown or already stopped ids are ignored. ``gently``:
         the learner left by itself and is exiting; stop it only if it lingers."""
 
+    def settled(self) -> None:
+        """Every launch so far has joined or ended: nothing is starting now (called often;
+        cheap, never blocks). A moment to prepare for the next launches."""
+
     def reaped_on_close(self) -> list[str]:
         """Launch ids that ``close`` will stop (children die with the coordinator)."""
 
@@ -148,8 +152,9 @@ class LocalProcessLauncher:
 
     Warm spares (``cfg.warm_spares``): processes started ahead with ``--standby``, which
     load Python, torch and the learner's code and then wait on stdin. A launch hands one
-    its flags (one JSON list on a line) instead of starting a process, and a new spare
-    is started behind it. A spare whose stdin closes (this launcher gone) exits."""
+    its flags (one JSON list on a line) instead of starting a process; new spares are
+    started once no learner is starting (``settled``). A spare whose stdin closes (this
+    launcher gone) exits."""
 
     _MAX_SPARE_FAILURES = 3
     """Spares that die unassigned before spares are given up (a command without --standby)."""
@@ -169,6 +174,7 @@ class LocalProcessLauncher:
         self._spare_failures = 0
         self._launch_of: dict[int, str] = {}
         self._closing = False
+        self._refill: asyncio.Task | None = None
         self._watchers: set[asyncio.Task] = set()
 
     def prefix(self) -> list[str]:
@@ -195,8 +201,15 @@ class LocalProcessLauncher:
             self.processes[launch_id] = process
             logger.info("launched learner %s (pid %d, pool %s, %s), log %s", launch_id, process.pid, pool, how, log_path)
             results.append(LaunchResult(launch_id, True, f"pid {process.pid}, log {log_path}"))
-        await self._refill_spares()
         return results
+
+    def settled(self) -> None:
+        """Start the missing spares now that no learner is starting (a spare loading beside
+        starting learners would slow their start on a machine with few cores)."""
+        if (self._refill is None and len(self.spares) < self.cfg.warm_spares and not self._closing
+                and self._spare_failures < self._MAX_SPARE_FAILURES):
+            self._refill = asyncio.get_running_loop().create_task(self._refill_spares())
+            self._refill.add_done_callback(lambda _: setattr(self, "_refill", None))
 
     async def _start(self, argv: list[str], log_path: Path, stdin: int, launch_id: str | None = None
                      ) -> asyncio.subprocess.Process:
@@ -230,6 +243,7 @@ class LocalProcessLauncher:
         return None
 
     async def _refill_spares(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         while (len(self.spares) < self.cfg.warm_spares and self._spare_failures < self._MAX_SPARE_FAILURES
                and not self._closing):
             self._spares_started += 1
@@ -296,6 +310,8 @@ class LocalProcessLauncher:
         """Reap every child: no learner (and no spare) outlives a coordinator that shut
         down cleanly."""
         self._closing = True
+        if self._refill is not None:
+            await asyncio.gather(self._refill, return_exceptions=True)
         spares, self.spares = self.spares, []
         for spare in spares:  # a spare exits by itself when its stdin closes
             spare.stdin.close()

@@ -188,6 +188,8 @@ class CoordinatorRuntime:
             self._finished(snapshot)
         if save or changes or finished:
             self._save()
+        if self.launcher is not None and not self.membership.launches:
+            self.launcher.settled()
         self._schedule()
 
     def _announce(self, change: Change, now: float) -> None:

@@ -30,6 +30,10 @@ class LearnerConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_every_steps: int = 50
+    skip_start_eval: bool = False
+    """No evaluation before the first inner step (it would delay the first step). A learner
+    joining a model others have trained never evaluates there; ``diloco local`` skips it
+    for all, its supervisor evaluating the seed model once for the run."""
     delta_codec: str = "int4"
     """Encoding of outgoing deltas: int4 (default) or fp32 (ablations)."""
     block_size: int = 64

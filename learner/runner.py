@@ -80,7 +80,7 @@ class TaskRunner:
 
     def train(self) -> Summary:
         learner, cfg, task = self.learner, self.cfg, self.task
-        if not learner.joined_in_progress:  # a learner joining a trained model starts at once
+        if not (cfg.skip_start_eval or learner.joined_in_progress):  # else the first step comes at once
             self._evaluate(0)
         learner.event("state", state="computing", step=0)
         batches = iter(task.batches)

@@ -123,7 +123,9 @@ def _local_cfg(cfg: CompareConfig, out: Path, **changes):
 
     # The run's token budget, not a quota per learner: a learner that is fast, or replaces
     # a killed one, keeps training until the learners together have trained the budget.
-    local = LocalConfig(run=cfg.run, learners=cfg.workers, tokens=cfg.tokens, out=out)
+    # No evaluations while training: DP and torchft make none (each system's final model
+    # is evaluated once, by the same code).
+    local = LocalConfig(run=cfg.run, learners=cfg.workers, tokens=cfg.tokens, out=out, learner_evals=0)
     return replace(local, **changes)
 
 

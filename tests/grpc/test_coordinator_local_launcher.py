@@ -93,13 +93,16 @@ def test_launches_go_to_warm_spares_and_no_spare_outlives_the_coordinator(tmp_pa
                     coordinator_pb2.AddLearnersRequest(count=1, overrides={"heartbeat_s": "0.05"}), metadata=md)
                 [launch] = reply.launches
                 assert launch.ok, launch.detail
+                assert launcher.spares == []  # none started (and none left) while a learner starts
                 await wait_for(lambda: any(l.launch_id == launch.launch_id for l in membership.live()),
                                f"launch {launch.launch_id} to join")
                 return launch.launch_id, int(launch.detail.split()[1].rstrip(","))
 
             async with admin_stub(server.address) as (stub, md):
-                # The first launch starts its process; a spare is started behind it.
+                # The first launch starts its process; once it has joined (nothing is
+                # starting any more), a spare is started.
                 cold, cold_pid = await add_one()
+                await wait_for(lambda: len(launcher.spares) == 1, "a spare")
                 [spare] = launcher.spares
                 assert spare.pid != cold_pid and spare.returncode is None
                 # The next launch is the spare: its pid, its log renamed to the launch's, the
@@ -109,6 +112,7 @@ def test_launches_go_to_warm_spares_and_no_spare_outlives_the_coordinator(tmp_pa
                 argv = json.loads((logs / f"{warm}.log").read_text().splitlines()[0])["argv"]
                 assert "--standby" not in argv and argv[argv.index("--launch-id") + 1] == warm
                 assert argv[argv.index("--heartbeat-s") + 1] == "0.05"
+                await wait_for(lambda: len(launcher.spares) == 1, "the next spare")
                 [second_spare] = launcher.spares
                 assert second_spare.pid not in (cold_pid, warm_pid)
                 assert not list(logs.glob("spare-1.log"))
@@ -118,6 +122,7 @@ def test_launches_go_to_warm_spares_and_no_spare_outlives_the_coordinator(tmp_pa
                 await wait_for(lambda: second_spare not in launcher.spares, "the dead spare to be dropped")
                 _, third_pid = await add_one()
                 assert third_pid != second_spare.pid
+                await wait_for(lambda: len(launcher.spares) == 1, "a spare again")
                 [last_spare] = launcher.spares
         # The coordinator stopped: learners and the unassigned spare are gone; the spare
         # exited by itself when its stdin closed.

@@ -281,14 +281,16 @@ def test_a_learner_that_starts_while_a_shard_is_down_waits_for_it(tmp_path):
     run(scenario())
 
 
-def test_a_learner_joining_a_trained_model_takes_its_first_step_without_evaluating_first(tmp_path):
-    """The first learner evaluates the seed model at step 0; the next one bootstraps a model
-    already trained and starts at once (its first evaluation is its first periodic one)."""
+@pytest.mark.parametrize("skip_start_eval", [False, True])
+def test_a_learner_joining_a_trained_model_takes_its_first_step_without_evaluating_first(tmp_path, skip_start_eval):
+    """The first learner evaluates the seed model at step 0 (unless told not to); the next
+    one bootstraps a model already trained and starts at once (its first evaluation is its
+    first periodic one)."""
     async def scenario():
         async with shards(tmp_path, 1, ("L0", "L1"), fragments=2) as (run_cfg, servers):
             run_cfg = dataclasses.replace(run_cfg, task=FAULTY)
             addresses = [a for _, a in servers]
-            cfg = diloco.LearnerConfig(steps=12, eval_every_steps=6, warmup_steps=2)
+            cfg = diloco.LearnerConfig(steps=12, eval_every_steps=6, warmup_steps=2, skip_start_eval=skip_start_eval)
 
             def learn(name):
                 member = Membership(name, auth.Credential(name, secret=SECRET), run_cfg, dict(enumerate(addresses)), 0.0)
@@ -297,7 +299,7 @@ def test_a_learner_joining_a_trained_model_takes_its_first_step_without_evaluati
             first = await asyncio.to_thread(learn, "L0")
             second = await asyncio.to_thread(learn, "L1")
             assert not first.joined_in_progress and second.joined_in_progress
-            assert [step for step, _, _ in first.summary.eval_history] == [0, 6, 12]
+            assert [step for step, _, _ in first.summary.eval_history] == [6, 12] if skip_start_eval else [0, 6, 12]
             assert [step for step, _, _ in second.summary.eval_history] == [6, 12]
 
     run(scenario())

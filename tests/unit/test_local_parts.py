@@ -191,3 +191,12 @@ def test_the_shared_definitions():
     assert expected_period(0.5) == 2.0 and expected_period(0.1) == 1.0  # 0.4 s would be jitter's to decide
     assert goodput(9.0, 12.0) == 0.75 and goodput(1.0, 3.0) == 0.3333 and goodput(5.0, 0.0) == 0.0
     assert bytes_per_1k_tokens(300, 1200) == 250.0 and bytes_per_1k_tokens(5, 0) is None
+
+
+def test_the_pace_is_tokens_per_second_over_the_last_three_seconds():
+    from tools.local.run import Pace
+
+    pace = Pace()
+    assert pace.add(0.0, 0) == 0.0  # one count: no rate yet
+    assert [pace.add(t, 100 * t) for t in (1.0, 2.0, 3.0, 4.0)] == [100.0] * 4
+    assert pace.add(5.0, 600) == 400 / 3  # 200 -> 600 over 2.0 .. 5.0: the old counts drop out

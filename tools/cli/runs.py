@@ -171,6 +171,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                         "(repeatable; default: every learner on the CPU). xla uses every device PJRT_DEVICE gives "
                         "(on the CPU: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4) and needs torch-xla (constraints-xla.txt)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
+    add_flag(p, "--learner-evals", LocalConfig, "learner_evals",
+             "evaluations each learner makes while it trains (0: none; the supervisor evaluates the seed and the "
+             "final model either way)", type=int, metavar="N")
     add_flag(p, "--warm-spares", LocalConfig, "warm_spares",
              "learner processes the coordinator keeps loaded in standby for the next launches (replacements, "
              "scavenged learners); 0: each launch starts a process", type=int, metavar="N")

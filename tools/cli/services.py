@@ -194,6 +194,8 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
              "peak inner AdamW learning rate (a task's own optimizer keeps its lr, scaled by the schedule)", type=float)
     add_flag(t, "--warmup-steps", LearnerConfig, "warmup_steps", "linear warmup steps", type=int)
     add_flag(t, "--eval-every", LearnerConfig, "eval_every_steps", "inner steps between evaluations", type=int)
+    add_flag(t, "--skip-start-eval", LearnerConfig, "skip_start_eval",
+             "no evaluation before the first inner step (one joining a trained model never has one)", action="store_true")
     add_flag(t, "--delta-codec", LearnerConfig, "delta_codec", "delta encoding", choices=DELTA_CODECS)
     add_flag(t, "--block-size", LearnerConfig, "block_size", "int4 block size; must match the shards'", type=int)
     add_flag(t, "--step-delay-s", LearnerConfig, "step_delay_s", "extra seconds per step: a simulated slow learner", type=float)

@@ -63,6 +63,10 @@ class LocalConfig:
     """The coordinator takes a snapshot this often (0: only on demand and for --restart-shard-at)."""
     snapshot_keep: int = CoordinatorConfig.snapshot_keep
     """The coordinator keeps the newest this many complete snapshots (0: all)."""
+    learner_evals: int = 6
+    """Evaluations each learner makes while it trains (for the live table and the eval
+    plot); 0: none, only the supervisor's of the seed and the final model (``diloco
+    compare``: the baselines evaluate nothing while they train either)."""
     warm_spares: int = LocalLauncherConfig.warm_spares
     """Learner processes the coordinator's launcher keeps in standby for the next launches."""
     tls: bool = True
@@ -76,6 +80,8 @@ class LocalConfig:
             raise InvalidArgument("learners, shards, steps and quorum must all be >= 1")
         if self.tokens is not None and self.tokens < 1:
             raise InvalidArgument(f"--tokens must be >= 1, got {self.tokens}")
+        if self.learner_evals < 0:
+            raise InvalidArgument(f"learner evaluations must be >= 0, got {self.learner_evals}")
         if self.delay_ms < 0:
             raise InvalidArgument(f"--delay-ms must be >= 0, got {self.delay_ms}")
         for flag, pairs in (("--slow-learner", self.slow_learners), ("--learner-device", self.learner_devices)):

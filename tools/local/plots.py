@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_eval(run_dir: Path, events: dict[str, list[dict]], final: float, tokens: int, unit: str) -> None:
+def plot_eval(run_dir: Path, events: dict[str, list[dict]], start: float, final: float, tokens: int, unit: str) -> None:
+    """Each learner's evaluations by the tokens it has seen, the seed model's (``start``,
+    the supervisor's: learners skip theirs) at 0 and the final global model's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,6 +20,7 @@ def plot_eval(run_dir: Path, events: dict[str, list[dict]], final: float, tokens
         if evals:
             ax.plot([e["tokens"] for e in evals], [e["loss"] for e in evals], marker="o", ms=3, label=learner)
             end = max(end, evals[-1]["tokens"])
+    ax.scatter([0], [start], color="gray", marker="s", zorder=3, label="seed model")
     ax.scatter([end], [final], color="black", zorder=3,
                label=f"final global model ({tokens:,} tokens from all learners)")
     ax.set_xlabel("tokens seen by each learner")

@@ -17,6 +17,7 @@ This module is the run's driver (launch, watch, stop, summarise); the processes 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import json
@@ -34,6 +35,7 @@ from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from diloco.snapshots import snapshot_ids
+from learner.config import LearnerConfig
 from tools.chaos import SCAVENGED_POOL, ChaosMonkey
 from tools.export import export_model
 from tools.local.config import LocalConfig
@@ -44,6 +46,26 @@ from tools.metrics import (eval_task, expected_period, goodput, learner_events, 
                            tape_stats, tokens_per_step, uptime, wire_bytes)
 
 logger = logging.getLogger(__name__)
+
+
+DRAIN_LEAD_S = LearnerConfig.heartbeat_interval_s
+"""How long before the budget is reached (at the current token rate) the drain is sent."""
+
+
+class Pace:
+    """Tokens per second over the last few seconds of the learners' (heartbeat) counts."""
+
+    WINDOW_S = 3.0
+
+    def __init__(self) -> None:
+        self.points: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, t: float, tokens: int) -> float:
+        self.points.append((t, tokens))
+        while len(self.points) > 2 and t - self.points[1][0] >= self.WINDOW_S:
+            self.points.popleft()
+        (t0, n0), (t1, n1) = self.points[0], self.points[-1]
+        return max(n1 - n0, 0) / (t1 - t0) if t1 > t0 else 0.0
 
 
 EXPORT_ATTEMPTS = 3
@@ -302,6 +324,7 @@ def run_local(cfg: LocalConfig) -> dict:
                                  learner_steps, run_dir / "chaos.jsonl", time.monotonic())
             monkey.start()
         last_stats, step_goodput, idle_since, last_line = 0.0, None, None, 0.0
+        pace = Pace()
         # On a terminal a live table; in a log (CI, nohup, kubectl logs) one line every 10 s.
         # (transient: at the end the final table, from the summary's records, takes its place)
         with Live(console=console, refresh_per_second=2, transient=True) if console.is_terminal \
@@ -319,7 +342,12 @@ def run_local(cfg: LocalConfig) -> dict:
                 elif time.monotonic() - last_line >= 10:
                     console.print(progress_line(members, statuses, events, started, unit), soft_wrap=True)
                     last_line = time.monotonic()
-                if cfg.tokens is not None and sum(m["tokens"] for m in members) >= cfg.tokens:
+                trained = sum(m["tokens"] for m in members)
+                rate = pace.add(time.monotonic(), trained)
+                # A drain takes effect about a heartbeat interval after it is sent (the counts
+                # are half an interval old, the directive rides the next heartbeat): sent that
+                # early, the learners stop at the budget on average instead of past it.
+                if cfg.tokens is not None and trained + rate * DRAIN_LEAD_S >= cfg.tokens:
                     # The budget is spent: drain everyone (and anyone who joins late).
                     if monkey is not None:
                         monkey.halt()
@@ -341,7 +369,15 @@ def run_local(cfg: LocalConfig) -> dict:
                         break
                 else:
                     idle_since = None
-                time.sleep(1.0)
+                # Near the budget, look again just in time for the drain; once drained, often
+                # enough to see the end soon.
+                if draining:
+                    pause = 0.25
+                elif cfg.tokens is not None and rate > 0:
+                    pause = min(1.0, max((cfg.tokens - trained) / rate - DRAIN_LEAD_S, 0.05))
+                else:
+                    pause = 1.0
+                time.sleep(pause)
     except KeyboardInterrupt:
         interrupted = True
         console.print("interrupted: stopping every process")
@@ -390,7 +426,9 @@ def run_local(cfg: LocalConfig) -> dict:
     stats = tape_stats(run_dir, cfg.run.fragments, {i: n for i, n in steps.items() if i not in before})
     # Uptime over the training window: from the first learner computing to the last one done.
     computing = [e["t"] for r in part.values() for e in r if e["kind"] == "state" and e["state"] == "computing"]
-    done = [e["t"] for r in part.values() for e in r if e["kind"] == "state" and e["state"] in ("draining", "left")]
+    # When each learner stopped training: drained, or gone.
+    done = [min(stops) for r in part.values()
+            if (stops := [e["t"] for e in r if e["kind"] == "state" and e["state"] in ("draining", "left")])]
     # A fragment's round closes every H/P inner steps.
     period = expected_period(cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"])
     # Training ends with the last learner's last step, or when the budget drained them all
@@ -406,8 +444,8 @@ def run_local(cfg: LocalConfig) -> dict:
     first_steps = sorted(min(e["t"] for e in r if e["kind"] == "state" and e["state"] == "computing")
                          for i, r in part.items()
                          if pools.get(i) != SCAVENGED_POOL and any(e.get("state") == "computing" for e in r))
-    # Slots are held until the last learner has left: the steps of a drain's last pushes
-    # count as useful, so the time they take counts as held (goodput stays <= 1).
+    # Slots are held until the last learner stopped training (its last step), as DP's and
+    # torchft's until their last step: steps a drain lets finish count, so goodput <= 1.
     slots = slot_seconds(first_steps[: cfg.learners], end,
                          [(c["t"], len(c["launched"])) for c in chaos if c["kind"] == "scavenge"])
     summary = {
@@ -444,7 +482,7 @@ def run_local(cfg: LocalConfig) -> dict:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(final_table(summary, events))  # the same records as summary.json, however the run ended
     if events and state is not None:
-        plot_eval(run_dir, events, eval_final, tokens, unit)
+        plot_eval(run_dir, events, eval_start, eval_final, tokens, unit)
     if events:
         draw_timeline(run_dir)
     lock.close()

@@ -94,7 +94,11 @@ class Cluster:
         # a launch's own overrides (--set, a slow factor) follow it on the command line and win.
         learner_config = self.dir / "learner.json"
         atomic_write_json(learner_config, {
-            "steps": self.learner_steps, "eval_every": max(self.learner_steps // 6, 1), "num_learners": self.cfg.learners,
+            # (the supervisor evaluates the seed model once for the run: no learner does it again)
+            "steps": self.learner_steps, "skip_start_eval": True,
+            "eval_every": max(self.learner_steps // self.cfg.learner_evals, 1) if self.cfg.learner_evals
+            else self.learner_steps + 1,
+            "num_learners": self.cfg.learners,
             "summary_dir": str(self.dir / "learners"), "events_dir": str(self.dir / "learners"),
             "delta_codec": self.cfg.delta_codec, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
         })
