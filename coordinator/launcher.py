@@ -180,9 +180,6 @@ class LocalProcessLauncher:
     def prefix(self) -> list[str]:
         return list(self.cfg.command) or [sys.executable, "-m", "tools.cli", "learner"]
 
-    def command(self, launch_id: str, pool: str, overrides: Mapping[str, str]) -> list[str]:
-        return [*self.prefix(), *learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)]
-
     async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         results = []
