@@ -36,7 +36,8 @@ class LocalLauncherConfig:
     warm_spares: int = 1
     """Learner processes kept started in standby (``--standby``: Python, torch and the
     learner's code loaded, nothing joined), handed the next launches so a replacement
-    does not pay the process start on the critical path; refilled after each launch.
+    does not pay the process start on the critical path; topped up whenever no launch is
+    still starting (one starts with the coordinator).
     Each is one idle process. 0: every launch starts a process."""
 
     def __post_init__(self) -> None:

@@ -99,8 +99,8 @@ def test_launches_go_to_warm_spares_and_no_spare_outlives_the_coordinator(tmp_pa
                 return launch.launch_id, int(launch.detail.split()[1].rstrip(","))
 
             async with admin_stub(server.address) as (stub, md):
-                # The first launch starts its process; once it has joined (nothing is
-                # starting any more), a spare is started.
+                # The first launch takes the spare started with the coordinator, or its own
+                # process; once it has joined (nothing is starting any more), a spare is started.
                 cold, cold_pid = await add_one()
                 await wait_for(lambda: len(launcher.spares) == 1, "a spare")
                 [spare] = launcher.spares

@@ -100,7 +100,6 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
 def _learner(args: argparse.Namespace) -> int:
     import time
 
-
     started = time.time()
     from diloco.errors import InvalidArgument, NotFound
 
