@@ -545,7 +545,9 @@ class ShardRuntime:
             self.core.learner_joined(learner_id)
         elif event == "failed":
             self.core.learner_failed(learner_id)
-        elif event in ("left", "draining"):
+        elif event == "draining":  # it may still push its last progress
+            self.core.learner_draining(learner_id)
+        elif event == "left":
             self.core.learner_left(learner_id)
         if self.recorder is not None and event in ("failed", "left"):
             self.recorder.learner_gone(learner_id)
@@ -554,13 +556,14 @@ class ShardRuntime:
         for fragment_id in self.core.fragments:
             self._evaluate(fragment_id)
 
-    def set_membership(self, live: set[str], failed: set[str]) -> None:
-        self.core.set_membership(live, failed)
+    def set_membership(self, live: set[str], failed: set[str], draining: set[str] = frozenset()) -> None:
+        self.core.set_membership(live, failed, draining)
         if self.recorder is not None:
             for learner_id in self.recorder.open_channels - live:
                 self.recorder.learner_gone(learner_id)
             self._maybe_finish_snapshot()
-        self._record("membership", event="snapshot", live=sorted(live), failed=sorted(failed))
+        self._record("membership", event="snapshot", live=sorted(live), failed=sorted(failed),
+                     draining=sorted(self.core.draining))
         for fragment_id in self.core.fragments:
             self._evaluate(fragment_id)
 

@@ -152,7 +152,8 @@ class ShardServer:
         if event.kind == coordinator_pb2.MEMBERSHIP_EVENT_KIND_SNAPSHOT:
             live = {i.learner_id for i in event.learners if _MEMBERSHIP_EVENTS.get(i.state) == "joined"}
             failed = {i.learner_id for i in event.learners if i.state == common_pb2.LEARNER_STATE_FAILED}
-            self.runtime.set_membership(live, failed)
+            draining = {i.learner_id for i in event.learners if i.state == common_pb2.LEARNER_STATE_DRAINING}
+            self.runtime.set_membership(live, failed, draining)
             return
         for info in event.learners:
             kind = _MEMBERSHIP_EVENTS.get(info.state)

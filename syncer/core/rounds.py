@@ -57,15 +57,20 @@ class RoundView:
     opened_at: float
     quorum_at: float | None
     grace_s: float
+    draining: frozenset[str] = frozenset()
+    """Learners leaving the run: their pushes count, but no round waits for them."""
 
 
 def decide_round(view: RoundView, now: float, cfg: RoundConfig) -> Close | Wait:
-    counted = view.pushed & view.live if view.live else view.pushed
+    members = view.live | view.draining
+    counted = view.pushed & members if members else view.pushed
     n, live = len(counted), len(view.live)
     if not view.pushed:
         return Wait("no pushes yet", None)
     if view.live and view.live <= view.pushed:
         return Close(f"all {live} live learners pushed", _spent(view, now))
+    if not view.live and view.draining:
+        return Close(f"every learner is draining ({len(view.draining)}): none left to wait for", _spent(view, now))
     if n < cfg.quorum:
         return Wait(f"{n}/{cfg.quorum} pushes for quorum ({live} live)", None)
     quorum_at = view.quorum_at if view.quorum_at is not None else now

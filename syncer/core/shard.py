@@ -226,6 +226,9 @@ class ShardCore:
         self.clock = VectorClock()
         self.live: set[str] = set()
         self.failed: set[str] = set()
+        self.draining: set[str] = set()
+        """Learners the coordinator is draining: they may still push (their last progress
+        is merged), but no round waits for them."""
         self.fragments: dict[int, FragmentState] = {}
         self.pushes_received = 0
         self.rounds_closed = 0
@@ -302,7 +305,7 @@ class ShardCore:
         cfg = self.cfg
         if meta.learner_id in self.failed:
             raise PermissionDenied(f"{meta.learner_id} was marked failed or removed: it may no longer push")
-        if meta.learner_id not in self.live:
+        if meta.learner_id not in self.live and meta.learner_id not in self.draining:
             raise FailedPrecondition(
                 f"{meta.learner_id} is not a live member of the run as this shard knows it "
                 f"({len(self.live)} live learners): join the coordinator first"
@@ -405,6 +408,7 @@ class ShardCore:
             opened_at=state.opened_at or 0.0,
             quorum_at=state.quorum_at,
             grace_s=state.timings.grace_s(self.cfg.rounds),
+            draining=frozenset(self.draining - self.failed),
         )
 
     def decide(self, fragment_id: int, now: float) -> Close | Wait:
@@ -518,17 +522,25 @@ class ShardCore:
 
     # --- membership ------------------------------------------------------------------
 
-    def set_membership(self, live: set[str], failed: set[str]) -> None:
+    def set_membership(self, live: set[str], failed: set[str], draining: set[str] = frozenset()) -> None:
         self.live = set(live)
         self.failed = set(failed)
+        self.draining = set(draining) - self.live
 
     def learner_failed(self, learner_id: str) -> None:
         self.live.discard(learner_id)
+        self.draining.discard(learner_id)
         self.failed.add(learner_id)
+
+    def learner_draining(self, learner_id: str) -> None:
+        self.live.discard(learner_id)
+        self.draining.add(learner_id)
 
     def learner_left(self, learner_id: str) -> None:
         self.live.discard(learner_id)
+        self.draining.discard(learner_id)
 
     def learner_joined(self, learner_id: str) -> None:
         self.live.add(learner_id)
+        self.draining.discard(learner_id)
         self.failed.discard(learner_id)

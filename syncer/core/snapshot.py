@@ -158,6 +158,7 @@ def capture(core: ShardCore, snapshot_id: int) -> dict:
         "clock": dict(core.clock.entries),
         "live": sorted(core.live),
         "failed": sorted(core.failed),
+        "draining": sorted(core.draining),
         "pushes_received": core.pushes_received,
         "rounds_closed": core.rounds_closed,
         "fragments": fragments,
@@ -212,5 +213,5 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
             target.opened_at = now
             target.quorum_at = now if len(target.open) >= cfg.rounds.quorum else None
     core.clock = VectorClock(state["clock"])
-    core.set_membership(set(state["live"]), set(state["failed"]))
+    core.set_membership(set(state["live"]), set(state["failed"]), set(state.get("draining", ())))
     core.pushes_received, core.rounds_closed = state["pushes_received"], state["rounds_closed"]

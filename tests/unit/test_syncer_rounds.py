@@ -118,3 +118,20 @@ def test_adaptive_grace_with_only_some_timings_observed():
     assert Timings(step_time_s=1.0).grace_s(cfg) == pytest.approx(1.0)
     assert Timings(step_time_s=1.0, sync_time_s=0.4).grace_s(cfg) == pytest.approx(0.8)
     assert Timings(step_time_s=1.0, quorum_time_s=0.4).grace_s(cfg) == pytest.approx(0.8)
+
+
+def test_a_draining_learners_push_counts_but_no_round_waits_for_a_draining_learner():
+    cfg = RoundConfig(quorum=2)
+    drain = dict(opened_at=0.0, quorum_at=None, grace_s=5.0)
+    # a (live) and d (draining) pushed: quorum 2 reached; b is live and still awaited (grace).
+    d = decide_round(RoundView(frozenset("ad"), frozenset("ab"), draining=frozenset("d"), **drain), 1.0, cfg)
+    assert isinstance(d, Wait) and d.reason == "2/2 learners; grace ends in 5.00 s"
+    # Every live learner pushed: d, draining and silent, is not waited for.
+    d = decide_round(RoundView(frozenset("a"), frozenset("a"), draining=frozenset("d"), **drain), 1.0, cfg)
+    assert isinstance(d, Close) and d.reason == "all 1 live learners pushed"
+    # Everyone is draining: the pushes that came close the round at once, whatever K and grace.
+    d = decide_round(RoundView(frozenset("d"), frozenset(), draining=frozenset("de"), **drain), 1.0, cfg)
+    assert isinstance(d, Close) and d.reason == "every learner is draining (2): none left to wait for"
+    # A push from a learner that is neither live nor draining does not count.
+    d = decide_round(RoundView(frozenset("x"), frozenset("ab"), draining=frozenset("d"), **drain), 1.0, cfg)
+    assert isinstance(d, Wait) and d.reason == "0/2 pushes for quorum (2 live)"

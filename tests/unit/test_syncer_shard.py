@@ -446,6 +446,30 @@ def test_membership_changes_who_may_push():
     assert shard.view(0).live == frozenset({"L0", "L1"})
 
 
+def test_a_draining_learner_still_pushes_its_last_progress_until_it_leaves():
+    """Drained (a budget met, an operator's remove), a learner's in-flight and last pushes
+    are merged, not refused; no round waits for it; once it has left it may not push."""
+    shard, initial = make_shard(quorum=2, grace_mode="fixed")
+    leaving, staying = Learner("L1", shard, initial, 1), Learner("L0", shard, initial, 0)
+    shard.learner_draining("L1")
+    assert shard.live == {"L0", "L2"} and shard.draining == {"L1"}
+    assert leaving.push(0, now=0.0)[2].outcome == ACCEPTED
+    assert staying.push(0, now=0.0)[2].outcome == ACCEPTED  # L1's push counts towards K = 2
+    shard.learner_left("L2")
+    job = close(shard, 0, now=0.1)
+    assert job.reason == "all 1 live learners pushed"
+    assert sorted(p.meta.learner_id for p in job.pushes) == ["L0", "L1"] and job.weights[0] > 0
+    shard.learner_left("L1")
+    assert shard.draining == set()
+    with pytest.raises(FailedPrecondition, match="L1 is not a live member"):
+        leaving.push(0, now=1.0)
+    shard.learner_draining("L0")  # the last one: its push closes the round at once
+    assert staying.push(0, now=2.0)[2].outcome == ACCEPTED
+    assert close(shard, 0, now=2.0).reason == "every learner is draining (1): none left to wait for"
+    shard.learner_joined("L0")
+    assert shard.live == {"L0"} and shard.draining == set()
+
+
 def test_header_limits_are_inclusive_and_errors_name_the_problem():
     """Counters, step time and payload size may reach their limits exactly; past them,
     and for a dtype or membership problem, the error says what is wrong."""
