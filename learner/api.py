@@ -34,7 +34,7 @@ import torch
 
 from diloco import snapshots as snapshot_store
 from diloco.clock import VectorClock
-from diloco.codec import encode
+from diloco.codec import encode, values_digest
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition
 from diloco.manifest import Manifest, manifest_of, synced_tensors
@@ -267,19 +267,22 @@ class Learner:
 
         # Every fragment read once, in order, whichever the shards turn out to need: on a
         # multi-host slice a read is a step every host takes (learner.slice).
-        own = {f: self._host(f) for f in range(self.plan.num_fragments)} if self.slice is not None else {}
+        own = {f: self._host(f) for f in range(self.plan.num_fragments)}
 
         def encode_own(fragment_id: int):
-            return self._fp32(fragment_id, own[fragment_id] if own else self._host(fragment_id))
+            return self._fp32(fragment_id, own[fragment_id])
 
         for shard, fragments in by_shard.items():
             taken = self.streamer.initialize(shard, self.manifest_json, self.plan.plan_hash, fragments, encode_own,
                                              stop=self.stop)
             self.summary.initialized_fragments += taken
-        updates = self.streamer.bootstrap(by_shard, stop=self.stop)
+        # A shard still at values we hold (the run's seed, which every learner builds alike)
+        # sends their version alone: the values stay off the wire.
+        have = {f: values_digest(encode_own(f)) for f in own}
+        updates = self.streamer.bootstrap(by_shard, have, stop=self.stop)
         fragments = {}
         for update in updates:
-            values = update.segments[-1].tensors
+            values = update.segments[-1].tensors if update.segments else own[update.fragment]
             self._write(Write(update.fragment, values))
             fragments[update.fragment] = FragmentSync([v.clone() for v in values], update.version)
         self.device.reshard()

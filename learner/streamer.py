@@ -122,10 +122,11 @@ class Streamer:
                     future.cancel()
                     raise DeadlineExceeded(f"{what} took more than {timeout_s:.0f} s") from None
 
-    def bootstrap(self, fragments_by_shard: dict[int, list[int]], timeout_s: float = 120.0,
-                  stop: threading.Event | None = None) -> list[DecodedUpdate]:
-        """Full fragments from their shards; blocks (only used before training starts)."""
-        return self._blocking(self._bootstrap(fragments_by_shard), "the shards' bootstrap", timeout_s, stop)
+    def bootstrap(self, fragments_by_shard: dict[int, list[int]], have: dict[int, bytes] | None = None,
+                  timeout_s: float = 120.0, stop: threading.Event | None = None) -> list[DecodedUpdate]:
+        """Full fragments from their shards, but none we ``have`` (``SyncerClient.bootstrap``);
+        blocks (only used before training starts)."""
+        return self._blocking(self._bootstrap(fragments_by_shard, have), "the shards' bootstrap", timeout_s, stop)
 
     def initialize(self, shard: int, manifest_json: str, plan_hash: str, fragments: list[int],
                    encode: Callable[[int], list[EncodedTensor]], timeout_s: float = 300.0,
@@ -322,9 +323,10 @@ class Streamer:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _bootstrap(self, fragments_by_shard: dict[int, list[int]]) -> list[DecodedUpdate]:
+    async def _bootstrap(self, fragments_by_shard: dict[int, list[int]],
+                         have: dict[int, bytes] | None = None) -> list[DecodedUpdate]:
         results = await asyncio.gather(
-            *(self._until_up(shard, lambda s=shard, f=fragments: self._client(s).bootstrap(f))
+            *(self._until_up(shard, lambda s=shard, f=fragments: self._client(s).bootstrap(f, have))
               for shard, fragments in fragments_by_shard.items())
         )
         updates = [u for shard_updates in results for u in shard_updates]

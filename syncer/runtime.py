@@ -18,6 +18,7 @@ from pathlib import Path
 from opentelemetry.trace import SpanContext
 
 from diloco.clock import VectorClock
+from diloco.codec import values_digest
 from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
@@ -438,6 +439,17 @@ class ShardRuntime:
             raise DeadlineExceeded(f"fragment {fragment_id} of shard {self.core.cfg.shard_id} has been busy with a "
                                    f"round for more than {timeout_s:.0f} s") from None
         return self.core.full(fragment_id)
+
+    async def full_and_digest(self, fragment_id: int) -> tuple[Segment, bytes]:
+        """``full`` and the ``values_digest`` of those values, hashed in a worker thread
+        once per version."""
+        full = await self.full(fragment_id)
+        state = self.core.fragments[fragment_id]
+        cached = state.digest_cache
+        if cached is None or cached[0] != full.version:
+            cached = (full.version, await asyncio.to_thread(values_digest, full.tensors))
+            state.digest_cache = cached
+        return full, cached[1]
 
     def evaluate_all(self) -> None:
         for fragment_id in self.core.fragments:

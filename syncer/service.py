@@ -259,9 +259,16 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 core.state_of(0)  # no plan yet: says so
             for fragment_id in wanted:
                 core.state_of(fragment_id)
+            have = {d.fragment: d.sha256 for d in request.have}
             for fragment_id in wanted:
-                full = await self.runtime.full(fragment_id)
-                update = FragmentUpdate(fragment_id, 0, full.version, (full,))
+                if fragment_id in have:
+                    full, digest = await self.runtime.full_and_digest(fragment_id)
+                else:
+                    full, digest = await self.runtime.full(fragment_id), None
+                # The caller holds these very values (a learner's own initial values): the
+                # header alone tells it their version.
+                same = digest is not None and digest == have[fragment_id]
+                update = FragmentUpdate(fragment_id, full.version if same else 0, full.version, () if same else (full,))
                 async for message in self._update_messages(update, syncer_pb2.BootstrapReply, learner_id, "bootstrap"):
                     yield message
         except DilocoError as error:

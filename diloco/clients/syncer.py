@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -168,9 +168,14 @@ class SyncerClient:
             wait_s=received - sent, decode_s=time.perf_counter() - received,
         )
 
-    async def bootstrap(self, fragments: Sequence[int] = ()) -> list[DecodedUpdate]:
+    async def bootstrap(self, fragments: Sequence[int] = (), have: Mapping[int, bytes] | None = None) -> list[DecodedUpdate]:
+        """The shard's fragments (all it owns by default), each in full; or, for a fragment
+        in ``have`` (fragment -> ``values_digest`` of values held here) that the shard holds
+        bit for bit, an update with no segments: keep yours."""
+        have = [syncer_pb2.FragmentDigest(fragment=f, sha256=d) for f, d in sorted((have or {}).items())]
         call = self.stub.Bootstrap(
-            syncer_pb2.BootstrapRequest(fragments=list(fragments)), metadata=self.credential.metadata(), timeout=self.timeout_s
+            syncer_pb2.BootstrapRequest(fragments=list(fragments), have=have), metadata=self.credential.metadata(),
+            timeout=self.timeout_s,
         )
         return [await asyncio.to_thread(decode_update, header, chunks) async for header, chunks in _updates(call)]
 

@@ -36,6 +36,7 @@ from diloco.codec.tensor import (
     expected_byte_length,
     norm_of,
     validate_spec,
+    values_digest,
 )
 
 __all__ = [
@@ -64,4 +65,5 @@ __all__ = [
     "quantize_int4_reference",
     "unframe",
     "validate_spec",
+    "values_digest",
 ]

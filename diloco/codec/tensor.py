@@ -13,6 +13,7 @@ on bytes and numpy arrays without importing torch (a syncer shard never loads it
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -70,6 +71,17 @@ def checksum(payload: bytes | bytearray | memoryview) -> int:
     """CRC-32C of the payload (hardware-accelerated on x86 and ARM)."""
     # google_crc32c refuses memoryview and bytearray but takes a numpy view: no copy.
     return google_crc32c.value(np.frombuffer(payload, dtype=np.uint8))
+
+
+def values_digest(tensors: Sequence[EncodedTensor]) -> bytes:
+    """SHA-256 of a fragment's values: its pieces' payloads in order, each raw fp32 (as
+    ``encode(..., encoding="fp32")`` writes them). Equal digests, bit-identical values."""
+    if any(t.spec.encoding != "fp32" for t in tensors):
+        raise CodecError("a values digest is taken over fp32 payloads only")
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.payload)
+    return h.digest()
 
 
 def expected_byte_length(shape: tuple[int, ...], encoding: str, block_size: int, scale_dtype: str) -> int:

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from diloco.v1 import common_pb2 as diloco_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64iloco/v1/syncer.proto\x12\tdiloco.v1\x1a\x16\x64iloco/v1/common.proto\"\xeb\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0binner_steps\x18\x05 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x06 \x01(\x01\x12%\n\x05\x63lock\x18\x07 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x16\n\x0esnapshot_epoch\x18\x08 \x01(\x04\x12(\n\x07tensors\x18\t \x03(\x0b\x32\x17.diloco.v1.TensorHeader\"a\n\x0bPushRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"\x89\x01\n\x07PushAck\x12\'\n\x07outcome\x18\x01 \x01(\x0e\x32\x16.diloco.v1.PushOutcome\x12\x16\n\x0etarget_version\x18\x02 \x01(\x04\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x16\n\x0esnapshot_epoch\x18\x04 \x01(\x04\"o\n\rUpdateSegment\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.diloco.v1.UpdateKind\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.diloco.v1.TensorHeader\"\xe0\x01\n\x0e\x46ragmentUpdate\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12*\n\x08segments\x18\x04 \x03(\x0b\x32\x18.diloco.v1.UpdateSegment\x12%\n\x05\x63lock\x18\x05 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x14\n\x0c\x63lose_reason\x18\x06 \x01(\t\x12\x14\n\x0cparticipants\x18\x07 \x01(\r\x12\x16\n\x0esnapshot_epoch\x18\x08 \x01(\x04\"\x86\x01\n\tPushReply\x12!\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x12.diloco.v1.PushAckH\x00\x12+\n\x06update\x18\x02 \x01(\x0b\x32\x19.diloco.v1.FragmentUpdateH\x00\x12!\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"`\n\x10\x42ootstrapRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x11\n\tfragments\x18\x02 \x03(\r\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"h\n\x0e\x42ootstrapReply\x12+\n\x06update\x18\x01 \x01(\x0b\x32\x19.diloco.v1.FragmentUpdateH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"\xdb\x01\n\x10InitializeHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x15\n\rmanifest_json\x18\x03 \x01(\t\x12\x11\n\tplan_hash\x18\x04 \x01(\t\x12(\n\x07tensors\x18\x05 \x03(\x0b\x32\x17.diloco.v1.TensorHeader\x12%\n\x05\x63lock\x18\x06 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x0e\n\x06\x61nchor\x18\x07 \x01(\x08\x12\x16\n\x0e\x61nchor_version\x18\x08 \x01(\x04\"m\n\x11InitializeRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.diloco.v1.InitializeHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"^\n\x0fInitializeReply\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"p\n\rMarkerRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x10\n\x08learners\x18\x04 \x03(\t\"q\n\x0bMarkerReply\x12\x13\n\x0bparticipant\x18\x01 \x01(\t\x12%\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12&\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x17.diloco.v1.SnapshotFile\",\n\x1a\x41\x63\x63\x65ptInitialValuesRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"B\n\x18\x41\x63\x63\x65ptInitialValuesReply\x12\x11\n\tfragments\x18\x01 \x03(\r\x12\x13\n\x0bmodel_state\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"c\n\x0e\x46ragmentStatus\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x19\n\x11open_round_pushes\x18\x03 \x01(\r\x12\x13\n\x0bround_state\x18\x04 \x01(\t\"\xa5\x02\n\x0bStatusReply\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12,\n\tfragments\x18\x02 \x03(\x0b\x32\x19.diloco.v1.FragmentStatus\x12\x15\n\rlive_learners\x18\x03 \x03(\t\x12\x15\n\rrounds_closed\x18\x04 \x01(\x04\x12\x17\n\x0fpushes_received\x18\x05 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x12\n\nbytes_sent\x18\x07 \x01(\x04\x12%\n\x05\x63lock\x18\x08 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x11\n\tplan_hash\x18\t \x01(\t\x12\x13\n\x0bmodel_state\x18\n \x01(\t\x12\x14\n\x0c\x61nchors_only\x18\x0b \x01(\x08*\x88\x01\n\x0bPushOutcome\x12\x1c\n\x18PUSH_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15PUSH_OUTCOME_ACCEPTED\x10\x01\x12$\n PUSH_OUTCOME_ACCEPTED_NEXT_ROUND\x10\x02\x12\x1a\n\x16PUSH_OUTCOME_DUPLICATE\x10\x03*V\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11UPDATE_KIND_DELTA\x10\x01\x12\x14\n\x10UPDATE_KIND_FULL\x10\x02\x32\xb6\x03\n\x06Syncer\x12@\n\x0cPushFragment\x12\x16.diloco.v1.PushRequest\x1a\x14.diloco.v1.PushReply(\x01\x30\x01\x12\x45\n\tBootstrap\x12\x1b.diloco.v1.BootstrapRequest\x1a\x19.diloco.v1.BootstrapReply0\x01\x12H\n\nInitialize\x12\x1c.diloco.v1.InitializeRequest\x1a\x1a.diloco.v1.InitializeReply(\x01\x12:\n\x06Marker\x12\x18.diloco.v1.MarkerRequest\x1a\x16.diloco.v1.MarkerReply\x12:\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x16.diloco.v1.StatusReply\x12\x61\n\x13\x41\x63\x63\x65ptInitialValues\x12%.diloco.v1.AcceptInitialValuesRequest\x1a#.diloco.v1.AcceptInitialValuesReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64iloco/v1/syncer.proto\x12\tdiloco.v1\x1a\x16\x64iloco/v1/common.proto\"\xeb\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x13\n\x0binner_steps\x18\x05 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x06 \x01(\x01\x12%\n\x05\x63lock\x18\x07 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x16\n\x0esnapshot_epoch\x18\x08 \x01(\x04\x12(\n\x07tensors\x18\t \x03(\x0b\x32\x17.diloco.v1.TensorHeader\"a\n\x0bPushRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"\x89\x01\n\x07PushAck\x12\'\n\x07outcome\x18\x01 \x01(\x0e\x32\x16.diloco.v1.PushOutcome\x12\x16\n\x0etarget_version\x18\x02 \x01(\x04\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x16\n\x0esnapshot_epoch\x18\x04 \x01(\x04\"o\n\rUpdateSegment\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.diloco.v1.UpdateKind\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.diloco.v1.TensorHeader\"\xe0\x01\n\x0e\x46ragmentUpdate\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12*\n\x08segments\x18\x04 \x03(\x0b\x32\x18.diloco.v1.UpdateSegment\x12%\n\x05\x63lock\x18\x05 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x14\n\x0c\x63lose_reason\x18\x06 \x01(\t\x12\x14\n\x0cparticipants\x18\x07 \x01(\r\x12\x16\n\x0esnapshot_epoch\x18\x08 \x01(\x04\"\x86\x01\n\tPushReply\x12!\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x12.diloco.v1.PushAckH\x00\x12+\n\x06update\x18\x02 \x01(\x0b\x32\x19.diloco.v1.FragmentUpdateH\x00\x12!\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"\x89\x01\n\x10\x42ootstrapRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x11\n\tfragments\x18\x02 \x03(\r\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\'\n\x04have\x18\x04 \x03(\x0b\x32\x19.diloco.v1.FragmentDigest\"2\n\x0e\x46ragmentDigest\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0e\n\x06sha256\x18\x02 \x01(\x0c\"h\n\x0e\x42ootstrapReply\x12+\n\x06update\x18\x01 \x01(\x0b\x32\x19.diloco.v1.FragmentUpdateH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"\xdb\x01\n\x10InitializeHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x15\n\rmanifest_json\x18\x03 \x01(\t\x12\x11\n\tplan_hash\x18\x04 \x01(\t\x12(\n\x07tensors\x18\x05 \x03(\x0b\x32\x17.diloco.v1.TensorHeader\x12%\n\x05\x63lock\x18\x06 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x0e\n\x06\x61nchor\x18\x07 \x01(\x08\x12\x16\n\x0e\x61nchor_version\x18\x08 \x01(\x04\"m\n\x11InitializeRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.diloco.v1.InitializeHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.diloco.v1.ChunkH\x00\x42\x06\n\x04kind\"^\n\x0fInitializeReply\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\"p\n\rMarkerRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12%\n\x05\x63lock\x18\x03 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x10\n\x08learners\x18\x04 \x03(\t\"q\n\x0bMarkerReply\x12\x13\n\x0bparticipant\x18\x01 \x01(\t\x12%\n\x05\x63lock\x18\x02 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12&\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x17.diloco.v1.SnapshotFile\",\n\x1a\x41\x63\x63\x65ptInitialValuesRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"B\n\x18\x41\x63\x63\x65ptInitialValuesReply\x12\x11\n\tfragments\x18\x01 \x03(\r\x12\x13\n\x0bmodel_state\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"c\n\x0e\x46ragmentStatus\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x19\n\x11open_round_pushes\x18\x03 \x01(\r\x12\x13\n\x0bround_state\x18\x04 \x01(\t\"\xa5\x02\n\x0bStatusReply\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12,\n\tfragments\x18\x02 \x03(\x0b\x32\x19.diloco.v1.FragmentStatus\x12\x15\n\rlive_learners\x18\x03 \x03(\t\x12\x15\n\rrounds_closed\x18\x04 \x01(\x04\x12\x17\n\x0fpushes_received\x18\x05 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x12\n\nbytes_sent\x18\x07 \x01(\x04\x12%\n\x05\x63lock\x18\x08 \x01(\x0b\x32\x16.diloco.v1.VectorClock\x12\x11\n\tplan_hash\x18\t \x01(\t\x12\x13\n\x0bmodel_state\x18\n \x01(\t\x12\x14\n\x0c\x61nchors_only\x18\x0b \x01(\x08*\x88\x01\n\x0bPushOutcome\x12\x1c\n\x18PUSH_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15PUSH_OUTCOME_ACCEPTED\x10\x01\x12$\n PUSH_OUTCOME_ACCEPTED_NEXT_ROUND\x10\x02\x12\x1a\n\x16PUSH_OUTCOME_DUPLICATE\x10\x03*V\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11UPDATE_KIND_DELTA\x10\x01\x12\x14\n\x10UPDATE_KIND_FULL\x10\x02\x32\xb6\x03\n\x06Syncer\x12@\n\x0cPushFragment\x12\x16.diloco.v1.PushRequest\x1a\x14.diloco.v1.PushReply(\x01\x30\x01\x12\x45\n\tBootstrap\x12\x1b.diloco.v1.BootstrapRequest\x1a\x19.diloco.v1.BootstrapReply0\x01\x12H\n\nInitialize\x12\x1c.diloco.v1.InitializeRequest\x1a\x1a.diloco.v1.InitializeReply(\x01\x12:\n\x06Marker\x12\x18.diloco.v1.MarkerRequest\x1a\x16.diloco.v1.MarkerReply\x12:\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x16.diloco.v1.StatusReply\x12\x61\n\x13\x41\x63\x63\x65ptInitialValues\x12%.diloco.v1.AcceptInitialValuesRequest\x1a#.diloco.v1.AcceptInitialValuesReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco.v1.syncer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUSHOUTCOME']._serialized_start=2406
-  _globals['_PUSHOUTCOME']._serialized_end=2542
-  _globals['_UPDATEKIND']._serialized_start=2544
-  _globals['_UPDATEKIND']._serialized_end=2630
+  _globals['_PUSHOUTCOME']._serialized_start=2500
+  _globals['_PUSHOUTCOME']._serialized_end=2636
+  _globals['_UPDATEKIND']._serialized_start=2638
+  _globals['_UPDATEKIND']._serialized_end=2724
   _globals['_PUSHHEADER']._serialized_start=62
   _globals['_PUSHHEADER']._serialized_end=297
   _globals['_PUSHREQUEST']._serialized_start=299
@@ -48,30 +48,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FRAGMENTUPDATE']._serialized_end=876
   _globals['_PUSHREPLY']._serialized_start=879
   _globals['_PUSHREPLY']._serialized_end=1013
-  _globals['_BOOTSTRAPREQUEST']._serialized_start=1015
-  _globals['_BOOTSTRAPREQUEST']._serialized_end=1111
-  _globals['_BOOTSTRAPREPLY']._serialized_start=1113
-  _globals['_BOOTSTRAPREPLY']._serialized_end=1217
-  _globals['_INITIALIZEHEADER']._serialized_start=1220
-  _globals['_INITIALIZEHEADER']._serialized_end=1439
-  _globals['_INITIALIZEREQUEST']._serialized_start=1441
-  _globals['_INITIALIZEREQUEST']._serialized_end=1550
-  _globals['_INITIALIZEREPLY']._serialized_start=1552
-  _globals['_INITIALIZEREPLY']._serialized_end=1646
-  _globals['_MARKERREQUEST']._serialized_start=1648
-  _globals['_MARKERREQUEST']._serialized_end=1760
-  _globals['_MARKERREPLY']._serialized_start=1762
-  _globals['_MARKERREPLY']._serialized_end=1875
-  _globals['_ACCEPTINITIALVALUESREQUEST']._serialized_start=1877
-  _globals['_ACCEPTINITIALVALUESREQUEST']._serialized_end=1921
-  _globals['_ACCEPTINITIALVALUESREPLY']._serialized_start=1923
-  _globals['_ACCEPTINITIALVALUESREPLY']._serialized_end=1989
-  _globals['_STATUSREQUEST']._serialized_start=1991
-  _globals['_STATUSREQUEST']._serialized_end=2006
-  _globals['_FRAGMENTSTATUS']._serialized_start=2008
-  _globals['_FRAGMENTSTATUS']._serialized_end=2107
-  _globals['_STATUSREPLY']._serialized_start=2110
-  _globals['_STATUSREPLY']._serialized_end=2403
-  _globals['_SYNCER']._serialized_start=2633
-  _globals['_SYNCER']._serialized_end=3071
+  _globals['_BOOTSTRAPREQUEST']._serialized_start=1016
+  _globals['_BOOTSTRAPREQUEST']._serialized_end=1153
+  _globals['_FRAGMENTDIGEST']._serialized_start=1155
+  _globals['_FRAGMENTDIGEST']._serialized_end=1205
+  _globals['_BOOTSTRAPREPLY']._serialized_start=1207
+  _globals['_BOOTSTRAPREPLY']._serialized_end=1311
+  _globals['_INITIALIZEHEADER']._serialized_start=1314
+  _globals['_INITIALIZEHEADER']._serialized_end=1533
+  _globals['_INITIALIZEREQUEST']._serialized_start=1535
+  _globals['_INITIALIZEREQUEST']._serialized_end=1644
+  _globals['_INITIALIZEREPLY']._serialized_start=1646
+  _globals['_INITIALIZEREPLY']._serialized_end=1740
+  _globals['_MARKERREQUEST']._serialized_start=1742
+  _globals['_MARKERREQUEST']._serialized_end=1854
+  _globals['_MARKERREPLY']._serialized_start=1856
+  _globals['_MARKERREPLY']._serialized_end=1969
+  _globals['_ACCEPTINITIALVALUESREQUEST']._serialized_start=1971
+  _globals['_ACCEPTINITIALVALUESREQUEST']._serialized_end=2015
+  _globals['_ACCEPTINITIALVALUESREPLY']._serialized_start=2017
+  _globals['_ACCEPTINITIALVALUESREPLY']._serialized_end=2083
+  _globals['_STATUSREQUEST']._serialized_start=2085
+  _globals['_STATUSREQUEST']._serialized_end=2100
+  _globals['_FRAGMENTSTATUS']._serialized_start=2102
+  _globals['_FRAGMENTSTATUS']._serialized_end=2201
+  _globals['_STATUSREPLY']._serialized_start=2204
+  _globals['_STATUSREPLY']._serialized_end=2497
+  _globals['_SYNCER']._serialized_start=2727
+  _globals['_SYNCER']._serialized_end=3165
 # @@protoc_insertion_point(module_scope)

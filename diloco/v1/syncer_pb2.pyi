@@ -111,14 +111,24 @@ class PushReply(_message.Message):
     def __init__(self, ack: _Optional[_Union[PushAck, _Mapping]] = ..., update: _Optional[_Union[FragmentUpdate, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class BootstrapRequest(_message.Message):
-    __slots__ = ("learner_id", "fragments", "clock")
+    __slots__ = ("learner_id", "fragments", "clock", "have")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragments: _containers.RepeatedScalarFieldContainer[int]
     clock: _common_pb2.VectorClock
-    def __init__(self, learner_id: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
+    have: _containers.RepeatedCompositeFieldContainer[FragmentDigest]
+    def __init__(self, learner_id: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., have: _Optional[_Iterable[_Union[FragmentDigest, _Mapping]]] = ...) -> None: ...
+
+class FragmentDigest(_message.Message):
+    __slots__ = ("fragment", "sha256")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    sha256: bytes
+    def __init__(self, fragment: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class BootstrapReply(_message.Message):
     __slots__ = ("update", "chunk")

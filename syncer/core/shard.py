@@ -117,6 +117,8 @@ class FragmentState:
     last_reason: str = ""
     last_participants: int = 0
     full_cache: Segment | None = None
+    digest_cache: tuple[int, bytes] | None = None
+    """(version, ``values_digest`` of the fragment at it)."""
     norm_cache: tuple[int, float] | None = None
     """(version, the fragment's L2 norm at it): the bound a push's delta is held to."""
     merge_buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))

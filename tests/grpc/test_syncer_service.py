@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco.clock import VectorClock
-from diloco.codec import EncodedTensor, TensorSpec, checksum, encode
+from diloco.codec import EncodedTensor, TensorSpec, checksum, encode, values_digest
 from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
@@ -210,6 +210,40 @@ def test_bootstrap_streams_full_fragments(tmp_path):
                 assert [s.kind for s in u.segments] == ["full"]
                 shard_params = core.fragments[u.fragment].params
                 assert_same_tensors(u.segments[0].tensors, shard_params)
+
+    run(scenario())
+
+
+def test_bootstrap_sends_no_values_the_learner_already_holds(tmp_path):
+    """A learner offering the digest of its own values (the run's seed) gets the version
+    alone for a fragment the shard holds bit for bit, and full values otherwise: a value
+    one ulp off, or the same values after a round moved the fragment on."""
+    async def scenario():
+        async with running_shard(tmp_path) as (server, address):
+            core = server.runtime.core
+            owned = sorted(core.fragments)
+
+            def digest_of(fragment, nudge=False):
+                values = [torch.from_numpy(t.copy()) for t in core.fragments[fragment].params]
+                if nudge:
+                    values[0].view(-1)[0] = torch.nextafter(values[0].view(-1)[0], torch.tensor(1e9))
+                pieces = core.plan.fragments[fragment].pieces
+                return values_digest([encode(p.name, v, encoding="fp32") for p, v in zip(pieces, values)])
+
+            seed = {owned[0]: digest_of(owned[0]), owned[1]: digest_of(owned[1], nudge=True)}
+            async with client_for(address, "L0") as client:
+                updates = {u.fragment: u for u in await client.bootstrap(have=seed)}
+            assert updates[owned[0]].segments == [] and updates[owned[0]].wire_bytes == 0
+            assert updates[owned[0]].base_version == updates[owned[0]].version == 0
+            assert [s.kind for s in updates[owned[1]].segments] == ["full"]
+            assert_same_tensors(updates[owned[1]].segments[0].tensors, core.fragments[owned[1]].params)
+            learner = FakeLearner.of(server, "L0", fragment=owned[0])
+            async with client_for(address, "L0") as client:
+                await learner.push(client)
+                updates = {u.fragment: u for u in await client.bootstrap([owned[0]], have=seed)}
+            assert [s.kind for s in updates[owned[0]].segments] == ["full"] and updates[owned[0]].version == 1
+        sent = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "sent" and r["what"] == "bootstrap"]
+        assert [(r["fragment"], r["bytes"] == 0) for r in sent] == [(owned[0], True), (owned[1], False), (owned[0], False)]
 
     run(scenario())
 
