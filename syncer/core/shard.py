@@ -436,7 +436,10 @@ class ShardCore:
         ]
         weights = token_weights(contributions, self.cfg.merge.staleness_lambda)
         merged = sum(1 for w in weights if w > 0)
-        live = len((self.live - self.failed) | {p.meta.learner_id for p, w in zip(pushes, weights) if w > 0})
+        # Draining learners still count: their last pushes arrive one round at a time, each
+        # a learner's share of the run's progress, not all of it.
+        members = (self.live | self.draining) - self.failed
+        live = len(members | {p.meta.learner_id for p, w in zip(pushes, weights) if w > 0})
         opened = state.opened_at if state.opened_at is not None else now
         quorum_s = (state.quorum_at - opened) if state.quorum_at is not None else now - opened
         job = RoundJob(

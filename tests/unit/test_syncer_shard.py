@@ -459,15 +459,20 @@ def test_a_draining_learner_still_pushes_its_last_progress_until_it_leaves():
     job = close(shard, 0, now=0.1)
     assert job.reason == "all 1 live learners pushed"
     assert sorted(p.meta.learner_id for p in job.pushes) == ["L0", "L1"] and job.weights[0] > 0
+    assert job.participation == 1.0  # L0 and L1 of the 2 members (L1 draining)
     shard.learner_left("L1")
     assert shard.draining == set()
     with pytest.raises(FailedPrecondition, match="L1 is not a live member"):
         leaving.push(0, now=1.0)
-    shard.learner_draining("L0")  # the last one: its push closes the round at once
+    shard.learner_joined("L2")
+    shard.learner_draining("L0")
+    shard.learner_draining("L2")  # every learner is draining: a push closes its round at once
     assert staying.push(0, now=2.0)[2].outcome == ACCEPTED
-    assert close(shard, 0, now=2.0).reason == "every learner is draining (1): none left to wait for"
+    job = close(shard, 0, now=2.0)
+    assert job.reason == "every learner is draining (2): none left to wait for"
+    assert job.participation == 0.5  # one of two draining learners: its share, not the whole step
     shard.learner_joined("L0")
-    assert shard.live == {"L0"} and shard.draining == set()
+    assert shard.live == {"L0"} and shard.draining == {"L2"}
 
 
 def test_header_limits_are_inclusive_and_errors_name_the_problem():
