@@ -11,6 +11,7 @@ from diloco.errors import InvalidArgument
 GRACE_MODES = ("auto", "fixed", "off")
 SCALE_MODES = ("live", "round")
 MERGE_MODES = ("rda", "mean")
+DOWNLINKS = ("condensed", "chain")
 MAX_SHARDS = 1024
 """More shards than this split no model usefully (each owns whole fragments); the bound
 keeps a typo from planning a million-entry shard table."""
@@ -78,6 +79,14 @@ class MergeConfig:
     scale_dtype: str = "float16"
     update_chain_length: int = 4
     """Quantized updates kept per fragment; older learners get the full fp32 fragment."""
+    downlink: str = "condensed"
+    """What a reply carries. chain: every int4 update since the learner's base version,
+    which leaves it bit-identical to the shard (a learner that misses R rounds downloads
+    R updates). condensed: one int4 update, the global values minus the learner's anchor
+    as the shard mirrors it; the mirror advances by exactly what the learner adds, so the
+    rounding error is sent with the next reply (error feedback) and a learner stays within
+    one int4 step of the global values. Costs the shard a float32 copy of its fragments
+    per learner. Measured in docs/results/downlink/."""
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_MODES:
@@ -94,6 +103,8 @@ class MergeConfig:
             raise InvalidArgument(f"block size must be an even number >= 2, got {self.block_size}")
         if self.scale_dtype not in ("float16", "float32"):
             raise InvalidArgument(f"scale dtype must be float16 or float32, got {self.scale_dtype!r}")
+        if self.downlink not in DOWNLINKS:
+            raise InvalidArgument(f"downlink must be one of {DOWNLINKS}, got {self.downlink!r}")
         if self.update_chain_length < 1:
             raise InvalidArgument(f"update chain length must be >= 1, got {self.update_chain_length}")
 

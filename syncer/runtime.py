@@ -28,7 +28,7 @@ from diloco.wire import PushMeta
 from syncer import snapshot as snapshot_files
 from syncer.core import snapshot
 from syncer.core.rounds import Close
-from syncer.core.shard import DUPLICATE, Ack, PushPayload, RoundJob, ShardCore, Segment, compute_round
+from syncer.core.shard import DUPLICATE, Ack, PushPayload, RoundJob, ShardCore, Segment, compute_round, condense_replies
 from syncer.pushlog import PushLogWriter
 from syncer.telemetry import ShardTelemetry
 
@@ -84,6 +84,7 @@ class _Waiter:
     target_version: int
     base_version: int
     future: asyncio.Future = field(repr=False)
+    learner_id: str | None = None
 
 
 class ShardRuntime:
@@ -323,7 +324,7 @@ class ShardRuntime:
             logger.debug("snapshot %d: push from %s: %s", self.recorder.snapshot_id, meta.learner_id, decision.reason)
             self._maybe_finish_snapshot()
         future = asyncio.get_running_loop().create_future()
-        self._waiters[meta.fragment].append(_Waiter(ack.target_version, meta.base_version, future))
+        self._waiters[meta.fragment].append(_Waiter(ack.target_version, meta.base_version, future, meta.learner_id))
         self._resolve(meta.fragment)
         self._evaluate(meta.fragment)
         return ack, future
@@ -369,7 +370,11 @@ class ShardRuntime:
     async def _apply_round(self, job: RoundJob) -> None:
         started = time.perf_counter()
         try:
-            update: Segment = await asyncio.to_thread(compute_round, job, self.core.cfg)
+            def compute() -> tuple[Segment, dict]:
+                update = compute_round(job, self.core.cfg)
+                return update, condense_replies(job, self.core.cfg)
+
+            update, condensed = await asyncio.to_thread(compute)
         except Exception as error:  # a bug or an input nothing at the door foresaw: keep serving
             logger.exception("fragment %d: round %d failed; its deltas are dropped", job.fragment.id, job.version)
             self.core.fail_round(job, f"{type(error).__name__}: {error}"[:200], self._monotonic())
@@ -377,7 +382,7 @@ class ShardRuntime:
                          participants=[p.meta.learner_id for p in job.pushes], error=f"{type(error).__name__}: {error}"[:500])
             return
         merge_s = time.perf_counter() - started
-        self.core.finish_round(job, update, self._monotonic())
+        self.core.finish_round(job, update, self._monotonic(), condensed)
         self.counters.rounds += 1
         self._trace_round(job, merge_s)
         participants = [p.meta.learner_id for p in job.pushes]
@@ -421,7 +426,7 @@ class ShardRuntime:
             if waiter.future.done():
                 continue
             if waiter.target_version <= version:
-                waiter.future.set_result(self.core.update_for(fragment_id, waiter.base_version))
+                waiter.future.set_result(self.core.update_for(fragment_id, waiter.base_version, waiter.learner_id))
             else:
                 still.append(waiter)
         self._waiters[fragment_id] = still

@@ -269,6 +269,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 # header alone tells it their version.
                 same = digest is not None and digest == have[fragment_id]
                 update = FragmentUpdate(fragment_id, full.version if same else 0, full.version, () if same else (full,))
+                if learner_id != auth.COORDINATOR_ID:  # an export is not a learner's anchor
+                    core.mirror(fragment_id, learner_id, full)
                 async for message in self._update_messages(update, syncer_pb2.BootstrapReply, learner_id, "bootstrap"):
                     yield message
         except DilocoError as error:

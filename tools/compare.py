@@ -57,11 +57,13 @@ ABLATIONS = {
     "fp32 deltas": {"delta_codec": "fp32"},
     "reply rule mix": {"reply_rule": "mix"},
     "outer lr not scaled by participation": {"scale_by": "round"},
+    "chain replies": {"downlink": "chain"},
     "H=8": {"sync_every": 8},
     "H=16": {"sync_every": 16},
 }
 DEFAULT_VARIANT = "K=1+grace (default)"
-ABLATION_SCENARIOS = ("nofault", "hetero")
+ABLATION_SCENARIOS = ("nofault", "hetero", "mtbf30")
+"""Where ablations run: those of them in ``--scenario``, or the first two when none is."""
 
 
 @dataclass(frozen=True)
@@ -129,24 +131,21 @@ def _local_cfg(cfg: CompareConfig, out: Path, **changes):
     return replace(local, **changes)
 
 
-def _decoupled(cfg: CompareConfig, scenario: str, out: Path, reference_wall_s: float | None) -> dict:
+def _decoupled(cfg: CompareConfig, scenario: str, out: Path, reference_wall_s: float | None, **changes) -> dict:
+    """One Decoupled run of ``scenario``; ``changes``: an ablation's ``LocalConfig`` fields."""
     from tools.local.run import run_local
 
-    if scenario == "nofault":
-        local = _local_cfg(cfg, out)
-    elif scenario == "mtbf30":
-        local = _local_cfg(cfg, out, chaos=ChaosConfig(kill_every_s=cfg.mtbf_s, seed=cfg.seed))
-    elif scenario == "hetero":
-        local = _local_cfg(cfg, out, slow_learners=cfg.slow)
-    elif scenario == "scavenge":
-        half = (reference_wall_s or 60.0) / 2
-        local = _local_cfg(cfg, out, chaos=ChaosConfig(scavenge=(cfg.workers, half), seed=cfg.seed))
-    elif scenario == "shard-restart":
-        half = (reference_wall_s or 60.0) / 2
-        local = _local_cfg(cfg, out, chaos=ChaosConfig(restart_shard_at_s=half, seed=cfg.seed))
-    else:
+    half = (reference_wall_s or 60.0) / 2
+    faults = {
+        "nofault": {},
+        "mtbf30": {"chaos": ChaosConfig(kill_every_s=cfg.mtbf_s, seed=cfg.seed)},
+        "hetero": {"slow_learners": cfg.slow},
+        "scavenge": {"chaos": ChaosConfig(scavenge=(cfg.workers, half), seed=cfg.seed)},
+        "shard-restart": {"chaos": ChaosConfig(restart_shard_at_s=half, seed=cfg.seed)},
+    }
+    if scenario not in faults:
         raise InvalidArgument(f"unknown scenario {scenario!r}")
-    return _decoupled_metrics(run_local(local))
+    return _decoupled_metrics(run_local(_local_cfg(cfg, out, **faults[scenario], **changes)))
 
 
 def _decoupled_metrics(summary: dict) -> dict:
@@ -209,16 +208,15 @@ def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | No
                 break
         systems[system] = over_seeds(runs)
     result = {"scenario": scenario, "systems": systems}
+    base.mkdir(parents=True, exist_ok=True)
     (base / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ABLATION_SCENARIOS,
+def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ABLATION_SCENARIOS[:2],
                   variants: tuple[str, ...] = tuple(ABLATIONS), done: list[dict] = ()) -> dict:
     """Decoupled only, one setting changed at a time: ``variants`` and the default one
     (taken from ``done``, the scenarios' results, when they ran Decoupled)."""
-    from tools.local.run import run_local
-
     results: dict[str, dict] = {}
     ran = {r["scenario"]: r["systems"]["decoupled"] for r in done if "decoupled" in r["systems"]}
     for scenario in scenarios:
@@ -239,12 +237,8 @@ def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ABLATION_SCEN
                 run = replace(run, sync_every_steps=change.pop("sync_every"))
             if change.get("quorum") == "all":
                 change["quorum"] = cfg.workers
-            variant, runs = replace(cfg, run=run), []
-            for i in range(cfg.seeds):
-                local = _local_cfg(variant.seeded(i), out / f"seed{i}", **change)
-                if scenario == "hetero":
-                    local = replace(local, slow_learners=cfg.slow)
-                runs.append(_decoupled_metrics(run_local(local)))
+            variant = replace(cfg, run=run)
+            runs = [_decoupled(variant.seeded(i), scenario, out / f"seed{i}", None, **change) for i in range(cfg.seeds)]
             results.setdefault(scenario, {})[name] = over_seeds(runs)
     (cfg.out / "ablations").mkdir(parents=True, exist_ok=True)
     (cfg.out / "ablations" / "result.json").write_text(json.dumps(results, indent=1))
@@ -425,7 +419,7 @@ def run(cfg: CompareConfig, scenarios: tuple[str, ...], ablations: tuple[str, ..
         write_report(cfg, results, None)
     found = None
     if ablations:
-        found = run_ablations(cfg, tuple(s for s in scenarios if s in ABLATION_SCENARIOS) or ABLATION_SCENARIOS,
+        found = run_ablations(cfg, tuple(s for s in scenarios if s in ABLATION_SCENARIOS) or ABLATION_SCENARIOS[:2],
                               ablations, results)
     write_report(cfg, results, found)
     return results, found

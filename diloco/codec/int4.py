@@ -280,6 +280,22 @@ def _dequantize(
     return out
 
 
+def dequantize_payload(payload: bytes | memoryview, numel: int, block_size: int, scale_dtype: str,
+                       out: np.ndarray) -> np.ndarray:
+    """``decode`` of an int4 payload of one's own making (nibbles, then scales) into
+    ``out`` (flat float32 numpy), bit for bit what a learner decodes; without torch when
+    the kernel is built (a shard never loads torch)."""
+    view = memoryview(payload).cast("B")
+    split = packed_nbytes(numel)
+    if _use_kernel():
+        _kernel.dequantize(view[:split], view[split:], numel, block_size, SCALE_BYTES[scale_dtype], out, math_threads())
+        return out
+    import torch
+
+    _dequantize(view[:split], view[split:], numel, block_size, scale_dtype, torch.from_numpy(out))
+    return out
+
+
 def quantize_to_payload(
     flat: np.ndarray,
     block_size: int,

@@ -22,6 +22,7 @@ from diloco.codec import (
     accumulate,
     check_payload,
     encode,
+    dequantize_payload,
     encode_quantized,
     expected_byte_length,
     norm_of,
@@ -88,7 +89,8 @@ class Segment:
 
 @dataclass(frozen=True)
 class FragmentUpdate:
-    """Brings a learner at ``base_version`` to ``version``, bit-identical to the shard."""
+    """Brings a learner at ``base_version`` to ``version``: bit-identical to the shard's
+    values (a chain, full values) or to the shard's mirror of its anchor (condensed)."""
 
     fragment: int
     base_version: int
@@ -96,6 +98,15 @@ class FragmentUpdate:
     segments: tuple[Segment, ...]
     close_reason: str = ""
     participants: int = 0
+
+
+@dataclass
+class Mirror:
+    """A learner's anchor of a fragment, bit for bit as the shard sent it: ``values`` at
+    ``version``. Condensed replies are taken against it (``MergeConfig.downlink``)."""
+
+    version: int
+    values: list[np.ndarray]
 
 
 @dataclass
@@ -124,6 +135,11 @@ class FragmentState:
     merge_buffer: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))
     """The round's fp32 merge buffer, as large as the fragment's largest piece, kept across
     rounds: a fresh one per round cost a page fault per 4 KiB, a fifth of the shard's CPU."""
+    mirrors: dict[str, Mirror] = field(default_factory=dict)
+    """Each learner's anchor, for condensed replies."""
+    condensed: dict[str, tuple[int, Segment]] = field(default_factory=dict)
+    """Condensed replies the last round made: learner -> (its base version, the update to
+    ``version``)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +163,9 @@ class RoundJob:
     participation: float = 1.0
     """Pushes merged with weight > 0 over the live learners (at most 1): the outer lr's
     factor when ``MergeConfig.scale_by`` is live."""
+    mirrors: tuple[tuple[str, int, Mirror], ...] = ()
+    """(learner, its push's base version, its mirror) for each pusher whose anchor the
+    shard mirrors at that base: ``condense_replies`` answers them."""
 
 
 def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
@@ -185,6 +204,33 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
         )
         encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
     return Segment(job.version, "delta", tuple(encoded))
+
+
+def condense_replies(job: RoundJob, cfg: SyncerConfig) -> dict[str, tuple[int, Segment]]:
+    """After ``compute_round``, in the same worker thread: for each mirrored pusher, one
+    update from its anchor to the new global values (int4; buffers fp32), and its mirror
+    advanced by exactly what the learner will add (``dequantize_payload`` is the learner's
+    ``decode``; both then add in float32). What int4 rounds away stays in the difference
+    the next reply sends. Returns learner -> (base version, segment)."""
+    m = cfg.merge
+    replies = {}
+    for learner, base, mirror in job.mirrors:
+        tensors = []
+        for index, piece in enumerate(job.fragment.pieces):
+            anchor = mirror.values[index].reshape(-1)
+            update = job.merge_buffer[: piece.numel]
+            np.subtract(job.params[index].reshape(-1), anchor, out=update)
+            if piece.buffer:
+                encoded = encode(piece.name, update.reshape(piece.shape), encoding="fp32")
+            else:
+                encoded = encode(piece.name, update.reshape(piece.shape), encoding="int4", block_size=m.block_size,
+                                 scale_dtype=m.scale_dtype)
+                dequantize_payload(encoded.payload, piece.numel, m.block_size, m.scale_dtype, out=update)
+            np.add(anchor, update, out=anchor)
+            tensors.append(encoded)
+        mirror.version = job.version
+        replies[learner] = (base, Segment(job.version, "delta", tuple(tensors)))
+    return replies
 
 
 def _merge_buffer_values(job: RoundJob, index: int, piece) -> EncodedTensor:
@@ -457,6 +503,10 @@ class ShardCore:
             opened_at=opened,
             closed_at=now,
             participation=merged / live if live else 1.0,
+            mirrors=tuple(
+                (p.meta.learner_id, p.meta.base_version, mirror) for p in pushes
+                if (mirror := state.mirrors.get(p.meta.learner_id)) is not None and mirror.version == p.meta.base_version
+            ),
         )
         state.applying = True
         state.open = {}
@@ -464,12 +514,17 @@ class ShardCore:
         state.quorum_at = None
         return job
 
-    def finish_round(self, job: RoundJob, update: Segment, now: float) -> None:
+    def finish_round(self, job: RoundJob, update: Segment, now: float,
+                     condensed: Mapping[str, tuple[int, Segment]] | None = None) -> None:
+        """``condensed``: ``condense_replies``'s answers to the round's mirrored pushers."""
         state = self.state_of(job.fragment.id)
         if not state.applying or job.version != state.version + 1:
             raise FailedPrecondition(f"round for version {job.version} does not fit fragment at {state.version}")
         state.version = job.version
         state.chain.append(update)
+        # A mirror replaced while the round ran (the learner bootstrapped again) keeps its own.
+        mirrored = {learner: mirror for learner, _, mirror in job.mirrors if state.mirrors.get(learner) is mirror}
+        state.condensed = {learner: reply for learner, reply in (condensed or {}).items() if learner in mirrored}
         state.full_cache = None
         state.applying = False
         state.last_reason = job.reason
@@ -491,6 +546,10 @@ class ShardCore:
             raise FailedPrecondition(f"round for version {job.version} does not fit fragment at {state.version}")
         state.version = job.version
         state.chain.clear()
+        state.condensed = {}
+        for learner, _, mirror in job.mirrors:  # the worker may have advanced them: forget them
+            if state.mirrors.get(learner) is mirror:
+                del state.mirrors[learner]
         state.full_cache = state.norm_cache = None
         state.applying = False
         state.last_reason, state.last_participants = f"round failed ({reason}): its deltas were dropped", 0
@@ -499,14 +558,17 @@ class ShardCore:
         for pending in waiting.values():
             self._join_open(state, pending, now)
 
-    def update_for(self, fragment_id: int, base_version: int) -> FragmentUpdate:
-        """The chain base+1..version, or the full fp32 fragment when the chain is too short."""
+    def update_for(self, fragment_id: int, base_version: int, learner_id: str | None = None) -> FragmentUpdate:
+        """The chain base+1..version, or the full fp32 fragment when the chain is too short;
+        for a learner (``learner_id``) with condensed replies, see ``_condensed``."""
         state = self.state_of(fragment_id)
         if base_version > state.version:
             raise FailedPrecondition(
                 f"base version {base_version} is in the future: fragment {fragment_id} is at version {state.version}"
             )
-        if base_version == state.version:
+        if learner_id is not None and self.cfg.merge.downlink == "condensed":
+            segments = self._condensed(state, base_version, learner_id)
+        elif base_version == state.version:
             segments: tuple[Segment, ...] = ()
         elif state.chain and state.chain[0].version <= base_version + 1:
             segments = tuple(s for s in state.chain if s.version > base_version)
@@ -515,6 +577,30 @@ class ShardCore:
         return FragmentUpdate(
             fragment_id, base_version, state.version, segments, state.last_reason, state.last_participants
         )
+
+    def _condensed(self, state: FragmentState, base_version: int, learner_id: str) -> tuple[Segment, ...]:
+        """The round's condensed reply to the learner; nothing when it is current; else
+        (no mirror of its anchor at ``base_version``: first contact since this shard
+        started, a reply it never applied, a duplicate push) the full values, mirrored
+        from then on."""
+        reply = state.condensed.get(learner_id)
+        if reply is not None and reply[0] == base_version and reply[1].version == state.version:
+            return (reply[1],)
+        mirror = state.mirrors.get(learner_id)
+        if mirror is not None and mirror.version == base_version == state.version:
+            return ()
+        full = self.full(state.fragment.id)
+        self.mirror(state.fragment.id, learner_id, full)
+        return (full,)
+
+    def mirror(self, fragment_id: int, learner_id: str, full: Segment) -> None:
+        """The learner holds the fragment's full values ``full`` (a bootstrap, a full
+        reply): mirror them, for condensed replies."""
+        if self.cfg.merge.downlink != "condensed":
+            return
+        state = self.state_of(fragment_id)
+        values = [np.frombuffer(t.payload, dtype="<f4").astype(np.float32).reshape(t.spec.shape) for t in full.tensors]
+        state.mirrors[learner_id] = Mirror(full.version, values)
 
     def full(self, fragment_id: int) -> Segment:
         state = self.state_of(fragment_id)
@@ -536,6 +622,7 @@ class ShardCore:
         self.live.discard(learner_id)
         self.draining.discard(learner_id)
         self.failed.add(learner_id)
+        self._forget(learner_id)
 
     def learner_draining(self, learner_id: str) -> None:
         self.live.discard(learner_id)
@@ -544,6 +631,13 @@ class ShardCore:
     def learner_left(self, learner_id: str) -> None:
         self.live.discard(learner_id)
         self.draining.discard(learner_id)
+        self._forget(learner_id)
+
+    def _forget(self, learner_id: str) -> None:
+        """A learner gone for good: its mirrors are memory no reply will use."""
+        for state in self.fragments.values():
+            state.mirrors.pop(learner_id, None)
+            state.condensed.pop(learner_id, None)
 
     def learner_joined(self, learner_id: str) -> None:
         self.live.add(learner_id)

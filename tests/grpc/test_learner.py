@@ -6,6 +6,7 @@ import dataclasses
 
 
 import numpy as np
+import pytest
 
 from diloco import auth
 from learner.api import Learner
@@ -14,7 +15,7 @@ from learner.membership import Membership
 from learner.runner import run_task
 from diloco.tape import read_tape
 from syncer import snapshot
-from syncer.config import RoundConfig, SyncerConfig
+from syncer.config import MergeConfig, RoundConfig, SyncerConfig
 from syncer.runtime import initial_name
 from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, run
@@ -27,10 +28,10 @@ CFG = LearnerConfig(steps=24, lr=3e-3, warmup_steps=4, eval_every_steps=8)
 
 
 @contextlib.asynccontextmanager
-async def shards(tmp_path, count, learners, **rounds):
+async def shards(tmp_path, count, learners, merge=MergeConfig(), **rounds):
     servers = []
     for m in range(count):
-        cfg = SyncerConfig(shard_id=m, num_shards=count, rounds=RoundConfig(**rounds))
+        cfg = SyncerConfig(shard_id=m, num_shards=count, rounds=RoundConfig(**rounds), merge=merge)
         server = ShardServer(RUN, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=learners))
         servers.append((server, f"127.0.0.1:{await server.start()}"))
     try:
@@ -49,9 +50,23 @@ def train(name, addresses, run=RUN, on_learner=lambda learner: None, **overrides
     return run_task(member(name, addresses, run), dataclasses.replace(CFG, **overrides), on_learner=on_learner)
 
 
-def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
+def held(state, learner_id):
+    """What a learner's anchor of the fragment must equal bit for bit: the shard's values
+    (chain replies), or the shard's mirror of that learner's anchor (condensed replies),
+    which stays within int4 rounding of the values."""
+    mirror = state.mirrors.get(learner_id)
+    if mirror is None:
+        return state.params
+    assert mirror.version == state.version
+    for m, p in zip(mirror.values, state.params):
+        assert np.abs(m - p).max() <= 0.05 * max(np.abs(p).max(), 1e-3), "the mirror strayed from the global values"
+    return mirror.values
+
+
+@pytest.mark.parametrize("downlink", ["chain", "condensed"])
+def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path, downlink):
     async def scenario():
-        async with shards(tmp_path, 2, ("L0",)) as servers:
+        async with shards(tmp_path, 2, ("L0",), merge=MergeConfig(downlink=downlink)) as servers:
             # Three sends of every fragment; the last inner step sends fragment 3.
             h = RUN.sync_every_steps
             learner = await asyncio.to_thread(train, "L0", [a for _, a in servers], steps=2 * h + (3 * h) // 4 + 1)
@@ -64,12 +79,13 @@ def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path):
                 for fragment_id, state in server.runtime.core.fragments.items():
                     assert state.version == 3
                     mine = learner.anchors()[fragment_id]
-                    assert_same_tensors(mine, state.params)
+                    assert (fragment_id, "L0" in state.mirrors) == (fragment_id, downlink == "condensed")
+                    assert_same_tensors(mine, held(state, "L0"))
             # Fragment 3's reply came after the last inner step: nothing to rebase (and with
-            # alpha = 0 nothing to mix), so the model holds the global values, bit for bit.
+            # alpha = 0 nothing to mix), so the model holds the reply's values, bit for bit.
             owner = servers[learner.plan.fragments[3].owner(2)][0].runtime.core.fragments[3]
             live = learner.plan.gather(3, learner.tensors)
-            assert_same_tensors(live, owner.params)
+            assert_same_tensors(live, held(owner, "L0"))
             assert summary.blocked_s < 0.5 * summary.wall_s
 
     run(scenario())
@@ -124,7 +140,7 @@ def test_shard_outage_drops_pushes_keeps_training_and_resyncs(tmp_path):
         _, plan, seed = model_plan(RUN)
         for fragment_id, state in second.runtime.core.fragments.items():
             assert state.version >= 1
-            assert_same_tensors(learner.anchors()[fragment_id], state.params)
+            assert_same_tensors(learner.anchors()[fragment_id], held(state, "L0"))
             restarted_from = snapshot.loads(tmp_path / initial_name(fragment_id))["pieces"]
             assert not all(np.array_equal(a, b.numpy()) for a, b in zip(restarted_from, plan.gather(fragment_id, seed)))
         # The restarted shard knew from its data directory that it had held the model: it

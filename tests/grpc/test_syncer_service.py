@@ -61,7 +61,7 @@ class FakeLearner:
 
 def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path):
     async def scenario():
-        async with running_shard(tmp_path, quorum=2, grace_mode="fixed", grace_fixed_s=5.0) as (server, address):
+        async with running_shard(tmp_path, quorum=2, grace_mode="fixed", grace_fixed_s=5.0, merge=MergeConfig(downlink="chain")) as (server, address):
             learners = [FakeLearner.of(server, f"L{i}", seed=i) for i in range(3)]
             for round_index in range(3):
                 async def one(learner):
@@ -108,7 +108,7 @@ def test_a_rounds_update_is_framed_once_for_every_waiter_and_dropped_with_the_ch
 
     async def scenario():
         names = tuple(f"L{i}" for i in range(4))
-        async with running_shard(tmp_path, learners=names, quorum=4, merge=MergeConfig(update_chain_length=2)) as (
+        async with running_shard(tmp_path, learners=names, quorum=4, merge=MergeConfig(update_chain_length=2, downlink="chain")) as (
             server, address
         ):
             learners = [FakeLearner.of(server, name, seed=i) for i, name in enumerate(names)]
@@ -128,7 +128,9 @@ def test_a_rounds_update_is_framed_once_for_every_waiter_and_dropped_with_the_ch
 
 def test_quorum_then_grace_then_straggler_joins_next_round(tmp_path):
     async def scenario():
-        async with running_shard(tmp_path, quorum=2, grace_mode="fixed", grace_fixed_s=0.3) as (server, address):
+        async with running_shard(tmp_path, quorum=2, grace_mode="fixed", grace_fixed_s=0.3, merge=MergeConfig(downlink="chain")) as (
+            server, address
+        ):
             a, b, c = (FakeLearner.of(server, f"L{i}", seed=i) for i in range(3))
             async with client_for(address, "L0") as ca, client_for(address, "L1") as cb:
                 loop = asyncio.get_running_loop()
@@ -195,6 +197,74 @@ def test_duplicate_push_is_not_applied_twice(tmp_path):
             assert server.runtime.core.fragments[0].version == 1
             assert server.runtime.counters.pushes == 1 and server.runtime.counters.duplicates == 1
             assert again.update.version == 1
+
+    run(scenario())
+
+
+def test_condensed_replies_bring_a_learner_that_missed_rounds_to_the_global_values_in_one_int4_update(tmp_path):
+    """Condensed downlink (the default): however many rounds a learner missed, its reply
+    is one int4 update, the size of a push. It lands the learner bit for bit on the
+    shard's mirror of its anchor, and the mirror stays within one int4 rounding of the
+    global values: what one reply rounds away, the next one sends (error feedback)."""
+    async def scenario():
+        async with running_shard(tmp_path, quorum=1, grace_mode="off") as (server, address):
+            core = server.runtime.core
+            state = core.fragments[0]
+            learners = [FakeLearner.of(server, f"L{i}", seed=i) for i in range(3)]
+            for learner in learners:  # each starts from a bootstrap, which the shard mirrors
+                async with client_for(address, learner.name) as client:
+                    [update] = [u for u in await client.bootstrap([0])]
+                learner.anchor = update.apply_to(learner.anchor)
+            assert sorted(state.mirrors) == ["L0", "L1", "L2"]
+            straggler, others = learners[2], learners[:2]
+            for round_index in range(4):
+                for learner in others:  # two rounds per pass: the straggler misses both
+                    async with client_for(address, learner.name) as client:
+                        await learner.push(client)
+                async with client_for(address, straggler.name) as client:
+                    result = await straggler.push(client)
+                assert result.update.version - result.update.base_version == 3
+                assert [s.kind for s in result.update.segments] == ["delta"]
+                assert straggler.version == state.version
+                mirror = state.mirrors["L2"]
+                assert mirror.version == state.version
+                assert_same_tensors(straggler.anchor, mirror.values)
+                for mine, theirs in zip(straggler.anchor, state.params):
+                    error = (mine - torch.from_numpy(theirs)).abs().max().item()
+                    assert 0 < error < 1e-2  # int4 rounding of the last reply, not a drift
+            # One int4 update per reply, about a push's size (both framed int4 payloads of the
+            # fragment), not one per round it missed: a chain would be about 3 pushes.
+            tape = read_tape_now(server)
+            sent = [r["bytes"] for r in tape if r["kind"] == "sent" and r["learner"] == "L2" and r["what"] == "reply"]
+            pushes = [r["bytes"] for r in tape if r["kind"] == "push" and r["learner"] == "L2"]
+            assert len(sent) == len(pushes) == 4
+            assert all(0.8 * p < s < 1.25 * p for s, p in zip(sent, pushes)), (sent, pushes)
+
+    run(scenario())
+
+
+def read_tape_now(server):
+    server.runtime.tape.flush()
+    return list(read_tape(server.runtime.tape.path))
+
+
+def test_a_learner_the_shard_does_not_mirror_gets_full_values_then_condensed_replies(tmp_path):
+    """A push whose base the shard holds no mirror of (a learner that never bootstrapped
+    from this shard life, or did not apply its last reply) is answered with full values,
+    which the shard mirrors; the next reply is condensed again."""
+    async def scenario():
+        async with running_shard(tmp_path, quorum=1, grace_mode="off") as (server, address):
+            learner = FakeLearner.of(server, "L0")
+            async with client_for(address, "L0") as client:
+                first = await learner.push(client)
+                second = await learner.push(client)
+                learner.version = 0  # as if it never applied the second reply
+                third = await learner.push(client)
+            assert [s.kind for s in first.update.segments] == ["full"]
+            assert [s.kind for s in second.update.segments] == ["delta"]
+            assert [s.kind for s in third.update.segments] == ["full"] and third.update.base_version == 0
+            assert_same_tensors(learner.anchor, server.runtime.core.fragments[0].mirrors["L0"].values)
+            assert_same_tensors(learner.anchor, server.runtime.core.fragments[0].params)
 
     run(scenario())
 

@@ -2,6 +2,7 @@
 recorded timeline, config validation and the CLI's answers to bad input."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -318,3 +319,28 @@ def test_ablations_run_the_chosen_variants_and_reuse_the_scenario_for_the_defaul
     assert found["nofault"][compare.DEFAULT_VARIANT] is scenario_cell
     assert [(l.run.sync_every_steps, l.run.seed) for l in launched] == [(8, cfg.run.seed), (8, cfg.run.seed + 1)]
     assert found["nofault"]["H=8"]["eval_loss_final"] == round(3.0 + (2 * cfg.run.seed + 1) / 20, 4)
+
+
+def test_an_ablation_of_mtbf30_runs_the_scenarios_faults_with_the_changed_setting(tmp_path, monkeypatch):
+    """An ablation runs its scenario exactly as the scenario's own Decoupled cell does
+    (mtbf30: the same kill schedule per seed), with one setting changed."""
+    from tools import compare
+    from tools.local import run as local_run
+
+    launched = []
+
+    def fake_run_local(local):
+        launched.append(local)
+        return {"tokens": 1000, "bytes_up": 10, "bytes_down": 30, "eval_unit": "bits/byte", "eval_loss_start": 8.0,
+                "eval_loss_final": 3.0, "goodput": 0.9, "step_goodput": 0.95, "learners_killed": 1,
+                "run_dir": str(local.out), "wall_s": 1.0, "uptime": 1.0, "global_stall_s": 0.0, "start_s": 2.0}
+
+    monkeypatch.setattr(local_run, "run_local", fake_run_local)
+    cfg = compare.CompareConfig(seeds=2, out=tmp_path)
+    scenario = compare.run_scenario(replace(cfg, systems=("decoupled",)), "mtbf30")
+    own = list(launched)
+    launched.clear()
+    compare.run_ablations(cfg, ("mtbf30",), ("chain replies",), [scenario])
+    assert [l.downlink for l in launched] == ["chain", "chain"] and {l.downlink for l in own} == {"condensed"}
+    assert [l.chaos for l in launched] == [l.chaos for l in own]
+    assert [l.chaos.kill_every_s for l in own] == [cfg.mtbf_s] * 2 and own[0].chaos.seed != own[1].chaos.seed

@@ -801,3 +801,23 @@ def test_fragment_norm_is_recomputed_for_each_version():
     expected = math.sqrt(sum(float((p.astype(np.float64) ** 2).sum()) for p in state.params))
     assert expected != pytest.approx(1.0)
     assert shard.fragment_norm(state) == pytest.approx(expected, rel=1e-6)
+
+
+def test_mirrors_go_with_their_learner_and_with_a_failed_round():
+    """Condensed replies: a learner that left or failed leaves no mirror behind (memory no
+    reply would use), and a round whose computation failed forgets the mirrors it may have
+    advanced, so their learners get full values next."""
+    shard, initial = make_shard()
+    for name in ("L0", "L1"):
+        shard.mirror(0, name, shard.full(0))
+    learner = Learner("L0", shard, initial, 0)
+    learner.push(0, now=0.0)
+    job = shard.begin_round(0, shard.decide(0, 0.0), 0.0)
+    assert [(name, base) for name, base, _ in job.mirrors] == [("L0", 0)]
+    shard.fail_round(job, "boom", 0.1)
+    assert sorted(shard.fragments[0].mirrors) == ["L1"]
+    assert [s.kind for s in shard.update_for(0, 0, "L0").segments] == ["full"]
+    assert sorted(shard.fragments[0].mirrors) == ["L0", "L1"]  # mirrored from the full reply on
+    shard.learner_left("L0")
+    shard.learner_failed("L1")
+    assert shard.fragments[0].mirrors == {}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from diloco.errors import InvalidArgument
 from learner.config import DELTA_CODECS
-from syncer.config import MERGE_MODES, SCALE_MODES
+from syncer.config import DOWNLINKS, MERGE_MODES, SCALE_MODES
 from tools.chaos import RESTART_SOURCES, ChaosConfig
 from tools.cli.common import add_grace_flag, add_run_config, build_run_config
 from tools.cli.settings import add_config_flag, add_flag, from_flags
@@ -158,6 +158,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--merge", LocalConfig, "merge", "shards' merge", choices=MERGE_MODES)
     add_flag(p, "--scale-by", LocalConfig, "scale_by",
              "shards scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)
+    add_flag(p, "--downlink", LocalConfig, "downlink",
+             "shards' replies: one int4 update from the learner's anchor (condensed) or every update since it (chain)",
+             choices=DOWNLINKS)
     add_flag(p, "--delta-codec", LocalConfig, "delta_codec", "learners' delta encoding", choices=DELTA_CODECS)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
@@ -257,7 +260,8 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
              taken=lambda systems: tuple(x for x in systems.split(",") if x))
     ablate = p.add_mutually_exclusive_group()
     ablate.add_argument("--ablations", action="store_true",
-                        help="also run every Decoupled ablation on nofault and hetero (those of them in --scenario)")
+                        help="also run every Decoupled ablation on nofault, hetero and mtbf30: those of them in "
+                             "--scenario, or nofault and hetero when none is")
     ablate.add_argument("--ablation", action="append", metavar="VARIANT",
                         choices=[a for a in ABLATIONS if a != DEFAULT_VARIANT],
                         help="also run this ablation (repeatable), beside the default variant: "

@@ -9,7 +9,7 @@ from pathlib import Path
 from coordinator.config import CoordinatorConfig
 from diloco.task import DEFAULT_TASK
 from learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
-from syncer.config import MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
+from syncer.config import DOWNLINKS, MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
 from tools.cli.common import (GPT_OPTIONS, add_grace_flag, add_run_config, add_telemetry, build_run_config, run_secret,
                               start_telemetry)
 from tools.cli.settings import add_config_flag, add_flag, from_flags
@@ -81,6 +81,9 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--block-size", MergeConfig, "block_size", "int4 block size", type=int)
     add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", "int4 scale dtype", choices=["float16", "float32"])
     add_flag(p, "--chain", MergeConfig, "update_chain_length", "int4 updates kept per fragment", type=int)
+    add_flag(p, "--downlink", MergeConfig, "downlink",
+             "replies: one int4 update from the learner's anchor, mirrored here (condensed), or every update since "
+             "it (chain)", choices=DOWNLINKS)
     add_flag(p, "--max-push-mib", SyncerConfig, "max_push_bytes", "largest accepted push, MiB", type=int,
              shown=lambda size: size // 2**20, taken=lambda mib: mib * 2**20)
     add_flag(p, "--anchor-window-s", SyncerConfig, "anchor_window_s",

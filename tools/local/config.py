@@ -40,6 +40,8 @@ class LocalConfig:
     """The shards' merge: rda or mean (ablations)."""
     scale_by: str = MergeConfig.scale_by
     """The shards' outer lr scaling: live or round (ablations)."""
+    downlink: str = MergeConfig.downlink
+    """What the shards' replies carry: condensed or chain (ablations)."""
     delta_codec: str = LearnerConfig.delta_codec
     """The learners' delta encoding: int4 or fp32 (ablations)."""
     out: Path | None = None

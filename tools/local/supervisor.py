@@ -66,6 +66,7 @@ class Cluster:
             "data_dir": str(self.dir / f"shard{m}"), "push_log": True, "coordinator": self.coordinator,
             "quorum": self.cfg.quorum, "grace": self.cfg.grace, "outer_lr": self.cfg.outer_lr,
             "outer_momentum": self.cfg.outer_momentum, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
+            "downlink": self.cfg.downlink,
             "snapshot_dir": self.snapshot_dir, **self.common,
         })
         return ["syncer", "--config", str(config)]
