@@ -595,8 +595,9 @@ class ShardCore:
 
     def mirror(self, fragment_id: int, learner_id: str, full: Segment) -> None:
         """The learner holds the fragment's full values ``full`` (a bootstrap, a full
-        reply): mirror them, for condensed replies."""
-        if self.cfg.merge.downlink != "condensed":
+        reply): mirror them, for condensed replies. Only for a member of the run (live or
+        draining): a caller minting learner ids cannot make the shard hold copies for them."""
+        if self.cfg.merge.downlink != "condensed" or learner_id not in self.live | self.draining:
             return
         state = self.state_of(fragment_id)
         values = [np.frombuffer(t.payload, dtype="<f4").astype(np.float32).reshape(t.spec.shape) for t in full.tensors]

@@ -821,3 +821,6 @@ def test_mirrors_go_with_their_learner_and_with_a_failed_round():
     shard.learner_left("L0")
     shard.learner_failed("L1")
     assert shard.fragments[0].mirrors == {}
+    shard.mirror(0, "L0", shard.full(0))  # not a member any more (nor one never seen)
+    shard.mirror(0, "L7", shard.full(0))
+    assert shard.fragments[0].mirrors == {}
