@@ -29,9 +29,12 @@ class RunConfig:
     initialisation; every learner reads it, the first to reach a shard gives it its values."""
     fragments: int = 4
     """P: fragments the model is cut into."""
-    sync_every_steps: int = 4
+    sync_every_steps: int = 8
     """H: inner steps between two sends of the same fragment (with the shards' default
-    outer step, syncer.config.MergeConfig: with outer Nesterov 0.7 / 0.9 take H >= 16)."""
+    outer step, syncer.config.MergeConfig: with outer Nesterov 0.7 / 0.9 take H >= 16).
+    8 from a seeded sweep (docs/results/compare-condensed/): against H = 4, half the
+    bytes with the no-fault eval inside its spread; H = 16 fell below 0.9 goodput under
+    kills."""
     overlap_steps: int = 2
     """tau: inner steps between sending a fragment and applying its reply."""
     merge_alpha: float = 0.0
