@@ -45,7 +45,8 @@ def clock_from_proto(msg: common_pb2.VectorClock) -> VectorClock:
 # The fields each message carries unchanged, one list for both directions: a field added
 # to one direction only would not survive a round trip.
 _SPEC_FIELDS = ("name", "dtype", "block_size", "scale_dtype", "byte_length", "checksum")
-_PUSH_FIELDS = ("learner_id", "fragment", "base_version", "tokens", "inner_steps", "step_time_s", "snapshot_epoch")
+_PUSH_FIELDS = ("learner_id", "fragment", "base_version", "tokens", "inner_steps", "step_time_s", "snapshot_epoch",
+                "final")
 
 
 def _fields(source, names: tuple[str, ...]) -> dict:

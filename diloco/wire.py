@@ -22,6 +22,8 @@ class PushMeta:
     clock: VectorClock
     specs: tuple[TensorSpec, ...]
     snapshot_epoch: int = 0
+    final: bool = False
+    """The learner's last push of the fragment (it is leaving): its reply carries no values."""
 
     @property
     def seq(self) -> int:

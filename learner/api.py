@@ -204,6 +204,8 @@ class Learner:
         self.event("state", state="draining", step=self.summary.inner_steps)
         try:
             if self.streamer is not None:
+                if self._bootstrapped and not failed:
+                    self._final_pushes(timeout_s=min(self.cfg.push_timeout_s, 30.0))
                 self.streamer.close(timeout_s=min(self.cfg.push_timeout_s, 30.0))
                 if hasattr(self, "book"):
                     self._apply_due(None)
@@ -307,34 +309,49 @@ class Learner:
         if self.streamer is None:
             return
         for fragment_id in fragments_due(step, self.offsets, self.run.sync_every_steps):
-            started = time.perf_counter()
-            state = self.book.fragments[fragment_id]
-            host = self._host(fragment_id)
-            keep = [t.detach().clone() for t in host] if self.run.reply_rule == "rebase" else None
-            if not self.book.sending(fragment_id, step, keep):
-                continue  # its previous push is still out; the next send carries both
-            shard = self.plan.fragments[fragment_id].owner(self.num_shards)
-            sync = self.telemetry.start_sync(fragment_id, shard, state.base_version, step)
-            pieces = self.plan.fragments[fragment_id].pieces
-            encoded = [
-                # A buffer (running statistics) travels as its value, in fp32: the shard
-                # averages values (see syncer.core.shard._merge_buffer_values).
-                encode(piece.name, value, encoding="fp32") if piece.buffer
-                else encode(piece.name, d, encoding=self.cfg.delta_codec, block_size=self.cfg.block_size)
-                for piece, value, d in zip(pieces, host, delta(state.anchor, host))
-            ]
-            self.clock = self.clock.tick(self.learner_id)
-            meta = PushMeta(
-                self.learner_id, fragment_id, state.base_version, state.tokens, state.steps,
-                self.summary.wall_s / max(self.summary.inner_steps, 1), self.clock, tuple(e.spec for e in encoded),
-                snapshot_epoch=self.snapshot_epoch,
-            )
-            sync.phase("encode", time.perf_counter() - started)
-            if self.streamer.submit(PushJob(shard, meta, encoded, state.anchor, step, sync)):
-                self._syncs[(fragment_id, step)] = sync
-            else:
-                self.book.receive(Reply(fragment_id, -1, [], step, 0, failed=True))
-            self.summary.blocked_s += time.perf_counter() - started
+            self._send(fragment_id, step)
+
+    def _final_pushes(self, timeout_s: float) -> None:
+        """Leaving (a drain, the last step, SIGTERM): let the pushes in flight return, apply
+        their replies (``rebase`` keeps what was trained since), then push each fragment
+        trained since its last reply once more, so that no step is lost to the model. Not
+        on a multi-host slice: reading a fragment there is a step every host takes."""
+        if self.slice is not None or not self.streamer.wait(timeout_s):
+            return
+        self._apply_due(None)
+        for fragment_id, state in sorted(self.book.fragments.items()):
+            if state.steps > 0 and state.sent is None:
+                self._send(fragment_id, self._step, final=True)
+
+    def _send(self, fragment_id: int, step: int, final: bool = False) -> None:
+        started = time.perf_counter()
+        state = self.book.fragments[fragment_id]
+        host = self._host(fragment_id)
+        keep = [t.detach().clone() for t in host] if self.run.reply_rule == "rebase" else None
+        if not self.book.sending(fragment_id, step, keep):
+            return  # its previous push is still out; the next send carries both
+        shard = self.plan.fragments[fragment_id].owner(self.num_shards)
+        sync = self.telemetry.start_sync(fragment_id, shard, state.base_version, step)
+        pieces = self.plan.fragments[fragment_id].pieces
+        encoded = [
+            # A buffer (running statistics) travels as its value, in fp32: the shard
+            # averages values (see syncer.core.shard._merge_buffer_values).
+            encode(piece.name, value, encoding="fp32") if piece.buffer
+            else encode(piece.name, d, encoding=self.cfg.delta_codec, block_size=self.cfg.block_size)
+            for piece, value, d in zip(pieces, host, delta(state.anchor, host))
+        ]
+        self.clock = self.clock.tick(self.learner_id)
+        meta = PushMeta(
+            self.learner_id, fragment_id, state.base_version, state.tokens, state.steps,
+            self.summary.wall_s / max(self.summary.inner_steps, 1), self.clock, tuple(e.spec for e in encoded),
+            snapshot_epoch=self.snapshot_epoch, final=final,
+        )
+        sync.phase("encode", time.perf_counter() - started)
+        if self.streamer.submit(PushJob(shard, meta, encoded, state.anchor, step, sync)):
+            self._syncs[(fragment_id, step)] = sync
+        else:
+            self.book.receive(Reply(fragment_id, -1, [], step, 0, failed=True))
+        self.summary.blocked_s += time.perf_counter() - started
 
     def _apply_due(self, step: int | None) -> None:
         """Apply replies due at ``step`` (None: whatever has arrived, at the end)."""

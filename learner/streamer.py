@@ -163,12 +163,18 @@ class Streamer:
         with self._lock:
             return self._inflight
 
+    def wait(self, timeout_s: float) -> bool:
+        """Wait (bounded) until no push is in flight; False if some still are."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.inflight()
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Wait (bounded) for in-flight pushes, offer our anchors to any shard recovering
         from them, then stop the loop and close channels."""
         deadline = time.monotonic() + timeout_s
-        while self.inflight() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self.wait(timeout_s)
         offering = asyncio.run_coroutine_threadsafe(self._offer_to_recovering(), self._loop)
         try:
             offering.result(max(min(deadline - time.monotonic(), 10.0), 1.0))
@@ -203,14 +209,16 @@ class Streamer:
             if self.wire_delay_s:
                 await asyncio.sleep(self.wire_delay_s)
             applying = time.perf_counter()
-            values = await asyncio.to_thread(result.update.apply_to, job.anchor)
+            # A final push's reply carries no values: its learner is leaving.
+            values = [] if job.meta.final else await asyncio.to_thread(result.update.apply_to, job.anchor)
             staleness = max(result.update.version - job.meta.base_version - 1, 0)
             if job.sync is not None:
                 for name, seconds in (("frame", result.frame_s), ("send", result.send_s), ("wait", result.wait_s),
                                       ("decode", result.decode_s), ("apply", time.perf_counter() - applying)):
                     job.sync.phase(name, seconds)
                 job.sync.replied(result.update.version, staleness, result.bytes_up, result.update.wire_bytes)
-            self.replies.put(Reply(job.meta.fragment, result.update.version, values, job.sent_step, staleness))
+            self.replies.put(Reply(job.meta.fragment, result.update.version, values, job.sent_step, staleness,
+                                   failed=job.meta.final))
             replied = True
             with self._lock:
                 self.stats.pushes_acked += 1

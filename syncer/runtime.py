@@ -85,6 +85,7 @@ class _Waiter:
     base_version: int
     future: asyncio.Future = field(repr=False)
     learner_id: str | None = None
+    final: bool = False
 
 
 class ShardRuntime:
@@ -324,7 +325,7 @@ class ShardRuntime:
             logger.debug("snapshot %d: push from %s: %s", self.recorder.snapshot_id, meta.learner_id, decision.reason)
             self._maybe_finish_snapshot()
         future = asyncio.get_running_loop().create_future()
-        self._waiters[meta.fragment].append(_Waiter(ack.target_version, meta.base_version, future, meta.learner_id))
+        self._waiters[meta.fragment].append(_Waiter(ack.target_version, meta.base_version, future, meta.learner_id, meta.final))
         self._resolve(meta.fragment)
         self._evaluate(meta.fragment)
         return ack, future
@@ -426,7 +427,7 @@ class ShardRuntime:
             if waiter.future.done():
                 continue
             if waiter.target_version <= version:
-                waiter.future.set_result(self.core.update_for(fragment_id, waiter.base_version, waiter.learner_id))
+                waiter.future.set_result(self.core.update_for(fragment_id, waiter.base_version, waiter.learner_id, waiter.final))
             else:
                 still.append(waiter)
         self._waiters[fragment_id] = still

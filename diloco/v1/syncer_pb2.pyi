@@ -29,7 +29,7 @@ UPDATE_KIND_DELTA: UpdateKind
 UPDATE_KIND_FULL: UpdateKind
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "tokens", "inner_steps", "step_time_s", "clock", "snapshot_epoch", "tensors")
+    __slots__ = ("learner_id", "fragment", "base_version", "tokens", "inner_steps", "step_time_s", "clock", "snapshot_epoch", "tensors", "final")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class PushHeader(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -48,7 +49,8 @@ class PushHeader(_message.Message):
     clock: _common_pb2.VectorClock
     snapshot_epoch: int
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorHeader]
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., snapshot_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHeader, _Mapping]]] = ...) -> None: ...
+    final: bool
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., step_time_s: _Optional[float] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., snapshot_epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHeader, _Mapping]]] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")

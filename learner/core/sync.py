@@ -43,7 +43,8 @@ class Reply:
     staleness: int
     """Versions the global moved beyond the push's base, besides the push's own round."""
     failed: bool = False
-    """The push was dropped or failed: no values; the fragment may be sent again."""
+    """No values: the push was dropped or failed (the fragment may be sent again), or it
+    was the learner's final push."""
 
 
 @dataclass

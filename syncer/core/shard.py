@@ -505,7 +505,8 @@ class ShardCore:
             participation=merged / live if live else 1.0,
             mirrors=tuple(
                 (p.meta.learner_id, p.meta.base_version, mirror) for p in pushes
-                if (mirror := state.mirrors.get(p.meta.learner_id)) is not None and mirror.version == p.meta.base_version
+                if not p.meta.final
+                and (mirror := state.mirrors.get(p.meta.learner_id)) is not None and mirror.version == p.meta.base_version
             ),
         )
         state.applying = True
@@ -558,18 +559,22 @@ class ShardCore:
         for pending in waiting.values():
             self._join_open(state, pending, now)
 
-    def update_for(self, fragment_id: int, base_version: int, learner_id: str | None = None) -> FragmentUpdate:
+    def update_for(self, fragment_id: int, base_version: int, learner_id: str | None = None,
+                   final: bool = False) -> FragmentUpdate:
         """The chain base+1..version, or the full fp32 fragment when the chain is too short;
-        for a learner (``learner_id``) with condensed replies, see ``_condensed``."""
+        for a learner (``learner_id``) with condensed replies, see ``_condensed``; for a
+        final push (its learner is leaving), the version alone."""
         state = self.state_of(fragment_id)
         if base_version > state.version:
             raise FailedPrecondition(
                 f"base version {base_version} is in the future: fragment {fragment_id} is at version {state.version}"
             )
-        if learner_id is not None and self.cfg.merge.downlink == "condensed":
+        if final:
+            segments: tuple[Segment, ...] = ()
+        elif learner_id is not None and self.cfg.merge.downlink == "condensed":
             segments = self._condensed(state, base_version, learner_id)
         elif base_version == state.version:
-            segments: tuple[Segment, ...] = ()
+            segments = ()
         elif state.chain and state.chain[0].version <= base_version + 1:
             segments = tuple(s for s in state.chain if s.version > base_version)
         else:

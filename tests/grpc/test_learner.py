@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from diloco import auth
+from diloco.codec import decode
 from learner.api import Learner
 from learner.config import LearnerConfig
 from learner.membership import Membership
@@ -50,17 +51,27 @@ def train(name, addresses, run=RUN, on_learner=lambda learner: None, **overrides
     return run_task(member(name, addresses, run), dataclasses.replace(CFG, **overrides), on_learner=on_learner)
 
 
-def held(state, learner_id):
-    """What a learner's anchor of the fragment must equal bit for bit: the shard's values
-    (chain replies), or the shard's mirror of that learner's anchor (condensed replies),
-    which stays within int4 rounding of the values."""
-    mirror = state.mirrors.get(learner_id)
-    if mirror is None:
-        return state.params
-    assert mirror.version == state.version
-    for m, p in zip(mirror.values, state.params):
-        assert np.abs(m - p).max() <= 0.05 * max(np.abs(p).max(), 1e-3), "the mirror strayed from the global values"
-    return mirror.values
+def assert_holds(learner, state, fragment_id):
+    """The learner's anchor of the fragment, bit for bit: the shard's mirror of it
+    (condensed replies), which stays within int4 rounding of the global values; or, with
+    chain replies, the shard's values once the chain since the anchor's version is added
+    (the learner's final push may have moved the shard on without a reply)."""
+    anchor, version = learner.anchors()[fragment_id], learner.book.fragments[fragment_id].base_version
+    mirror = state.mirrors.get(learner.learner_id)
+    if mirror is not None:
+        assert mirror.version == version
+        assert_same_tensors(anchor, mirror.values)
+        if version == state.version:
+            for m, p in zip(mirror.values, state.params):
+                assert np.abs(m - p).max() <= 0.05 * max(np.abs(p).max(), 1e-3), "the mirror strayed from the values"
+        return anchor
+    chain = [decode(t.spec, t.payload) for s in state.chain if s.version > version for t in s.tensors]
+    assert len(chain) == (state.version - version) * len(anchor)
+    values = list(anchor)
+    for i, update in enumerate(chain):
+        values[i % len(anchor)] = values[i % len(anchor)] + update
+    assert_same_tensors(values, state.params)
+    return anchor
 
 
 @pytest.mark.parametrize("downlink", ["chain", "condensed"])
@@ -73,19 +84,21 @@ def test_anchors_equal_the_shards_parameters_bit_for_bit(tmp_path, downlink):
             summary = learner.summary
             # The shards started empty and took this learner's values as version 0.
             assert sorted(summary.initialized_fragments) == [0, 1, 2, 3]
-            assert summary.pushes_sent == summary.pushes_acked == 12 and summary.pushes_dropped == 0
+            # 12 pushes and replies while training; leaving, one final push (no reply) of
+            # each fragment trained since its last reply: 0, 1 and 2, not 3.
+            assert summary.pushes_sent == summary.pushes_acked == 15 and summary.pushes_dropped == 0
             assert summary.replies_applied == 12
             for server, _ in servers:
                 for fragment_id, state in server.runtime.core.fragments.items():
-                    assert state.version == 3
-                    mine = learner.anchors()[fragment_id]
+                    assert state.version == (4 if fragment_id < 3 else 3)
+                    assert learner.book.fragments[fragment_id].base_version == 3
                     assert (fragment_id, "L0" in state.mirrors) == (fragment_id, downlink == "condensed")
-                    assert_same_tensors(mine, held(state, "L0"))
+                    assert_holds(learner, state, fragment_id)
             # Fragment 3's reply came after the last inner step: nothing to rebase (and with
             # alpha = 0 nothing to mix), so the model holds the reply's values, bit for bit.
             owner = servers[learner.plan.fragments[3].owner(2)][0].runtime.core.fragments[3]
             live = learner.plan.gather(3, learner.tensors)
-            assert_same_tensors(live, held(owner, "L0"))
+            assert_same_tensors(live, assert_holds(learner, owner, 3))
             assert summary.blocked_s < 0.5 * summary.wall_s
 
     run(scenario())
@@ -140,7 +153,7 @@ def test_shard_outage_drops_pushes_keeps_training_and_resyncs(tmp_path):
         _, plan, seed = model_plan(RUN)
         for fragment_id, state in second.runtime.core.fragments.items():
             assert state.version >= 1
-            assert_same_tensors(learner.anchors()[fragment_id], held(state, "L0"))
+            assert_holds(learner, state, fragment_id)
             restarted_from = snapshot.loads(tmp_path / initial_name(fragment_id))["pieces"]
             assert not all(np.array_equal(a, b.numpy()) for a, b in zip(restarted_from, plan.gather(fragment_id, seed)))
         # The restarted shard knew from its data directory that it had held the model: it

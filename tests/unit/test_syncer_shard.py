@@ -824,3 +824,19 @@ def test_mirrors_go_with_their_learner_and_with_a_failed_round():
     shard.mirror(0, "L0", shard.full(0))  # not a member any more (nor one never seen)
     shard.mirror(0, "L7", shard.full(0))
     assert shard.fragments[0].mirrors == {}
+
+
+def test_a_final_push_is_merged_and_answered_with_the_version_alone():
+    """A learner leaving pushes each fragment once more, marked final: the round merges it;
+    the reply carries no values (nobody will apply them) and its mirror stays as it was."""
+    shard, initial = make_shard()
+    shard.mirror(0, "L0", shard.full(0))
+    learner = Learner("L0", shard, initial, 0)
+    meta, payload, _ = learner.push(0, now=0.0)
+    final = dataclasses.replace(meta, clock=meta.clock.tick("L0"), final=True)
+    assert shard.accept(final, payload, 0, now=0.0).outcome == ACCEPTED  # supersedes the first
+    job = close(shard, 0, now=0.1)
+    assert [p.meta.final for p in job.pushes] == [True] and job.weights == (1.0,) and job.mirrors == ()
+    update = shard.update_for(0, 0, "L0", final=True)
+    assert (update.base_version, update.version, update.segments) == (0, 1, ())
+    assert shard.fragments[0].mirrors["L0"].version == 0
