@@ -50,6 +50,9 @@ from learner.summary import Summary
 from learner.streamer import PushJob, Streamer
 from learner.telemetry import LearnerTelemetry, SyncTrace
 
+FINAL_PUSH_WAIT_S = 5.0
+"""How long a leaving learner waits for its in-flight pushes before its final pushes."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -205,7 +208,7 @@ class Learner:
         try:
             if self.streamer is not None:
                 if self._bootstrapped and not failed:
-                    self._final_pushes(timeout_s=min(self.cfg.push_timeout_s, 30.0))
+                    self._final_pushes(timeout_s=min(self.cfg.push_timeout_s, FINAL_PUSH_WAIT_S))
                 self.streamer.close(timeout_s=min(self.cfg.push_timeout_s, 30.0))
                 if hasattr(self, "book"):
                     self._apply_due(None)
@@ -315,10 +318,14 @@ class Learner:
         """Leaving (a drain, the last step, SIGTERM): let the pushes in flight return, apply
         their replies (``rebase`` keeps what was trained since), then push each fragment
         trained since its last reply once more, so that no step is lost to the model. Not
-        on a multi-host slice: reading a fragment there is a step every host takes."""
-        if self.slice is not None or not self.streamer.wait(timeout_s):
+        on a multi-host slice (reading a fragment there is a step every host takes), nor
+        while a shard is down or in flight pushes do not return within ``timeout_s``: a
+        leaving learner then offers its anchors instead (``Streamer.close``)."""
+        if self.slice is not None or self.streamer.any_down() or not self.streamer.wait(timeout_s):
             return
         self._apply_due(None)
+        if self.streamer.any_down():
+            return
         for fragment_id, state in sorted(self.book.fragments.items()):
             if state.steps > 0 and state.sent is None:
                 self._send(fragment_id, self._step, final=True)

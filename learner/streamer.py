@@ -163,6 +163,11 @@ class Streamer:
         with self._lock:
             return self._inflight
 
+    def any_down(self) -> bool:
+        """A shard is unreachable or being re-synced."""
+        with self._lock:
+            return bool(self._down)
+
     def wait(self, timeout_s: float) -> bool:
         """Wait (bounded) until no push is in flight; False if some still are."""
         deadline = time.monotonic() + timeout_s
