@@ -24,7 +24,8 @@ fast learner or a replacement keeps going while the others finish. Scenarios:
 Ablations (``--ablations``) rerun Decoupled on ``nofault`` and ``hetero`` with one
 setting changed at a time: quorum K = all / K = 1 without grace / K = 1 + grace (the
 default), merge rda / mean, alpha 0 / 0.5 (with the mix rule), int4 / fp32 deltas,
-and the reply rule rebase (default) / mix.
+the reply rule rebase (default) / mix, the outer lr and Nesterov momentum, the downlink
+and H.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ ABLATIONS = {
     "reply rule mix": {"reply_rule": "mix"},
     "outer lr not scaled by participation": {"scale_by": "round"},
     "chain replies": {"downlink": "chain"},
+    "outer lr 1.3": {"outer_lr": 1.3},
+    "outer lr 0.6, Nesterov 0.5": {"outer_lr": 0.6, "outer_momentum": 0.5},
+    "outer lr 0.7, Nesterov 0.9 (paper)": {"outer_lr": 0.7, "outer_momentum": 0.9},
     "H=8": {"sync_every": 8},
     "H=16": {"sync_every": 16},
 }
