@@ -282,12 +282,13 @@ class Learner:
                                              stop=self.stop)
             self.summary.initialized_fragments += taken
         # A shard still at values we hold (the run's seed, which every learner builds alike)
-        # sends their version alone: the values stay off the wire.
+        # sends their version alone; one that has moved on from them, one int4 update (with
+        # condensed replies): the full values stay off the wire.
         have = {f: values_digest(encode_own(f)) for f in own}
         updates = self.streamer.bootstrap(by_shard, have, stop=self.stop)
         fragments = {}
         for update in updates:
-            values = update.segments[-1].tensors if update.segments else own[update.fragment]
+            values = update.apply_to(own[update.fragment])
             self._write(Write(update.fragment, values))
             fragments[update.fragment] = FragmentSync([v.clone() for v in values], update.version)
         self.device.reshard()

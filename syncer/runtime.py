@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 from opentelemetry.trace import SpanContext
 
 from diloco.clock import VectorClock
-from diloco.codec import values_digest
+from diloco.codec import encode, values_digest
 from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
@@ -28,7 +29,10 @@ from diloco.wire import PushMeta
 from syncer import snapshot as snapshot_files
 from syncer.core import snapshot
 from syncer.core.rounds import Close
-from syncer.core.shard import DUPLICATE, Ack, PushPayload, RoundJob, ShardCore, Segment, compute_round, condense_replies
+from syncer.core.shard import (
+    DUPLICATE, Ack, FragmentUpdate, Mirror, PushPayload, RoundJob, ShardCore, Segment, compute_round, condense,
+    condense_replies,
+)
 from syncer.pushlog import PushLogWriter
 from syncer.telemetry import ShardTelemetry
 
@@ -110,6 +114,8 @@ class ShardRuntime:
         """Set by ``expect_anchors``: fresh initial values are refused."""
         self.recovered: dict[int, tuple[str, int]] = {}
         """Fragments that came back from a learner's anchor: (learner, version)."""
+        self._initial_digests: dict[int, bytes] = {}
+        """``values_digest`` of each fragment's initial values file, once read."""
         self._anchor_offers: dict[int, _AnchorOffers] = {}
         self.tape = tape
         self.push_log = push_log
@@ -256,6 +262,7 @@ class ShardRuntime:
         if not core.add_fragment(fragment_id, values, anchor_version or 0):
             return False
         self._track()
+        self._initial_digests.pop(fragment_id, None)
         if self.data_dir is not None:
             atomic_write(self.data_dir / initial_name(fragment_id), snapshot_files.dumps({"pieces": core.fragments[fragment_id].params}))
         source = "initial values" if anchor_version is None else f"anchor at version {anchor_version}"
@@ -456,6 +463,54 @@ class ShardRuntime:
             cached = (full.version, await asyncio.to_thread(values_digest, full.tensors))
             state.digest_cache = cached
         return full, cached[1]
+
+    async def bootstrap(self, fragment_id: int, learner_id: str | None, have: bytes | None) -> FragmentUpdate:
+        """A fragment for a learner that starts (``learner_id``; None for an export), which
+        holds values of digest ``have`` (``values_digest``), if any: the version alone when
+        those are the fragment's values; with condensed replies, one int4 update when they
+        are the fragment's initial values (a learner joining a run in progress builds the
+        seed model as every learner does: an eighth of the full values' bytes); else the
+        full values. The learner's anchor is mirrored, for condensed replies."""
+        core = self.core
+        if have is None:
+            full = await self.full(fragment_id)
+        else:
+            full, digest = await self.full_and_digest(fragment_id)
+            if digest == have:
+                if learner_id is not None:
+                    core.mirror(fragment_id, learner_id, full)
+                return FragmentUpdate(fragment_id, full.version, full.version, ())
+            if learner_id is not None and core.mirrors_for(learner_id):
+                initial = await asyncio.to_thread(self._initial_values, fragment_id, have)
+                if initial is not None:
+                    fragment = core.state_of(fragment_id).fragment
+                    target = [np.frombuffer(t.payload, dtype="<f4") for t in full.tensors]
+                    scratch = np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32)
+                    tensors = await asyncio.to_thread(condense, fragment, target, initial, scratch, core.cfg)
+                    if core.mirrors_for(learner_id):  # it may have left meanwhile
+                        core.state_of(fragment_id).mirrors[learner_id] = Mirror(full.version, initial)
+                    return FragmentUpdate(fragment_id, 0, full.version, (Segment(full.version, "delta", tensors),))
+        if learner_id is not None:
+            core.mirror(fragment_id, learner_id, full)
+        return FragmentUpdate(fragment_id, 0, full.version, (full,))
+
+    def _initial_values(self, fragment_id: int, digest: bytes) -> list[np.ndarray] | None:
+        """The fragment's initial values (``initial_name``, in the data directory) if their
+        ``values_digest`` is ``digest``, else None. The digest is kept (the file is written
+        once per fragment, as it takes its values)."""
+        if self.data_dir is None or not (self.data_dir / initial_name(fragment_id)).exists():
+            return None
+        known = self._initial_digests.get(fragment_id)
+        if known is not None and known != digest:
+            return None
+        pieces = self.core.state_of(fragment_id).fragment.pieces
+        values = snapshot_files.loads(self.data_dir / initial_name(fragment_id))["pieces"]
+        if len(values) != len(pieces) or any(v.shape != p.shape or v.dtype != np.float32 for v, p in zip(values, pieces)):
+            return None
+        self._initial_digests[fragment_id] = values_digest([encode(p.name, v, encoding="fp32") for p, v in zip(pieces, values)])
+        if self._initial_digests[fragment_id] != digest:
+            return None
+        return [np.array(v, dtype=np.float32) for v in values]
 
     def evaluate_all(self) -> None:
         for fragment_id in self.core.fragments:

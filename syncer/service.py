@@ -260,17 +260,9 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             for fragment_id in wanted:
                 core.state_of(fragment_id)
             have = {d.fragment: d.sha256 for d in request.have}
+            learner = None if learner_id == auth.COORDINATOR_ID else learner_id  # an export is not a learner's anchor
             for fragment_id in wanted:
-                if fragment_id in have:
-                    full, digest = await self.runtime.full_and_digest(fragment_id)
-                else:
-                    full, digest = await self.runtime.full(fragment_id), None
-                # The caller holds these very values (a learner's own initial values): the
-                # header alone tells it their version.
-                same = digest is not None and digest == have[fragment_id]
-                update = FragmentUpdate(fragment_id, full.version if same else 0, full.version, () if same else (full,))
-                if learner_id != auth.COORDINATOR_ID:  # an export is not a learner's anchor
-                    core.mirror(fragment_id, learner_id, full)
+                update = await self.runtime.bootstrap(fragment_id, learner, have.get(fragment_id))
                 async for message in self._update_messages(update, syncer_pb2.BootstrapReply, learner_id, "bootstrap"):
                     yield message
         except DilocoError as error:

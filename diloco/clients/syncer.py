@@ -170,8 +170,10 @@ class SyncerClient:
 
     async def bootstrap(self, fragments: Sequence[int] = (), have: Mapping[int, bytes] | None = None) -> list[DecodedUpdate]:
         """The shard's fragments (all it owns by default), each in full; or, for a fragment
-        in ``have`` (fragment -> ``values_digest`` of values held here) that the shard holds
-        bit for bit, an update with no segments: keep yours."""
+        in ``have`` (fragment -> ``values_digest`` of values held here): an update with no
+        segments when the shard holds those values bit for bit (keep yours), one int4
+        update when they are the fragment's initial values and the shard's replies are
+        condensed. ``DecodedUpdate.apply_to`` the values held gives the anchor."""
         have = [syncer_pb2.FragmentDigest(fragment=f, sha256=d) for f, d in sorted((have or {}).items())]
         call = self.stub.Bootstrap(
             syncer_pb2.BootstrapRequest(fragments=list(fragments), have=have), metadata=self.credential.metadata(),

@@ -208,29 +208,38 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
 
 def condense_replies(job: RoundJob, cfg: SyncerConfig) -> dict[str, tuple[int, Segment]]:
     """After ``compute_round``, in the same worker thread: for each mirrored pusher, one
-    update from its anchor to the new global values (int4; buffers fp32), and its mirror
-    advanced by exactly what the learner will add (``dequantize_payload`` is the learner's
-    ``decode``; both then add in float32). What int4 rounds away stays in the difference
-    the next reply sends. Returns learner -> (base version, segment)."""
-    m = cfg.merge
+    update from its anchor to the new global values (``condense``). Returns learner ->
+    (base version, segment)."""
     replies = {}
     for learner, base, mirror in job.mirrors:
-        tensors = []
-        for index, piece in enumerate(job.fragment.pieces):
-            anchor = mirror.values[index].reshape(-1)
-            update = job.merge_buffer[: piece.numel]
-            np.subtract(job.params[index].reshape(-1), anchor, out=update)
-            if piece.buffer:
-                encoded = encode(piece.name, update.reshape(piece.shape), encoding="fp32")
-            else:
-                encoded = encode(piece.name, update.reshape(piece.shape), encoding="int4", block_size=m.block_size,
-                                 scale_dtype=m.scale_dtype)
-                dequantize_payload(encoded.payload, piece.numel, m.block_size, m.scale_dtype, out=update)
-            np.add(anchor, update, out=anchor)
-            tensors.append(encoded)
+        tensors = condense(job.fragment, job.params, mirror.values, job.merge_buffer, cfg)
         mirror.version = job.version
-        replies[learner] = (base, Segment(job.version, "delta", tuple(tensors)))
+        replies[learner] = (base, Segment(job.version, "delta", tensors))
     return replies
+
+
+def condense(fragment: Fragment, target: Sequence[np.ndarray], anchor: list[np.ndarray], scratch: np.ndarray,
+             cfg: SyncerConfig) -> tuple[EncodedTensor, ...]:
+    """One update taking a learner's ``anchor`` to the ``target`` values (int4; buffers
+    fp32), and ``anchor`` advanced in place by exactly what the learner will add
+    (``dequantize_payload`` is the learner's ``decode``; both then add in float32). What
+    int4 rounds away stays in the difference the next update sends. ``scratch``: float32,
+    as large as the largest piece."""
+    m = cfg.merge
+    tensors = []
+    for index, piece in enumerate(fragment.pieces):
+        values = anchor[index].reshape(-1)
+        update = scratch[: piece.numel]
+        np.subtract(np.asarray(target[index]).reshape(-1), values, out=update)
+        if piece.buffer:
+            encoded = encode(piece.name, update.reshape(piece.shape), encoding="fp32")
+        else:
+            encoded = encode(piece.name, update.reshape(piece.shape), encoding="int4", block_size=m.block_size,
+                             scale_dtype=m.scale_dtype)
+            dequantize_payload(encoded.payload, piece.numel, m.block_size, m.scale_dtype, out=update)
+        np.add(values, update, out=values)
+        tensors.append(encoded)
+    return tuple(tensors)
 
 
 def _merge_buffer_values(job: RoundJob, index: int, piece) -> EncodedTensor:
@@ -600,13 +609,16 @@ class ShardCore:
 
     def mirror(self, fragment_id: int, learner_id: str, full: Segment) -> None:
         """The learner holds the fragment's full values ``full`` (a bootstrap, a full
-        reply): mirror them, for condensed replies. Only for a member of the run (live or
-        draining): a caller minting learner ids cannot make the shard hold copies for them."""
-        if self.cfg.merge.downlink != "condensed" or learner_id not in self.live | self.draining:
-            return
-        state = self.state_of(fragment_id)
-        values = [np.frombuffer(t.payload, dtype="<f4").astype(np.float32).reshape(t.spec.shape) for t in full.tensors]
-        state.mirrors[learner_id] = Mirror(full.version, values)
+        reply): mirror them, for condensed replies (``mirrors_for``)."""
+        if self.mirrors_for(learner_id):
+            values = [np.frombuffer(t.payload, dtype="<f4").astype(np.float32).reshape(t.spec.shape) for t in full.tensors]
+            self.state_of(fragment_id).mirrors[learner_id] = Mirror(full.version, values)
+
+    def mirrors_for(self, learner_id: str) -> bool:
+        """Whether the shard mirrors this learner's anchors: with condensed replies, for a
+        member of the run (live or draining) only: a caller minting learner ids cannot make
+        the shard hold copies for them."""
+        return self.cfg.merge.downlink == "condensed" and learner_id in self.live | self.draining
 
     def full(self, fragment_id: int) -> Segment:
         state = self.state_of(fragment_id)

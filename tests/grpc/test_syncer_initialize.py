@@ -8,15 +8,16 @@ import contextlib
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from diloco import auth
-from diloco.codec import EncodedTensor, TensorSpec, checksum, encode
+from diloco.codec import EncodedTensor, TensorSpec, checksum, encode, values_digest
 from diloco.errors import DilocoError
 from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
 from syncer import snapshot
-from syncer.config import SyncerConfig
+from syncer.config import MergeConfig, SyncerConfig
 from syncer.runtime import MANIFEST_FILE, initial_name
 from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, client_for, run
@@ -28,8 +29,9 @@ MANIFEST, PLAN, STATE = model_plan(TINY)
 
 
 @contextlib.asynccontextmanager
-async def empty_shard(tmp_path, shard_id=0, num_shards=1, anchor_window_s=0.2, learners=("L0", "L1")):
-    cfg = SyncerConfig(shard_id=shard_id, num_shards=num_shards, anchor_window_s=anchor_window_s)
+async def empty_shard(tmp_path, shard_id=0, num_shards=1, anchor_window_s=0.2, learners=("L0", "L1"), merge=None):
+    cfg = SyncerConfig(shard_id=shard_id, num_shards=num_shards, anchor_window_s=anchor_window_s,
+                       merge=merge or MergeConfig())
     server = ShardServer(TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=learners))
     port = await server.start()
     try:
@@ -77,6 +79,52 @@ def test_first_offer_wins_and_the_shard_then_serves_it(tmp_path):
             assert (tmp_path / MANIFEST_FILE).read_text() == MANIFEST.to_json()
             kept = snapshot.loads(tmp_path / initial_name(1))["pieces"]
             assert_same_tensors(kept, PLAN.gather(1, STATE))
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("downlink", ["condensed", "chain"])
+def test_a_learner_joining_late_downloads_one_int4_update_from_the_seed(tmp_path, downlink):
+    """A learner joining a run in progress holds the seed, as every learner builds it: with
+    condensed replies the shard answers its Bootstrap with one int4 update from the
+    fragment's initial values (kept on disk) and mirrors the result, which the learner
+    reaches bit for bit, so its next reply is condensed too; with chains, full values."""
+    async def scenario():
+        async with empty_shard(tmp_path, learners=("L0", "L1", "L2"), merge=MergeConfig(downlink=downlink)) as (server, address):
+            seed = [t.float().clone() for t in PLAN.gather(0, STATE)]
+            core = server.runtime.core
+            async with client_for(address, "L0") as c0, client_for(address, "L2") as c2:
+                assert await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+                trained = FakeLearner.of(server, "L0", fragment=0)
+                for _ in range(3):
+                    await trained.push(c0, deltas=[torch.randn(t.shape) * 0.05 for t in seed])
+                held = {0: values_digest(fp32(0, seed))}
+                nudged = [t.clone() for t in seed]
+                nudged[0].view(-1)[0] += 1.0
+                (other,) = await c2.bootstrap([0], have={0: values_digest(fp32(0, nudged))})
+                (update,) = await c2.bootstrap([0], have=held)
+                full_bytes = sum(4 * t.numel() for t in seed)
+                assert [s.kind for s in other.segments] == ["full"] and other.wire_bytes > full_bytes * 0.9
+                assert update.version == 3
+                if downlink == "chain":
+                    assert [s.kind for s in update.segments] == ["full"]
+                    return
+                assert [s.kind for s in update.segments] == ["delta"] and update.base_version == 0
+                assert update.wire_bytes < full_bytes / 6
+                anchor = update.apply_to(seed)
+                params = [torch.from_numpy(p.copy()) for p in core.fragments[0].params]
+                assert_same_tensors(anchor, core.fragments[0].mirrors["L2"].values)
+                moved = max(float((p - s).abs().max()) for p, s in zip(params, seed))
+                assert moved > 0.01
+                # Within one int4 step (absmax / 7 of a block) of the global values.
+                assert max(float((a - p).abs().max()) for a, p in zip(anchor, params)) <= moved / 7
+                joined = FakeLearner("L2", PLAN, [a.numpy() for a in anchor], fragment=0, seed=2)
+                joined.version = update.version
+                reply = (await joined.push(c2)).update
+                assert [s.kind for s in reply.segments] == ["delta"] and reply.version == 4
+                assert_same_tensors(joined.anchor, core.fragments[0].mirrors["L2"].values)
+        sent = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "sent" and r["what"] == "bootstrap"]
+        assert [r["learner"] for r in sent] == ["L2", "L2"]
 
     run(scenario())
 
