@@ -102,6 +102,8 @@ class CoordinatorRuntime:
         self.membership = Membership(cfg, run.plan_hash)
         self.snapshots = Snapshots(cfg.snapshot_timeout_s, str(cfg.snapshots_path))
         self._watchers: set[asyncio.Queue] = set()
+        self._incarnations: dict[str, str] = {}
+        """Each shard's process, as its WatchMembership said (``watcher_connected``)."""
         self._tasks: set[asyncio.Task] = set()
         self._retentions: set[asyncio.Task] = set()
         """Deletions of old snapshots in flight: a stop lets them finish (they are short)."""
@@ -350,6 +352,21 @@ class CoordinatorRuntime:
         self._settle()
 
     # --- the membership stream -------------------------------------------------------
+
+    def watcher_connected(self, watcher: str, incarnation: str) -> None:
+        """A watcher (a shard) opened WatchMembership as process ``incarnation``: a new one
+        means it restarted, and a running snapshot it had not reported to is lost (its
+        channel state was in the old process's memory): fail it now rather than hold every
+        later snapshot until the timeout. Only shards are followed (a learner that restarts
+        joins under a new id)."""
+        if watcher not in {f"S{m}" for m in range(len(self.cfg.shards))}:
+            return
+        previous = self._incarnations.get(watcher)
+        self._incarnations[watcher] = incarnation
+        if previous is not None and previous != incarnation:
+            logger.warning("%s restarted (a new process follows the membership)", watcher)
+            self.snapshots.participant_restarted(watcher, self._now())
+            self._settle(save=True)
 
     def watch(self) -> tuple[asyncio.Queue, list[Learner]]:
         """A queue of every change from now on, and the full membership to send first.

@@ -27,6 +27,7 @@ EXPORT_TIMEOUT_S = 600.0
 EXPORT_IDLE_S = 30.0
 """An export fails (UNAVAILABLE, naming the shard) when a shard sends nothing for this long."""
 SHARD_STATUS_TIMEOUT_S = 5.0
+MAX_INCARNATION_CHARS = 64
 """Deadline of one shard's Status in ListShards."""
 
 
@@ -131,11 +132,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def WatchMembership(self, request, context):
         try:
-            self._caller(context, request.watcher or None)
+            watcher = self._caller(context, request.watcher or None)
+            if len(request.incarnation) > MAX_INCARNATION_CHARS:
+                raise InvalidArgument(f"incarnation has more than {MAX_INCARNATION_CHARS} characters")
             clock = self._clock(request.clock)
         except DilocoError as error:
             await rpc.abort_with(context, error)
             return
+        if request.incarnation:
+            self.runtime.watcher_connected(watcher, request.incarnation)
         queue, learners = self.runtime.watch()
         try:
             yield convert.membership_snapshot(learners, convert.clock_from_proto(clock))

@@ -209,8 +209,14 @@ def blocking_channel(address: str, options: Iterable[tuple[str, object]] = ()) -
     return intercept_channel(raw, client_interceptor(filter_=_TRACED))
 
 
+MAX_RECONNECT_BACKOFF_MS = 1000
+
+
 def channel_options(max_message_bytes: int, service: str) -> list[tuple[str, object]]:
-    """Message limits plus a retry policy that retries UNAVAILABLE only."""
+    """Message limits, a retry policy that retries UNAVAILABLE only, and reconnects at
+    most ``MAX_RECONNECT_BACKOFF_MS`` apart: gRPC's default backoff grows to 120 s, so a
+    peer back from a restart was refused calls (UNAVAILABLE at once) for as long as the
+    channel's backoff still ran (9 s measured for a coordinator's markers to a shard)."""
     service_config = {
         "methodConfig": [
             {
@@ -230,6 +236,7 @@ def channel_options(max_message_bytes: int, service: str) -> list[tuple[str, obj
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", json.dumps(service_config)),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 

@@ -171,6 +171,13 @@ class Snapshots:
         snapshot.dropped.append(f"{learner_id} ({reason})")
         self._settle(snapshot, now)
 
+    def participant_restarted(self, participant: str, now: float) -> None:
+        """A participant that had not reported restarted: what it recorded in memory (a
+        shard's channel state) is gone and it will never report. Fails the snapshot."""
+        snapshot = self.running()
+        if snapshot is not None and participant in snapshot.participants and participant not in snapshot.reports:
+            self._finish(snapshot, FAILED, f"{participant} restarted before it reported", now)
+
     def fail(self, snapshot_id: int, reason: str, now: float) -> None:
         snapshot = self.get(snapshot_id)
         if snapshot.state == RUNNING:

@@ -216,12 +216,14 @@ class ExportModelReply(_message.Message):
     def __init__(self, header: _Optional[_Union[ExportHeader, _Mapping]] = ..., update: _Optional[_Union[_syncer_pb2.FragmentUpdate, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class WatchMembershipRequest(_message.Message):
-    __slots__ = ("watcher", "clock")
+    __slots__ = ("watcher", "clock", "incarnation")
     WATCHER_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     watcher: str
     clock: _common_pb2.VectorClock
-    def __init__(self, watcher: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, watcher: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class MembershipEvent(_message.Message):
     __slots__ = ("kind", "learners", "clock")

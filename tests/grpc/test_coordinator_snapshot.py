@@ -136,3 +136,43 @@ def test_a_shard_that_cannot_be_reached_fails_the_snapshot(tmp_path):
             assert info.detail.startswith("marker to S0 at 127.0.0.1:1 failed") and "UNAVAILABLE" in info.detail
 
     run(scenario())
+
+
+def test_a_shard_that_restarts_before_it_reports_fails_the_snapshot_and_the_next_one_runs(tmp_path):
+    """The shard recorded its state but waits for the learners' channels when it restarts:
+    the channel state is gone with the process, and it will never report. The coordinator
+    learns of the restart from the new process's WatchMembership and fails the snapshot at
+    once (it used to hold every later snapshot until the timeout); the next snapshot's
+    marker reaches the new process."""
+    async def scenario():
+        model_manifest, _, _ = model_plan(TINY)
+        shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET), seeded_core(TINY, SHARD_CFG))
+        port = await shard.start()
+        try:
+            async with running_coordinator(tmp_path, shards=(f"127.0.0.1:{port}",), snapshot_timeout_s=120) as coordinator:
+                shard.follow(coordinator.address)
+                for _ in range(2):
+                    session = await joined(coordinator.address)
+                    await session.register_model(model_manifest.to_json())
+                await wait_for(lambda: shard.runtime.core.live == {"L0", "L1"}, "the shard to learn of L0 and L1")
+                books = coordinator.runtime.snapshots
+                async with admin_stub(coordinator.address) as (stub, md):
+                    await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
+                    await wait_for(lambda: shard.runtime.snapshot_epoch == 1, "the shard to record its state")
+                    await asyncio.sleep(0.5)
+                    assert books.get(1).state == "running" and "S0" in books.get(1).waiting
+                    await shard.stop()
+                    shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET, port=port),
+                                        seeded_core(TINY, SHARD_CFG))
+                    assert await shard.start() == port
+                    shard.follow(coordinator.address)
+                    await wait_for(lambda: books.get(1).state == "failed", "the snapshot to fail")
+                    assert books.get(1).detail == "S0 restarted before it reported"
+                    reply = await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
+                    assert reply.snapshot_id == 2
+                    await wait_for(lambda: shard.runtime.snapshot_epoch == 2, "the restarted shard to record snapshot 2")
+                    assert books.get(1).state == "failed"  # the new process's stream fails nothing more
+        finally:
+            await shard.stop()
+
+    run(scenario())

@@ -108,6 +108,22 @@ def test_a_learner_that_leaves_is_dropped_and_no_longer_awaited():
     assert decide_snapshot(snapshot, 2.0, 30) == Complete("all 2 participants reported")
 
 
+def test_a_shard_that_restarts_before_it_reports_fails_the_snapshot_at_once():
+    books = Snapshots(timeout_s=120, root="/snaps")
+    books.start(["S0", "S1"], ["L0"], now=0.0)
+    books.report(1, "S1", {}, [], now=1.0)
+    books.participant_restarted("S1", now=2.0)  # reported already: its files are on disk
+    books.participant_restarted("S9", now=2.0)  # not a participant
+    assert books.get(1).state == RUNNING
+    books.participant_restarted("S0", now=3.0)
+    snapshot = books.get(1)
+    assert (snapshot.state, snapshot.detail, snapshot.finished_s) == (FAILED, "S0 restarted before it reported", 3.0)
+    assert books.take_finished() == [snapshot]
+    assert books.start(["S0", "S1"], [], now=4.0).id == 2  # the next one need not wait for the timeout
+    books.participant_restarted("S0", now=5.0)
+    assert books.get(2).state == FAILED and books.get(1).detail == "S0 restarted before it reported"
+
+
 def test_without_participants_a_snapshot_completes_at_once():
     books = Snapshots(timeout_s=30, root="/snaps")
     assert books.start([], [], now=0.0).state == COMPLETE
