@@ -78,10 +78,8 @@ def s3_run(s3, tmp_path_factory):
     out = tmp_path_factory.mktemp("s3run") / "run"
     url = f"s3://{BUCKET}/run1/snapshots"
     proc = subprocess.run(
-        # The timing this test was made for: H = 4 (at H = 8 the run outpaced the snapshots
-        # around shard 0's restart: see the note on snapshots during a restart, issue #19).
         [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "3000",
-         "--sync-every", "4", "--batch-size", "8", "--snapshot-dir", url, "--snapshot-every-s", "2", "--snapshot-keep", "2",
+         "--batch-size", "8", "--snapshot-dir", url, "--snapshot-every-s", "2", "--snapshot-keep", "2",
          "--restart-shard-at", "8", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=400, env=env,
     )
