@@ -23,9 +23,16 @@ class RoundConfig:
 
     quorum: int = 1
     """Minimum learners (K) whose pushes must be in before the grace window starts."""
-    grace_mode: str = "auto"
+    grace_mode: str = "off"
     """auto: clamp(gamma * (tau * step_time - (quorum_time + sync_time)), 0, grace_max_s);
-    fixed: always grace_fixed_s; off: close as soon as the quorum is in."""
+    fixed: always grace_fixed_s; off: close as soon as the quorum is in. Off by default:
+    a round then merges the first push (K = 1) at the outer lr times its share of the live
+    learners, and the others follow in rounds of their own. Measured (H = 8, 4 learners x
+    120 steps, 3 runs per cell, docs/results/sweep-grace/): final eval 3.366 ± 0.051
+    bits/byte without grace against 3.465 ± 0.136 with the adaptive window on nofault,
+    3.338 ± 0.025 against 3.428 ± 0.176 under learner kills, 3.341 against 3.339 with
+    stragglers, at the same goodput and bytes: a window that gathers every learner in
+    lockstep makes each round a synchronous average, and some runs land far worse."""
     grace_gamma: float = 0.5
     """Fraction of the estimated slack granted to stragglers (gamma < 1)."""
     grace_max_s: float = 5.0
@@ -65,10 +72,10 @@ class MergeConfig:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     """Outer lr 1 without momentum averages the merged deltas. The paper's outer Nesterov
-    (lr 0.7, momentum 0.9) suits long sync periods; at the default H = 4 it re-applies
-    overlapping progress and barely learns (measured, 3 learners x 150 steps: final
-    eval 7.17 bits/byte with 0.7 / 0.9, 3.61 with 1.0 / 0; one learner x 120 steps:
-    4.99 at H = 4 with 0.7 / 0.9, 4.27 at H = 16, 3.84 with 1.0 / 0 at H = 4)."""
+    (lr 0.7, momentum 0.9) suits sync periods of hundreds of steps; at H = 4 to 16 it
+    re-applies overlapping progress and barely learns. Measured at the default H = 8, 4
+    learners x 120 steps, 3 runs each (docs/results/sweep-outer/): eval 3.470 ± 0.166
+    bits/byte with 1.0 / 0, 3.618 with 1.3 / 0, 3.502 with 0.6 / 0.5, 8.265 with 0.7 / 0.9."""
     scale_by: str = "live"
     """live: the outer lr is scaled by the round's share of the live learners
     (merged pushes / live learners), so a round merging 1 of M learners moves the global

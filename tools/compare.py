@@ -22,8 +22,8 @@ fast learner or a replacement keeps going while the others finish. Scenarios:
   the baselines have no such component and are not run.
 
 Ablations (``--ablations``) rerun Decoupled on ``nofault`` and ``hetero`` with one
-setting changed at a time: quorum K = all / K = 1 without grace / K = 1 + grace (the
-default), merge rda / mean, alpha 0 / 0.5 (with the mix rule), int4 / fp32 deltas,
+setting changed at a time: quorum K = all / K = 1 without grace (the default) / K = 1 +
+the adaptive grace window, merge rda / mean, alpha 0 / 0.5 (with the mix rule), int4 / fp32 deltas,
 the reply rule rebase (default) / mix, the outer lr and Nesterov momentum, the downlink
 and H.
 """
@@ -50,9 +50,9 @@ SCENARIOS = ("nofault", "mtbf30", "hetero", "scavenge", "shard-restart")
 SYSTEMS = ("decoupled", "dp", "torchft")
 METRICS = ("wall_s", "start_s", "tokens", "eval_loss_final", "goodput", "uptime", "global_stall_s", "bytes_per_1k_tokens")
 ABLATIONS = {
-    "K=1+grace (default)": {},
-    "K=all": {"quorum": "all", "grace": "off"},
-    "K=1, no grace": {"grace": "off"},
+    "K=1, no grace (default)": {},
+    "K=all": {"quorum": "all"},
+    "K=1+grace": {"grace": "auto"},
     "merge mean": {"merge": "mean"},
     "alpha 0.5 (mix)": {"alpha": 0.5, "reply_rule": "mix"},
     "fp32 deltas": {"delta_codec": "fp32"},
@@ -65,7 +65,7 @@ ABLATIONS = {
     "H=8": {"sync_every": 8},
     "H=16": {"sync_every": 16},
 }
-DEFAULT_VARIANT = "K=1+grace (default)"
+DEFAULT_VARIANT = "K=1, no grace (default)"
 ABLATION_SCENARIOS = ("nofault", "hetero", "mtbf30")
 """Where ablations run: those of them in ``--scenario``, or the first two when none is."""
 
@@ -348,9 +348,9 @@ def targets(results: list[dict], ablations: dict | None) -> list[tuple[str, bool
     if sc is not None and nf is not None:
         out.append(("scavenge: wall time to the same tokens shrinks", sc < nf, f"{sc} s vs {nf} s without scavenging"))
     het = (ablations or {}).get("hetero", {})
-    if "K=all" in het and "K=1+grace (default)" in het:
-        a, g = het["K=all"], het["K=1+grace (default)"]
-        out.append(("hetero: K=1+grace within 2 % of K=all's loss, with higher goodput",
+    if "K=all" in het and DEFAULT_VARIANT in het:
+        a, g = het["K=all"], het[DEFAULT_VARIANT]
+        out.append(("hetero: K=1 (the default) within 2 % of K=all's loss, with higher goodput",
                     g["eval_loss_final"] <= a["eval_loss_final"] * 1.02 and g["goodput"] > a["goodput"],
                     f"loss {g['eval_loss_final']} vs {a['eval_loss_final']}, goodput {g['goodput']} vs {a['goodput']}"))
     return out

@@ -46,9 +46,9 @@ def test_no_grace_closes_at_quorum():
 
 def test_adaptive_grace_formula_and_clamp():
     t = Timings(step_time_s=1.0, quorum_time_s=0.2, sync_time_s=0.3)
-    cfg = RoundConfig(grace_gamma=0.5, overlap_steps=2, grace_max_s=5.0)
+    cfg = RoundConfig(grace_mode="auto", grace_gamma=0.5, overlap_steps=2, grace_max_s=5.0)
     assert t.grace_s(cfg) == pytest.approx(0.5 * (2 * 1.0 - 0.5))
-    assert t.grace_s(RoundConfig(grace_gamma=0.5, overlap_steps=2, grace_max_s=0.1)) == pytest.approx(0.1)
+    assert t.grace_s(RoundConfig(grace_mode="auto", grace_gamma=0.5, overlap_steps=2, grace_max_s=0.1)) == pytest.approx(0.1)
     slow_sync = Timings(step_time_s=0.1, quorum_time_s=1.0, sync_time_s=1.0)
     assert slow_sync.grace_s(cfg) == 0.0
     assert Timings().grace_s(cfg) == 0.0
@@ -114,7 +114,7 @@ def test_the_window_starts_at_the_quorum_not_at_the_decision():
 
 
 def test_adaptive_grace_with_only_some_timings_observed():
-    cfg = RoundConfig(grace_gamma=0.5, overlap_steps=2, grace_max_s=5.0)
+    cfg = RoundConfig(grace_mode="auto", grace_gamma=0.5, overlap_steps=2, grace_max_s=5.0)
     assert Timings(step_time_s=1.0).grace_s(cfg) == pytest.approx(1.0)
     assert Timings(step_time_s=1.0, sync_time_s=0.4).grace_s(cfg) == pytest.approx(0.8)
     assert Timings(step_time_s=1.0, quorum_time_s=0.4).grace_s(cfg) == pytest.approx(0.8)

@@ -26,7 +26,7 @@ class LocalConfig:
     learners: int = 3
     shards: int = 2
     quorum: int = RoundConfig.quorum
-    grace: str = "auto"
+    grace: str = RoundConfig.grace_mode
     """auto, off, or seconds."""
     steps: int = 150
     """Inner steps per learner."""
