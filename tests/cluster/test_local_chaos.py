@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from diloco.tape import read_tape
+from learner.config import LearnerConfig
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(480)]
 
@@ -52,7 +53,12 @@ def test_killed_learner_is_replaced_and_scavenged_learner_contributes(chaos_run)
             if r["kind"] == "round":
                 merged |= {p for p, w in zip(r["participants"], r["weights"]) if w > 0}
     assert set(scavenged) <= merged, f"scavenged {scavenged} never merged"
-    assert summary["tokens"] >= BUDGET
+    # The survivors kept training for the killed learner: the run met its budget, to
+    # within what the drain's timing allows (it is sent a heartbeat interval ahead at the
+    # measured rate, so that the learners stop at the budget on average): one interval of
+    # training at the run's mean rate over its whole wall time, a bound below the real one.
+    slack = summary["tokens"] / summary["wall_s"] * LearnerConfig.heartbeat_interval_s
+    assert abs(summary["tokens"] - BUDGET) <= slack, (summary["tokens"], BUDGET, slack)
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 0.5
     assert summary["global_stall_s"] == 0 and summary["uptime"] == 1.0, summary
 
