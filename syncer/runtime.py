@@ -487,8 +487,7 @@ class ShardRuntime:
                     target = [np.frombuffer(t.payload, dtype="<f4") for t in full.tensors]
                     scratch = np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32)
                     tensors = await asyncio.to_thread(condense, fragment, target, initial, scratch, core.cfg)
-                    if core.mirrors_for(learner_id):  # it may have left meanwhile
-                        core.state_of(fragment_id).mirrors[learner_id] = Mirror(full.version, initial)
+                    core.set_mirror(fragment_id, learner_id, Mirror(full.version, initial))
                     return FragmentUpdate(fragment_id, 0, full.version, (Segment(full.version, "delta", tensors),))
         if learner_id is not None:
             core.mirror(fragment_id, learner_id, full)

@@ -612,7 +612,13 @@ class ShardCore:
         reply): mirror them, for condensed replies (``mirrors_for``)."""
         if self.mirrors_for(learner_id):
             values = [np.frombuffer(t.payload, dtype="<f4").astype(np.float32).reshape(t.spec.shape) for t in full.tensors]
-            self.state_of(fragment_id).mirrors[learner_id] = Mirror(full.version, values)
+            self.set_mirror(fragment_id, learner_id, Mirror(full.version, values))
+
+    def set_mirror(self, fragment_id: int, learner_id: str, mirror: Mirror) -> None:
+        """``mirror`` is the learner's anchor of the fragment (for ``mirrors_for`` only: a
+        learner that left while it was computed gets none)."""
+        if self.mirrors_for(learner_id):
+            self.state_of(fragment_id).mirrors[learner_id] = mirror
 
     def mirrors_for(self, learner_id: str) -> bool:
         """Whether the shard mirrors this learner's anchors: with condensed replies, for a
