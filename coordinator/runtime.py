@@ -102,7 +102,7 @@ class CoordinatorRuntime:
         self.membership = Membership(cfg, run.plan_hash)
         self.snapshots = Snapshots(cfg.snapshot_timeout_s, str(cfg.snapshots_path))
         self._watchers: set[asyncio.Queue] = set()
-        self._incarnations: dict[str, str] = {}
+        self.incarnations: dict[str, str] = {}
         """Each shard's process, as its WatchMembership said (``watcher_connected``)."""
         self._tasks: set[asyncio.Task] = set()
         self._retentions: set[asyncio.Task] = set()
@@ -361,8 +361,8 @@ class CoordinatorRuntime:
         joins under a new id)."""
         if watcher not in {f"S{m}" for m in range(len(self.cfg.shards))}:
             return
-        previous = self._incarnations.get(watcher)
-        self._incarnations[watcher] = incarnation
+        previous = self.incarnations.get(watcher)
+        self.incarnations[watcher] = incarnation
         if previous is not None and previous != incarnation:
             logger.warning("%s restarted (a new process follows the membership)", watcher)
             self.snapshots.participant_restarted(watcher, self._now())

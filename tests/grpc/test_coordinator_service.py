@@ -257,6 +257,30 @@ def test_watching_needs_a_credential(tmp_path):
     run(scenario())
 
 
+def test_an_overlong_incarnation_is_refused_and_changes_nothing(tmp_path):
+    """A watcher's process id is at most 64 characters: a longer one (any credential
+    holder can send one) gets INVALID_ARGUMENT and is not remembered."""
+    async def scenario():
+        async with running_coordinator(tmp_path, shards=("127.0.0.1:1",)) as server:
+            metadata = ((auth.LEARNER_METADATA, "S0"), (auth.CREDENTIAL_METADATA, auth.sign(SECRET, "S0")))
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher="S0", incarnation="x" * 65),
+                                              metadata=metadata)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stream.read()
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "incarnation has more than 64 characters" in info.value.details()
+                assert server.runtime.incarnations == {}
+                stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher="S0", incarnation="x" * 64),
+                                              metadata=metadata)
+                assert (await stream.read()).kind == coordinator_pb2.MEMBERSHIP_EVENT_KIND_SNAPSHOT
+                assert server.runtime.incarnations == {"S0": "x" * 64}
+                stream.cancel()
+
+    run(scenario())
+
+
 # --- the coordinator's own state -----------------------------------------------------
 
 
