@@ -14,6 +14,9 @@ from diloco.errors import InvalidArgument
 from diloco.task import DEFAULT_TASK
 
 REPLY_RULES = ("mix", "rebase")
+BLOCK_SIZE = 64
+"""Elements per int4 block (one fp16 scale each: 3 % of the payload at 64). The learners'
+pushes and the shards' replies use one size; a shard refuses pushes of another."""
 
 
 @dataclass(frozen=True)

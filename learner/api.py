@@ -34,7 +34,7 @@ import torch
 
 from diloco import snapshots as snapshot_store
 from diloco.clock import VectorClock
-from diloco.codec import encode, values_digest
+from diloco.codec import EncodedTensor, encode, values_digest
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition
 from diloco.manifest import Manifest, manifest_of, synced_tensors
@@ -42,7 +42,7 @@ from diloco.tape import TapeWriter
 from diloco.wire import PushMeta
 from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, send_offsets
-from learner.core.sync import FragmentSync, Reply, SyncBook, Write, delta, write_into
+from learner.core.sync import FragmentSync, Reply, SyncBook, Write, encode_push, write_into
 from learner.device import Device
 from learner.membership import Heartbeats, Membership, join, register_model
 from learner.slice import SliceLink, SliceStep, host_state
@@ -340,14 +340,7 @@ class Learner:
             return  # its previous push is still out; the next send carries both
         shard = self.plan.fragments[fragment_id].owner(self.num_shards)
         sync = self.telemetry.start_sync(fragment_id, shard, state.base_version, step)
-        pieces = self.plan.fragments[fragment_id].pieces
-        encoded = [
-            # A buffer (running statistics) travels as its value, in fp32: the shard
-            # averages values (see syncer.core.shard._merge_buffer_values).
-            encode(piece.name, value, encoding="fp32") if piece.buffer
-            else encode(piece.name, d, encoding=self.cfg.delta_codec, block_size=self.cfg.block_size)
-            for piece, value, d in zip(pieces, host, delta(state.anchor, host))
-        ]
+        encoded = self._encode_push(fragment_id, host)
         self.clock = self.clock.tick(self.learner_id)
         meta = PushMeta(
             self.learner_id, fragment_id, state.base_version, state.tokens, state.steps,
@@ -360,6 +353,17 @@ class Learner:
         else:
             self.book.receive(Reply(fragment_id, -1, [], step, 0, failed=True))
         self.summary.blocked_s += time.perf_counter() - started
+
+    def _encode_push(self, fragment_id: int, host: list[torch.Tensor]) -> list[EncodedTensor]:
+        state = self.book.fragments[fragment_id]
+        feedback = self.cfg.error_feedback and self.cfg.delta_codec == "int4"
+        encoded, left_out = encode_push(
+            self.plan.fragments[fragment_id].pieces, host, state.anchor, state.residual if feedback else None,
+            self.cfg.delta_codec, self.cfg.block_size, feedback,
+        )
+        if feedback:
+            self.book.quantized(fragment_id, left_out)
+        return encoded
 
     def _apply_due(self, step: int | None) -> None:
         """Apply replies due at ``step`` (None: whatever has arrived, at the end)."""

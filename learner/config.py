@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from diloco.config import BLOCK_SIZE
 from diloco.errors import InvalidArgument
 
 DEVICES = ("cpu", "cuda", "xla")
@@ -36,7 +37,12 @@ class LearnerConfig:
     for all, its supervisor evaluating the seed model once for the run."""
     delta_codec: str = "int4"
     """Encoding of outgoing deltas: int4 (default) or fp32 (ablations)."""
-    block_size: int = 64
+    block_size: int = BLOCK_SIZE
+    """int4 block size of pushes; must be the shards' (``MergeConfig.block_size``)."""
+    error_feedback: bool = True
+    """Add what int4 quantization left out of a fragment's last push to its next one
+    (costs a host copy of the model): every part of an update reaches the shard in the
+    end, as the shards' condensed replies already do for the downlink."""
     step_delay_s: float = 0.0
     """Extra seconds per inner step: simulates a slower accelerator (chaos, benchmarks)."""
     slow_factor: float = 1.0

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco.config import BLOCK_SIZE
 from diloco.errors import InvalidArgument
 
 GRACE_MODES = ("auto", "fixed", "off")
@@ -81,7 +82,7 @@ class MergeConfig:
     (merged pushes / live learners), so a round merging 1 of M learners moves the global
     model by 1/M of that learner's progress, as averaging all M would; round: the merged
     deltas count in full whatever their number (DESIGN's rule)."""
-    block_size: int = 64
+    block_size: int = BLOCK_SIZE
     """int4 block size of the downlink updates (and the expected block size of pushes)."""
     scale_dtype: str = "float16"
     update_chain_length: int = 4

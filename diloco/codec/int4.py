@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from diloco.codec.threads import math_threads
+from diloco.config import BLOCK_SIZE
 from diloco.errors import CodecError
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ def _uniforms(numel: int, generator) -> np.ndarray | None:
 
 def quantize_int4(
     x: torch.Tensor,
-    block_size: int = 64,
+    block_size: int = BLOCK_SIZE,
     scale_dtype: str = "float16",
     generator: torch.Generator | None = None,
     *,
@@ -344,7 +345,7 @@ def block_scales_reference(absmax: torch.Tensor, scale_dtype: str) -> torch.Tens
 
 def quantize_int4_reference(
     x: torch.Tensor,
-    block_size: int = 64,
+    block_size: int = BLOCK_SIZE,
     scale_dtype: str = "float16",
     uniforms: torch.Tensor | None = None,
     *,

@@ -25,6 +25,7 @@ import google_crc32c
 import numpy as np
 
 from diloco.codec import int4
+from diloco.config import BLOCK_SIZE
 from diloco.errors import CodecError
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def encode(
     tensor: torch.Tensor | np.ndarray,
     *,
     encoding: str = "int4",
-    block_size: int = 64,
+    block_size: int = BLOCK_SIZE,
     scale_dtype: str = "float16",
     generator: torch.Generator | None = None,
 ) -> EncodedTensor:

@@ -1,12 +1,17 @@
 """Per-fragment sync bookkeeping of one learner: anchors, base versions, token and step
-counters, and which replies to apply when. Pure; the worker feeds it replies that the
-streamer thread produced and asks it what to apply at each inner step."""
+counters, quantization residuals, and which replies to apply when; and the encoding of a
+push. Pure; the worker feeds it replies that the streamer thread produced and asks it
+what to apply at each inner step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from diloco.codec import EncodedTensor, decode, encode
+from diloco.fragments import Piece
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,9 @@ class Sent:
     """The fragment's parameters when it was sent (host copies; kept for the rebase rule)."""
     tokens: int
     steps: int
+    residual: list[torch.Tensor] | None = None
+    """What quantizing this push left out (error feedback): the fragment's residual once
+    the shard has taken the push."""
 
 
 @dataclass
@@ -29,6 +37,9 @@ class FragmentSync:
     """Tokens and inner steps since this fragment was last received."""
     steps: int = 0
     sent: Sent | None = None
+    residual: list[torch.Tensor] | None = None
+    """Error feedback: what quantization left out of the pushes the shard has taken so
+    far; the next push adds it to its delta, so no part of an update is lost for good."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,14 @@ class SyncBook:
         f.sent = Sent(step, params, f.tokens, f.steps)
         return True
 
+    def quantized(self, fragment: int, residual: list[torch.Tensor]) -> None:
+        """What quantizing the push just recorded left out; it becomes the fragment's
+        residual when the shard takes the push (a failed push keeps the old one: its delta,
+        still against the same anchor, is sent again whole)."""
+        f = self.fragments[fragment]
+        assert f.sent is not None, "quantized() follows a sending() that returned True"
+        f.sent = replace(f.sent, residual=residual)
+
     def receive(self, reply: Reply) -> None:
         if reply.failed:
             self._settle(reply)
@@ -80,9 +99,14 @@ class SyncBook:
         self.waiting.append(reply)
 
     def _settle(self, reply: Reply) -> None:
-        """The push ``reply`` answers is done with: the fragment may be sent again."""
+        """The push ``reply`` answers is done with: the fragment may be sent again. A
+        re-sync replaces the fragment with the shard's state: no residual carries over."""
         f = self.fragments[reply.fragment]
-        if reply.sent_step < 0 or (f.sent is not None and f.sent.step == reply.sent_step):
+        if reply.sent_step < 0:
+            f.sent, f.residual = None, None
+        elif f.sent is not None and f.sent.step == reply.sent_step:
+            if not reply.failed and f.sent.residual is not None:
+                f.residual = f.sent.residual
             f.sent = None
 
     def due(self, step: int) -> list[Reply]:
@@ -165,6 +189,30 @@ def write_into(params: list[torch.Tensor], write: Write) -> None:
 def delta(anchor: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The outer gradient: anchor - params (positive where training moved params down)."""
     return [a - p for a, p in zip(anchor, params)]
+
+
+def encode_push(
+    pieces: Sequence[Piece], params: list[torch.Tensor], anchor: list[torch.Tensor],
+    residual: list[torch.Tensor] | None, codec: str, block_size: int, feedback: bool,
+) -> tuple[list[EncodedTensor], list[torch.Tensor]]:
+    """A push's tensors and what their quantization left out. A parameter travels as its
+    delta against the anchor plus its ``residual`` (error feedback), in ``codec``; what the
+    int4 encoding drops becomes the next residual (``SyncBook.quantized``), so the sum of
+    the decoded pushes trails the sum of the deltas by one residual, never by more. A
+    buffer (running statistics) travels as its value, in fp32: the shard averages values
+    (``syncer.core.shard._merge_buffer_values``); its residual is zero."""
+    encoded, left_out = [], []
+    for i, (piece, value, d) in enumerate(zip(pieces, params, delta(anchor, params))):
+        if piece.buffer:
+            encoded.append(encode(piece.name, value, encoding="fp32"))
+            left_out.append(torch.zeros_like(d))
+            continue
+        if residual is not None:
+            d += residual[i]
+        encoded.append(encode(piece.name, d, encoding=codec, block_size=block_size))
+        if feedback:
+            left_out.append(d.sub_(decode(encoded[-1].spec, encoded[-1].payload).view_as(d)))
+    return encoded, left_out
 
 
 @torch.no_grad()

@@ -6,7 +6,9 @@ import torch
 from diloco.errors import FailedPrecondition, InvalidArgument
 from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, inner_lr, send_offsets
-from learner.core.sync import FragmentSync, Reply, SyncBook, delta, merge_into, rebase_into
+from diloco.codec import decode
+from diloco.fragments import Piece
+from learner.core.sync import FragmentSync, Reply, SyncBook, delta, encode_push, merge_into, rebase_into
 from learner.device import Device
 
 
@@ -245,3 +247,72 @@ def test_a_write_rebases_onto_what_was_sent_or_mixes_with_alpha():
     overwritten = [p.clone() for p in params]
     write_into(overwritten, Write(1, values))
     assert [o.tolist() for o in overwritten] == [[10.0, 20.0], [[30.0]]]
+
+
+def _pushes(feedback, deltas, block_size=64):
+    """Push fragment 0 (one 2 x 64 parameter) once per entry of ``deltas``, each reply
+    taken by the shard; return the sum of what the shard decoded and the book."""
+    piece = Piece("w", 0, 2, (2, 64), embedding=False, tensor_rows=2)
+    b = SyncBook({0: FragmentSync([torch.zeros(2, 64)], 0)}, overlap_steps=0)
+    received = torch.zeros(2, 64)
+    for step, d in enumerate(deltas):
+        assert b.sending(0, step, None)
+        f = b.fragments[0]
+        (tensor,), left_out = encode_push([piece], [f.anchor[0] - d], f.anchor, f.residual, "int4", block_size, feedback)
+        if feedback:
+            b.quantized(0, left_out)
+        received += decode(tensor.spec, tensor.payload)
+        b.receive(Reply(0, step + 1, [f.anchor[0]], step, 0))
+        (r,) = b.due(step)
+        b.applied_reply(r)
+    return received, b
+
+
+def test_error_feedback_delivers_every_part_of_the_deltas_within_one_residual():
+    # Each block holds one large value and small ones that int4 rounds to zero at its
+    # scale (max / 7): without error feedback they never reach the shard.
+    d = torch.full((2, 64), 0.02)
+    d[:, 0] = 1.0
+    deltas = [d.clone() for _ in range(20)]
+    total = 20 * d
+    with_feedback, b = _pushes(True, deltas)
+    without, _ = _pushes(False, deltas)
+    residual = b.fragments[0].residual[0]
+    assert torch.allclose(with_feedback + residual, total, atol=1e-5)
+    scale = 1.0 / 7
+    assert residual.abs().max() <= scale / 2 + 1e-6  # never more than half a quantization step
+    assert (total - without).abs().max() == pytest.approx(0.4, abs=1e-5)  # 20 x 0.02, all lost
+    assert (total - with_feedback).abs().max() <= scale / 2 + 1e-5
+
+
+def test_a_failed_push_keeps_the_residual_a_taken_one_replaces_it_and_a_resync_clears_it():
+    piece = Piece("w", 0, 1, (1, 64), embedding=False, tensor_rows=1)
+    b = SyncBook({0: FragmentSync([torch.zeros(1, 64)], 0)}, overlap_steps=0)
+    d = torch.full((1, 64), 0.02)
+    d[0, 0] = 1.0
+
+    def push(step):
+        assert b.sending(0, step, None)
+        f = b.fragments[0]
+        _, left_out = encode_push([piece], [f.anchor[0] - d], f.anchor, f.residual, "int4", 64, True)
+        b.quantized(0, left_out)
+        return left_out
+
+    first = push(0)
+    b.receive(Reply(0, 1, [torch.zeros(1, 64)], 0, 0))
+    b.applied_reply(b.due(0)[0])
+    assert torch.equal(b.fragments[0].residual[0], first[0])
+    push(1)
+    b.receive(Reply(0, -1, [], 1, 0, failed=True))  # the shard never took it
+    assert torch.equal(b.fragments[0].residual[0], first[0])
+    b.receive(Reply(0, 5, [torch.zeros(1, 64)], -1, 0))  # a restarted shard's state
+    b.applied_reply(b.due(1)[0])
+    assert b.fragments[0].residual is None
+
+
+def test_a_buffer_travels_as_its_value_in_fp32_with_no_residual():
+    piece = Piece("running_mean", 0, 4, (4,), embedding=False, tensor_rows=4, buffer=True)
+    value = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    (tensor,), (left_out,) = encode_push([piece], [value], [torch.zeros(4)], None, "int4", 64, True)
+    assert tensor.spec.encoding == "fp32" and torch.equal(decode(tensor.spec, tensor.payload), value)
+    assert not left_out.any()

@@ -162,6 +162,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
              "shards' replies: one int4 update from the learner's anchor (condensed) or every update since it (chain)",
              choices=DOWNLINKS)
     add_flag(p, "--delta-codec", LocalConfig, "delta_codec", "learners' delta encoding", choices=DELTA_CODECS)
+    add_flag(p, "--error-feedback", LocalConfig, "error_feedback",
+             "learners add what int4 left out of a fragment's last push to its next", action=argparse.BooleanOptionalAction)
+    add_flag(p, "--block-size", LocalConfig, "block_size", "int4 block size of pushes and replies", type=int)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
     where.add_argument("--resume", metavar="RUN_DIR",

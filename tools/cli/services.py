@@ -200,6 +200,8 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
              "no evaluation before the first inner step (one joining a trained model never has one)", action="store_true")
     add_flag(t, "--delta-codec", LearnerConfig, "delta_codec", "delta encoding", choices=DELTA_CODECS)
     add_flag(t, "--block-size", LearnerConfig, "block_size", "int4 block size; must match the shards'", type=int)
+    add_flag(t, "--error-feedback", LearnerConfig, "error_feedback",
+             "add what int4 left out of a fragment's last push to its next", action=argparse.BooleanOptionalAction)
     add_flag(t, "--step-delay-s", LearnerConfig, "step_delay_s", "extra seconds per step: a simulated slow learner", type=float)
     t.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
     add_flag(t, "--slow-factor", LearnerConfig, "slow_factor", "steps take FACTOR x their compute time: a slower chip",

@@ -66,7 +66,7 @@ class Cluster:
             "data_dir": str(self.dir / f"shard{m}"), "push_log": True, "coordinator": self.coordinator,
             "quorum": self.cfg.quorum, "grace": self.cfg.grace, "outer_lr": self.cfg.outer_lr,
             "outer_momentum": self.cfg.outer_momentum, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
-            "downlink": self.cfg.downlink,
+            "downlink": self.cfg.downlink, "block_size": self.cfg.block_size,
             "snapshot_dir": self.snapshot_dir, **self.common,
         })
         return ["syncer", "--config", str(config)]
@@ -101,7 +101,8 @@ class Cluster:
             else self.learner_steps + 1,
             "num_learners": self.cfg.learners,
             "summary_dir": str(self.dir / "learners"), "events_dir": str(self.dir / "learners"),
-            "delta_codec": self.cfg.delta_codec, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
+            "delta_codec": self.cfg.delta_codec, "error_feedback": self.cfg.error_feedback,
+            "block_size": self.cfg.block_size, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
         })
         learner_cmd = f"{sys.executable} -m tools.cli --exit-with-parent --log-level INFO {tls}learner --config {shlex.quote(str(learner_config))}"
         coordinator_config = self.dir / "coordinator" / "coordinator.json"
