@@ -57,7 +57,7 @@ ABLATIONS = {
     "alpha 0.5 (mix)": {"alpha": 0.5, "reply_rule": "mix"},
     "fp32 deltas": {"delta_codec": "fp32"},
     "no error feedback": {"error_feedback": False},
-    "block 128": {"block_size": 128},
+    "block 64": {"block_size": 64},
     "reply rule mix": {"reply_rule": "mix"},
     "outer lr not scaled by participation": {"scale_by": "round"},
     "chain replies": {"downlink": "chain"},

@@ -33,6 +33,7 @@ from diloco.codec import (
     unframe,
 )
 from diloco.codec import int4
+from diloco.config import BLOCK_SIZE
 from diloco.errors import CodecError
 
 HAVE_KERNEL = int4._kernel is not None
@@ -280,7 +281,7 @@ def test_results_do_not_depend_on_thread_count(block_size, monkeypatch):
 def test_encode_decode_round_trip_odd_lengths_and_partial_blocks(path, shape):
     x = sample(math.prod(shape), 11).reshape(shape)
     with kernel_path(path):
-        encoded = encode("w", x)
+        encoded = encode("w", x, block_size=64)
         y = decode(encoded.spec, encoded.payload)
         packed, scales = quantize_int4_reference(x, 64, "float16")
     spec = encoded.spec
@@ -342,7 +343,7 @@ def test_float16_scale_overflow_suggests_float32(path):
     x = sample(128, 1)
     x[70] = 1e6
     with kernel_path(path), pytest.raises(CodecError, match=r"tensor 'w': block 1 .*float16.*scale_dtype='float32'"):
-        encode("w", x)
+        encode("w", x, block_size=64)
     with kernel_path(path):
         y = decode(*_spec_payload(encode("w", x, scale_dtype="float32")))
     assert abs(float(y[70]) - 1e6) <= 1e6 / 14
@@ -415,7 +416,7 @@ def test_wrong_scale_dtype_dtype_or_encoding(encoded):
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
 @pytest.mark.parametrize("bad_scale", [math.nan, math.inf, -math.inf, -1.0])
 def test_non_finite_or_negative_scale_with_a_valid_checksum(path, scale_dtype, bad_scale):
-    encoded = encode("w", sample(200, 1), scale_dtype=scale_dtype)
+    encoded = encode("w", sample(200, 1), block_size=64, scale_dtype=scale_dtype)
     width = 2 if scale_dtype == "float16" else 4
     payload = bytearray(encoded.payload)
     offset = 100 + 2 * width  # third block's scale
@@ -656,15 +657,16 @@ def test_kernel_names_the_implementation_that_runs(caplog):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_quantize_defaults_are_blocks_of_64_with_float16_scales(path):
-    x = sample(130, 1)
+def test_quantize_defaults_are_the_runs_block_size_with_float16_scales(path):
+    x = sample(2 * BLOCK_SIZE + 2, 1)
     with kernel_path(path):
         packed, scales = quantize_int4(x)
     ref_packed, ref_scales = quantize_int4_reference(x)
     for s in (scales, ref_scales):
         assert s.dtype == torch.float16 and s.numel() == 3
     assert torch.equal(packed, ref_packed) and torch.equal(scales, ref_scales)
-    assert torch.equal(ref_scales, quantize_int4_reference(x, 64, "float16")[1])
+    assert torch.equal(ref_scales, quantize_int4_reference(x, BLOCK_SIZE, "float16")[1])
+    assert encode("w", x).spec.block_size == BLOCK_SIZE
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -700,7 +702,7 @@ def test_float16_overflow_message_names_the_first_bad_block_and_its_values(path)
                "use scale_dtype='float32'")
     with kernel_path(path):
         assert _message(quantize_int4, x, 64, "float16", name="w") == message
-        assert _message(encode, "w", x) == message
+        assert _message(encode, "w", x, block_size=64) == message
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -793,9 +795,9 @@ def test_spec_errors_name_the_tensor(encoded):
 def test_encode_with_a_generator_rounds_stochastically_from_its_stream(path):
     x = sample(300, 5)
     with kernel_path(path):
-        e = encode("w", x, generator=torch.Generator().manual_seed(5))
+        e = encode("w", x, block_size=64, generator=torch.Generator().manual_seed(5))
         packed, scales = quantize_int4(x, 64, "float16", torch.Generator().manual_seed(5))
-        nearest = encode("w", x)
+        nearest = encode("w", x, block_size=64)
     assert e.payload == packed.numpy().tobytes() + scales.numpy().astype("<f2").tobytes()
     assert e.payload != nearest.payload
 
@@ -816,7 +818,7 @@ def test_norm_and_accumulate_on_either_path(path):
     from diloco.codec import accumulate, norm_of
 
     g = torch.Generator().manual_seed(8)
-    a, b = (encode(n, torch.randn(100, generator=g)) for n in "ab")
+    a, b = (encode(n, torch.randn(100, generator=g), block_size=64) for n in "ab")
     da, db = (decode(t.spec, t.payload).double() for t in (a, b))
     start = torch.randn(100, generator=g)
     with kernel_path(path):
