@@ -23,7 +23,7 @@ from coordinator.launcher import Launcher, LaunchResult, override_args
 from diloco import auth
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
-from diloco.errors import DilocoError, FailedPrecondition
+from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
 from diloco.files import atomic_write_json
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
@@ -43,7 +43,10 @@ WATCH_QUEUE_EVENTS = 1024
 RETENTION_GRACE_S = 30.0
 """How long a stopping coordinator waits for deletions of old snapshots in flight."""
 # (shard name, address, snapshot id, directory, learners, coordinator clock) -> sends the Marker RPC.
-MarkerSender = Callable[[str, str, int, str, list[str], VectorClock], Awaitable[None]]
+MAX_INCARNATION_CHARS = 64
+"""Longest process id a shard may give (WatchMembership, a marker's reply)."""
+MarkerSender = Callable[[str, str, int, str, list[str], VectorClock], Awaitable[str]]
+"""Sends a shard its marker; returns the incarnation of the process that recorded it."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class CoordinatorRuntime:
         self._watchers: set[asyncio.Queue] = set()
         self.incarnations: dict[str, str] = {}
         """Each shard's process, as its WatchMembership said (``watcher_connected``)."""
+        self._retired: dict[str, set[str]] = {}
+        """Each shard's processes that a newer one replaced."""
         self._tasks: set[asyncio.Task] = set()
         self._retentions: set[asyncio.Task] = set()
         """Deletions of old snapshots in flight: a stop lets them finish (they are short)."""
@@ -365,7 +370,8 @@ class CoordinatorRuntime:
         self.incarnations[watcher] = incarnation
         if previous is not None and previous != incarnation:
             logger.warning("%s restarted (a new process follows the membership)", watcher)
-            self.snapshots.participant_restarted(watcher, self._now())
+            self._retired.setdefault(watcher, set()).add(previous)
+            self.snapshots.participant_restarted(watcher, incarnation, self._now())
             self._settle(save=True)
 
     def watch(self) -> tuple[asyncio.Queue, list[Learner]]:
@@ -445,10 +451,16 @@ class CoordinatorRuntime:
 
     async def _marker(self, snapshot_id: int, name: str, address: str, directory: str, learners: list[str], clock: VectorClock) -> None:
         try:
-            await self._send_marker(name, address, snapshot_id, directory, learners, clock)
+            incarnation = await self._send_marker(name, address, snapshot_id, directory, learners, clock)
+            if len(incarnation) > MAX_INCARNATION_CHARS:
+                raise InvalidArgument(f"its reply names a process of more than {MAX_INCARNATION_CHARS} characters")
         except DilocoError as error:
             self.snapshots.fail(snapshot_id, f"marker to {name} at {address} failed: {error}", self._now())
             self._settle()
+            return
+        gone = incarnation in self._retired.get(name, ())
+        self.snapshots.marked(snapshot_id, name, incarnation, gone, self._now())
+        self._settle(save=gone)
 
     def report_snapshot(self, snapshot_id: int, participant: str, clock: VectorClock, files: list[SnapshotFile]) -> None:
         try:

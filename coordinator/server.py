@@ -153,7 +153,8 @@ class CoordinatorServer:
 
     async def _send_marker(
         self, name: str, address: str, snapshot_id: int, directory: str, learners: list[str], clock: VectorClock
-    ) -> None:
+    ) -> str:
+        """Send the marker; the process that recorded it (its incarnation) comes back."""
         request = syncer_pb2.MarkerRequest(
             snapshot_id=snapshot_id, directory=directory, learners=learners, clock=convert.clock_to_proto(clock)
         )
@@ -165,6 +166,7 @@ class CoordinatorServer:
             raise error_from_rpc(error, f"marker to {name}") from None
         self.runtime.received(convert.clock_from_proto(reply.clock))
         logger.info("snapshot %d: %s recorded its state", snapshot_id, name)
+        return reply.incarnation
 
 
 async def run_coordinator(

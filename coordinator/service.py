@@ -14,7 +14,7 @@ import logging
 import grpc
 
 from coordinator import convert
-from coordinator.runtime import CoordinatorRuntime
+from coordinator.runtime import MAX_INCARNATION_CHARS, CoordinatorRuntime
 from coordinator.telemetry import CoordinatorTelemetry
 from diloco import auth, rpc
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied
@@ -27,7 +27,6 @@ EXPORT_TIMEOUT_S = 600.0
 EXPORT_IDLE_S = 30.0
 """An export fails (UNAVAILABLE, naming the shard) when a shard sends nothing for this long."""
 SHARD_STATUS_TIMEOUT_S = 5.0
-MAX_INCARNATION_CHARS = 64
 """Deadline of one shard's Status in ListShards."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -108,6 +109,9 @@ class ShardRuntime:
         core's plan, which must then be given). ``data_dir``: where the run's manifest and
         each fragment's initial values are kept (``diloco replay`` starts from them)."""
         self.core = core
+        self.incarnation = secrets.token_hex(8)
+        """This process's id, sent when following the coordinator and in marker replies: a
+        new one tells the coordinator the shard restarted (``WatchMembershipRequest``)."""
         self.num_fragments = num_fragments if num_fragments is not None else core.plan.num_fragments
         self.data_dir = data_dir
         self.anchors_only = False

@@ -4,7 +4,6 @@ the coordinator's membership stream, shut down cleanly on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 import ctypes
 import dataclasses
 import logging
@@ -70,8 +69,6 @@ class ShardServer:
         self._probes: grpc.aio.Server | None = None
         self._watch: asyncio.Task | None = None
         self._stopped = False
-        self.incarnation = secrets.token_hex(8)
-        """Sent when following the coordinator: a new one tells it this shard restarted."""
 
     async def start(self) -> int:
         self.port = rpc.bind(self.server, f"{self.server_cfg.host}:{self.server_cfg.port}")
@@ -139,7 +136,7 @@ class ShardServer:
             try:
                 async with rpc.channel(self.server_cfg.coordinator) as channel:
                     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                    stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher=name, incarnation=self.incarnation),
+                    stream = stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(watcher=name, incarnation=self.runtime.incarnation),
                                                   metadata=self._credentials())  # signed afresh: credentials expire
                     async for event in stream:
                         backoff = 0.2

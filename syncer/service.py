@@ -278,6 +278,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             )
             return syncer_pb2.MarkerReply(
                 participant=self.runtime.core.process,
+                incarnation=self.runtime.incarnation,
                 clock=clock_to_proto(result.clock),
                 files=[common_pb2.SnapshotFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in result.files],
             )

@@ -63,6 +63,8 @@ class Snapshot:
     learners: list[str]
     """Learners still expected to report (shrinks when one leaves or fails)."""
     reports: dict[str, Report] = field(default_factory=dict)
+    marked: dict[str, str] = field(default_factory=dict)
+    """Shards whose marker reply arrived: the process (incarnation) that recorded its state."""
     finished_s: float | None = None
     detail: str = ""
     manifest: str = ""
@@ -171,12 +173,29 @@ class Snapshots:
         snapshot.dropped.append(f"{learner_id} ({reason})")
         self._settle(snapshot, now)
 
-    def participant_restarted(self, participant: str, now: float) -> None:
-        """A participant that had not reported restarted: what it recorded in memory (a
-        shard's channel state) is gone and it will never report. Fails the snapshot."""
+    def participant_restarted(self, participant: str, incarnation: str, now: float) -> None:
+        """A participant that had not reported now runs as process ``incarnation``. If an
+        older process recorded the marker, what it kept in memory (a shard's channel state)
+        is gone and it will never report: the snapshot fails. If the new process recorded
+        it, the snapshot goes on; if the marker has not answered yet, its answer decides
+        (``marked``)."""
         snapshot = self.running()
-        if snapshot is not None and participant in snapshot.participants and participant not in snapshot.reports:
+        if snapshot is None or participant not in snapshot.participants or participant in snapshot.reports:
+            return
+        recorded_by = snapshot.marked.get(participant)
+        if recorded_by is not None and recorded_by != incarnation:
             self._finish(snapshot, FAILED, f"{participant} restarted before it reported", now)
+
+    def marked(self, snapshot_id: int, shard: str, incarnation: str, gone: bool, now: float) -> None:
+        """Shard ``shard`` answered its marker: process ``incarnation`` recorded its state.
+        ``gone``: the coordinator already follows a newer process of that shard, so the
+        recording died with this one (the snapshot fails)."""
+        snapshot = self.get(snapshot_id)
+        if snapshot.state != RUNNING or shard not in snapshot.shards:
+            return
+        snapshot.marked[shard] = incarnation
+        if gone and shard not in snapshot.reports:
+            self._finish(snapshot, FAILED, f"{shard} restarted before it reported", now)
 
     def fail(self, snapshot_id: int, reason: str, now: float) -> None:
         snapshot = self.get(snapshot_id)

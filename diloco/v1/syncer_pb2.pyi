@@ -191,14 +191,16 @@ class MarkerRequest(_message.Message):
     def __init__(self, snapshot_id: _Optional[int] = ..., directory: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., learners: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MarkerReply(_message.Message):
-    __slots__ = ("participant", "clock", "files")
+    __slots__ = ("participant", "clock", "files", "incarnation")
     PARTICIPANT_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     participant: str
     clock: _common_pb2.VectorClock
     files: _containers.RepeatedCompositeFieldContainer[_common_pb2.SnapshotFile]
-    def __init__(self, participant: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., files: _Optional[_Iterable[_Union[_common_pb2.SnapshotFile, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, participant: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., files: _Optional[_Iterable[_Union[_common_pb2.SnapshotFile, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class AcceptInitialValuesRequest(_message.Message):
     __slots__ = ("reason",)

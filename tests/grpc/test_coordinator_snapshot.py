@@ -159,6 +159,8 @@ def test_a_shard_that_restarts_before_it_reports_fails_the_snapshot_and_the_next
                 async with admin_stub(coordinator.address) as (stub, md):
                     await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
                     await wait_for(lambda: shard.runtime.snapshot_epoch == 1, "the shard to record its state")
+                    await wait_for(lambda: "S0" in books.get(1).marked, "the marker's answer")
+                    assert books.get(1).marked["S0"] == shard.runtime.incarnation
                     await asyncio.sleep(0.5)
                     assert books.get(1).state == "running" and "S0" in books.get(1).waiting
                     await shard.stop()
@@ -172,6 +174,39 @@ def test_a_shard_that_restarts_before_it_reports_fails_the_snapshot_and_the_next
                     assert reply.snapshot_id == 2
                     await wait_for(lambda: shard.runtime.snapshot_epoch == 2, "the restarted shard to record snapshot 2")
                     assert books.get(1).state == "failed"  # the new process's stream fails nothing more
+        finally:
+            await shard.stop()
+
+    run(scenario())
+
+
+def test_a_shard_that_restarted_just_before_the_marker_records_it_and_the_snapshot_goes_on(tmp_path):
+    """The new process got the marker before the coordinator heard of it: its answer names
+    it, so learning of the restart afterwards fails nothing (it used to fail the snapshot)."""
+    async def scenario():
+        model_manifest, _, _ = model_plan(TINY)
+        shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET), seeded_core(TINY, SHARD_CFG))
+        port = await shard.start()
+        try:
+            async with running_coordinator(tmp_path, shards=(f"127.0.0.1:{port}",), snapshot_timeout_s=120) as coordinator:
+                shard.follow(coordinator.address)
+                for _ in range(2):
+                    session = await joined(coordinator.address)
+                    await session.register_model(model_manifest.to_json())
+                await wait_for(lambda: shard.runtime.core.live == {"L0", "L1"}, "the shard to learn of L0 and L1")
+                runtime, books = coordinator.runtime, coordinator.runtime.snapshots
+                old = shard.runtime.incarnation
+                assert runtime.incarnations == {"S0": old}
+                await shard.stop()
+                shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET, port=port), seeded_core(TINY, SHARD_CFG))
+                assert await shard.start() == port
+                async with admin_stub(coordinator.address) as (stub, md):
+                    await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
+                    await wait_for(lambda: "S0" in books.get(1).marked, "the marker's answer")
+                assert books.get(1).marked["S0"] == shard.runtime.incarnation != old
+                shard.follow(coordinator.address)
+                await wait_for(lambda: runtime.incarnations["S0"] == shard.runtime.incarnation, "the new process to follow")
+                assert books.get(1).state == "running" and "S0" in books.get(1).waiting
         finally:
             await shard.stop()
 

@@ -111,17 +111,39 @@ def test_a_learner_that_leaves_is_dropped_and_no_longer_awaited():
 def test_a_shard_that_restarts_before_it_reports_fails_the_snapshot_at_once():
     books = Snapshots(timeout_s=120, root="/snaps")
     books.start(["S0", "S1"], ["L0"], now=0.0)
+    books.marked(1, "S0", "p1", gone=False, now=0.5)
+    books.marked(1, "S1", "q1", gone=False, now=0.5)
     books.report(1, "S1", {}, [], now=1.0)
-    books.participant_restarted("S1", now=2.0)  # reported already: its files are on disk
-    books.participant_restarted("S9", now=2.0)  # not a participant
+    books.participant_restarted("S1", "q2", now=2.0)  # reported already: its files are on disk
+    books.participant_restarted("S9", "x", now=2.0)  # not a participant
     assert books.get(1).state == RUNNING
-    books.participant_restarted("S0", now=3.0)
+    books.participant_restarted("S0", "p2", now=3.0)  # p1 recorded the marker, and p1 is gone
     snapshot = books.get(1)
     assert (snapshot.state, snapshot.detail, snapshot.finished_s) == (FAILED, "S0 restarted before it reported", 3.0)
     assert books.take_finished() == [snapshot]
     assert books.start(["S0", "S1"], [], now=4.0).id == 2  # the next one need not wait for the timeout
-    books.participant_restarted("S0", now=5.0)
-    assert books.get(2).state == FAILED and books.get(1).detail == "S0 restarted before it reported"
+
+
+def test_a_restart_just_before_the_marker_fails_nothing_and_a_stale_answer_fails_the_snapshot():
+    books = Snapshots(timeout_s=120, root="/snaps")
+    books.start(["S0"], [], now=0.0)
+    # S0 restarted as p2, which got the marker; the coordinator hears of p2 afterwards.
+    books.marked(1, "S0", "p2", gone=False, now=1.0)
+    books.participant_restarted("S0", "p2", now=1.5)
+    assert books.get(1).state == RUNNING
+    books.report(1, "S0", {}, [], now=2.0)
+    assert books.get(1).state == COMPLETE
+    # The coordinator follows p3 while the marker is out: the answer decides.
+    books.start(["S0"], [], now=3.0)
+    books.participant_restarted("S0", "p3", now=3.5)
+    assert books.get(2).state == RUNNING
+    books.marked(2, "S0", "p2", gone=True, now=4.0)  # p2 answered, and p2 is gone
+    assert (books.get(2).state, books.get(2).detail) == (FAILED, "S0 restarted before it reported")
+    # A shard that names no process is taken to be a new one on any restart.
+    books.start(["S0"], [], now=5.0)
+    books.marked(3, "S0", "", gone=False, now=5.5)
+    books.participant_restarted("S0", "p4", now=6.0)
+    assert books.get(3).state == FAILED
 
 
 def test_without_participants_a_snapshot_completes_at_once():
