@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from diloco.config import BLOCK_SIZE
 from diloco.errors import InvalidArgument
 from diloco.codec import decode, dequantize_int4, encode, frame, kernel, quantize_int4, unframe
 
 logger = logging.getLogger(__name__)
 
-BLOCK_SIZE = 64
 SCALE_DTYPE = "float16"
 
 
