@@ -4,6 +4,7 @@ as channel state; restoring the shard from the snapshot reproduces the run's par
 bit for bit, with every push counted once."""
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -138,6 +139,35 @@ def test_a_shard_that_cannot_be_reached_fails_the_snapshot(tmp_path):
     run(scenario())
 
 
+@contextlib.asynccontextmanager
+async def _shard_with_two_learners(tmp_path):
+    """A shard that follows a coordinator whose two learners it knows. Yields (shards,
+    coordinator): ``shards[-1]`` is the shard's current process (``_restart`` appends the
+    next one); it is stopped at the end."""
+    model_manifest, _, _ = model_plan(TINY)
+    shards = [ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET), seeded_core(TINY, SHARD_CFG))]
+    port = await shards[0].start()
+    try:
+        async with running_coordinator(tmp_path, shards=(f"127.0.0.1:{port}",), snapshot_timeout_s=120) as coordinator:
+            shards[0].follow(coordinator.address)
+            for _ in range(2):
+                session = await joined(coordinator.address)
+                await session.register_model(model_manifest.to_json())
+            await wait_for(lambda: shards[0].runtime.core.live == {"L0", "L1"}, "the shard to learn of L0 and L1")
+            yield shards, coordinator
+    finally:
+        await shards[-1].stop()
+
+
+async def _restart(shards: list[ShardServer]) -> ShardServer:
+    """Stop the shard's process and start a new one, with no state, on the same port."""
+    port = shards[-1].port
+    await shards[-1].stop()
+    shards.append(ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET, port=port), seeded_core(TINY, SHARD_CFG)))
+    assert await shards[-1].start() == port
+    return shards[-1]
+
+
 def test_a_shard_that_restarts_before_it_reports_fails_the_snapshot_and_the_next_one_runs(tmp_path):
     """The shard recorded its state but waits for the learners' channels when it restarts:
     the channel state is gone with the process, and it will never report. The coordinator
@@ -145,37 +175,23 @@ def test_a_shard_that_restarts_before_it_reports_fails_the_snapshot_and_the_next
     once (it used to hold every later snapshot until the timeout); the next snapshot's
     marker reaches the new process."""
     async def scenario():
-        model_manifest, _, _ = model_plan(TINY)
-        shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET), seeded_core(TINY, SHARD_CFG))
-        port = await shard.start()
-        try:
-            async with running_coordinator(tmp_path, shards=(f"127.0.0.1:{port}",), snapshot_timeout_s=120) as coordinator:
+        async with _shard_with_two_learners(tmp_path) as (shards, coordinator):
+            shard, books = shards[-1], coordinator.runtime.snapshots
+            async with admin_stub(coordinator.address) as (stub, md):
+                await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
+                await wait_for(lambda: shard.runtime.snapshot_epoch == 1, "the shard to record its state")
+                await wait_for(lambda: "S0" in books.get(1).marked, "the marker's answer")
+                assert books.get(1).marked["S0"] == shard.runtime.incarnation
+                await asyncio.sleep(0.5)
+                assert books.get(1).state == "running" and "S0" in books.get(1).waiting
+                shard = await _restart(shards)
                 shard.follow(coordinator.address)
-                for _ in range(2):
-                    session = await joined(coordinator.address)
-                    await session.register_model(model_manifest.to_json())
-                await wait_for(lambda: shard.runtime.core.live == {"L0", "L1"}, "the shard to learn of L0 and L1")
-                books = coordinator.runtime.snapshots
-                async with admin_stub(coordinator.address) as (stub, md):
-                    await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
-                    await wait_for(lambda: shard.runtime.snapshot_epoch == 1, "the shard to record its state")
-                    await wait_for(lambda: "S0" in books.get(1).marked, "the marker's answer")
-                    assert books.get(1).marked["S0"] == shard.runtime.incarnation
-                    await asyncio.sleep(0.5)
-                    assert books.get(1).state == "running" and "S0" in books.get(1).waiting
-                    await shard.stop()
-                    shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET, port=port),
-                                        seeded_core(TINY, SHARD_CFG))
-                    assert await shard.start() == port
-                    shard.follow(coordinator.address)
-                    await wait_for(lambda: books.get(1).state == "failed", "the snapshot to fail")
-                    assert books.get(1).detail == "S0 restarted before it reported"
-                    reply = await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
-                    assert reply.snapshot_id == 2
-                    await wait_for(lambda: shard.runtime.snapshot_epoch == 2, "the restarted shard to record snapshot 2")
-                    assert books.get(1).state == "failed"  # the new process's stream fails nothing more
-        finally:
-            await shard.stop()
+                await wait_for(lambda: books.get(1).state == "failed", "the snapshot to fail")
+                assert books.get(1).detail == "S0 restarted before it reported"
+                reply = await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
+                assert reply.snapshot_id == 2
+                await wait_for(lambda: shard.runtime.snapshot_epoch == 2, "the restarted shard to record snapshot 2")
+                assert books.get(1).state == "failed"  # the new process's stream fails nothing more
 
     run(scenario())
 
@@ -184,30 +200,17 @@ def test_a_shard_that_restarted_just_before_the_marker_records_it_and_the_snapsh
     """The new process got the marker before the coordinator heard of it: its answer names
     it, so learning of the restart afterwards fails nothing (it used to fail the snapshot)."""
     async def scenario():
-        model_manifest, _, _ = model_plan(TINY)
-        shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET), seeded_core(TINY, SHARD_CFG))
-        port = await shard.start()
-        try:
-            async with running_coordinator(tmp_path, shards=(f"127.0.0.1:{port}",), snapshot_timeout_s=120) as coordinator:
-                shard.follow(coordinator.address)
-                for _ in range(2):
-                    session = await joined(coordinator.address)
-                    await session.register_model(model_manifest.to_json())
-                await wait_for(lambda: shard.runtime.core.live == {"L0", "L1"}, "the shard to learn of L0 and L1")
-                runtime, books = coordinator.runtime, coordinator.runtime.snapshots
-                old = shard.runtime.incarnation
-                assert runtime.incarnations == {"S0": old}
-                await shard.stop()
-                shard = ShardServer(TINY, SHARD_CFG, ShardServerConfig(secret=SECRET, port=port), seeded_core(TINY, SHARD_CFG))
-                assert await shard.start() == port
-                async with admin_stub(coordinator.address) as (stub, md):
-                    await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
-                    await wait_for(lambda: "S0" in books.get(1).marked, "the marker's answer")
-                assert books.get(1).marked["S0"] == shard.runtime.incarnation != old
-                shard.follow(coordinator.address)
-                await wait_for(lambda: runtime.incarnations["S0"] == shard.runtime.incarnation, "the new process to follow")
-                assert books.get(1).state == "running" and "S0" in books.get(1).waiting
-        finally:
-            await shard.stop()
+        async with _shard_with_two_learners(tmp_path) as (shards, coordinator):
+            runtime, books = coordinator.runtime, coordinator.runtime.snapshots
+            old = shards[-1].runtime.incarnation
+            assert runtime.incarnations == {"S0": old}
+            shard = await _restart(shards)
+            async with admin_stub(coordinator.address) as (stub, md):
+                await stub.StartSnapshot(coordinator_pb2.StartSnapshotRequest(), metadata=md)
+                await wait_for(lambda: "S0" in books.get(1).marked, "the marker's answer")
+            assert books.get(1).marked["S0"] == shard.runtime.incarnation != old
+            shard.follow(coordinator.address)
+            await wait_for(lambda: runtime.incarnations["S0"] == shard.runtime.incarnation, "the new process to follow")
+            assert books.get(1).state == "running" and "S0" in books.get(1).waiting
 
     run(scenario())
