@@ -42,9 +42,9 @@ WATCH_QUEUE_EVENTS = 1024
 
 RETENTION_GRACE_S = 30.0
 """How long a stopping coordinator waits for deletions of old snapshots in flight."""
-# (shard name, address, snapshot id, directory, learners, coordinator clock) -> sends the Marker RPC.
 MAX_INCARNATION_CHARS = 64
 """Longest process id a shard may give (WatchMembership, a marker's reply)."""
+# (shard name, address, snapshot id, directory, learners, coordinator clock) -> sends the Marker RPC.
 MarkerSender = Callable[[str, str, int, str, list[str], VectorClock], Awaitable[str]]
 """Sends a shard its marker; returns the incarnation of the process that recorded it."""
 

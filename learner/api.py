@@ -358,10 +358,10 @@ class Learner:
         state = self.book.fragments[fragment_id]
         feedback = self.cfg.error_feedback and self.cfg.delta_codec == "int4"
         encoded, left_out = encode_push(
-            self.plan.fragments[fragment_id].pieces, host, state.anchor, state.residual if feedback else None,
+            self.plan.fragments[fragment_id].pieces, host, state.anchor, state.residual,
             self.cfg.delta_codec, self.cfg.block_size, feedback,
         )
-        if feedback:
+        if left_out is not None:  # only ever set with feedback on: the residual above is too
             self.book.quantized(fragment_id, left_out)
         return encoded
 
