@@ -11,7 +11,6 @@ from diloco import auth
 from diloco.errors import InvalidArgument
 
 LAUNCHERS = ("local", "kubernetes", "none")
-MAX_WARM_SPARES = 64
 # Pool and release names end up in pod names and label values: keep them DNS labels.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _MAX_RELEASE_CHARS = 40  # leaves room for "-learner-<launch id>" within 63 characters
@@ -33,18 +32,16 @@ class LocalLauncherConfig:
     ``-m tools.cli learner``. Tests put a small fake learner script here."""
     terminate_timeout_s: float = 10.0
     """After SIGTERM, wait this long for the learner to exit before SIGKILL."""
-    warm_spares: int = 1
-    """Learner processes kept started in standby (``--standby``: Python, torch and the
-    learner's code loaded, nothing joined), handed the next launches so a replacement
-    does not pay the process start on the critical path; topped up whenever no launch is
-    still starting (one starts with the coordinator).
-    Each is one idle process. 0: every launch starts a process."""
+    fork_server: bool = True
+    """Fork learners from a fork server (``diloco.forks``: the learner's command with
+    ``--fork-server``, started with the coordinator, loads Python, torch and the learner's
+    code once): no launch pays that load, learners starting together do not pay it each
+    on a few cores, a replacement starts in a fraction of a second. False (or where fork
+    is missing): every launch starts a process."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.terminate_timeout_s) and self.terminate_timeout_s > 0):
             raise InvalidArgument(f"terminate timeout must be > 0 s, got {self.terminate_timeout_s}")
-        if not 0 <= self.warm_spares <= MAX_WARM_SPARES:
-            raise InvalidArgument(f"warm spares must be in [0, {MAX_WARM_SPARES}], got {self.warm_spares}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ keeps the books (a launch holds a slot under the cap until its learner joins).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from coordinator.config import LocalLauncherConfig
+from diloco import forks
 from diloco.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -145,19 +147,107 @@ def log_tail(path: Path, lines: int = 2, max_chars: int = 400) -> str:
     return tail if len(tail) <= max_chars else "..." + tail[-max_chars:]
 
 
+class ForkedLearner:
+    """A learner the fork server forked: the launcher's handle on it, like a child
+    process's (``pid``, ``returncode``, ``wait``); ``pid`` is known once the server has
+    answered, ``failure`` says why it never started."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self.failure = ""
+        self._forked = asyncio.Event()
+        self._ended = asyncio.Event()
+
+    def forked(self, pid: int) -> None:
+        self.pid = pid
+        self._forked.set()
+
+    def ended(self, returncode: int | None, failure: str = "") -> None:
+        self.returncode, self.failure = returncode, failure
+        self._forked.set()
+        self._ended.set()
+
+    async def started(self) -> int | None:
+        """Its pid once forked; None when it never started."""
+        await self._forked.wait()
+        return self.pid
+
+    async def wait(self) -> int | None:
+        await self._ended.wait()
+        return self.returncode
+
+
+class _ForkServer:
+    """The launcher's end of a fork server (``diloco.forks``): requests are answered in
+    order, so each answer goes to the oldest learner waiting for one."""
+
+    def __init__(self, process: asyncio.subprocess.Process, log_path: Path, ended: Callable[[str], None]) -> None:
+        self.process = process
+        self.log_path = log_path
+        self._waiting: collections.deque[ForkedLearner] = collections.deque()
+        self._children: dict[int, ForkedLearner] = {}
+        self._reader = asyncio.get_running_loop().create_task(self._read(ended))
+
+    @property
+    def running(self) -> bool:
+        return not self._reader.done()
+
+    async def fork(self, args: list[str], log_path: Path) -> ForkedLearner:
+        learner = ForkedLearner()
+        self._waiting.append(learner)
+        try:
+            self.process.stdin.write(forks.request(args, str(log_path)))
+            await self.process.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server is gone: its reader ends every learner waiting
+        return learner
+
+    async def _read(self, ended: Callable[[str], None]) -> None:
+        while line := await self.process.stdout.readline():
+            try:
+                answer = json.loads(line)
+                if "exit" in answer:
+                    self._children.pop(answer["pid"]).ended(answer["exit"])
+                elif "pid" in answer:
+                    learner = self._waiting.popleft()
+                    self._children[answer["pid"]] = learner
+                    learner.forked(answer["pid"])
+                else:
+                    self._waiting.popleft().ended(None, f"the fork server could not fork it: {answer['error']}")
+            except (ValueError, KeyError, IndexError, TypeError):
+                logger.error("fork server (pid %d) answered %r: stopping it", self.process.pid, line[:200])
+                self.process.kill()
+                break
+        returncode = await self.process.wait()
+        tail = log_tail(self.log_path)
+        why = f"its fork server (pid {self.process.pid}) ended: {describe_exit(returncode)}{f': {tail}' if tail else ''}"
+        for learner in self._waiting:
+            learner.ended(None, why)
+        for pid, learner in self._children.items():  # out of reach now: stopped, not left running unwatched
+            _signal_group(pid, signal.SIGKILL)
+            learner.ended(-signal.SIGKILL, why)
+        self._waiting.clear()
+        self._children.clear()
+        ended(why)
+
+    async def close(self) -> None:
+        """Stop serving (the server exits when its stdin closes) and wait for it."""
+        self.process.stdin.close()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
 class LocalProcessLauncher:
     """Learners as child processes: ``diloco learner`` (or ``cfg.command``), each in its
     own session so a Ctrl-C at the coordinator's terminal reaches only the coordinator,
     which then stops them itself; output to ``<log_dir>/<launch id>.log``.
 
-    Warm spares (``cfg.warm_spares``): processes started ahead with ``--standby``, which
-    load Python, torch and the learner's code and then wait on stdin. A launch hands one
-    its flags (one JSON list on a line) instead of starting a process; new spares are
-    started once no learner is starting (``settled``). A spare whose stdin closes (this
-    launcher gone) exits."""
+    With ``cfg.fork_server``, learners are forked from a fork server (``diloco.forks``:
+    the command with ``--fork-server``, started with the coordinator, loaded once). A
+    launch it cannot serve (the server failed to start or died first) starts a process of
+    its own; after ``_MAX_FORK_SERVER_FAILURES`` servers ended, every launch does."""
 
-    _MAX_SPARE_FAILURES = 3
-    """Spares that die unassigned before spares are given up (a command without --standby)."""
+    _MAX_FORK_SERVER_FAILURES = 3
 
     def __init__(
         self, cfg: LocalLauncherConfig, coordinator: str, join_token_file: Path, log_dir: Path, on_exit: ExitCallback
@@ -167,14 +257,11 @@ class LocalProcessLauncher:
         self.join_token_file = Path(join_token_file)
         self.log_dir = Path(log_dir)
         self.on_exit = on_exit
-        self.processes: dict[str, asyncio.subprocess.Process] = {}
-        self.spares: list[asyncio.subprocess.Process] = []
-        self._spare_logs: dict[int, Path] = {}
-        self._spares_started = 0
-        self._spare_failures = 0
-        self._launch_of: dict[int, str] = {}
+        self.processes: dict[str, asyncio.subprocess.Process | ForkedLearner] = {}
+        self.fork_server: _ForkServer | None = None
+        self._fork_server_failures = 0
+        self._starting_server: asyncio.Task | None = None
         self._closing = False
-        self._refill: asyncio.Task | None = None
         self._watchers: set[asyncio.Task] = set()
 
     def prefix(self) -> list[str]:
@@ -182,116 +269,136 @@ class LocalProcessLauncher:
 
     async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        server = await self._server()
         results = []
         for launch_id in launch_ids:
             args = learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)
             log_path = self.log_dir / f"{launch_id}.log"
-            process = await self._hand_to_spare(launch_id, args, log_path)
-            how = "a warm spare" if process else "a new process"
-            if process is None:
-                argv = [*self.prefix(), *args]
-                try:
-                    process = await self._start(argv, log_path, stdin=asyncio.subprocess.DEVNULL, launch_id=launch_id)
-                except OSError as error:
-                    results.append(LaunchResult(launch_id, False, f"cannot start {argv[0]}: {error.strerror or error}"))
-                    continue
-            self.processes[launch_id] = process
-            logger.info("launched learner %s (pid %d, pool %s, %s), log %s", launch_id, process.pid, pool, how, log_path)
+            if server is not None and server.running:
+                process = await server.fork(args, log_path)
+                self.processes[launch_id] = process
+                self._watch(launch_id, process, args)
+                logger.info("launched learner %s (pool %s, forked by the fork server), log %s", launch_id, pool, log_path)
+                results.append(LaunchResult(launch_id, True, f"forked by pid {server.process.pid}, log {log_path}"))
+                continue
+            try:
+                process = await self._start(launch_id, args, log_path)
+            except OSError as error:
+                results.append(LaunchResult(launch_id, False, f"cannot start {self.prefix()[0]}: {error.strerror or error}"))
+                continue
+            logger.info("launched learner %s (pid %d, pool %s), log %s", launch_id, process.pid, pool, log_path)
             results.append(LaunchResult(launch_id, True, f"pid {process.pid}, log {log_path}"))
         return results
 
     def settled(self) -> None:
-        """Start the missing spares now that no learner is starting (a spare loading beside
-        starting learners would slow their start on a machine with few cores)."""
-        if (self._refill is None and len(self.spares) < self.cfg.warm_spares and not self._closing
-                and self._spare_failures < self._MAX_SPARE_FAILURES):
-            self._refill = asyncio.get_running_loop().create_task(self._refill_spares())
-            self._refill.add_done_callback(lambda _: setattr(self, "_refill", None))
+        """Start the fork server when none runs (at the coordinator's start, and again after
+        one ended), so that it has loaded when the launches come."""
+        if self._wants_server():
+            self._start_server()
 
-    async def _start(self, argv: list[str], log_path: Path, stdin: int, launch_id: str | None = None
-                     ) -> asyncio.subprocess.Process:
-        """``launch_id`` None: a spare."""
+    def _wants_server(self) -> bool:
+        return (self.cfg.fork_server and forks.available() and not self._closing
+                and self._fork_server_failures < self._MAX_FORK_SERVER_FAILURES
+                and (self.fork_server is None or not self.fork_server.running))
+
+    def _start_server(self) -> asyncio.Task:
+        if self._starting_server is None:
+            self._starting_server = asyncio.get_running_loop().create_task(self._spawn_server())
+            self._starting_server.add_done_callback(lambda _: setattr(self, "_starting_server", None))
+        return self._starting_server
+
+    async def _server(self) -> _ForkServer | None:
+        """The running fork server, started if need be; None when launches start processes."""
+        if self._wants_server():
+            await asyncio.shield(self._start_server())
+        return self.fork_server if self.fork_server is not None and self.fork_server.running else None
+
+    async def _spawn_server(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / "fork-server.log"
+        try:
+            with open(log_path, "ab") as log:
+                process = await asyncio.create_subprocess_exec(
+                    *self.prefix(), forks.FLAG, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    stderr=log, start_new_session=True)
+        except OSError as error:
+            logger.warning("cannot start a fork server (%s): each launch starts a process", error.strerror or error)
+            self._fork_server_failures = self._MAX_FORK_SERVER_FAILURES
+            return
+        logger.info("fork server started (pid %d), log %s", process.pid, log_path)
+        self.fork_server = _ForkServer(process, log_path, self._fork_server_ended)
+
+    def _fork_server_ended(self, why: str) -> None:
+        if not self._closing:
+            self._fork_server_failures += 1
+            logger.warning("%s%s", why, "; launches start processes from now on"
+                           if self._fork_server_failures >= self._MAX_FORK_SERVER_FAILURES else "")
+
+    async def _start(self, launch_id: str, args: list[str], log_path: Path) -> asyncio.subprocess.Process:
         with open(log_path, "ab") as log:
             process = await asyncio.create_subprocess_exec(
-                *argv, stdin=stdin, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                *self.prefix(), *args, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
             )
-        if launch_id is not None:
-            self._launch_of[process.pid] = launch_id
-        watcher = asyncio.get_running_loop().create_task(self._watch(process))
-        self._watchers.add(watcher)
-        watcher.add_done_callback(self._watchers.discard)
+        self.processes[launch_id] = process
+        self._watch(launch_id, process, args)
         return process
 
-    async def _hand_to_spare(self, launch_id: str, args: list[str], log_path: Path) -> asyncio.subprocess.Process | None:
-        """The oldest live spare, now ``launch_id`` running as ``args`` (its log renamed to
-        the launch's), or None when there is none. A spare that dies while being handed
-        the launch ends the launch (its watcher reports it)."""
-        while self.spares:
-            spare = self.spares.pop(0)
-            if spare.returncode is not None:
-                continue
-            self._launch_of[spare.pid] = launch_id
-            os.replace(self._spare_logs.pop(spare.pid), log_path)
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                spare.stdin.write(json.dumps(args).encode() + b"\n")
-                await spare.stdin.drain()
-                spare.stdin.close()
-            return spare
-        return None
+    def _watch(self, launch_id: str, process: asyncio.subprocess.Process | ForkedLearner, args: list[str]) -> None:
+        watcher = asyncio.get_running_loop().create_task(self._watch_one(launch_id, process, args))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
 
-    async def _refill_spares(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        while (len(self.spares) < self.cfg.warm_spares and self._spare_failures < self._MAX_SPARE_FAILURES
-               and not self._closing):
-            self._spares_started += 1
-            log_path = self.log_dir / f"spare-{self._spares_started}.log"
-            try:
-                spare = await self._start([*self.prefix(), "--standby"], log_path, stdin=asyncio.subprocess.PIPE)
-            except OSError as error:
-                logger.warning("cannot start a warm spare learner (%s): launches start their own processes",
-                               error.strerror or error)
-                self._spare_failures = self._MAX_SPARE_FAILURES
-                return
-            self._spare_logs[spare.pid] = log_path
-            self.spares.append(spare)
-
-    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+    async def _watch_one(self, launch_id: str, process: asyncio.subprocess.Process | ForkedLearner,
+                         args: list[str]) -> None:
+        if isinstance(process, ForkedLearner) and await process.started() is not None:
+            logger.info("learner %s forked: pid %d", launch_id, process.pid)
         returncode = await process.wait()
-        launch_id = self._launch_of.pop(process.pid, None)
-        if launch_id is None:  # a spare that ended unassigned
-            if process in self.spares:
-                self.spares.remove(process)
-            log_path = self._spare_logs.pop(process.pid, None)
-            if not self._closing:
-                self._spare_failures += 1
-                tail = log_tail(log_path) if log_path else ""
-                logger.warning("warm spare learner (pid %d) ended unassigned: %s%s%s", process.pid,
-                               describe_exit(returncode), f": {tail}" if tail else "",
-                               "; no more spares" if self._spare_failures >= self._MAX_SPARE_FAILURES else "")
-            return
+        if self.processes.get(launch_id) is not process:
+            return  # stopped and forgotten
+        failure = process.failure if isinstance(process, ForkedLearner) else ""
+        if returncode is None and not self._closing:  # never forked: a process of its own instead
+            logger.warning("learner %s: %s; starting a process for it", launch_id, failure)
+            try:
+                restarted = await self._start(launch_id, args, self.log_dir / f"{launch_id}.log")
+                logger.info("launched learner %s (pid %d)", launch_id, restarted.pid)
+                return
+            except OSError as error:
+                failure = f"cannot start {self.prefix()[0]}: {error.strerror or error}"
         self.processes.pop(launch_id, None)
-        detail = describe_exit(returncode)
-        if returncode != 0:  # say why: the learner's last words
+        detail = failure or describe_exit(returncode)
+        if returncode != 0 and not failure:  # say why: the learner's last words
             tail = log_tail(self.log_dir / f"{launch_id}.log")
             detail += f": {tail}" if tail else ""
-        logger.info("learner %s (pid %d) ended: %s", launch_id, process.pid, detail)
+        logger.info("learner %s (pid %s) ended: %s", launch_id, process.pid, detail)
         self.on_exit(launch_id, detail)
 
     async def stop(self, launch_ids: Sequence[str], gently: bool = False) -> None:
         await asyncio.gather(*(self._stop_one(self.processes.get(i), i, gently) for i in launch_ids))
 
-    async def _stop_one(self, process: asyncio.subprocess.Process | None, name: str, gently: bool = False) -> None:
+    async def _stop_one(self, process: asyncio.subprocess.Process | ForkedLearner | None, name: str,
+                        gently: bool = False) -> None:
+        if isinstance(process, ForkedLearner):
+            try:
+                if await asyncio.wait_for(asyncio.shield(process.started()), self.cfg.terminate_timeout_s) is None:
+                    return
+            except asyncio.TimeoutError:  # the fork server is stuck: stopping it ends the launch
+                logger.warning("learner %s: the fork server has not forked it in %.1f s: stopping the server",
+                               name, self.cfg.terminate_timeout_s)
+                self.fork_server.process.kill()
+                await process.wait()
+                return
         if process is None or process.returncode is not None:
             return
         if gently:  # after Leave it writes its summary and exits: give it the time
             try:
-                await asyncio.wait_for(process.wait(), self.cfg.terminate_timeout_s)
+                await asyncio.wait_for(asyncio.shield(process.wait()), self.cfg.terminate_timeout_s)
                 return
             except asyncio.TimeoutError:
                 logger.warning("learner %s left but did not exit within %.1f s", name, self.cfg.terminate_timeout_s)
         _signal_group(process.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(process.wait(), self.cfg.terminate_timeout_s)
+            await asyncio.wait_for(asyncio.shield(process.wait()), self.cfg.terminate_timeout_s)
         except asyncio.TimeoutError:
             logger.warning("learner %s ignored SIGTERM for %.1f s: its threads' stacks go to its log, then SIGKILL",
                            name, self.cfg.terminate_timeout_s)
@@ -304,18 +411,16 @@ class LocalProcessLauncher:
         return list(self.processes)
 
     async def close(self) -> None:
-        """Reap every child: no learner (and no spare) outlives a coordinator that shut
-        down cleanly."""
+        """Reap every child: no learner (and no fork server) outlives a coordinator that
+        shut down cleanly."""
         self._closing = True
-        if self._refill is not None:
-            await asyncio.gather(self._refill, return_exceptions=True)
-        spares, self.spares = self.spares, []
-        for spare in spares:  # a spare exits by itself when its stdin closes
-            spare.stdin.close()
-        await asyncio.gather(self.stop(list(self.processes)),
-                             *(self._stop_one(spare, f"spare (pid {spare.pid})", gently=True) for spare in spares))
+        if self._starting_server is not None:
+            await asyncio.gather(self._starting_server, return_exceptions=True)
+        await self.stop(list(self.processes))
         if self._watchers:
             await asyncio.gather(*self._watchers, return_exceptions=True)
+        if self.fork_server is not None:
+            await self.fork_server.close()
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
@@ -323,5 +428,6 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
     so its helpers (data loader workers) go too."""
     try:
         os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
+    except ProcessLookupError:  # not leading its group yet (a learner just forked)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

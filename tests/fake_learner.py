@@ -16,19 +16,23 @@ from pathlib import Path
 # Python put tests/ first on the path, where tests/grpc would shadow the grpc package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from diloco import forks  # noqa: E402
 from diloco.clients.coordinator import LearnerSession  # noqa: E402
 from diloco.errors import DilocoError  # noqa: E402
 
 
-def standby() -> bool:
-    """``--standby`` (a launcher's warm spare): the rest of the command line comes as one
-    JSON list on stdin; False when stdin closes first."""
-    if "--standby" not in sys.argv:
+def forked() -> bool:
+    """With ``--fork-server`` (a launcher's fork server), serve launches: True in each
+    forked child, its launch's arguments added to ``sys.argv``; False in the server once
+    its stdin closes."""
+    if forks.FLAG not in sys.argv:
         return True
-    line = sys.stdin.readline()
-    if not line:
+    if "--refuse-fork-server" in sys.argv:  # a command that cannot serve forks
+        sys.exit("fork server refused")
+    given = forks.serve(forks.claim_stdout())
+    if given is None:
         return False
-    sys.argv = [a for a in sys.argv if a != "--standby"] + json.loads(line)
+    sys.argv = [a for a in sys.argv if a != forks.FLAG] + given
     return True
 
 
@@ -78,4 +82,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()) if standby() else 0)
+    sys.exit(asyncio.run(main()) if forked() else 0)

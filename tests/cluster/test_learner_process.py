@@ -3,13 +3,15 @@ SIGTERM it finishes its in-flight pushes, writes its summary and exits 0."""
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from diloco import auth
+from diloco import auth, forks
 from diloco.clients.syncer import SyncerClient, open_channel
 from tests.polling import poll
 
@@ -27,10 +29,32 @@ def shard_pushes(address):
     return asyncio.run(status())
 
 
-@pytest.mark.parametrize("standby", [False, True], ids=["started", "warm-spare"])
-def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path, standby):
-    """Started with its flags, or as a launcher's warm spare (``--standby``) that loads
-    first and reads the rest of its command line from stdin."""
+def _start_learner(tmp_path, command, flags, forked):
+    """The learner as a process of its own, or forked by ``diloco learner --fork-server``:
+    (the server or None, the learner's pid, a function that waits for its exit code)."""
+    log = tmp_path / "learner.log"
+    if not forked:
+        learner = subprocess.Popen(command + flags, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=open(log, "w"))
+        return None, learner.pid, lambda: learner.wait(timeout=60)
+    server = subprocess.Popen(command + [forks.FLAG], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=open(tmp_path / "fork-server.log", "w"))
+    server.stdin.write(forks.request(flags, str(log)))
+    server.stdin.flush()
+    pid = json.loads(server.stdout.readline())["pid"]
+
+    def exit_code():
+        answer = json.loads(server.stdout.readline())
+        assert answer["pid"] == pid, answer
+        return answer["exit"]
+
+    return server, pid, exit_code
+
+
+@pytest.mark.parametrize("forked", [False, True], ids=["started", "forked"])
+def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path, forked):
+    """Started with its flags, or forked by a launcher's fork server (``--fork-server``)
+    that loaded first and reads each launch's arguments from stdin."""
     (tmp_path / "secret").write_text("s")
     common = ["--secret-file", str(tmp_path / "secret"), *TINY]
     shard = subprocess.Popen(
@@ -38,41 +62,50 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path, standby):
          "--port-file", str(tmp_path / "port"), *common],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    learner = None
+    server = pid = None
     try:
         poll(lambda: (tmp_path / "port").exists(), "the shard", timeout_s=60)
         flags = ["--shards", (tmp_path / "port").read_text().strip(), "--learner-id", "L0", "--steps", "100000",
                  "--batch-size", "4", "--summary", str(tmp_path / "summary.json"), *common]
         command = [sys.executable, "-m", "tools.cli", "--insecure", "--log-level", "INFO", "learner"]
-        learner = subprocess.Popen(command + (["--standby"] if standby else flags), stdin=subprocess.PIPE,
-                                   stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"))
-        if standby:
-            poll(lambda: learner.poll() is not None or "waiting for a launch" in (tmp_path / "learner.log").read_text(),
-                 "the spare to load", timeout_s=60)
-            learner.stdin.write((json.dumps(flags) + "\n").encode())
-        learner.stdin.close()
+        server, pid, exit_code = _start_learner(tmp_path, command, flags, forked)
         address = (tmp_path / "port").read_text().strip()
-        poll(lambda: learner.poll() is not None or shard_pushes(address) >= 2, "the first pushes", timeout_s=90)
-        assert learner.poll() is None, (tmp_path / "learner.log").read_text()
-        learner.send_signal(signal.SIGTERM)
-        assert learner.wait(timeout=60) == 0, (tmp_path / "learner.log").read_text()
+        poll(lambda: not _alive(pid) or shard_pushes(address) >= 2, "the first pushes", timeout_s=90)
+        assert _alive(pid), (tmp_path / "learner.log").read_text()
+        os.kill(pid, signal.SIGTERM)
+        assert exit_code() == 0, (tmp_path / "learner.log").read_text()
+        pid = None
         assert "SIGTERM, finishing in-flight pushes" in (tmp_path / "learner.log").read_text()
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert 0 < summary["inner_steps"] < 100000
         assert summary["pushes_acked"] == summary["pushes_sent"] > 0 and summary["pushes_dropped"] == 0
+        if server is not None:  # the server outlives its learners, and goes when its stdin closes
+            assert server.poll() is None
+            server.stdin.close()
+            assert server.wait(timeout=60) == 0
     finally:
-        for proc in (learner, shard):
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        for proc in (server, shard):
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)
     assert shard.returncode == 0
 
 
-def test_a_warm_spare_exits_when_its_launcher_goes_and_refuses_a_bad_launch_line():
-    command = [sys.executable, "-m", "tools.cli", "--insecure", "learner", "--standby"]
-    gone = subprocess.run(command, input=b"", capture_output=True, timeout=120)
-    assert gone.returncode == 0, gone.stderr
-    bad = subprocess.run(command, input=b'{"steps": 3}\n', capture_output=True, timeout=120)
-    assert bad.returncode == 2
-    assert bad.stderr.decode().strip().splitlines()[-1] == (
-        "diloco: error: --standby: stdin must be one JSON list of strings (the learner's arguments)")
+def _alive(pid: int) -> bool:
+    """Not ended (a zombie not yet reaped by the fork server counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_fork_server_answers_a_bad_request_and_exits_when_its_launcher_goes(tmp_path):
+    command = [sys.executable, "-m", "tools.cli", "--insecure", "learner", forks.FLAG]
+    requests = b'{"steps": 3}\n' + forks.request(["--steps", "1"], str(tmp_path / "no-such-dir" / "log"))
+    served = subprocess.run(command, input=requests, capture_output=True, timeout=120)
+    assert served.returncode == 0, served.stderr
+    answers = [json.loads(line) for line in served.stdout.splitlines()]
+    assert answers == [{"error": 'a request is {"args": [strings], "log": "path"}'},
+                       {"error": f"[Errno 2] No such file or directory: '{tmp_path / 'no-such-dir' / 'log'}'"}]

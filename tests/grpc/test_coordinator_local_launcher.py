@@ -2,8 +2,11 @@
 script that Joins and Heartbeats through the real RPCs: launch, drain, terminate
 (SIGTERM, then SIGKILL), launch failures in the reply, no orphans at shutdown."""
 
+import asyncio
 import dataclasses
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import grpc
 import pytest
 
 from coordinator.config import LocalLauncherConfig
+from diloco import forks
 from diloco.v1 import coordinator_pb2
 from tests.grpc.conftest import run
 from tests.grpc.coordinator_fixtures import admin_stub, running_coordinator, wait_for
@@ -19,13 +23,13 @@ FAKE_LEARNER = (sys.executable, str(Path(__file__).resolve().parents[1] / "fake_
 
 
 def local(**kw):
-    return {"launcher": "local", "local": LocalLauncherConfig(command=FAKE_LEARNER, **kw)}
+    return {"launcher": "local", "local": LocalLauncherConfig(**{"command": FAKE_LEARNER, **kw})}
 
 
 def test_add_drain_terminate_and_reap_learner_processes(tmp_path):
     async def scenario():
-        # (no warm spares: the last launch below changes the learner command)
-        async with running_coordinator(tmp_path, lease_s=5.0, **local(terminate_timeout_s=1.5, warm_spares=0)) as server:
+        # (no fork server: the last launch below changes the learner command)
+        async with running_coordinator(tmp_path, lease_s=5.0, **local(terminate_timeout_s=1.5, fork_server=False)) as server:
             membership, launcher = server.runtime.membership, server.runtime.launcher
             async with admin_stub(server.address) as (stub, md):
                 reply = await stub.AddLearners(
@@ -82,52 +86,76 @@ def test_add_drain_terminate_and_reap_learner_processes(tmp_path):
     run(scenario())
 
 
-def test_launches_go_to_warm_spares_and_no_spare_outlives_the_coordinator(tmp_path):
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not forks.available(), reason="fork servers need os.pidfd_open (Linux)")
+def test_launches_are_forked_by_the_fork_server_and_nothing_outlives_the_coordinator(tmp_path):
     async def scenario():
-        async with running_coordinator(tmp_path, lease_s=5.0, **local(terminate_timeout_s=5.0, warm_spares=1)) as server:
+        async with running_coordinator(tmp_path, lease_s=5.0, **local(terminate_timeout_s=5.0)) as server:
             membership, launcher = server.runtime.membership, server.runtime.launcher
             logs = tmp_path / "coordinator" / "learners"
 
-            async def add_one():
+            async def add(count):
                 reply = await stub.AddLearners(
-                    coordinator_pb2.AddLearnersRequest(count=1, overrides={"heartbeat_s": "0.05"}), metadata=md)
-                [launch] = reply.launches
-                assert launch.ok, launch.detail
-                assert launcher.spares == []  # none started (and none left) while a learner starts
-                await wait_for(lambda: any(l.launch_id == launch.launch_id for l in membership.live()),
-                               f"launch {launch.launch_id} to join")
-                return launch.launch_id, int(launch.detail.split()[1].rstrip(","))
+                    coordinator_pb2.AddLearnersRequest(count=count, overrides={"heartbeat_s": "0.05"}), metadata=md)
+                assert all(launch.ok for launch in reply.launches), reply
+                ids = [launch.launch_id for launch in reply.launches]
+                await wait_for(lambda: {l.launch_id for l in membership.live()} >= set(ids), f"{ids} to join")
+                return ids
 
             async with admin_stub(server.address) as (stub, md):
-                # The first launch takes the spare started with the coordinator, or its own
-                # process; once it has joined (nothing is starting any more), a spare is started.
-                cold, cold_pid = await add_one()
-                await wait_for(lambda: len(launcher.spares) == 1, "a spare")
-                [spare] = launcher.spares
-                assert spare.pid != cold_pid and spare.returncode is None
-                # The next launch is the spare: its pid, its log renamed to the launch's, the
-                # launcher's flags read from stdin (and --standby gone); a new spare behind it.
-                warm, warm_pid = await add_one()
-                assert warm_pid == spare.pid
-                argv = json.loads((logs / f"{warm}.log").read_text().splitlines()[0])["argv"]
-                assert "--standby" not in argv and argv[argv.index("--launch-id") + 1] == warm
-                assert argv[argv.index("--heartbeat-s") + 1] == "0.05"
-                await wait_for(lambda: len(launcher.spares) == 1, "the next spare")
-                [second_spare] = launcher.spares
-                assert second_spare.pid not in (cold_pid, warm_pid)
-                assert not list(logs.glob("spare-1.log"))
-                # A spare that dies unassigned is passed over: the launch starts its own process.
-                second_spare.kill()
-                await second_spare.wait()
-                await wait_for(lambda: second_spare not in launcher.spares, "the dead spare to be dropped")
-                _, third_pid = await add_one()
-                assert third_pid != second_spare.pid
-                await wait_for(lambda: len(launcher.spares) == 1, "a spare again")
-                [last_spare] = launcher.spares
-        # The coordinator stopped: learners and the unassigned spare are gone; the spare
-        # exited by itself when its stdin closed.
-        assert last_spare.returncode == 0
-        assert all(p.returncode is not None for p in (spare, last_spare))
+                # The fork server starts with the coordinator; both launches are its children,
+                # each leading a session of its own, with the launcher's flags (and no
+                # --fork-server) and its own log.
+                first, second = await add(2)
+                fork_server = launcher.fork_server.process
+                for launch_id in (first, second):
+                    pid = launcher.processes[launch_id].pid
+                    assert _parent(pid) == fork_server.pid and os.getsid(pid) == pid
+                    argv = json.loads((logs / f"{launch_id}.log").read_text().splitlines()[0])["argv"]
+                    assert forks.FLAG not in argv and argv[argv.index("--launch-id") + 1] == launch_id
+                    assert argv[argv.index("--heartbeat-s") + 1] == "0.05"
+                assert "Traceback" not in (logs / "fork-server.log").read_text()
+                # A killed learner's end is reported by the server (its exit code, its slot freed).
+                killed = launcher.processes[first]
+                os.kill(killed.pid, signal.SIGKILL)
+                assert await killed.wait() == -9
+                await wait_for(lambda: first not in launcher.processes, "the killed learner's end")
+                # The server killed: the learner it forked is stopped (out of the launcher's reach
+                # otherwise) and says why; the next launch gets a new server.
+                orphan = launcher.processes[second]
+                fork_server.kill()
+                assert await orphan.wait() == -9 and "its fork server" in orphan.failure
+                [third] = await add(1)
+                assert launcher.fork_server.process.pid != fork_server.pid
+                assert _parent(launcher.processes[third].pid) == launcher.fork_server.process.pid
+                last = launcher.processes[third]
+                last_server = launcher.fork_server.process
+        # The coordinator stopped: its learner with it, then the server (its stdin closed).
+        assert last.returncode is not None
+        assert last_server.returncode == 0
+
+    run(scenario())
+
+
+def test_a_command_that_cannot_serve_forks_gets_processes_of_its_own(tmp_path):
+    async def scenario():
+        refuses = (*FAKE_LEARNER, "--refuse-fork-server")
+        async with running_coordinator(tmp_path, lease_s=5.0, **local(command=refuses)) as server:
+            membership, launcher = server.runtime.membership, server.runtime.launcher
+            async with admin_stub(server.address) as (stub, md):
+                for joined in (1, 2, 3, 4):
+                    reply = await stub.AddLearners(
+                        coordinator_pb2.AddLearnersRequest(count=1, overrides={"heartbeat_s": "0.05"}), metadata=md)
+                    assert reply.launches[0].ok, reply
+                    await wait_for(lambda: len(membership.live()) == joined, f"learner {joined} to join")
+                    process = launcher.processes[reply.launches[0].launch_id]
+                    assert isinstance(process, asyncio.subprocess.Process) and _parent(process.pid) == os.getpid()
+            # Each server that ended cost one try; after three, launches no longer start one.
+            assert launcher._fork_server_failures == launcher._MAX_FORK_SERVER_FAILURES
+            assert "fork server refused" in (tmp_path / "coordinator" / "learners" / "fork-server.log").read_text()
 
     run(scenario())
 

@@ -114,7 +114,7 @@ def test_the_configs_that_copy_a_default_take_it_from_its_source():
 # The flags of those commands that have a default of their own and set no config field.
 NOT_A_FIELD = {
     "launch_id": "the id a launcher gives the process it starts, to match its Join; none by hand",
-    "standby": "how a launcher starts a warm spare (store_true), not a setting",
+    "serve_forks": "how a launcher starts its fork server (store_true), not a setting",
     "num_learners": "a static-topology learner's TaskContext.num_learners (a joined one gets the coordinator's)",
     "slice_hosts": "the SliceLink's host count (1: no slice)",
     "slice_index": "the SliceLink's host index",

@@ -154,9 +154,10 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
                                                    "with this coordinator's --tls-dir or --insecure)")
     add_flag(local, "--terminate-timeout-s", LocalLauncherConfig, "terminate_timeout_s",
              "SIGKILL a learner this long after SIGTERM, seconds", type=float)
-    add_flag(local, "--warm-spares", LocalLauncherConfig, "warm_spares",
-             "learner processes kept loaded in standby (--standby) and handed the next launches, so a replacement "
-             "skips the process start; 0: each launch starts a process", type=int, metavar="N")
+    add_flag(local, "--fork-server", LocalLauncherConfig, "fork_server",
+             "fork learners from a process that loaded their code once (the learner command with --fork-server), "
+             "so no launch pays the load; --no-fork-server: each launch starts a process",
+             action=argparse.BooleanOptionalAction)
     k8s = p.add_argument_group("kubernetes launcher")
     k8s.add_argument("--namespace", help="namespace of learner pods (default $POD_NAMESPACE, else default)")
     k8s.add_argument("--pod-template", action="append", type=_pod_template, metavar="[POOL=]PATH",

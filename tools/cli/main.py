@@ -130,31 +130,27 @@ def _choose_transport(args: argparse.Namespace) -> None:
             "both go before the command, e.g. `diloco --tls-dir DIR " + args.command + " ...`")
 
 
-def _standby(argv: list[str]) -> int:
-    """``diloco learner --standby``, a launcher's warm spare: load what every learner loads
-    before it can join (torch, the learner's code, the compiler front end torch loads at
-    its first optimizer), then run as ``argv`` (less --standby) with the arguments of the
-    launcher's line on stdin."""
+def _fork_server(argv: list[str]) -> int:
+    """``diloco learner --fork-server``, a launcher's fork server (``diloco.forks``): load
+    what every learner loads before it can join (torch, the learner's code, the compiler
+    front end torch loads at its first optimizer), then fork a learner per launch, each
+    running as ``argv`` (less --fork-server) with the launch's arguments."""
     import importlib
-    import json
     import time
 
+    from diloco import forks
+
+    answers = forks.claim_stdout()
     started = time.monotonic()
     import torch
 
     importlib.import_module("learner.server")
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-    logger.info("standby: loaded in %.1f s, waiting for a launch", time.monotonic() - started)
-    line = sys.stdin.readline()
-    if not line:  # the launcher is gone
+    logger.info("fork server: loaded in %.1f s, waiting for launches", time.monotonic() - started)
+    given = forks.serve(answers)
+    if given is None:  # stdin closed: the launcher is gone
         return 0
-    try:
-        given = json.loads(line)
-    except ValueError as error:
-        raise InvalidArgument(f"--standby: stdin is not a JSON list of arguments: {error}") from None
-    if not (isinstance(given, list) and all(isinstance(a, str) for a in given)):
-        raise InvalidArgument("--standby: stdin must be one JSON list of strings (the learner's arguments)")
-    return main([a for a in argv if a != "--standby"] + given)
+    return main([a for a in argv if a != forks.FLAG] + given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,8 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         _choose_transport(args)
-        if getattr(args, "standby", False):
-            return _standby(list(sys.argv[1:] if argv is None else argv))
+        if getattr(args, "serve_forks", False):
+            return _fork_server(list(sys.argv[1:] if argv is None else argv))
         return args.func(args)
     except DilocoError as error:
         print(f"diloco: error: {error}", file=sys.stderr)

@@ -180,9 +180,10 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--learner-evals", LocalConfig, "learner_evals",
              "evaluations each learner makes while it trains (0: none; the supervisor evaluates the seed and the "
              "final model either way)", type=int, metavar="N")
-    add_flag(p, "--warm-spares", LocalConfig, "warm_spares",
-             "learner processes the coordinator keeps loaded in standby for the next launches (replacements, "
-             "scavenged learners); 0: each launch starts a process", type=int, metavar="N")
+    add_flag(p, "--fork-server", LocalConfig, "fork_server",
+             "the coordinator forks learners from a process that loaded their code once, so no launch (start, "
+             "replacement, scavenged learner) pays the load; --no-fork-server: each launch starts a process",
+             action=argparse.BooleanOptionalAction)
     add_flag(p, "--insecure", LocalConfig, "tls",
              "plaintext gRPC between the run's processes instead of mutual TLS with a CA and certificate made for "
              "the run in RUN_DIR/tls", action="store_true", shown=lambda tls: not tls)

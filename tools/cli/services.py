@@ -177,9 +177,9 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
     add_flag(join, "--pool", CoordinatorConfig, "pools", "pool reported to the coordinator (its default pool)",
              shown=lambda pools: pools[0])
     join.add_argument("--launch-id", default="", help="set by launchers to match the process they started")
-    join.add_argument("--standby", action="store_true",
-                      help="a launcher's warm spare: load the learner's code, then wait for the rest of the command "
-                           "line on stdin (one JSON list of arguments on a line); exit when stdin closes")
+    join.add_argument("--fork-server", dest="serve_forks", action="store_true",
+                      help="a launcher's fork server: load the learner's code once, then fork a learner for each "
+                           "launch read from stdin (diloco.forks: one JSON request per line); exit when stdin closes")
     join.add_argument("--shards", help="static topology: shard addresses in shard-id order, comma-separated")
     join.add_argument("--learner-id", help="static topology: this learner's id, e.g. L0")
     join.add_argument("--secret-file", help="static topology: the run secret (default: $DILOCO_SECRET)")

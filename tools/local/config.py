@@ -73,8 +73,8 @@ class LocalConfig:
     """Evaluations each learner makes while it trains (for the live table and the eval
     plot); 0: none, only the supervisor's of the seed and the final model (``diloco
     compare``: the baselines evaluate nothing while they train either)."""
-    warm_spares: int = LocalLauncherConfig.warm_spares
-    """Learner processes the coordinator's launcher keeps in standby for the next launches."""
+    fork_server: bool = LocalLauncherConfig.fork_server
+    """The coordinator forks learners from a fork server that loaded their code once."""
     tls: bool = True
     """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls
     (False: plaintext gRPC on 127.0.0.1, ``--insecure``)."""

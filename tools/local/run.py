@@ -158,7 +158,7 @@ def _check_new_run_dir(run_dir: Path) -> None:
 RUN_DEFINING = ("shards", "quorum", "grace", "steps", "tokens", "outer_lr", "outer_momentum", "merge", "scale_by",
                 "downlink", "delta_codec", "error_feedback", "block_size", "tls", "snapshot_dir")
 # Kept from it unless given again.
-RUN_ADJUSTABLE = ("learners", "learner_threads", "snapshot_every_s", "snapshot_keep", "warm_spares")
+RUN_ADJUSTABLE = ("learners", "learner_threads", "snapshot_every_s", "snapshot_keep", "fork_server")
 
 
 def resume_config(run_dir: Path, given: LocalConfig, default: LocalConfig) -> LocalConfig:

@@ -110,7 +110,7 @@ class Cluster:
             "port": int(self.coordinator.rsplit(":", 1)[1]), "data_dir": str(self.dir / "coordinator"),
             "shards": ",".join(self.shards), "learner_command": learner_cmd, "pools": f"default,{SCAVENGED_POOL}",
             "snapshot_dir": self.snapshot_dir, "snapshot_every_s": self.cfg.snapshot_every_s,
-            "snapshot_keep": self.cfg.snapshot_keep, "warm_spares": self.cfg.warm_spares, **self.common,
+            "snapshot_keep": self.cfg.snapshot_keep, "fork_server": self.cfg.fork_server, **self.common,
         })
         coord = self._spawn("coordinator", ["coordinator", "--config", str(coordinator_config), *self.restore])
         # Every shard starts at once; then each is waited for.
