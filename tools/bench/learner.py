@@ -1,8 +1,12 @@
 """Does syncing slow training down? The same learner configuration with syncing on
 (against a real local shard process, tau >= 2) and off, side by side in one run.
 
-Each configuration runs twice, interleaved (off, on, off, on), and the better run of
-each counts: on a shared machine noise only ever slows a run down. tokens/s is measured
+Each configuration runs twice, in the order off, on, on, off (a drift of the machine's
+speed over the benchmark then favours neither), each run against a shard process of its
+own (a shard that served earlier runs slowed the later ones: 20.6k, 19.5k, 16.8k, 17.9k
+tokens/s for four identical runs against one shard, 19.5k, 18.7k, 19.6k, 18.1k with a
+fresh shard each), and the better run of each counts: on a shared machine noise only
+ever slows a run down. tokens/s is measured
 over the inner-step loop (bootstrap, evaluation and the final drain excluded).
 bytes_per_1k_tokens is wire bytes up + down per 1000 training tokens; blocked_s the time
 the training loop spent handing pushes to the streamer (it never waits for replies).
@@ -15,19 +19,21 @@ preempt torch's parallel regions and the comparison measures oversubscription in
 ``tracing=True`` compares OpenTelemetry on and off instead, syncing on in both: each run
 is a fresh learner process (a process installs its providers once), "on" with the SDK
 and the real OTLP/gRPC exporters (traces and metrics) sending to a receiver in this
-process, "off" with no OTEL_* variables (the API's no-op, the default). Runs alternate
-(off, on, off, on, ...) and the better run of each configuration counts; the ratio of
+process, "off" with no OTEL_* variables (the API's no-op, the default). Runs go off, on,
+on, off, off, on, ... and the better run of each configuration counts; the ratio of
 medians and tokens per CPU-second of the learner process (what tokens/s would be on
 dedicated cores, far steadier on a busy machine) are reported beside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -40,6 +46,24 @@ from learner.membership import Membership
 from learner.runner import run_task
 
 _SECRET = "bench-secret"
+
+
+@contextlib.contextmanager
+def _fresh_shard(run: RunConfig) -> Iterator[str]:
+    """The address of a shard process started for one run, stopped after it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shard, address = _start_shard(Path(tmp), run)
+        try:
+            yield address
+        finally:
+            shard.terminate()
+            shard.wait(timeout=30)
+
+
+def _order(runs: int) -> list[bool]:
+    """off, on, on, off, off, on, ...: ``runs`` of each configuration, balanced so that a
+    steady drift of the machine's speed favours neither."""
+    return [i % 4 in (1, 2) for i in range(2 * runs)]
 
 
 def _train(run: RunConfig, cfg: LearnerConfig, address: str, sync: bool = True):
@@ -103,7 +127,7 @@ def _tracing_off_on(results: dict[bool, list[dict]], key: str, prefix: str) -> d
     }
 
 
-def _run_tracing(run_cfg: RunConfig, cfg: LearnerConfig, address: str, threads: int, runs: int) -> dict:
+def _run_tracing(run_cfg: RunConfig, cfg: LearnerConfig, threads: int, runs: int) -> dict:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -112,8 +136,8 @@ def _run_tracing(run_cfg: RunConfig, cfg: LearnerConfig, address: str, threads: 
     results: dict[bool, list[dict]] = {True: [], False: []}
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
-        for traced in (False, True) * runs:
-            with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        for traced in _order(runs):
+            with _fresh_shard(run_cfg) as address, ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
                 result = pool.submit(_traced_learner, run_cfg.to_json(), cfg, address, env if traced else {}, threads)
                 results[traced].append(result.result())
         spans = receiver.spans()
@@ -142,20 +166,17 @@ def run(steps: int = 120, overlap_steps: int = 2, threads: int | None = None, tr
     # H = 16, as the figures in README were measured (the library default was 16 then).
     run_cfg = RunConfig(sync_every_steps=16, overlap_steps=overlap_steps, task_options={"eval_batches": "1"})
     cfg = LearnerConfig(steps=steps, eval_every_steps=10**9, warmup_steps=10)
-    with tempfile.TemporaryDirectory() as tmp:
-        shard, address = _start_shard(Path(tmp), run_cfg)
-        try:
-            if tracing:
-                traced = _run_tracing(run_cfg, cfg, address, threads, runs)
-                return {**traced, "steps": steps, "overlap_steps": overlap_steps, "threads": threads}
-            results = {True: [], False: []}
-            for sync in (False, True, False, True):
+    try:
+        if tracing:
+            traced = _run_tracing(run_cfg, cfg, threads, runs)
+            return {**traced, "steps": steps, "overlap_steps": overlap_steps, "threads": threads}
+        results = {True: [], False: []}
+        for sync in _order(2):
+            with _fresh_shard(run_cfg) as address:
                 learner = _train(run_cfg, cfg, address, sync=sync)
-                results[sync].append(learner.summary)
-        finally:
-            shard.terminate()
-            shard.wait(timeout=30)
-            torch.set_num_threads(previous_threads)
+            results[sync].append(learner.summary)
+    finally:
+        torch.set_num_threads(previous_threads)
     best_sync = max(results[True], key=lambda s: s.tokens_per_s)
     best_nosync = max(results[False], key=lambda s: s.tokens_per_s)
     wire = best_sync.bytes_up + best_sync.bytes_down
