@@ -1,12 +1,10 @@
 """Does syncing slow training down? The same learner configuration with syncing on
 (against a real local shard process, tau >= 2) and off, side by side in one run.
 
-Each configuration runs twice, in the order off, on, on, off (a drift of the machine's
-speed over the benchmark then favours neither), each run against a shard process of its
-own (a shard that served earlier runs slowed the later ones: 20.6k, 19.5k, 16.8k, 17.9k
-tokens/s for four identical runs against one shard, 19.5k, 18.7k, 19.6k, 18.1k with a
-fresh shard each), and the better run of each counts: on a shared machine noise only
-ever slows a run down. tokens/s is measured
+Each configuration runs twice, in the order off, on, on, off (a steady drift of the
+machine's speed over the benchmark then favours neither), each run against a shard
+process of its own (every run then meets the same shard: new, at version 0), and the
+better run of each counts: on a shared machine noise only ever slows a run down. tokens/s is measured
 over the inner-step loop (bootstrap, evaluation and the final drain excluded).
 bytes_per_1k_tokens is wire bytes up + down per 1000 training tokens; blocked_s the time
 the training loop spent handing pushes to the streamer (it never waits for replies).
