@@ -316,3 +316,26 @@ def test_a_buffer_travels_as_its_value_in_fp32_with_no_residual():
     (tensor,), (left_out,) = encode_push([piece], [value], [torch.zeros(4)], None, "int4", 64, True)
     assert tensor.spec.encoding == "fp32" and torch.equal(decode(tensor.spec, tensor.payload), value)
     assert not left_out.any()
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp32"])
+def test_a_push_carries_every_piece_by_name_in_the_codec_and_block_size_asked(codec):
+    # A buffer first: the pieces after it are encoded too.
+    pieces = [Piece("running_mean", 0, 4, (4,), embedding=False, tensor_rows=4, buffer=True),
+              Piece("w", 0, 2, (2, 64), embedding=False, tensor_rows=2), Piece("b", 0, 1, (1, 64), embedding=False, tensor_rows=1)]
+    params = [torch.ones(4), torch.randn(2, 64), torch.randn(1, 64)]
+    encoded, left_out = encode_push(pieces, params, [torch.zeros_like(p) for p in params], None, codec, 64, False)
+    assert left_out is None  # without error feedback there is nothing to keep
+    assert [t.spec.name for t in encoded] == [p.name for p in pieces]
+    assert [t.spec.encoding for t in encoded] == ["fp32", codec, codec]
+    assert [t.spec.block_size for t in encoded[1:]] == [64 if codec == "int4" else 0] * 2
+    anchor = [torch.zeros_like(p) for p in params]
+    expected = [params[0], *delta(anchor[1:], params[1:])]  # a buffer's value, a parameter's delta
+    for tensor, value in zip(encoded, expected):
+        assert torch.allclose(decode(tensor.spec, tensor.payload).view_as(value), value, atol=0.3)
+
+
+def test_quantized_without_a_push_being_sent_is_a_programming_error():
+    b = SyncBook({0: FragmentSync([torch.zeros(1, 64)], 0)}, overlap_steps=0)
+    with pytest.raises(AssertionError, match=r"^quantized\(\) follows a sending\(\) that returned True$"):
+        b.quantized(0, [torch.zeros(1, 64)])
