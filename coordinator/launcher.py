@@ -354,8 +354,6 @@ class LocalProcessLauncher:
         if isinstance(process, ForkedLearner) and await process.started() is not None:
             logger.info("learner %s forked: pid %d", launch_id, process.pid)
         returncode = await process.wait()
-        if self.processes.get(launch_id) is not process:
-            return  # stopped and forgotten
         failure = process.failure if isinstance(process, ForkedLearner) else ""
         if returncode is None and not self._closing:  # never forked: a process of its own instead
             logger.warning("learner %s: %s; starting a process for it", launch_id, failure)

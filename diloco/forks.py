@@ -58,7 +58,7 @@ def _parse(line: bytes) -> tuple[list[str], str]:
 
 def serve(answers: int, stdin: int = 0) -> list[str] | None:
     """Fork a learner for each request read from ``stdin`` and answer on ``answers``
-    (descriptors; ``claim_stdout`` gives the answers'), until ``stdin`` closes: then
+    (file descriptors; ``answers`` from ``claim_stdout``), until ``stdin`` closes: then
     None. In a forked child it returns that launch's arguments, the child already in its
     own session with its output in the launch's log: the caller goes on to run them."""
     selector = selectors.PollSelector()  # (epoll refuses a regular file as stdin)
