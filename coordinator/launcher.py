@@ -197,7 +197,7 @@ class _ForkServer:
         learner = ForkedLearner()
         self._waiting.append(learner)
         try:
-            self.process.stdin.write(forks.request(args, str(log_path)))
+            self.process.stdin.write(forks.request(args, log_path))
             await self.process.stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server is gone: its reader ends every learner waiting

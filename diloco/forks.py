@@ -43,8 +43,8 @@ def claim_stdout() -> int:
     return answers
 
 
-def request(args: Sequence[str], log: str) -> bytes:
-    return json.dumps({"args": list(args), "log": str(log)}).encode() + b"\n"
+def request(args: Sequence[str], log: str | os.PathLike) -> bytes:
+    return json.dumps({"args": list(args), "log": os.fspath(log)}).encode() + b"\n"
 
 
 def _parse(line: bytes) -> tuple[list[str], str]:

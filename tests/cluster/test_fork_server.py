@@ -35,8 +35,8 @@ def test_a_fork_server_forks_a_child_per_request_and_reports_each_end(tmp_path):
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, cwd=root)
     try:
-        server.stdin.write(forks.request(["exit", "3"], str(tmp_path / "a.log")))
-        server.stdin.write(forks.request(["sleep", "0"], str(tmp_path / "b.log")))
+        server.stdin.write(forks.request(["exit", "3"], tmp_path / "a.log"))
+        server.stdin.write(forks.request(["sleep", "0"], tmp_path / "b.log"))
         server.stdin.flush()
         answers = [json.loads(server.stdout.readline()) for _ in range(2)]
         exited, sleeping = answers[0]["pid"], answers[1]["pid"]

@@ -39,7 +39,7 @@ def _start_learner(tmp_path, command, flags, forked):
         return None, learner.pid, lambda: learner.wait(timeout=60)
     server = subprocess.Popen(command + [forks.FLAG], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=open(tmp_path / "fork-server.log", "w"))
-    server.stdin.write(forks.request(flags, str(log)))
+    server.stdin.write(forks.request(flags, log))
     server.stdin.flush()
     pid = json.loads(server.stdout.readline())["pid"]
 

@@ -4,8 +4,8 @@
 Each configuration runs twice, in the order off, on, on, off (a steady drift of the
 machine's speed over the benchmark then favours neither), each run against a shard
 process of its own (every run then meets the same shard: new, at version 0), and the
-better run of each counts: on a shared machine noise only ever slows a run down. tokens/s is measured
-over the inner-step loop (bootstrap, evaluation and the final drain excluded).
+better run of each counts: on a shared machine noise only ever slows a run down.
+tokens/s is measured over the inner-step loop (bootstrap, evaluation and the final drain excluded).
 bytes_per_1k_tokens is wire bytes up + down per 1000 training tokens; blocked_s the time
 the training loop spent handing pushes to the streamer (it never waits for replies).
 
