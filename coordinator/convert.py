@@ -55,6 +55,7 @@ def learner_to_proto(learner: Learner) -> common_pb2.LearnerInfo:
         version_lag=learner.version_lag,
         joined_unix_ms=_ms(learner.joined_s),
         launch_id=learner.launch_id,
+        reason=learner.reason,
     )
 
 

@@ -327,7 +327,7 @@ class CoordinatorRuntime:
             return
         difference = manifest.first_difference(Manifest.from_json(self.run.manifest_json))
         if difference is not None:
-            self.leave(learner_id, f"its model differs from the run's: {difference}")
+            self.leave(learner_id, f"its model differs from the run's: {difference}", failed=True)
             raise FailedPrecondition(f"{learner_id}'s model differs from the run's: {difference}")
 
     def heartbeat(self, learner_id: str, stats: HeartbeatStats) -> tuple[Learner, list[Directive]]:
@@ -344,10 +344,11 @@ class CoordinatorRuntime:
             directives.append(Directive("snapshot", snapshot_id=snapshot.id, directory=snapshot.directory))
         return learner, directives
 
-    def leave(self, learner_id: str, reason: str, final: tuple[int, int] | None = None) -> None:
-        """``final``: the learner's last (tokens, inner steps), sent with its Leave."""
+    def leave(self, learner_id: str, reason: str, final: tuple[int, int] | None = None, failed: bool = False) -> None:
+        """``final``: the learner's last (tokens, inner steps), sent with its Leave;
+        ``failed``: it leaves because it failed."""
         try:
-            self.membership.leave(learner_id, reason, self._now(), final)
+            self.membership.leave(learner_id, reason, self._now(), final, failed=failed)
         finally:
             self._settle()
 

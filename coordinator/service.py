@@ -113,7 +113,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Leave(self, request, context):
         self._caller(context, request.learner_id)
         final = (request.tokens, request.inner_steps) if request.HasField("tokens") and request.HasField("inner_steps") else None
-        self.runtime.leave(request.learner_id, request.reason, final)
+        self.runtime.leave(request.learner_id, request.reason, final, failed=request.failed)
         self._telemetry.membership("left")
         self._clock(request.clock)
         return coordinator_pb2.LeaveReply()

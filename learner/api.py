@@ -221,7 +221,7 @@ class Learner:
             if self.slice is not None:
                 self.slice.close()
             if self.heartbeats is not None:
-                self.heartbeats.stop_and_leave(reason)
+                self.heartbeats.stop_and_leave(reason, failed=failed)
         self._finish()
         return self.summary
 

@@ -168,8 +168,9 @@ class Heartbeats:
                 # answered by recording again.
                 logger.warning("snapshot report failed: %s", error)
 
-    def stop_and_leave(self, reason: str) -> None:
-        """Stop beating and Leave; once (a second call does nothing)."""
+    def stop_and_leave(self, reason: str, failed: bool = False) -> None:
+        """Stop beating and Leave (``failed``: marked failed, with ``reason``); once (a
+        second call does nothing)."""
         if self._left:
             return
         self._left = True
@@ -181,7 +182,7 @@ class Heartbeats:
         async def leave():
             session = _session(self.address, self.member, 5.0)
             try:
-                await session.leave(reason, **final)
+                await session.leave(reason, failed=failed, **final)
             finally:
                 await session.close()
 

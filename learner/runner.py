@@ -176,7 +176,7 @@ def _train(runner: TaskRunner):
     try:
         runner.train()
     except BaseException as error:
-        learner.close(f"stopped: {error}", failed=True)
+        learner.close(str(error) or type(error).__name__, failed=True)
         raise
     learner.close("finished" if not learner.stop.is_set() else "stopped")
     runner.finish()

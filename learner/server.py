@@ -78,7 +78,7 @@ def run_learner(
         summary = Summary(member.learner_id)
     except BaseException as error:
         if learner is None and heartbeats is not None:
-            heartbeats.stop_and_leave(f"failed to start: {error}")
+            heartbeats.stop_and_leave(f"failed to start: {error}", failed=True)
         raise
     finally:
         if events is not None:

@@ -22,6 +22,8 @@ LIVE = (JOINING, ACTIVE, DRAINING)
 STATES = (JOINING, ACTIVE, DRAINING, FAILED, LEFT)
 # Departed learners kept for ListLearners(include_gone); older ones are forgotten.
 MAX_GONE_KEPT = 1000
+MAX_REASON_CHARS = 500
+"""A learner's own reason for leaving is cut to this (it is stored, listed and shown)."""
 
 
 @dataclass
@@ -189,14 +191,17 @@ class Membership:
             self._emit("active", learner, "first heartbeat")
         return learner
 
-    def leave(self, learner_id: str, reason: str, now: float, final: tuple[int, int] | None = None) -> None:
+    def leave(self, learner_id: str, reason: str, now: float, final: tuple[int, int] | None = None,
+              failed: bool = False) -> None:
         """Idempotent: leaving twice, or after being marked failed, changes nothing.
-        ``final``: the learner's last (tokens, inner steps), newer than its last heartbeat."""
+        ``final``: the learner's last (tokens, inner steps), newer than its last heartbeat.
+        ``failed``: it leaves because it failed (its task raised): marked failed, not left."""
         learner = self.learner(learner_id)
         if learner.live:
             if final is not None:
                 learner.tokens, learner.inner_steps = max(learner.tokens, final[0]), max(learner.inner_steps, final[1])
-            self._depart(learner, LEFT, reason or "left", now, gently=True)
+            reason = reason[:MAX_REASON_CHARS] or ("failed" if failed else "left")
+            self._depart(learner, FAILED if failed else LEFT, reason, now, gently=True)
 
     # --- time ------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ def learner_dict(info: common_pb2.LearnerInfo) -> dict:
         "last_heartbeat_unix_ms": info.last_heartbeat_unix_ms,
         "joined_unix_ms": info.joined_unix_ms,
         "launch_id": info.launch_id,
+        "reason": info.reason,
         "tokens": info.tokens,
         "inner_steps": info.inner_steps,
         "version_lag": info.version_lag,
@@ -117,10 +118,13 @@ class LearnerSession:
         self._received(reply.clock)
         return reply
 
-    async def leave(self, reason: str = "", tokens: int | None = None, inner_steps: int | None = None) -> None:
-        """``tokens``, ``inner_steps``: the learner's final counts (unset: the last heartbeat's stand)."""
+    async def leave(self, reason: str = "", tokens: int | None = None, inner_steps: int | None = None,
+                    failed: bool = False) -> None:
+        """``tokens``, ``inner_steps``: the learner's final counts (unset: the last heartbeat's stand).
+        ``failed``: it leaves because it failed, and is marked so."""
         counts = {k: v for k, v in (("tokens", tokens), ("inner_steps", inner_steps)) if v is not None}
-        request = coordinator_pb2.LeaveRequest(learner_id=self.learner_id, reason=reason, clock=self._send(), **counts)
+        request = coordinator_pb2.LeaveRequest(learner_id=self.learner_id, reason=reason, clock=self._send(),
+                                               failed=failed, **counts)
         await self._call("Leave", self.stub.Leave, request, self.metadata)
 
     async def topology(self) -> common_pb2.Topology:

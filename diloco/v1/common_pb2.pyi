@@ -135,7 +135,7 @@ class Topology(_message.Message):
     def __init__(self, plan: _Optional[_Union[FragmentPlan, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., sync_every_steps: _Optional[int] = ..., overlap_steps: _Optional[int] = ..., merge_alpha: _Optional[float] = ..., run_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., manifest_json: _Optional[str] = ...) -> None: ...
 
 class LearnerInfo(_message.Message):
-    __slots__ = ("learner_id", "state", "pool", "address", "last_heartbeat_unix_ms", "tokens", "inner_steps", "version_lag", "joined_unix_ms", "launch_id")
+    __slots__ = ("learner_id", "state", "pool", "address", "last_heartbeat_unix_ms", "tokens", "inner_steps", "version_lag", "joined_unix_ms", "launch_id", "reason")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class LearnerInfo(_message.Message):
     VERSION_LAG_FIELD_NUMBER: _ClassVar[int]
     JOINED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     state: LearnerState
     pool: str
@@ -156,7 +157,8 @@ class LearnerInfo(_message.Message):
     version_lag: int
     joined_unix_ms: int
     launch_id: str
-    def __init__(self, learner_id: _Optional[str] = ..., state: _Optional[_Union[LearnerState, str]] = ..., pool: _Optional[str] = ..., address: _Optional[str] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., version_lag: _Optional[int] = ..., joined_unix_ms: _Optional[int] = ..., launch_id: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, learner_id: _Optional[str] = ..., state: _Optional[_Union[LearnerState, str]] = ..., pool: _Optional[str] = ..., address: _Optional[str] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., version_lag: _Optional[int] = ..., joined_unix_ms: _Optional[int] = ..., launch_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SnapshotFile(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")

@@ -116,18 +116,20 @@ class HeartbeatReply(_message.Message):
     def __init__(self, directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ..., lease_s: _Optional[float] = ..., topology_epoch: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("learner_id", "reason", "clock", "tokens", "inner_steps")
+    __slots__ = ("learner_id", "reason", "clock", "tokens", "inner_steps", "failed")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     reason: str
     clock: _common_pb2.VectorClock
     tokens: int
     inner_steps: int
-    def __init__(self, learner_id: _Optional[str] = ..., reason: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    failed: bool
+    def __init__(self, learner_id: _Optional[str] = ..., reason: _Optional[str] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., failed: _Optional[bool] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()

@@ -52,8 +52,14 @@ def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
                 assert abs(info.last_heartbeat_unix_ms / 1000 - time.time()) < 60
                 await session.leave("done")
                 assert list((await stub.ListLearners(coordinator_pb2.ListLearnersRequest(), metadata=md)).learners) == []
+                failing = LearnerSession(server.address)
+                await failing.join(auth.join_token(SECRET), address="host:43")
+                await failing.leave("failed to start: task 't.py:build': no such file", failed=True)
                 gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
-                assert [(l.learner_id, l.state) for l in gone.learners] == [("L0", common_pb2.LEARNER_STATE_LEFT)]
+                assert [(l.learner_id, l.state, l.reason) for l in gone.learners] == [
+                    ("L0", common_pb2.LEARNER_STATE_LEFT, "done"),
+                    ("L1", common_pb2.LEARNER_STATE_FAILED, "failed to start: task 't.py:build': no such file")]
+                await failing.close()
             await session.close()
 
     run(scenario())
@@ -73,8 +79,10 @@ def test_the_first_registered_model_is_the_runs_and_a_different_one_is_refused(t
             assert "[256, 16]" in str(refused.value)
             async with admin_stub(server.address) as (stub, md):
                 gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
-                states = {l.learner_id: l.state for l in gone.learners}
-                assert states["L1"] == common_pb2.LEARNER_STATE_LEFT and states["L0"] != common_pb2.LEARNER_STATE_LEFT
+                states = {l.learner_id: (l.state, l.reason) for l in gone.learners}
+                # Refused, it fails (its process cannot train this run), and says why.
+                assert states["L1"][0] == common_pb2.LEARNER_STATE_FAILED and "tok_embed.weight" in states["L1"][1]
+                assert states["L0"][0] == common_pb2.LEARNER_STATE_JOINING  # no heartbeat yet
             with pytest.raises(InvalidArgument):
                 await first.register_model('{"entries": [{"name": "x", "shape": [-1], "dtype": "float32", "kind": "parameter"}]}')
             # A learner with the same model is accepted; so is the run's model after a restart.

@@ -200,8 +200,8 @@ def test_join_a_coordinator_train_leave_and_a_different_model_is_refused(tmp_pat
                                             auth.join_token(SECRET))
                 async with admin_stub(coordinator.address) as (stub, md):
                     gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
-                    assert {l.learner_id: l.state for l in gone.learners} == {
-                        "L0": common_pb2.LEARNER_STATE_LEFT, "L1": common_pb2.LEARNER_STATE_LEFT}
+                    assert {l.learner_id: l.state for l in gone.learners} == {  # L1 cannot train this run
+                        "L0": common_pb2.LEARNER_STATE_LEFT, "L1": common_pb2.LEARNER_STATE_FAILED}
 
     run(scenario())
 

@@ -8,6 +8,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.membership import (
     FAILED_LAUNCHES_KEPT,
     MAX_GONE_KEPT,
+    MAX_REASON_CHARS,
     ACTIVE,
     DRAINING,
     FAILED,
@@ -200,6 +201,22 @@ def test_a_leave_carries_the_learner_s_final_counts():
     assert (m.learner("L1").tokens, m.learner("L1").inner_steps) == (640, 20)
     m.leave("L0", "again", now=103.0, final=(10**9, 10**9))  # already left: nothing changes
     assert m.learner("L0").tokens == 1920
+
+
+def test_a_learner_that_leaves_because_it_failed_is_failed_with_its_reason():
+    """A learner whose task raised says so in its Leave: it is counted failed, not left,
+    and its reason (what users are shown) is kept, cut to a bound."""
+    m = membership()
+    for _ in range(3):
+        m.join("", "host:1", "", PLAN, now=100.0)
+    m.leave("L0", "failed to start: task 'x': boom", now=101.0, failed=True)
+    m.leave("L1", "finished", now=101.0)
+    m.leave("L2", "x" * 10_000, now=101.0, failed=True)
+    assert [(l.state, l.reason) for l in (m.learner("L0"), m.learner("L1"))] == [
+        (FAILED, "failed to start: task 'x': boom"), (LEFT, "finished")]
+    assert m.learner("L2").state == FAILED and m.learner("L2").reason == "x" * MAX_REASON_CHARS
+    m.leave("L1", "now failed", now=102.0, failed=True)  # already left: nothing changes
+    assert (m.learner("L1").state, m.learner("L1").reason) == (LEFT, "finished")
 
 
 def test_launches_that_never_join_are_remembered_with_why():
