@@ -12,11 +12,13 @@ annotations and inside functions.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import importlib.util
 import math
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +49,9 @@ class TaskContext:
     device: Any
     """The torch device the model trains on (batches may stay on the CPU if the loss moves them)."""
     options: Mapping[str, str] = field(default_factory=dict)
-    """``--task-option KEY=VALUE`` pairs, the same for every process of the run."""
+    """``--task-option KEY=VALUE`` pairs, the same for every process of the run. Read them
+    in ``build``: an option it never looks at is refused by name when it returns (a typo
+    must not train the defaults silently)."""
 
     def option(self, key: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
         """``options[key]`` converted with ``kind``, or ``default``; a clear error if it
@@ -58,6 +62,41 @@ class TaskContext:
             return kind(self.options[key])
         except (TypeError, ValueError):
             raise InvalidArgument(f"task option {key}={self.options[key]!r} is not a valid {kind.__name__}") from None
+
+
+class ReadOptions(Mapping[str, str]):
+    """The options as a task sees them, noting each key it looks up (``[]``, ``in``,
+    ``get``, ``option``; iterating over them looks at every one)."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self._options = dict(options)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key)
+        return self._options[key]
+
+    def __iter__(self) -> Iterator[str]:
+        self.read.update(self._options)
+        return iter(self._options)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+    def unread(self) -> list[str]:
+        return sorted(self._options.keys() - self.read)
+
+
+def check_all_read(spec: str, options: ReadOptions) -> None:
+    """Refuse, by name, the options the task never looked at (with the read key nearest each)."""
+    unread = options.unread()
+    if not unread:
+        return
+    read = sorted(map(str, options.read))
+    named = [f"{key} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(key, read, n=1)) else key
+             for key in unread]
+    raise InvalidArgument(f"task {spec!r} never reads task option{'s' * (len(unread) > 1)} {', '.join(named)}; "
+                          f"it reads {', '.join(read) or 'none'}")
 
 
 @dataclass
@@ -118,14 +157,16 @@ def build_task(spec: str, ctx: TaskContext, init: str = "") -> Task:
     import torch
 
     build = load_task(spec)
+    options = ReadOptions(ctx.options)
     try:
-        task = build(ctx)
+        task = build(dataclasses.replace(ctx, options=options))
     except TaskError:
         raise
     except Exception as error:
         raise TaskError(f"task {spec!r} raised {type(error).__name__}: {error}") from None
     if not isinstance(task, Task):
         raise TaskError(f"task {spec!r} returned {type(task).__name__}, not diloco.Task")
+    check_all_read(spec, options)
     if not isinstance(task.model, torch.nn.Module):
         raise TaskError(f"task {spec!r}: model is a {type(task.model).__name__}, not a torch.nn.Module")
     for name in ("loss", "tokens"):

@@ -71,3 +71,25 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     for e in endpoints:
         with pytest.raises(ProcessLookupError):
             os.kill(e["pid"], 0)
+
+
+def test_a_task_option_the_task_never_reads_stops_the_run_before_anything_starts(tmp_path):
+    (tmp_path / "secret").write_text("s")
+    commands = {
+        "local": ["local", "--task-option", "d_modle=64", "--out", str(tmp_path / "run")],
+        "learner": ["--insecure", "learner", "--task-option", "d_modle=64", "--shards", "127.0.0.1:1", "--learner-id", "L0",
+                    "--secret-file", str(tmp_path / "secret")],
+    }
+    procs = {name: subprocess.Popen([sys.executable, "-m", "tools.cli", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, argv in commands.items()}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=60)
+            errors = [line for line in err.splitlines() if line.startswith("diloco: error:")]
+            assert proc.returncode == 2 and out == "", (name, err)
+            assert len(errors) == 1 and "never reads task option d_modle; it reads batch_size," in errors[0], (name, err)
+            assert "Traceback" not in err, (name, err)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    assert not (tmp_path / "run").exists()  # nothing written, nothing started

@@ -113,6 +113,33 @@ def test_options_and_their_conversion():
     assert CTX.option("absent", 5, int) == 5 and Task.__dataclass_fields__["eval_unit"].default == "loss"
 
 
+def test_options_the_task_never_reads_are_refused_by_name(task_file):
+    with pytest.raises(InvalidArgument) as error:
+        build_task(f"{task_file}:build", TaskContext(0, 1, 0, "cpu", {"scale": "2", "scael": "3", "lr": "1"}))
+    assert str(error.value) == (f"task '{task_file}:build' never reads task options lr, scael (did you mean scale?); "
+                                "it reads scale")
+    gpt = {"width": "16", "heads": "2", "depth": "1", "context": "16", "eval_batches": "1"}
+    with pytest.raises(InvalidArgument, match=r"never reads task option d_modle; it reads batch_size, context, data, "):
+        build_task("diloco.tasks.byte_gpt:build", TaskContext(0, 1, 0, "cpu", {**gpt, "d_modle": "64"}))
+    with pytest.raises(InvalidArgument, match=r"option widht \(did you mean width\?\)"):
+        build_task("diloco.tasks.byte_gpt:build", TaskContext(0, 1, 0, "cpu", {**gpt, "widht": "64"}))
+
+
+def test_options_looked_up_any_way_count_as_read(tmp_path):
+    path = tmp_path / "lookups.py"
+    path.write_text(GOOD + '''
+def lookups(ctx):
+    assert "a" in ctx.options and ctx.options.get("b") == "2" and ctx.options["c"] == "3"
+    return build(ctx)
+
+def every(ctx):
+    assert dict(ctx.options) == {"a": "1", "b": "2", "c": "3"}
+    return build(ctx)
+''')
+    for name in ("lookups", "every"):
+        build_task(f"{path}:{name}", TaskContext(0, 1, 0, "cpu", {"a": "1", "b": "2", "c": "3"}))
+
+
 def test_init_weights_load_into_the_model_or_say_why_not(task_file, tmp_path):
     from safetensors.torch import save_file
 
