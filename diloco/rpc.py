@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +159,61 @@ def use_tls(tls: Tls | None) -> Tls | None:
 
 def tls_enabled() -> bool:
     return _tls is not None
+
+
+TLS_DIR_VARIABLE = "DILOCO_TLS_DIR"
+INSECURE_VARIABLE = "DILOCO_INSECURE"
+
+
+@dataclass(frozen=True)
+class Transport:
+    """A process's choice of transport: mutual TLS with ``tls``, or plaintext (None)."""
+
+    tls: Tls | None
+    flags: tuple[str, ...]
+    """The same choice as ``diloco`` flags, for the processes this one launches."""
+
+
+def choose_transport(tls_dir: str | Path | None, insecure: bool, environ: Mapping[str, str]) -> Transport | None:
+    """The transport a process asked for: ``tls_dir`` or ``insecure`` (``--tls-dir``,
+    ``--insecure``; ``Learner.join(tls_dir=, insecure=)``), else ``$DILOCO_TLS_DIR`` or
+    ``$DILOCO_INSECURE`` (1, true or yes) in ``environ``, TLS winning; None when nothing
+    chose (the caller refuses plaintext). The one place these settings are read: the CLI
+    and ``Learner.join`` pass it their flags and the process environment."""
+    if tls_dir and insecure:
+        raise InvalidArgument("give a TLS directory or insecure, not both")
+    if not tls_dir and not insecure:  # a flag wins over the environment
+        tls_dir = environ.get(TLS_DIR_VARIABLE) or None
+        insecure = environ.get(INSECURE_VARIABLE, "").lower() in ("1", "true", "yes")
+    if tls_dir:
+        directory = Path(tls_dir).resolve()
+        return Transport(Tls.from_dir(directory), ("--tls-dir", str(directory)))
+    if insecure:
+        return Transport(None, ("--insecure",))
+    return None
+
+
+# What a call's UNAVAILABLE details say when the two ends disagree on TLS: a plaintext
+# client to a TLS server sees "Socket closed"; a TLS client to a plaintext server, or to
+# a server of another run's CA, "Tls handshake failed (...)".
+_HANDSHAKE_SIGNS = ("handshake", "ssl", "socket closed", "certificate")
+
+
+def handshake_failed(details: str) -> bool:
+    """Whether a failed call's details look like the two ends disagree on TLS."""
+    details = details.lower()
+    return any(sign in details for sign in _HANDSHAKE_SIGNS)
+
+
+def handshake_hint() -> str:
+    """What to give when a handshake fails, for this process's transport."""
+    if _tls is None:
+        return ("this process speaks plaintext: if the server was started with --tls-dir, TLS is the likely cause; "
+                "give the run's TLS directory (ca.crt, tls.crt, tls.key from `diloco certs`): "
+                "Learner.join(..., tls_dir=DIR), $DILOCO_TLS_DIR, or `diloco --tls-dir DIR`")
+    return ("the TLS handshake failed: the server is plaintext (started with --insecure: give insecure=True, "
+            "$DILOCO_INSECURE=1 or `diloco --insecure`) or presents a certificate of another run's CA "
+            "(give that run's TLS directory)")
 
 
 def _tls_options(options: Iterable[tuple[str, object]]) -> list[tuple[str, object]]:

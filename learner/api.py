@@ -32,11 +32,12 @@ import time
 
 import torch
 
+from diloco import rpc
 from diloco import snapshots as snapshot_store
 from diloco.clock import VectorClock
 from diloco.codec import EncodedTensor, encode, values_digest
 from diloco.config import RunConfig
-from diloco.errors import DilocoError, FailedPrecondition
+from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
 from diloco.manifest import Manifest, manifest_of, synced_tensors
 from diloco.tape import TapeWriter
 from diloco.wire import PushMeta
@@ -157,9 +158,30 @@ class Learner:
 
     @classmethod
     def join(cls, model: torch.nn.Module, coordinator: str, join_token: str, config: LearnerConfig | None = None, *,
-             pool: str = "default", launch_id: str = "", optimizer: torch.optim.Optimizer | None = None,
+             tls_dir: str | os.PathLike | None = None, insecure: bool = False, pool: str = "default",
+             launch_id: str = "", optimizer: torch.optim.Optimizer | None = None,
              events: TapeWriter | None = None) -> Learner:
-        """Join the run of the coordinator at ``coordinator`` with the model to train."""
+        """Join the run of the coordinator at ``coordinator`` with the model to train.
+
+        ``tls_dir``: mutual TLS with the run's certificates (a directory holding ca.crt,
+        tls.crt and tls.key, as ``diloco certs --out DIR`` writes them); ``insecure``:
+        plaintext, for a run started with ``--insecure``. With neither, the environment
+        decides as it does for the ``diloco`` command: ``$DILOCO_TLS_DIR``, else
+        ``$DILOCO_INSECURE=1``; with none of these, a process that already chose TLS
+        (``diloco.rpc.use_tls``) keeps it, and any other is refused. The choice is the
+        process's from then on (``rpc.use_tls``): the learner's pushes and heartbeats
+        open their channels later, and every learner of a process talks to one run."""
+        # The library's one read of the process environment: the CLI's two transport variables.
+        transport = rpc.choose_transport(tls_dir, insecure, os.environ)
+        if transport is not None:
+            rpc.use_tls(transport.tls)
+            if transport.tls is None:
+                logger.warning("insecure: plaintext gRPC, tokens and credentials cross the network in clear")
+        elif not rpc.tls_enabled():
+            raise InvalidArgument(
+                "Learner.join refuses plaintext gRPC: give tls_dir=DIR (the run's ca.crt, tls.crt and tls.key; "
+                "`diloco certs --out DIR` makes them) or insecure=True for a run started with --insecure, "
+                "or set $DILOCO_TLS_DIR or $DILOCO_INSECURE=1")
         member = join(coordinator, join_token, pool, launch_id, f"{socket.gethostname()}:{os.getpid()}")
         return cls(model, member, config, optimizer=optimizer, coordinator=coordinator, events=events)
 
@@ -175,6 +197,11 @@ class Learner:
         """The coordinator asked this learner to leave (drain), or ``close`` was called. A
         slice's leader answers what it decided, and told its hosts, at the last step."""
         return self._stopping if self.slice is not None else self.stop.is_set()
+
+    @property
+    def version_lag(self) -> int:
+        """Staleness of the last merged reply: versions the global had moved past its push's base."""
+        return self._staleness[-1] if self._staleness else 0
 
     def step(self, tokens: int) -> None:
         """Call once after each optimizer step, with the tokens that step trained on: sends
@@ -236,7 +263,7 @@ class Learner:
     def _stats(self) -> dict:
         s = self.summary
         return {"tokens": s.tokens, "inner_steps": s.inner_steps,
-                "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0, "version_lag": self.version_lag()}
+                "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0, "version_lag": self.version_lag}
 
     def _drain(self, reason: str) -> None:
         logger.warning("%s: leaving: %s", self.learner_id, reason)
@@ -452,10 +479,6 @@ class Learner:
         if hasattr(self, "book"):
             s.replies_applied, s.replies_late, s.sends_deferred = self.book.applied, self.book.late, self.book.deferred
         s.mean_staleness = sum(self._staleness) / len(self._staleness) if self._staleness else 0.0
-
-    def version_lag(self) -> int:
-        """Staleness of the last merged reply: versions the global had moved past its push's base."""
-        return self._staleness[-1] if self._staleness else 0
 
     def anchors(self) -> dict[int, list[torch.Tensor]]:
         return {f: s.anchor for f, s in self.book.fragments.items()}

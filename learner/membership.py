@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from diloco import auth
+from diloco import auth, rpc
 from diloco.clients.coordinator import LearnerSession
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
@@ -33,17 +33,24 @@ class Membership:
     lease_s: float
 
 
+HANDSHAKE_FAILURES_TO_GIVE_UP = 3
+"""Join attempts in a row that fail as the two ends disagreeing on TLS before joining
+stops retrying: a coordinator that is starting refuses connections, and one that restarts
+closes a socket once, but a transport mismatch fails the same way every time."""
+
+
 async def _join(address: str, join_token: str, pool: str, launch_id: str, host: str, timeout_s: float) -> Membership:
     loop = asyncio.get_running_loop()
-    deadline, backoff = loop.time() + timeout_s, 0.2
+    deadline, backoff, handshake_failures = loop.time() + timeout_s, 0.2, 0
     session = LearnerSession(address, timeout_s=10)
     try:
         while True:
             try:
                 reply = await session.join(join_token, pool=pool, address=host, launch_id=launch_id)
                 break
-            except Unavailable:
-                if loop.time() + backoff > deadline:
+            except Unavailable as error:
+                handshake_failures = handshake_failures + 1 if rpc.handshake_failed(str(error)) else 0
+                if handshake_failures >= HANDSHAKE_FAILURES_TO_GIVE_UP or loop.time() + backoff > deadline:
                     raise
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
@@ -63,7 +70,8 @@ def join(address: str, join_token: str, pool: str, launch_id: str, host: str, ti
     try:
         member = asyncio.run(_join(address, join_token, pool, launch_id, host, timeout_s))
     except DilocoError as error:
-        raise type(error)(f"cannot join the coordinator at {address}: {error}") from None
+        hint = f"; {rpc.handshake_hint()}" if isinstance(error, Unavailable) and rpc.handshake_failed(str(error)) else ""
+        raise type(error)(f"cannot join the coordinator at {address}: {error}{hint}") from None
     logger.info("joined the coordinator at %s as %s (pool %s, launch %s)", address, member.learner_id, pool or "default",
                 launch_id or "none")
     return member

@@ -220,3 +220,36 @@ def test_admin_on_a_run_directory_whose_coordinator_is_gone_says_what_became_of_
         err = capsys.readouterr().err
         assert f"no coordinator answers at {closed}" in err and said in err and "Traceback" not in err, err
         assert ("--resume" in err) == (summary is None or summary["interrupted"])
+
+
+def test_admin_inside_a_tls_run_s_directory_is_admin_with_run_dir_dot(tmp_path, monkeypatch, capsys):
+    """`cd RUN_DIR && diloco admin members` was refused as plaintext although the run's
+    certificates were right there: it now follows the directory as `--run-dir .` does."""
+    from diloco import rpc
+    from tools.certs import make_certs
+    from tools.cli import main as cli
+
+    for name in ("DILOCO_TLS_DIR", "DILOCO_INSECURE", "DILOCO_ADMIN_TOKEN", "DILOCO_COORDINATOR"):
+        monkeypatch.delenv(name, raising=False)
+    directory = tmp_path / "run"
+    make_certs(directory / "tls", ["localhost", "127.0.0.1"])
+    monkeypatch.chdir(directory)
+
+    async def scenario():
+        rpc.use_tls(rpc.Tls.from_dir(directory / "tls"))  # the coordinator serves mutual TLS only
+        try:
+            async with running_coordinator(tmp_path) as server:
+                await joined(server.address)
+                run_dir(tmp_path, server.address)
+                answers = []
+                for argv in (["admin", "members", "--json"], ["admin", "--run-dir", ".", "members", "--json"]):
+                    rpc.use_tls(None)  # a fresh command: no transport chosen yet
+                    code = await asyncio.to_thread(cli.main, argv)
+                    answers.append((code, capsys.readouterr()))
+        finally:
+            rpc.use_tls(None)
+        (inside, out_inside), (dot, out_dot) = answers
+        assert inside == dot == 0, (out_inside.err, out_dot.err)
+        assert out_inside.out == out_dot.out and [l["id"] for l in json.loads(out_inside.out)] == ["L0"]
+
+    run(scenario())

@@ -19,6 +19,9 @@ TOOLS = "tools"
 PACKAGES = ("diloco", *SERVICES, TOOLS)
 # The command line's modules: the only ones that read the environment.
 CLI = ROOT / TOOLS / "cli"
+# ... and the public own-loop API, once: Learner.join hands os.environ to
+# rpc.choose_transport, so $DILOCO_TLS_DIR / $DILOCO_INSECURE mean what they mean to the CLI.
+ENVIRONMENT_READS = {ROOT / "learner" / "api.py": 1}
 
 
 def core_modules():
@@ -61,7 +64,8 @@ def test_only_cli_reads_environment():
         for path in (ROOT / package).rglob("*.py"):
             if path.parent == CLI or "v1" in path.parts:
                 continue
-            if "os.environ" in path.read_text() or "getenv(" in path.read_text():
+            text = path.read_text()
+            if text.count("os.environ") + text.count("getenv(") > ENVIRONMENT_READS.get(path, 0):
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
 

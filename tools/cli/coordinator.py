@@ -176,7 +176,9 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
 # --- diloco admin ----------------------------------------------------------------------
 
 
-def _run_dir(args: argparse.Namespace) -> Path | None:
+def admin_run_dir(args: argparse.Namespace) -> Path | None:
+    """The run directory the admin follows: --run-dir, else this directory if it is one
+    (it holds endpoints.json), else None."""
     if args.run_dir:
         return Path(args.run_dir)
     return Path.cwd() if (Path.cwd() / ENDPOINTS_FILE).exists() else None
@@ -187,7 +189,7 @@ def _coordinator_address(args: argparse.Namespace) -> str:
         return args.coordinator
     if os.environ.get("DILOCO_COORDINATOR"):
         return os.environ["DILOCO_COORDINATOR"]
-    run_dir = _run_dir(args)
+    run_dir = admin_run_dir(args)
     if run_dir is None:
         raise InvalidArgument("no coordinator: pass --coordinator HOST:PORT or --run-dir DIR (or run inside a run directory)")
     path = run_dir / ENDPOINTS_FILE
@@ -208,7 +210,7 @@ def _token(args: argparse.Namespace) -> str:
         return _read_token(Path(args.token_file), "admin token file")
     if os.environ.get("DILOCO_ADMIN_TOKEN"):
         return os.environ["DILOCO_ADMIN_TOKEN"]
-    run_dir = _run_dir(args)
+    run_dir = admin_run_dir(args)
     if run_dir is None:
         raise InvalidArgument("no admin token: pass --token-file PATH or --run-dir DIR, or set DILOCO_ADMIN_TOKEN")
     return _read_token(run_dir / ADMIN_TOKEN_FILE, "admin token file")
@@ -220,7 +222,7 @@ def _client(args: argparse.Namespace):
     from diloco import rpc
     from diloco.clients.coordinator import AdminClient
 
-    run_dir = _run_dir(args)
+    run_dir = admin_run_dir(args)
     if not rpc.tls_enabled() and run_dir is not None and (run_dir / "tls").is_dir():
         rpc.use_tls(rpc.Tls.from_dir(run_dir / "tls"))  # a `diloco local --tls` run: its certificates
     client = AdminClient(_coordinator_address(args), _token(args), timeout_s=args.timeout_s,

@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from diloco import __version__
 from diloco.errors import DilocoError, InvalidArgument
@@ -106,22 +105,18 @@ _NETWORKED = ("coordinator", "syncer", "learner", "admin")
 
 
 def _choose_transport(args: argparse.Namespace) -> None:
-    """Mutual TLS from --tls-dir, or plaintext only when asked for (--insecure). The
-    choice is kept as ``args.transport`` (flags), so what the process launches (the
-    coordinator's local learners) talks the same way."""
+    """Mutual TLS from --tls-dir, or plaintext only when asked for (--insecure), or what
+    $DILOCO_TLS_DIR / $DILOCO_INSECURE say (``rpc.choose_transport``, which
+    ``Learner.join`` shares). The choice is kept as ``args.transport`` (flags), so what the
+    process launches (the coordinator's local learners) talks the same way."""
     from diloco import rpc
 
-    tls_dir, plaintext = args.tls_dir, args.plaintext  # a flag wins over the environment
-    if not tls_dir and not plaintext:
-        tls_dir = os.environ.get("DILOCO_TLS_DIR") or None
-        plaintext = os.environ.get("DILOCO_INSECURE", "").lower() in ("1", "true", "yes")
-    if tls_dir:
-        rpc.use_tls(rpc.Tls.from_dir(tls_dir))
-        args.transport = ["--tls-dir", str(Path(tls_dir).resolve())]
-    elif plaintext:
-        if args.command in _NETWORKED:
+    transport = rpc.choose_transport(args.tls_dir, args.plaintext, os.environ)
+    if transport is not None:
+        rpc.use_tls(transport.tls)
+        args.transport = list(transport.flags)
+        if transport.tls is None and args.command in _NETWORKED:
             logger.warning("--insecure: plaintext gRPC, tokens and credentials cross the network in clear")
-        args.transport = ["--insecure"]
     elif args.command in _NETWORKED and not (args.command == "admin" and args.run_dir):
         # (admin --run-dir follows the run: its RUN_DIR/tls, or plaintext for a run made --insecure)
         raise InvalidArgument(
