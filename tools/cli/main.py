@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from diloco import __version__
 from diloco.errors import DilocoError, InvalidArgument
-from tools.cli.coordinator import add_admin_parser, add_coordinator_parser
+from tools.cli.coordinator import add_admin_parser, add_coordinator_parser, admin_run_dir
 from tools.cli.runs import (add_baseline, add_bench, add_certs, add_compare, add_local, add_run_tools, add_simulate,
                             add_tape)
 from tools.cli.services import add_learner, add_syncer
@@ -117,8 +117,9 @@ def _choose_transport(args: argparse.Namespace) -> None:
         args.transport = list(transport.flags)
         if transport.tls is None and args.command in _NETWORKED:
             logger.warning("--insecure: plaintext gRPC, tokens and credentials cross the network in clear")
-    elif args.command in _NETWORKED and not (args.command == "admin" and args.run_dir):
-        # (admin --run-dir follows the run: its RUN_DIR/tls, or plaintext for a run made --insecure)
+    elif args.command in _NETWORKED and not (args.command == "admin" and admin_run_dir(args)):
+        # (admin on a run directory, --run-dir or this one, follows the run: its RUN_DIR/tls,
+        # or plaintext for a run made --insecure)
         raise InvalidArgument(
             f"{args.command} refuses plaintext gRPC: give --tls-dir DIR (mutual TLS; `diloco certs --out DIR` "
             "makes one for a run) or --insecure (tokens and credentials then cross the network in clear); "
