@@ -26,13 +26,19 @@ setting changed at a time: quorum K = all / K = 1 without grace (the default) / 
 the adaptive grace window, merge rda / mean, alpha 0 / 0.5 (with the mix rule), int4 / fp32 deltas,
 the reply rule rebase (default) / mix, the outer lr and Nesterov momentum, the downlink
 and H.
+
+The first SIGINT or SIGTERM stops the sweep: the running cell's processes stop (as on
+Ctrl-C), no other cell starts, and the report holds the cells that finished
+(``Interrupted`` says how many).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import signal
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -151,7 +157,10 @@ def _decoupled(cfg: CompareConfig, scenario: str, out: Path, reference_wall_s: f
     }
     if scenario not in faults:
         raise InvalidArgument(f"unknown scenario {scenario!r}")
-    return _decoupled_metrics(run_local(_local_cfg(cfg, out, **faults[scenario], **changes)))
+    summary = run_local(_local_cfg(cfg, out, **faults[scenario], **changes))
+    if summary.get("interrupted"):  # it stopped on SIGINT or SIGTERM, as a sweep stops
+        raise KeyboardInterrupt
+    return _decoupled_metrics(summary)
 
 
 def _decoupled_metrics(summary: dict) -> dict:
@@ -192,12 +201,14 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
             "eval_loss_start": result["eval_loss_start"], "restarts": result.get("restarts"), "run_dir": str(out)}
 
 
-def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | None = None) -> dict:
-    """One scenario for every system: ``{"scenario": NAME, "systems": {...}}``."""
+def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | None = None,
+                 systems: dict | None = None) -> dict:
+    """One scenario for every system: ``{"scenario": NAME, "systems": {...}}``. ``systems``:
+    filled cell by cell (a stopped sweep reports the cells that finished)."""
     if scenario not in SCENARIOS:
         raise InvalidArgument(f"unknown scenario {scenario!r}; choose from {', '.join(SCENARIOS)}")
     base = cfg.out / scenario
-    systems = {}
+    systems = {} if systems is None else systems
     for system in cfg.systems:
         if (base / system).exists() and any((base / system).iterdir()):
             raise InvalidArgument(f"{base / system} already holds a run; give a new --out directory")
@@ -220,10 +231,12 @@ def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | No
 
 
 def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ABLATION_SCENARIOS[:2],
-                  variants: tuple[str, ...] = tuple(ABLATIONS), done: list[dict] = ()) -> dict:
+                  variants: tuple[str, ...] = tuple(ABLATIONS), done: list[dict] = (),
+                  results: dict[str, dict] | None = None) -> dict:
     """Decoupled only, one setting changed at a time: ``variants`` and the default one
-    (taken from ``done``, the scenarios' results, when they ran Decoupled)."""
-    results: dict[str, dict] = {}
+    (taken from ``done``, the scenarios' results, when they ran Decoupled). ``results``:
+    filled cell by cell, as ``run_scenario``'s ``systems``."""
+    results = {} if results is None else results
     ran = {r["scenario"]: r["systems"]["decoupled"] for r in done if "decoupled" in r["systems"]}
     for scenario in scenarios:
         for name, change in ABLATIONS.items():
@@ -384,11 +397,29 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(cfg: CompareConfig, results: list[dict], ablations: dict | None) -> Path:
+class Interrupted(Exception):
+    """A signal stopped the sweep after ``done`` of its ``planned`` cells; the report holds
+    the cells done."""
+
+    def __init__(self, signum: int, done: int, planned: int, out: Path) -> None:
+        self.signal, self.done, self.planned = signal.Signals(signum), done, planned
+        self.exit_code = 128 + signum
+        super().__init__(f"{self.signal.name} stopped the sweep after {done} of {planned} cells; the cells done are in "
+                         f"{out / 'results.md'} and {out / 'results.json'}")
+
+    def to_json(self) -> dict:
+        return {"signal": self.signal.name, "cells_done": self.done, "cells_planned": self.planned}
+
+
+def write_report(cfg: CompareConfig, results: list[dict], ablations: dict | None,
+                 interrupted: Interrupted | None = None) -> Path:
     cfg.out.mkdir(parents=True, exist_ok=True)
     lines = [f"# diloco compare: {cfg.workers} workers x {cfg.steps} steps x {cfg.tokens_per_step:,} tokens = "
              f"{cfg.tokens:,} tokens per system; {cfg.seeds} run(s) per cell (mean ± sample standard deviation)\n",
              f"Task `{cfg.run.task}`; eval loss in {cfg.eval_unit}.\n", markdown_table(results)]
+    if interrupted is not None:
+        lines.insert(1, f"**Interrupted**: {interrupted.signal.name} stopped the sweep after {interrupted.done} of "
+                        f"{interrupted.planned} cells; these are the cells done.\n")
     split = [(r["scenario"], r["systems"]["decoupled"]) for r in results
              if "bytes_up_per_1k_tokens" in r["systems"].get("decoupled", {})]
     if split:
@@ -404,29 +435,61 @@ def write_report(cfg: CompareConfig, results: list[dict], ablations: dict | None
     report = cfg.out / "results.md"
     report.write_text("\n".join(lines) + "\n")
     (cfg.out / "results.json").write_text(json.dumps({"results": results, "ablations": ablations,
-                                                      "targets": [list(c) for c in checks]}, indent=1))
+                                                      "targets": [list(c) for c in checks],
+                                                      **({"interrupted": interrupted.to_json()} if interrupted else {})},
+                                                     indent=1))
     if results:
         plot(results, cfg.out / "compare.png")
     return report
 
 
+@contextlib.contextmanager
+def _signals_interrupt():
+    """SIGINT and SIGTERM raise KeyboardInterrupt wherever the sweep is (a running ``diloco
+    local`` stops as on Ctrl-C; a baseline kills its workers). Yields the signals caught."""
+    caught: list[int] = []
+
+    def interrupt(signum, frame):
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield caught
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run(cfg: CompareConfig, scenarios: tuple[str, ...], ablations: tuple[str, ...] = (),
         on_result=None) -> tuple[list[dict], dict | None]:
     """The scenarios, then the ``ablations`` (variant names) on those of the scenarios that
-    ablations run on (all of them when none of those was asked for)."""
-    results, reference = [], None
-    for scenario in scenarios:
-        result = run_scenario(cfg, scenario, reference)
-        if scenario == "nofault" and "decoupled" in result["systems"]:
-            reference = result["systems"]["decoupled"]["wall_s"]
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
-        write_report(cfg, results, None)
-    found = None
-    if ablations:
-        found = run_ablations(cfg, tuple(s for s in scenarios if s in ABLATION_SCENARIOS) or ABLATION_SCENARIOS[:2],
-                              ablations, results)
+    ablations run on (all of them when none of those was asked for). The first SIGINT or
+    SIGTERM stops it: the report then holds the cells done, and ``Interrupted`` is raised."""
+    ablated = tuple(s for s in scenarios if s in ABLATION_SCENARIOS) or ABLATION_SCENARIOS[:2]
+    planned = len(scenarios) * len(cfg.systems) + (len(ablated) * len({DEFAULT_VARIANT, *ablations}) if ablations else 0)
+    results, found, reference = [], None, None
+    with _signals_interrupt() as caught:
+        try:
+            for scenario in scenarios:
+                results.append({"scenario": scenario, "systems": {}})
+                result = run_scenario(cfg, scenario, reference, results[-1]["systems"])
+                if scenario == "nofault" and "decoupled" in result["systems"]:
+                    reference = result["systems"]["decoupled"]["wall_s"]
+                if on_result is not None:
+                    on_result(result)
+                write_report(cfg, results, None)
+            if ablations:
+                found = {}
+                run_ablations(cfg, ablated, ablations, results, found)
+        except KeyboardInterrupt:
+            for s in (signal.SIGINT, signal.SIGTERM):  # the report is written whole
+                signal.signal(s, signal.SIG_IGN)
+            # diloco local turns a SIGTERM into its own interrupt, unseen here
+            stop = Interrupted(caught[0] if caught else signal.SIGTERM,
+                               sum(len(r["systems"]) for r in results) + sum(map(len, (found or {}).values())),
+                               planned, cfg.out)
+            write_report(cfg, [r for r in results if r["systems"]], found or None, stop)
+            raise stop from None
     write_report(cfg, results, found)
     return results, found
-

@@ -91,3 +91,42 @@ def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
     # A second compare into the same directory is refused before it runs anything.
     again = compare(out)
     assert again.returncode != 0 and "already holds a run" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_sigterm_stops_the_sweep_writes_the_cells_done_and_says_so(tmp_path):
+    """Each SIGTERM used to end only the running cell; the sweep went on with the next.
+    Now the first one stops the running cell's processes and the sweep: no further cell
+    starts, the report holds the cells done, one line says so, exit 143 (128 + SIGTERM)."""
+    import os
+    import signal
+    import time
+
+    from tests.polling import poll
+
+    out = tmp_path / "compare"
+    log = open(tmp_path / "stderr", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "--insecure", "compare", "--scenario", "nofault", "--systems",
+         "dp,decoupled,torchft", "--workers", "2", "--steps", "4", "--seeds", "1", "--out", str(out), *TINY],
+        stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        endpoints = out / "nofault" / "decoupled" / "seed0" / "endpoints.json"
+        poll(endpoints.exists, "the second cell's processes", timeout_s=240, procs=[("compare", proc)])
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert proc.wait(timeout=90) == 128 + signal.SIGTERM
+        assert time.monotonic() - signalled < 60
+    finally:
+        proc.kill()
+    log.seek(0)
+    lines = log.read().splitlines()
+    assert lines[-1] == (f"diloco compare: SIGTERM stopped the sweep after 1 of 3 cells; the cells done are in "
+                         f"{out / 'results.md'} and {out / 'results.json'}"), lines[-20:]
+    assert not (out / "nofault" / "torchft").exists()  # the next cell never started
+    stored = json.loads((out / "results.json").read_text())
+    assert stored["interrupted"] == {"signal": "SIGTERM", "cells_done": 1, "cells_planned": 3}
+    assert [(r["scenario"], list(r["systems"])) for r in stored["results"]] == [("nofault", ["dp"])]
+    assert "| nofault | dp | 1 |" in (out / "results.md").read_text()
+    for entry in json.loads(endpoints.read_text()):  # the stopped cell's processes are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(entry["pid"], 0)

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from diloco.errors import InvalidArgument
@@ -244,7 +245,11 @@ def _compare(args: argparse.Namespace) -> int:
     cfg = from_flags(args, compare.CompareConfig, run=build_run_config(args))
     emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
     ablations = tuple(compare.ABLATIONS) if args.ablations else tuple(args.ablation or ())
-    compare.run(cfg, scenarios, ablations, on_result=emit)
+    try:
+        compare.run(cfg, scenarios, ablations, on_result=emit)
+    except compare.Interrupted as stop:
+        print(f"diloco compare: {stop}", file=sys.stderr)
+        return stop.exit_code
     if not args.json:
         print((cfg.out / "results.md").read_text())
     return 0
@@ -257,7 +262,8 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
         "compare",
         help="Decoupled DiLoCo vs synchronous DP vs torchft, scenario by scenario (real runs); markdown, JSON, plots",
         description="Run the same task (--task) and workload under each system for each scenario and write "
-                    "OUT/results.md, OUT/results.json and OUT/compare.png.",
+                    "OUT/results.md, OUT/results.json and OUT/compare.png. The first SIGINT or SIGTERM stops the "
+                    "running cell and the sweep; the report then holds the cells done (exit 130 or 143).",
     )
     p.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only this scenario (repeatable; default all)")
     add_flag(p, "--systems", CompareConfig, "systems", f"comma-separated subset of {','.join(SYSTEMS)}", shown=",".join,
