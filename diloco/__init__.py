@@ -2,9 +2,10 @@
 
 The public API: ``diloco.Task`` and ``diloco.TaskContext`` (what a ``--task`` function
 takes and returns) and ``diloco.Learner`` (Decoupled DiLoCo around your own training
-loop: ``Learner.join(model, coordinator=..., join_token=...)``, then ``learner.step(tokens)``
-after each optimizer step). The rest of this package is the kernel every service shares
-(codec, fragment plan, clocks, manifest) and the tools above them (CLI, ``diloco local``).
+loop: ``Learner.join(model, coordinator=..., join_token=..., tls_dir=...)``, then
+``learner.step(tokens)`` after each optimizer step; docs/own-loop.md). The rest of this
+package is the kernel every service shares (codec, fragment plan, clocks, manifest) and
+the tools above them (CLI, ``diloco local``).
 """
 
 from diloco.task import Task, TaskContext

@@ -1,7 +1,8 @@
 """Decoupled DiLoCo around the user's own training loop: wrap the model, call ``step``
-after each optimizer step.
+after each optimizer step (docs/own-loop.md walks through a run and is the reference).
 
-    learner = diloco.Learner.join(model, coordinator="HOST:PORT", join_token=TOKEN, optimizer=opt)
+    learner = diloco.Learner.join(model, coordinator="HOST:PORT", join_token=TOKEN, optimizer=opt,
+                                  tls_dir="tls")
     with learner:
         for batch in my_batches(learner.index):
             loss = my_loss(model, batch); loss.backward(); opt.step(); opt.zero_grad()
