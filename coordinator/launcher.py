@@ -26,11 +26,15 @@ from typing import Protocol
 from coordinator.config import LocalLauncherConfig
 from diloco import forks
 from diloco.errors import InvalidArgument
+from diloco.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
 # Flags the launcher sets itself; an override may not replace them.
 RESERVED_FLAGS = ("coordinator", "join-token-file", "pool", "launch-id")
+
+FORK_SERVER_PID_FILE = "fork-server.pid"
+"""The fork server's pid, beside its log in the launcher's log directory."""
 
 
 def _number(kind: type, minimum: float, above: bool = False) -> Callable[[str], object]:
@@ -326,6 +330,7 @@ class LocalProcessLauncher:
             self._fork_server_failures = self._MAX_FORK_SERVER_FAILURES
             return
         logger.info("fork server started (pid %d), log %s", process.pid, log_path)
+        atomic_write(self.log_dir / FORK_SERVER_PID_FILE, str(process.pid))  # a local run lists it in endpoints.json
         self.fork_server = _ForkServer(process, log_path, self._fork_server_ended)
 
     def _fork_server_ended(self, why: str) -> None:

@@ -65,6 +65,9 @@ def test_a_task_failing_on_one_learner_ends_it_with_one_line_and_the_run_goes_on
     summary = local(out, "tests/tasks/faulty.py:build", "--steps", "40", "--task-option", "fail=nan")
     by_id = {m["id"]: m for m in summary["learners"]}
     assert by_id["L0"]["inner_steps"] == 40 and by_id["L1"]["inner_steps"] < 40
+    # Failed while training (not before): counted and shown with why; the run's exit stays 0.
+    assert by_id["L1"]["state"] == "failed" and "the loss is nan at inner step 3" in by_id["L1"]["reason"]
+    assert summary["learners_failed"] == 1 and summary["failures"] == []
     assert summary["eval_unit"] == "mse" and summary["eval_loss_final"] < summary["eval_loss_start"]
     logs = {p.read_text() for p in (out / "coordinator" / "learners").glob("*.log")}
     failed = [text for text in logs if "diloco: error:" in text]

@@ -21,7 +21,7 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "48",
-         "--batch-size", "8", "--out", str(out), *TINY],
+         "--batch-size", "8", "--out", str(out), "--json", *TINY],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,7 +30,10 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     progress = [line for line in lines if line.startswith("[") and "] tokens " in line]
     assert progress and " · learners " in progress[0], proc.stderr[-2000:]
     assert "exporting the trained model from the shards" in lines  # a line of its own, not glued to the table
-    assert json.loads(proc.stdout)["run_dir"] == str(out)  # stdout is the summary alone
+    assert json.loads(proc.stdout)["run_dir"] == str(out)  # with --json, stdout is the summary alone
+    # It ends with a few lines for a person: the eval, the model, the run directory.
+    assert f"model: {out / 'model.safetensors'}" in lines and lines[-1].startswith(f"run directory: {out} ")
+    assert lines[-3].startswith("eval 8.") and " → " in lines[-3]
     summary = json.loads((out / "summary.json").read_text())
     # The final table is the summary's records, and the counts are the learners' own.
     assert_final_table_agrees(proc.stderr, summary)
@@ -46,7 +49,9 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     assert (out / "model.safetensors").exists() and (out / "eval_loss.png").exists()
     assert oct((out / "admin-token").stat().st_mode & 0o777) == "0o600"
     endpoints = json.loads((out / "endpoints.json").read_text())
-    assert {e["role"] for e in endpoints} == {"coordinator", "shard0", "shard1"}
+    # Every process of the run: the services, the coordinator's fork server, each learner.
+    assert sorted(e["role"] for e in endpoints) == ["coordinator", "fork-server", "learner", "learner", "shard0", "shard1"]
+    assert sorted(e["id"] for e in endpoints if e["role"] == "learner") == ["L0", "L1"]
     for learner in summary["learners"]:  # logs by learner id, each saying which launch it is
         log = (out / "logs" / f"{learner['id']}.log").read_text()
         assert f"as {learner['id']} (pool default, launch " in log, log[-2000:]

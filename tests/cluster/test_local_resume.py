@@ -54,7 +54,7 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     out = tmp_path / "run"
     first = subprocess.Popen(
         [sys.executable, "-m", "tools.cli", "local", "--insecure", "--learners", "2", "--shards", "2",
-         "--steps", str(STEPS), "--out", str(out), *TINY],
+         "--steps", str(STEPS), "--out", str(out), "--json", *TINY],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -71,6 +71,9 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     assert_final_table_agrees(stderr, stopped)
     assert stopped["interrupted"] and stopped["snapshot_at_stop"] is not None, stopped
     assert sorted(l["id"] for l in stopped["learners"]) == ["L0", "L1"]
+    # Stopped first, while the shards served: each wrote its summary, none was killed.
+    assert {l["state"] for l in stopped["learners"]} == {"interrupted"}
+    assert sorted(p.name for p in (out / "learners").glob("*.json")) == ["L0.json", "L1.json"]
     done = max(l["inner_steps"] for l in stopped["learners"])
     assert 0 < done < STEPS
     assert f"--resume {out}` continues the run" in stderr
@@ -79,7 +82,7 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     assert changed.returncode == 2 and "shards 1 (the run has 2)" in changed.stderr and "width" in changed.stderr
     assert not (out / "resumes.jsonl").exists()  # refused before anything was touched
 
-    resumed = diloco("local", "--resume", str(out), timeout=400)
+    resumed = diloco("local", "--resume", str(out), "--json", timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout)
     assert_final_table_agrees(resumed.stderr, summary)

@@ -1,7 +1,9 @@
 """A small task that misbehaves on purpose, for learner ``fail_index`` only (the others
-train normally): ``--task-option fail=MODE`` with MODE one of raise (build raises), type
-(build returns no Task), nan (the loss turns NaN at step 3), short (the batches end after
-5), scalar (the loss is not a scalar), frozen (nothing to train), tokens (a bad count)."""
+train normally; ``fail_index=all``: every learner, and the supervisor's build too):
+``--task-option fail=MODE`` with MODE one of raise (build raises), type (build returns no
+Task), nan (the loss turns NaN at step 3), short (the batches end after 5), scalar (the
+loss is not a scalar), frozen (nothing to train), tokens (a bad count). ``evals=0``: no
+eval batches."""
 
 import torch
 
@@ -10,7 +12,8 @@ import diloco
 
 def build(ctx: diloco.TaskContext) -> diloco.Task:
     mode = ctx.option("fail", "none")
-    failing = ctx.learner_index == ctx.option("fail_index", 1, int)
+    which = ctx.option("fail_index", "1")
+    failing = which == "all" or ctx.learner_index == int(which)
     if failing and mode == "raise":
         raise RuntimeError("cannot open the dataset")
     if failing and mode == "type":
@@ -46,5 +49,5 @@ def build(ctx: diloco.TaskContext) -> diloco.Task:
 
     g = torch.Generator().manual_seed(99)
     x = torch.randn(64, 4, generator=g)
-    return diloco.Task(model=model, batches=batches(), loss=loss, tokens=tokens, eval_batches=[(x, x @ target)],
-                       eval_unit="mse")
+    evals = [(x, x @ target)] if ctx.option("evals", 1, int) else []
+    return diloco.Task(model=model, batches=batches(), loss=loss, tokens=tokens, eval_batches=evals, eval_unit="mse")

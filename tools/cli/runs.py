@@ -115,8 +115,11 @@ def _local(args: argparse.Namespace) -> int:
     if not cfg.tls:
         logger.warning("--insecure: the run's processes talk plaintext gRPC (tokens and credentials in clear)")
     summary = run_local(cfg)
-    print(json.dumps(summary, indent=1))
-    return 0 if not summary["interrupted"] else 130
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    if summary["interrupted"]:
+        return 130
+    return 1 if summary["failures"] else 0  # closing_lines said what failed
 
 
 def _local_config(args: argparse.Namespace):
@@ -172,6 +175,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                        help="continue a stopped run from its newest complete snapshot (Ctrl-C and SIGTERM take one; "
                             "--snapshot-every-s for crashes), with its stored config: flags that would change it are "
                             "refused (--learners, --learner-threads, chaos, telemetry and snapshot schedule may differ)")
+    p.add_argument("--json", action="store_true",
+                   help="print the run's summary (summary.json) on stdout as it ends; exit code 1 if a learner failed "
+                        "before training or no token was trained, 130 if interrupted")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
     p.add_argument("--learner-device", action="append", metavar="ID:DEVICE",
                    help="the ID-th learner launched (0-based; L0 reads as 0) trains on DEVICE: cpu, cuda or xla "

@@ -4,6 +4,59 @@ line every 10 s in a log, and the final table drawn from summary.json's records.
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+REASON_CHARS = 160
+"""A failure's reason is cut to this in tables and live lines (summary.json keeps it whole)."""
+
+
+def shown_state(learner: dict) -> str:
+    """A learner's state as tables show it: a failure with its reason."""
+    if learner["state"] == "failed" and learner.get("reason"):
+        return f"failed: {_cut(learner['reason'])}"
+    return learner["state"]
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "…"
+
+
+class Failures:
+    """Learners and launches that failed, each reported once, as they happen."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def new(self, members: list[dict], launches: list[dict]) -> list[str]:
+        lines = []
+        for m in members:
+            if m["state"] == "failed" and m["id"] not in self.seen:
+                self.seen.add(m["id"])
+                lines.append(f"learner {m['id']} failed: {_cut(m.get('reason') or 'no reason given')}")
+        for x in launches:
+            if x["state"] == "failed" and x["launch_id"] not in self.seen:
+                self.seen.add(x["launch_id"])
+                lines.append(f"launch {x['launch_id']} failed: {_cut(x['detail'])}")
+        return lines
+
+
+def closing_lines(summary: dict, run_dir: Path) -> list[str]:
+    """What a run says last, for a person: how the eval moved, where the model and the
+    run directory are, and what failed."""
+    unit, missing = summary["eval_unit"], summary.get("missing", {})
+
+    def loss(key: str) -> str:
+        return f"{summary[key]:.3f}" if summary[key] is not None else f"– ({missing.get(key, 'not measured')})"
+
+    model = run_dir / "model.safetensors"
+    lines = [f"eval {loss('eval_loss_start')} → {loss('eval_loss_final')} {unit} · {summary['tokens']:,} tokens in "
+             f"{summary['wall_s']:.0f} s · goodput {_number(summary['goodput'], 2)}",
+             f"model: {model}" if model.exists() else "model: none exported",
+             f"run directory: {run_dir} (summary.json, logs/; diloco local --json prints the summary)"]
+    if summary["interrupted"] and summary.get("snapshot_at_stop") is not None:
+        lines.append(f"resume: diloco local --resume {run_dir}")
+    lines += [f"FAILED: {line}" for line in summary.get("failures", [])]
+    return lines
 
 
 def progress_line(members: list[dict], statuses: list, events: dict[str, list[dict]], started: float, unit: str) -> str:
@@ -27,10 +80,11 @@ def progress_table(members: list[dict], statuses: list, events: dict[str, list[d
 
     table = Table(title=f"diloco local — {time.monotonic() - started:5.0f} s", title_justify="left")
     for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", f"eval {unit}"):
-        table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right")
+        table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right",
+                         min_width=len("interrupted") if column == "state" else None)
     for m in members:
         evals = [e["loss"] for e in events.get(m["id"], []) if e["kind"] == "eval"]
-        table.add_row(m["id"], m["state"], m.get("pool", ""), f"{m.get('tokens', 0):,}",
+        table.add_row(m["id"], shown_state(m), m.get("pool", ""), f"{m.get('tokens', 0):,}",
                       f"{m.get('tokens_per_s', 0):,.0f}", f"{m.get('inner_steps', 0):,}",
                       f"{evals[-1]:.3f}" if evals else "")
     ok = [s for s in statuses if not isinstance(s, BaseException)]
@@ -55,16 +109,21 @@ def final_table(summary: dict, events: dict[str, list[dict]]):
     state = "interrupted" if summary["interrupted"] else "finished"
     table = Table(title=f"diloco local — {state} after {summary['wall_s']:.0f} s", title_justify="left")
     for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", f"eval {unit}"):
-        table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right")
+        table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right",
+                         min_width=len("interrupted") if column == "state" else None)
     for learner in summary["learners"]:
         evals = [e["loss"] for e in events.get(learner["id"], []) if e["kind"] == "eval"]
-        table.add_row(learner["id"], learner["state"], learner["pool"], f"{learner['tokens']:,}",
+        table.add_row(learner["id"], shown_state(learner), learner["pool"], f"{learner['tokens']:,}",
                       f"{learner['tokens_per_s']:,.0f}", f"{learner['inner_steps']:,}", f"{evals[-1]:.3f}" if evals else "")
     versions = summary["final_versions"].values()
     table.caption = (
         f"global tokens {summary['tokens']:,} · outer versions {min(versions, default=0)}–{max(versions, default=0)} · "
-        f"rounds {summary['rounds']} · step goodput {summary['step_goodput']:.2f} · eval {summary['eval_loss_start']:.3f} → "
-        f"{summary['eval_loss_final']:.3f} {unit} · wire ↑{summary['bytes_up'] / 1e6:.1f} MB ↓{summary['bytes_down'] / 1e6:.1f} MB"
+        f"rounds {summary['rounds']} · step goodput {_number(summary['step_goodput'], 2)} · eval "
+        f"{_number(summary['eval_loss_start'], 3)} → {_number(summary['eval_loss_final'], 3)} {unit} · wire ↑{summary['bytes_up'] / 1e6:.1f} MB ↓{summary['bytes_down'] / 1e6:.1f} MB"
     )
     return table
 
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"

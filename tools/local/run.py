@@ -22,8 +22,10 @@ import contextlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -40,7 +42,7 @@ from tools.chaos import SCAVENGED_POOL, ChaosMonkey
 from tools.export import export_model
 from tools.local.config import LocalConfig
 from tools.local.plots import plot_eval
-from tools.local.progress import final_table, progress_line, progress_table
+from tools.local.progress import Failures, closing_lines, final_table, progress_line, progress_table
 from tools.local.supervisor import Cluster, shard_status, take_snapshot
 from tools.metrics import (eval_task, expected_period, goodput, learner_events, slot_seconds, start_s, supervisor_task,
                            tape_stats, tokens_per_step, uptime, wire_bytes)
@@ -81,6 +83,76 @@ def _launch(admin, cfg: LocalConfig) -> None:
         failed = [r for r in admin.add_learners(1, overrides=overrides) if not r["ok"]]
         if failed:
             raise Unavailable(f"could not launch learners: {failed}")
+
+
+LIVE_STATES = ("joining", "active", "draining")
+
+LEARNERS_STOP_S = 8.0
+"""How long a stop waits for drained learners' summaries (their final pushes take at
+most ``FINAL_PUSH_WAIT_S``) before the shards and the coordinator go regardless."""
+
+
+def _stop_learners(admin, run_dir: Path, say: Callable[[str], None]) -> list[str]:
+    """Drain every live learner while the shards still serve, so its final pushes land and
+    it writes its summary; wait for those summaries (at most ``LEARNERS_STOP_S``; a second
+    Ctrl-C stops waiting). Returns the ids drained."""
+    try:
+        live = [m["id"] for m in admin.members(include_gone=True) if m["state"] in LIVE_STATES]
+        if live:
+            admin.remove_learners(live, drain=True)
+    except DilocoError as error:
+        say(f"could not stop the learners through the coordinator: {error}")
+        return []
+    if not live:
+        return []
+    say(f"stopping {len(live)} learners: {', '.join(live)}")
+    deadline = time.monotonic() + LEARNERS_STOP_S
+    try:
+        while (waiting := [i for i in live if not (run_dir / "learners" / f"{i}.json").exists()]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        say("stopped waiting for the learners (interrupted again)")
+        return live
+    if waiting:
+        say(f"{', '.join(waiting)} did not stop within {LEARNERS_STOP_S:g} s: the coordinator stops them")
+    return live
+
+
+def _figure(value: float, digits: int) -> float | None:
+    """A measured figure for summary.json: None where it does not exist (NaN)."""
+    return round(value, digits) if math.isfinite(value) else None
+
+
+def strict(summary: dict, missing: dict[str, str]) -> dict:
+    """``summary`` as strict JSON can hold it: every non-finite number becomes null, and
+    ``missing`` says why for each such figure (its own reason, or "not measured")."""
+    reasons = dict(missing)
+
+    def clean(value, key: str):
+        if isinstance(value, float) and not math.isfinite(value):
+            reasons.setdefault(key, f"not measured ({value})")
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}" if key else k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    cleaned = clean(summary, "")
+    cleaned["missing"] = reasons
+    return cleaned
+
+
+def run_failures(summary: dict, killed: set[str]) -> list[str]:
+    """What makes ``diloco local`` exit non-zero, one line each: a learner that failed before
+    training (a chaos kill is no failure), a launch that ended before joining, no token trained."""
+    lines = [f"learner {l['id']} failed before training: {l['reason']}" for l in summary["learners"]
+             if l["state"] == "failed" and not l["inner_steps"] and l["id"] not in killed]
+    lines += [f"launch {x['launch_id']} ended before joining: {x['detail']}" for x in summary["launches_failed"]]
+    if not summary["tokens"]:
+        lines.append("no token was trained")
+    return lines
 
 
 def _finished(cfg: LocalConfig, members: list[dict], monkey: ChaosMonkey | None) -> bool:
@@ -224,8 +296,9 @@ def _lock(run_dir: Path):
 
 
 def _snapshot_for_resume(admin, run_dir: Path, say: Callable[[str], None]) -> int | None:
-    """A snapshot of the interrupted run, taken before anything stops (within 60 s; a
-    second Ctrl-C gives up on it): ``diloco local --resume RUN_DIR`` continues from it."""
+    """A snapshot of the interrupted run, taken once its learners stopped and before the
+    shards do (within 60 s; a second Ctrl-C gives up on it): ``diloco local --resume
+    RUN_DIR`` continues from it, with every step the learners trained."""
     say("taking a snapshot to resume from")
     try:
         snapshot_id, state = take_snapshot(admin)
@@ -282,10 +355,11 @@ def run_local(cfg: LocalConfig) -> dict:
     _check_devices(cfg)
     task = supervisor_task(cfg.run, cfg.learners)
     unit = task.eval_unit
+    eval_start = eval_task(cfg.run, task)  # a task whose evaluation fails stops here, with nothing written
     learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))
     if cfg.resume and cfg.tokens is None:  # the steps each learner has left
         learner_steps = max(learner_steps - _steps_done(run_dir), 1)
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)  # logs: no table cut at 80
     if cfg.resume:
         console.print(f"[bold]diloco local[/]: resuming {run_dir} from snapshot {resumed_from}")
         with open(run_dir / "resumes.jsonl", "a") as resumes:
@@ -303,7 +377,6 @@ def run_local(cfg: LocalConfig) -> dict:
     budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{learner_steps} inner steps each"
     console.print(f"[bold]diloco local[/]: task {cfg.run.task}, {cfg.learners} learners, {cfg.shards} shards, {budget}, "
                   f"run directory {run_dir}")
-    eval_start = eval_task(cfg.run, task)
     cluster = Cluster(cfg, run_dir, learner_steps)
     started_wall, started = time.time(), time.monotonic()
     admin = monkey = None
@@ -324,14 +397,18 @@ def run_local(cfg: LocalConfig) -> dict:
                                  learner_steps, run_dir / "chaos.jsonl", time.monotonic())
             monkey.start()
         last_stats, step_goodput, idle_since, last_line = 0.0, None, None, 0.0
+        failures = Failures()
         pace = Pace()
         # On a terminal a live table; in a log (CI, nohup, kubectl logs) one line every 10 s.
         # (transient: at the end the final table, from the summary's records, takes its place)
         with Live(console=console, refresh_per_second=2, transient=True) if console.is_terminal \
                 else contextlib.nullcontext() as live:
             while True:
-                members = admin.members(include_gone=True)
+                members, launches = admin.listing(include_gone=True)
                 _link_learner_logs(run_dir, members)
+                cluster.note_learners(members)
+                for line in failures.new(members, launches):
+                    console.print(line, soft_wrap=True, markup=False)
                 events = learner_events(run_dir)
                 if time.monotonic() - last_stats > 5:
                     steps = {m["id"]: m["inner_steps"] for m in members}
@@ -380,15 +457,22 @@ def run_local(cfg: LocalConfig) -> dict:
                 time.sleep(pause)
     except KeyboardInterrupt:
         interrupted = True
-        console.print("interrupted: stopping every process")
+        stop_started = time.monotonic()
+        console.print("interrupted: the learners stop (final pushes, summaries), a snapshot is taken, then the "
+                      "shards and the coordinator stop")
     finally:
+        say = lambda line: console.print(line, soft_wrap=True, markup=False)  # noqa: E731
         if monkey is not None:
             monkey.halt()
             monkey.join(timeout=60)
+        stopped: list[str] = []
+        if admin is not None:  # while the shards serve: their final pushes land, they write their summaries
+            stopped = _stop_learners(admin, run_dir, say)
         stop_snapshot = None
-        if interrupted and admin is not None:  # what --resume continues from
-            stop_snapshot = _snapshot_for_resume(admin, run_dir, lambda line: console.print(line, soft_wrap=True))
+        if interrupted and admin is not None:  # what --resume continues from: every step trained is in it
+            stop_snapshot = _snapshot_for_resume(admin, run_dir, say)
         state, versions = None, {}
+        export_error = None
         if admin is not None:
             console.print("exporting the trained model from the shards")
             for attempt in range(1, EXPORT_ATTEMPTS + 1):
@@ -398,23 +482,35 @@ def run_local(cfg: LocalConfig) -> dict:
                     state, versions = exported.state, exported.versions
                     break
                 except DilocoError as error:  # the cluster may already be gone after Ctrl-C
+                    export_error = str(error)
                     logger.warning("could not export the final model (attempt %d of %d): %s", attempt, EXPORT_ATTEMPTS,
                                    error)
-        members = []
+        members, launches = [], []
         if admin is not None:  # after Ctrl-C too: the processes run in their own sessions
             try:
-                members = admin.members(include_gone=True)
+                members, launches = admin.listing(include_gone=True)
+                cluster.note_learners(members)
             except DilocoError as error:
                 logger.warning("could not list the learners: %s", error)
         if admin is not None:
             admin.close()
-        cluster.stop(say=console.print)
+        cluster.stop(say=say)
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
+        if interrupted:
+            say(f"stopped {time.monotonic() - stop_started:.1f} s after the interrupt")
     wall_s = time.monotonic() - started
+    stopped_by_interrupt = set(stopped) if interrupted else set()
+    failed_launches = [{"launch_id": x["launch_id"], "detail": x["detail"]} for x in launches if x["state"] == "failed"]
     summaries = {s["learner_id"]: s for s in (json.loads(p.read_text()) for p in sorted((run_dir / "learners").glob("*.json")))}
     events = learner_events(run_dir)
     eval_final = eval_task(cfg.run, task, state) if state is not None else float("nan")
+    missing = {}  # figures that do not exist, and why
+    if not task.eval_batches:
+        missing["eval_loss_start"] = missing["eval_loss_final"] = "the task has no eval batches"
+    elif state is None:
+        missing["eval_loss_final"] = (f"the final model could not be exported: {export_error}" if export_error
+                                      else "no final model: the cluster did not start")
     # Inner steps per learner: its summary, or for a killed one its last heartbeat.
     steps = {m["id"]: m["inner_steps"] for m in members}
     steps.update({i: s["inner_steps"] for i, s in summaries.items()})
@@ -453,8 +549,8 @@ def run_local(cfg: LocalConfig) -> dict:
         "wall_s": round(wall_s, 2),
         "task": cfg.run.task,
         "eval_unit": unit,
-        "eval_loss_start": round(eval_start, 4),
-        "eval_loss_final": round(eval_final, 4),
+        "eval_loss_start": _figure(eval_start, 4),
+        "eval_loss_final": _figure(eval_final, 4),
         "start_s": start_s(started_wall, first_steps[: cfg.learners]),
         "goodput": goodput(stats.pop("useful_s"), slots),
         "step_goodput": stats.pop("step_goodput"),
@@ -463,12 +559,13 @@ def run_local(cfg: LocalConfig) -> dict:
         **wire_bytes(run_dir),
         **{k: v for k, v in stats.items() if k != "step_s"},
         "learners_joined": len(members) if members else len(summaries),
-        "learners_failed": sum(1 for m in members if m["state"] == "failed"),
+        "learners_failed": sum(1 for m in members if m["state"] == "failed") + len(failed_launches),
         "learners_killed": sum(1 for c in chaos if c["kind"] == "kill"),
         "learners_scavenged": (sum(1 for m in members if m["pool"] == SCAVENGED_POOL) if members
                                else sum(len(c["launched"]) for c in chaos if c["kind"] == "scavenge")),
         "shard_restarts": sum(1 for c in chaos if c["kind"] == "restart_shard"),
-        "learners": [{"id": m["id"], "pool": m["pool"], "state": m["state"], "inner_steps": steps.get(m["id"], 0),
+        "learners": [{"id": m["id"], "pool": m["pool"], "state": "interrupted" if m["id"] in stopped_by_interrupt
+                      else m["state"], "reason": m["reason"], "inner_steps": steps.get(m["id"], 0),
                       "tokens": summaries[m["id"]]["tokens"] if m["id"] in summaries else m["tokens"],
                       "tokens_per_s": round(summaries.get(m["id"], m).get("tokens_per_s", 0.0), 1),
                       **devices.get(m["id"], {})} for m in members],
@@ -477,13 +574,19 @@ def run_local(cfg: LocalConfig) -> dict:
         "interrupted": interrupted,
         "resumed_from_snapshot": resumed_from,
         "snapshot_at_stop": stop_snapshot,
+        "launches_failed": failed_launches,
         "run_dir": str(run_dir),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    killed = {c["learner"] for c in chaos if c["kind"] == "kill"}
+    summary["failures"] = run_failures(summary, killed)
+    summary = strict(summary, missing)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     console.print(final_table(summary, events))  # the same records as summary.json, however the run ended
-    if events and state is not None:
+    if events and state is not None and summary["eval_loss_start"] is not None:
         plot_eval(run_dir, events, eval_start, eval_final, tokens, unit)
     if events:
         draw_timeline(run_dir)
+    for line in closing_lines(summary, run_dir):
+        console.print(line, soft_wrap=True, markup=False)
     lock.close()
     return summary

@@ -5,6 +5,7 @@ stopped together. It starts and stops processes; it draws and measures nothing."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -21,8 +22,14 @@ from diloco import auth, rpc
 from diloco.errors import AlreadyExists, Unavailable
 from diloco.files import atomic_write, atomic_write_json
 from tools.certs import make_certs
-from tools.chaos import SCAVENGED_POOL
+from coordinator.launcher import FORK_SERVER_PID_FILE
+from tools.chaos import SCAVENGED_POOL, learner_pid
 from tools.local.config import LocalConfig
+
+
+LEARNER_EXIT_WAIT_S = 5.0
+"""How long a stop waits for learners that left to exit before the shards and the
+coordinator are stopped (the coordinator then SIGTERMs any still running)."""
 
 
 def _free_port() -> int:
@@ -53,9 +60,23 @@ class Cluster:
         self.procs.append((role, proc))
         return proc
 
-    def _endpoint(self, role: str, address: str, pid: int) -> None:
-        self.endpoints = [e for e in self.endpoints if e["role"] != role] + [{"role": role, "address": address, "pid": pid}]
+    def _endpoint(self, role: str, address: str, pid: int, **more) -> None:
+        entry = {"role": role, "address": address, "pid": pid, **more}
+        key = (role, more.get("id"))
+        if entry in self.endpoints:
+            return
+        self.endpoints = [e for e in self.endpoints if (e["role"], e.get("id")) != key] + [entry]
         atomic_write(self.dir / "endpoints.json", json.dumps(self.endpoints, indent=1))
+
+    def note_learners(self, members: list[dict]) -> None:
+        """List the learners (their ``host:pid`` addresses) and the coordinator's fork server
+        in endpoints.json beside the services: every process of the run."""
+        pid_file = self.dir / "coordinator" / "learners" / FORK_SERVER_PID_FILE
+        with contextlib.suppress(OSError, ValueError):
+            self._endpoint("fork-server", "", int(pid_file.read_text()))
+        for member in members:
+            if (pid := learner_pid(member)) is not None:
+                self._endpoint("learner", member["address"], pid, id=member["id"])
 
     def _shard_args(self, m: int) -> list[str]:
         """``diloco syncer --config`` with the shard's settings as one JSON document
@@ -162,16 +183,33 @@ class Cluster:
         wait_until(serving, self.cfg.startup_timeout_s, what)
 
     def stop(self, say: Callable[[str], None] = lambda line: None) -> None:
-        """SIGTERM everything (the coordinator reaps its learners), SIGKILL what lingers
-        after 30 s; ``say`` hears, every 5 s, which processes are still being waited for."""
+        """Stop the shards, then the coordinator (which reaps any learner still running: the
+        run stops its learners first, through the coordinator, while the shards serve).
+        SIGTERM each group, SIGKILL what lingers after 30 s; ``say`` hears, every 5 s, which
+        processes are still being waited for."""
         if self.cfg.tls:
             rpc.use_tls(self._plain)
-        for _, proc in self.procs:
+        self._wait_learners_gone(LEARNER_EXIT_WAIT_S, say)
+        self._stop([(r, p) for r, p in self.procs if r != "coordinator"], say)
+        self._stop([(r, p) for r, p in self.procs if r == "coordinator"], say)
+
+    def _wait_learners_gone(self, timeout_s: float, say: Callable[[str], None]) -> None:
+        """Learners that left exit by themselves (a second or so of interpreter teardown
+        after their summary): give them that before the coordinator reaps what is left."""
+        deadline = time.monotonic() + timeout_s
+        while (alive := [e for e in self.endpoints if e["role"] == "learner" and _alive(e["pid"])]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if alive:
+            say(f"{', '.join(e['id'] for e in alive)} still running after {timeout_s:g} s: the coordinator stops them")
+
+    def _stop(self, procs: list[tuple[str, subprocess.Popen]], say: Callable[[str], None]) -> None:
+        for _, proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         deadline, next_say = started + 30, started + 5
-        while (waiting := [(role, proc) for role, proc in self.procs if proc.poll() is None]) and time.monotonic() < deadline:
+        while (waiting := [(role, proc) for role, proc in procs if proc.poll() is None]) and time.monotonic() < deadline:
             if time.monotonic() >= next_say:
                 say(f"stopping: waiting {time.monotonic() - started:.0f} s for "
                     + ", ".join(f"{role} (pid {proc.pid})" for role, proc in waiting)
@@ -184,6 +222,16 @@ class Cluster:
             time.sleep(0.5)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a pid reused by another user's process
+        return False
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:
