@@ -93,7 +93,7 @@ def test_ctrl_c_stops_learners_first_keeps_their_summaries_and_is_quick(tmp_path
         if run.poll() is None:
             run.kill()
     assert run.returncode == 130, stderr[-3000:]
-    # The default run measured 5.5 s (docs/results/stop/); the old order took 27 s.
+    # The default run measured 4.2-4.4 s (docs/results/stop/); the old order took 27 s.
     assert stop_s < 15, (stop_s, stderr[-3000:])
     summary = strict_json(out / "summary.json")
     assert summary["interrupted"] and summary["snapshot_at_stop"] is not None
