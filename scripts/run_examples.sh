@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 out=docs/results/examples
 for example in tied_lm cnn_bn byte_gpt; do
   run=$(mktemp -d)
-  cmd=(diloco local --task "examples/$example.py:build" --out "$run/run")
+  cmd=(diloco local --task "examples/$example.py:build" --out "$run/run" --json)
   mkdir -p "$out/$example"
   echo "${cmd[*]}" > "$out/$example/command.txt"
   "${cmd[@]}" > "$out/$example/stdout.txt" 2> "$run/stderr.txt"
