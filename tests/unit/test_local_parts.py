@@ -200,3 +200,46 @@ def test_the_pace_is_tokens_per_second_over_the_last_three_seconds():
     assert pace.add(0.0, 0) == 0.0  # one count: no rate yet
     assert [pace.add(t, 100 * t) for t in (1.0, 2.0, 3.0, 4.0)] == [100.0] * 4
     assert pace.add(5.0, 600) == 400 / 3  # 200 -> 600 over 2.0 .. 5.0: the old counts drop out
+
+
+def test_a_summary_is_strict_json_with_a_reason_for_every_missing_figure():
+    import json
+
+    from tools.local.run import strict
+
+    summary = {"eval_loss_final": None, "goodput": float("nan"), "tokens": 10,
+               "learners": [{"id": "L0", "tokens_per_s": float("inf")}]}
+    cleaned = strict(summary, {"eval_loss_final": "the final model could not be exported: gone"})
+    json.dumps(cleaned, allow_nan=False)  # would raise on NaN or Infinity
+    assert cleaned["goodput"] is None and cleaned["learners"][0]["tokens_per_s"] is None and cleaned["tokens"] == 10
+    assert cleaned["missing"] == {"eval_loss_final": "the final model could not be exported: gone",
+                                  "goodput": "not measured (nan)", "learners[0].tokens_per_s": "not measured (inf)"}
+
+
+def test_what_fails_a_run_and_what_does_not():
+    from tools.local.run import run_failures
+
+    learners = [{"id": "L0", "state": "left", "inner_steps": 10, "reason": "finished"},
+                {"id": "L1", "state": "failed", "inner_steps": 0, "reason": "failed to start: boom"},
+                {"id": "L2", "state": "failed", "inner_steps": 0, "reason": "process ended: killed by SIGKILL"},
+                {"id": "L3", "state": "failed", "inner_steps": 4, "reason": "the loss is nan"},
+                {"id": "L4", "state": "interrupted", "inner_steps": 0, "reason": ""}]
+    summary = {"learners": learners, "launches_failed": [{"launch_id": "ab12", "detail": "exit code 2: bad flag"}],
+               "tokens": 100}
+    # L2 was killed by chaos (no failure of the run), L3 failed while training (shown, not fatal).
+    assert run_failures(summary, killed={"L2"}) == [
+        "learner L1 failed before training: failed to start: boom", "launch ab12 ended before joining: exit code 2: bad flag"]
+    assert run_failures({**summary, "learners": learners[:1], "launches_failed": [], "tokens": 0}, set()) == [
+        "no token was trained"]
+
+
+def test_failures_are_reported_once_each_with_their_reason_cut():
+    from tools.local.progress import REASON_CHARS, Failures, shown_state
+
+    failures = Failures()
+    members = [{"id": "L0", "state": "active", "reason": ""}, {"id": "L1", "state": "failed", "reason": "x" * 500}]
+    launches = [{"launch_id": "ab12", "state": "failed", "detail": "exit code 2"}, {"launch_id": "cd", "state": "launching"}]
+    lines = failures.new(members, launches)
+    assert lines == [f"learner L1 failed: {'x' * (REASON_CHARS - 1)}…", "launch ab12 failed: exit code 2"]
+    assert failures.new(members, launches) == []  # each once
+    assert shown_state(members[1]).startswith("failed: xxx") and shown_state(members[0]) == "active"

@@ -107,7 +107,9 @@ def final_table(summary: dict, events: dict[str, list[dict]]):
 
     unit = summary["eval_unit"]
     state = "interrupted" if summary["interrupted"] else "finished"
-    table = Table(title=f"diloco local — {state} after {summary['wall_s']:.0f} s", title_justify="left")
+    failed = len(summary.get("failures", []))
+    table = Table(title=f"diloco local — {state} after {summary['wall_s']:.0f} s"
+                  + (f" · {failed} failure{'s' * (failed > 1)} (below)" if failed else ""), title_justify="left")
     for column in ("learner", "state", "pool", "tokens", "tokens/s", "inner steps", f"eval {unit}"):
         table.add_column(column, justify="left" if column in ("learner", "state", "pool") else "right",
                          min_width=len("interrupted") if column == "state" else None)
