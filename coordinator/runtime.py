@@ -177,9 +177,18 @@ class CoordinatorRuntime:
     # --- after every call --------------------------------------------------------------
 
     def received(self, clock: VectorClock) -> VectorClock:
-        """Merge a caller's clock; returns the clock to send back."""
-        self.vector_clock = self.vector_clock.receive(auth.COORDINATOR_ID, clock)
+        """Merge a caller's clock; returns the clock to send back. Entries of ids this run
+        did not issue, or issued to learners membership no longer holds, are dropped: a
+        caller naming thousands of fresh processes cannot grow the clock that every reply
+        (and every learner's next message) carries."""
+        self.vector_clock = self.vector_clock.receive(auth.COORDINATOR_ID, clock, self.known_processes())
         return self.vector_clock
+
+    def known_processes(self) -> set[str]:
+        """The ids a clock of this run may name: the coordinator, each shard ``S<m>`` and
+        the learners membership holds (joining, live, draining and the most recent
+        ``MAX_GONE_KEPT`` gone)."""
+        return {auth.COORDINATOR_ID, *(f"S{m}" for m in range(len(self.cfg.shards))), *self.membership.learners}
 
     def _settle(self, save: bool = False) -> None:
         """Apply what time has done, hand every change on, save if anything changed,

@@ -8,7 +8,7 @@ values so they can be shared between the event loop and worker threads freely.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from diloco.errors import InvalidArgument
@@ -53,9 +53,16 @@ class VectorClock:
         keys = self.entries.keys() | other.entries.keys()
         return VectorClock({k: max(self[k], other[k]) for k in keys})
 
-    def receive(self, process: str, other: VectorClock) -> VectorClock:
-        """Merge an incoming clock and tick the receiver, as on every RPC receipt."""
-        return self.merge(other).tick(process)
+    def receive(self, process: str, other: VectorClock, known: Collection[str] | None = None) -> VectorClock:
+        """Merge an incoming clock and tick the receiver, as on every RPC receipt. With
+        ``known`` (the ids the receiver's run issued), the result keeps only those
+        processes and the receiver: names a sender made up cannot grow it."""
+        merged = self.merge(other).tick(process)
+        return merged if known is None else merged.restricted_to(known, process)
+
+    def restricted_to(self, known: Collection[str], *also: str) -> VectorClock:
+        """The entries of the processes in ``known`` (or ``also``) only."""
+        return VectorClock({k: v for k, v in self.entries.items() if k in known or k in also})
 
     def compare(self, other: VectorClock) -> Order:
         keys = self.entries.keys() | other.entries.keys()

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from diloco.clock import VectorClock
 from diloco.codec import TensorSpec
 
+MAX_VERSION = 1 << 53
+"""Above any version a run issues (2**53 rounds); a version at or past it is hostile: its
+successor would not fit the wire's uint64 or a float in a tape or JSON reader."""
+
 
 @dataclass(frozen=True)
 class PushMeta:

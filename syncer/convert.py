@@ -8,6 +8,7 @@ from diloco.convert import clock_to_proto, spec_from_proto, spec_to_proto
 from diloco.codec import TensorSpec
 from diloco.errors import InvalidArgument
 from diloco.fragments import FragmentPlan
+from diloco.wire import MAX_VERSION
 from diloco.v1 import syncer_pb2
 from syncer.core.shard import ACCEPTED, ACCEPTED_NEXT_ROUND, DUPLICATE, Ack, FragmentUpdate
 
@@ -40,6 +41,17 @@ def update_to_proto(update: FragmentUpdate, clock: VectorClock) -> syncer_pb2.Fr
         close_reason=update.close_reason,
         participants=update.participants,
     )
+
+
+def anchor_version_from_proto(msg: syncer_pb2.InitializeHeader) -> int | None:
+    """The anchor's version of an Initialize (None: fresh initial values), bounded by
+    ``MAX_VERSION``: a shard without its state cannot know the versions it issued, but no
+    run reaches 2**53, and a larger one would break the shard's next round."""
+    if not msg.anchor:
+        return None
+    if msg.anchor_version >= MAX_VERSION:
+        raise InvalidArgument(f"anchor version {msg.anchor_version} is out of range (< 2**53)")
+    return msg.anchor_version
 
 
 def initial_specs(msg: syncer_pb2.InitializeHeader, plan: FragmentPlan) -> list[TensorSpec]:

@@ -550,7 +550,7 @@ class ShardRuntime:
                 if snapshot_id <= self.snapshot_epoch:
                     raise FailedPrecondition(f"marker for snapshot {snapshot_id} arrived after snapshot {self.snapshot_epoch}'s")
                 core = self.core
-                core.clock = core.clock.receive(core.process, clock)
+                core.receive(clock)
                 state = snapshot.capture(core, snapshot_id)
                 cut = {f: s.version for f, s in core.fragments.items()}
                 recorder = self.recorder = snapshot.ChannelRecorder(snapshot_id, cut, set(learners) - core.failed)

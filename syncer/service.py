@@ -212,6 +212,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             header = await _header(requests, "initialize", self.runtime.core.cfg.stream_idle_timeout_s)
             if header.learner_id != learner_id:
                 raise PermissionDenied(f"credential is for {learner_id!r}, the request claims {header.learner_id!r}")
+            anchor_version = convert.anchor_version_from_proto(header)
             plan = self.runtime.plan_from(header.manifest_json)
             if plan.plan_hash != header.plan_hash:
                 raise InvalidArgument(
@@ -237,12 +238,12 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             payload, _ = await self._receive(requests, specs, payload_bytes)
             reading = False
             values = [np.frombuffer(t.payload, dtype="<f4").reshape(t.spec.shape) for t in payload.tensors]
-            if header.anchor and self.runtime.anchors_only:  # the newest anchor offered in a window wins
+            if anchor_version is not None and self.runtime.anchors_only:  # the newest anchor offered in a window wins
                 added = await self.runtime.offer_anchor(learner_id, header.manifest_json, plan, header.fragment, values,
-                                                        header.anchor_version)
+                                                        anchor_version)
             else:
                 added = self.runtime.initialize(learner_id, header.manifest_json, plan, header.fragment, values,
-                                                header.anchor_version if header.anchor else None)
+                                                anchor_version)
             return syncer_pb2.InitializeReply(initialized=added, version=core.fragments[header.fragment].version,
                                               clock=clock_to_proto(core.clock))
         except DilocoError as error:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diloco import auth
 from diloco.clock import VectorClock
 from diloco.codec import (
     EncodedTensor,
@@ -29,7 +30,7 @@ from diloco.codec import (
 )
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import Fragment, FragmentPlan
-from diloco.wire import PushMeta
+from diloco.wire import MAX_VERSION, PushMeta
 from syncer.config import SyncerConfig
 from syncer.core.merge import Contribution, merge_piece, token_weights
 from syncer.core.outer import outer_step_
@@ -317,6 +318,8 @@ class ShardCore:
         fragment already has values."""
         if self.plan is None:
             raise FailedPrecondition(f"shard {self.cfg.shard_id} has no fragment plan yet")
+        if not 0 <= version < MAX_VERSION:
+            raise InvalidArgument(f"version {version} of fragment {fragment_id} is out of range (< 2**53)")
         if not 0 <= fragment_id < self.plan.num_fragments:
             raise InvalidArgument(f"fragment {fragment_id} is not in the plan ({self.plan.num_fragments} fragments)")
         fragment = self.plan.fragments[fragment_id]
@@ -423,7 +426,7 @@ class ShardCore:
                 f"push from {meta.learner_id}: delta norm {delta_norm:.3g} exceeds {self.cfg.max_delta_ratio:g} x the "
                 f"fragment's norm ({bound:.3g}); refused"
             )
-        self.clock = self.clock.receive(self.process, meta.clock)
+        self.receive(meta.clock)
         if meta.seq <= state.last_seq.get(meta.learner_id, 0):
             return Ack(DUPLICATE, state.last_target.get(meta.learner_id, state.version))
         state.timings.observe("step_time_s", meta.step_time_s, self.cfg.rounds.ema_factor)
@@ -636,6 +639,16 @@ class ShardCore:
         return state.full_cache
 
     # --- membership ------------------------------------------------------------------
+
+    def receive(self, clock: VectorClock) -> None:
+        """Merge a received clock, keeping only ids the run issued that this shard knows
+        (``known_processes``): made-up names cannot grow the clock every reply carries."""
+        self.clock = self.clock.receive(self.process, clock, self.known_processes())
+
+    def known_processes(self) -> set[str]:
+        """The ids a clock held here may name: the coordinator, every shard and the
+        learners that may push (live or draining)."""
+        return {auth.COORDINATOR_ID, *(f"S{m}" for m in range(self.cfg.num_shards)), *self.live, *self.draining}
 
     def set_membership(self, live: set[str], failed: set[str], draining: set[str] = frozenset()) -> None:
         self.live = set(live)

@@ -80,3 +80,19 @@ def test_a_clock_prints_sorted_and_bad_entries_are_named():
         VectorClock({"": 1})
     with pytest.raises(InvalidArgument, match=r"^vector clock entry 'L0' must be a non-negative int, got -1$"):
         VectorClock({"L0": -1})
+
+
+@given(clocks, clocks, st.sets(processes))
+def test_a_restricted_receive_names_only_known_processes_and_the_receiver(a, b, known):
+    got = a.receive("C", b, known)
+    assert set(got.entries) <= known | {"C"}
+    assert got["C"] == max(a["C"], b["C"]) + 1
+    assert all(got[k] == max(a[k], b[k]) for k in known - {"C"})
+
+
+def test_names_a_sender_made_up_cannot_grow_the_receivers_clock():
+    mine = VectorClock({"C": 3, "L0": 2, "L1": 7})
+    hostile = VectorClock({"L1": 9, **{f"L{10**8 + i}": 1 for i in range(4095)}})
+    got = mine.receive("C", hostile, {"L0", "S0"})  # L1 is gone: its entry goes too
+    assert got == VectorClock({"C": 4, "L0": 2})
+    assert mine.receive("C", hostile) == mine.merge(hostile).tick("C")  # unrestricted: as before

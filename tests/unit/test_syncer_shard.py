@@ -840,3 +840,36 @@ def test_a_final_push_is_merged_and_answered_with_the_version_alone():
     update = shard.update_for(0, 0, "L0", final=True)
     assert (update.base_version, update.version, update.segments) == (0, 1, ())
     assert shard.fragments[0].mirrors["L0"].version == 0
+
+
+def test_the_shards_clock_keeps_only_the_processes_the_run_issued():
+    """A push may name thousands of made-up learners: the merged clock keeps the shards,
+    the coordinator and the learners that may push, and forgets a learner gone."""
+    shard, initial = make_shard()
+    learner = Learner("L1", shard, initial, seed=1)
+    learner.clock = VectorClock({"C": 4, "S1": 2, "L2": 3, **{f"L{10**8 + i}": 1 for i in range(4000)}})
+    learner.push(0, now=0.0)
+    assert shard.clock == VectorClock({"C": 4, "S0": 1, "L1": 1, "L2": 3})  # S0 ticked; S1: 1 shard in this run
+    shard.learner_left("L2")
+    learner.push(1, now=0.1)
+    assert set(shard.clock.entries) == {"C", "S0", "L1"}
+
+
+def test_a_fragment_version_out_of_range_is_refused():
+    shard, initial = make_shard()
+    shard.fragments.pop(0)
+    with pytest.raises(InvalidArgument, match="out of range"):
+        shard.add_fragment(0, initial[0], 2**53)
+    assert 0 not in shard.fragments
+    assert shard.add_fragment(0, initial[0], 2**53 - 1) and shard.fragments[0].version == 2**53 - 1
+
+
+def test_an_anchor_version_from_the_wire_is_bounded():
+    from diloco.v1 import syncer_pb2
+    from syncer.convert import anchor_version_from_proto
+
+    assert anchor_version_from_proto(syncer_pb2.InitializeHeader(anchor_version=2**64 - 1)) is None  # not an anchor
+    assert anchor_version_from_proto(syncer_pb2.InitializeHeader(anchor=True, anchor_version=7)) == 7
+    for version in (2**53, 2**64 - 1):
+        with pytest.raises(InvalidArgument, match="out of range"):
+            anchor_version_from_proto(syncer_pb2.InitializeHeader(anchor=True, anchor_version=version))

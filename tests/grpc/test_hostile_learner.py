@@ -1,0 +1,98 @@
+"""Regression tests for what an attacker holding a legitimate learner credential did to a
+coordinator and a shard (issue 39, "bounded merged state"): each case failed on the code
+before the fix, and each now leaves the services serving honest learners."""
+
+import grpc
+import pytest
+
+from diloco import auth
+from diloco.convert import push_meta_to_proto
+from diloco.v1 import common_pb2, coordinator_pb2, syncer_pb2
+from diloco.wire import MAX_VERSION
+from tests.grpc.conftest import SECRET, TINY, client_for, run, running_shard
+from tests.grpc.coordinator_fixtures import admin_stub, joined, running_coordinator
+from tests.grpc.test_syncer_initialize import fp32
+from tests.grpc.test_syncer_service import FakeLearner, chunk_msgs, raw_push
+from tests.seeded import model_plan
+
+FRESH = 4095
+"""Fresh names per message: with the sender's own entry, a clock at the door's bound."""
+
+
+def fresh_names(batch: int) -> dict[str, int]:
+    """``FRESH`` well-formed learner ids no run issued, different for each batch."""
+    return {f"L{10**8 + batch * FRESH + i}": 1 for i in range(FRESH)}
+
+
+def test_fresh_clock_names_cannot_grow_the_merged_clocks(tmp_path):
+    """Two Joins or one heartbeat with 4095 fresh names each grew the coordinator's clock
+    past the 4096 entries a message may carry (and a shard's, through pushes): honest
+    heartbeats then got INVALID_ARGUMENT, shard replies were refused by learners and the
+    export failed. Unknown names are now dropped at every merge."""
+    async def scenario():
+        async with running_shard(tmp_path / "shard", learners=("L0", "L1")) as (shard, shard_address):
+            async with running_coordinator(tmp_path, shards=(shard_address,)) as coordinator:
+                honest = await joined(coordinator.address)
+                attacker = await joined(coordinator.address)
+                assert (honest.learner_id, attacker.learner_id) == ("L0", "L1")
+                await honest.register_model(model_plan(TINY)[0].to_json())
+                join_md = ((auth.JOIN_METADATA, auth.join_token(SECRET)),)
+                for batch in range(3):
+                    clock = common_pb2.VectorClock(entries={**fresh_names(2 * batch), attacker.learner_id: 10 + batch})
+                    await attacker.stub.Heartbeat(
+                        coordinator_pb2.HeartbeatRequest(learner_id=attacker.learner_id, clock=clock),
+                        metadata=attacker.metadata, timeout=10)
+                    await attacker.stub.Join(
+                        coordinator_pb2.JoinRequest(clock=common_pb2.VectorClock(entries=fresh_names(2 * batch + 1))),
+                        metadata=join_md, timeout=10)
+                for _ in range(2):  # the first reply's clock goes into the second heartbeat
+                    await honest.heartbeat()
+                runtime = coordinator.runtime
+                assert len(runtime.vector_clock.entries) <= 6  # C, L0, L1 and the attacker's 3 extra Joins
+                assert len(honest.clock.entries) <= 6
+                assert set(runtime.vector_clock.entries) <= runtime.known_processes()
+
+                sneaky = FakeLearner.of(shard, "L1")
+                for batch in range(3):
+                    meta, encoded = sneaky.next_push()
+                    header = push_meta_to_proto(meta)
+                    header.clock.CopyFrom(common_pb2.VectorClock(entries={**fresh_names(batch), "L1": meta.seq}))
+                    await raw_push(shard_address, "L1", [syncer_pb2.PushRequest(header=header), *chunk_msgs(encoded)])
+                core = shard.runtime.core
+                async with client_for(shard_address, "L0") as client:
+                    learner = FakeLearner.of(shard, "L0")
+                    learner.version = core.fragments[0].version
+                    assert (await learner.push(client)).update.version == learner.version
+                    assert len((await client.status()).clock.entries) <= 3
+                assert set(core.clock.entries) <= core.known_processes() == {"C", "S0", "L0", "L1"}
+
+                async with admin_stub(coordinator.address) as (stub, md):
+                    replies = [r async for r in stub.ExportModel(coordinator_pb2.ExportModelRequest(), metadata=md, timeout=20)]
+                assert replies
+                await honest.close()
+    run(scenario())
+
+
+@pytest.mark.parametrize("version", [2**64 - 1, MAX_VERSION])
+def test_an_anchor_version_out_of_range_is_refused_before_touching_the_shard(tmp_path, version):
+    """Initialize with anchor=true, anchor_version=2**64-1 on a fresh shard was accepted;
+    the next push failed "Value out of range" and the shard's Status failed for good."""
+    from tests.grpc.test_syncer_initialize import MANIFEST, PLAN, chunks, empty_shard, header, raw_initialize
+
+    async def scenario():
+        async with empty_shard(tmp_path) as (server, address):
+            encoded = fp32(0)
+            hostile = header(0, encoded=encoded)
+            hostile.header.anchor, hostile.header.anchor_version = True, version
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_initialize(address, [hostile, *chunks(encoded)])
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in info.value.details()
+            assert server.runtime.core.fragments == {} and server.runtime.core.plan is None
+            async with client_for(address, "L0") as client:
+                assert (await client.status()).model_state.startswith("empty")
+                assert await client.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, encoded)
+                learner = FakeLearner.of(server, "L0")
+                assert (await learner.push(client)).update.version == 1
+                status = await client.status()
+                assert [f.version for f in status.fragments] == [1]
+    run(scenario())
