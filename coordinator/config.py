@@ -90,6 +90,9 @@ class CoordinatorConfig:
     """Pools learners may join and be launched into; the first is the default."""
     lease_s: float = 5.0
     """A learner that has not heartbeated for this long is marked failed."""
+    idle_timeout_s: float = 300.0
+    """A learner whose heartbeats report no new trained token or step for this long is
+    marked failed, as a dead one (a slow start, an XLA compile, fit in it; 0: never)."""
     credential_lifetime_s: float = auth.CREDENTIAL_LIFETIME_S
     """Learner credentials are issued for this long; every heartbeat reply renews them."""
     max_learners: int = 64
@@ -134,6 +137,8 @@ class CoordinatorConfig:
         if not (math.isfinite(self.credential_lifetime_s) and self.credential_lifetime_s >= 2 * self.lease_s):
             raise InvalidArgument(f"credential lifetime must be at least two leases ({2 * self.lease_s:g} s: a learner "
                                   f"renews it with its heartbeats), got {self.credential_lifetime_s}")
+        if not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s >= 0):
+            raise InvalidArgument(f"idle timeout must be a finite number of seconds >= 0, got {self.idle_timeout_s}")
         if not (math.isfinite(self.snapshot_every_s) and self.snapshot_every_s >= 0):
             raise InvalidArgument(f"snapshot every must be a finite number of seconds >= 0, got {self.snapshot_every_s}")
         if self.snapshot_keep < 0:

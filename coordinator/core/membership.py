@@ -42,6 +42,8 @@ class Learner:
     reason: str = ""
     """Why the learner is draining, failed or left."""
     drain_deadline_s: float | None = None
+    progress_s: float = 0.0
+    """When its heartbeats last reported more tokens or steps than before (or it joined)."""
 
     @property
     def live(self) -> bool:
@@ -108,12 +110,25 @@ class Expired:
     reason: str
 
 
-def decide_lease(learner: Learner, now: float, lease_s: float) -> Alive | Expired:
-    """Is the learner's lease still running? A lease runs ``lease_s`` from the last
-    heartbeat (or the join)."""
+def lease_deadline(learner: Learner, lease_s: float, idle_timeout_s: float = 0.0) -> float:
+    """When the learner's lease ends (``decide_lease``), unless it heartbeats with progress first."""
     deadline = learner.heartbeat_s + lease_s
-    if now >= deadline:
+    if idle_timeout_s and learner.state != DRAINING:
+        deadline = min(deadline, learner.progress_s + idle_timeout_s)
+    return deadline
+
+
+def decide_lease(learner: Learner, now: float, lease_s: float, idle_timeout_s: float = 0.0) -> Alive | Expired:
+    """Is the learner's lease still running? A lease runs ``lease_s`` from the last
+    heartbeat (or the join). A learner that heartbeats but trains nothing (no new token or
+    step for ``idle_timeout_s``; 0: never checked) has lost it too: a silent member
+    holds a slot, a quorum's count and a run's end. A draining learner has its own
+    deadline."""
+    if now >= learner.heartbeat_s + lease_s:
         return Expired(f"lease expired: no heartbeat for {now - learner.heartbeat_s:.1f} s (lease {lease_s:g} s)")
+    if idle_timeout_s and learner.state != DRAINING and now >= learner.progress_s + idle_timeout_s:
+        return Expired(f"trained nothing for {now - learner.progress_s:.1f} s (idle timeout {idle_timeout_s:g} s)")
+    deadline = lease_deadline(learner, lease_s, idle_timeout_s)
     return Alive(deadline, f"lease ends in {deadline - now:.1f} s")
 
 
@@ -150,7 +165,7 @@ class Membership:
         return changes
 
     def next_deadline(self) -> float | None:
-        deadlines = [l.heartbeat_s + self.cfg.lease_s for l in self.learners.values() if l.live]
+        deadlines = [lease_deadline(l, self.cfg.lease_s, self.cfg.idle_timeout_s) for l in self.learners.values() if l.live]
         deadlines += [l.drain_deadline_s for l in self.learners.values() if l.state == DRAINING and l.drain_deadline_s]
         deadlines += [x.launched_s + self.cfg.join_timeout_s for x in self.launches.values()]
         return min(deadlines, default=None)
@@ -168,7 +183,7 @@ class Membership:
         launch = self.launches.pop(launch_id, None) if launch_id else None
         if launch is None and self.occupied() >= self.cfg.max_learners:
             raise ResourceExhausted(f"the run is at its cap of {self.cfg.max_learners} learners")
-        learner = Learner(f"L{self.next_number}", pool, address, launch_id, JOINING, now, now)
+        learner = Learner(f"L{self.next_number}", pool, address, launch_id, JOINING, now, now, progress_s=now)
         self.next_number += 1
         self.learners[learner.id] = learner
         self._emit("joined", learner, f"joined pool {pool}" + (f" (launch {launch_id})" if launch_id else ""))
@@ -184,6 +199,8 @@ class Membership:
         if learner.state == LEFT:
             raise FailedPrecondition(f"{learner_id} has left ({learner.reason}); join again")
         learner.heartbeat_s = now
+        if stats.tokens > learner.tokens or stats.inner_steps > learner.inner_steps:
+            learner.progress_s = now
         learner.tokens, learner.inner_steps = stats.tokens, stats.inner_steps
         learner.version_lag, learner.tokens_per_s = stats.version_lag, stats.tokens_per_s
         if learner.state == JOINING:
@@ -211,7 +228,7 @@ class Membership:
         for learner in list(self.learners.values()):
             if not learner.live:
                 continue
-            decision = decide_lease(learner, now, self.cfg.lease_s)
+            decision = decide_lease(learner, now, self.cfg.lease_s, self.cfg.idle_timeout_s)
             if isinstance(decision, Expired):
                 self._depart(learner, FAILED, decision.reason, now)
             elif learner.state == DRAINING and learner.drain_deadline_s is not None and now >= learner.drain_deadline_s:
@@ -231,6 +248,7 @@ class Membership:
         for learner in self.learners.values():
             if learner.live:
                 learner.heartbeat_s = max(learner.heartbeat_s, now)
+                learner.progress_s = max(learner.progress_s, now)
         for launch_id, launch in list(self.launches.items()):
             self.launches[launch_id] = dataclasses.replace(launch, launched_s=max(launch.launched_s, now))
 

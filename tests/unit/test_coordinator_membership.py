@@ -440,3 +440,42 @@ def test_a_learner_record_with_a_bad_id_is_refused():
               "heartbeat_s": 0.0}
     with pytest.raises(InvalidArgument, match=r"^corrupt coordinator state: bad learner record \{'id': 'X3'"):
         Membership.from_state(membership().cfg, PLAN, {"learners": [record]})
+
+
+def test_a_member_that_heartbeats_but_trains_nothing_fails_after_the_idle_timeout():
+    """A silent member (it heartbeats, its counts never grow) is failed like a dead one,
+    with the reason; progress renews it, a draining learner has its own deadline, and
+    next_deadline wakes the coordinator for it."""
+    m = membership(idle_timeout_s=30.0, lease_s=5.0, credential_lifetime_s=60.0)
+    for _ in range(3):
+        m.join("", "host:1", "", PLAN, now=0.0)
+    for t in range(2, 30, 2):  # every learner beats; only L1 trains
+        for learner_id in ("L0", "L1", "L2"):
+            trained = t * 10 if learner_id == "L1" else 0
+            m.heartbeat(learner_id, HeartbeatStats(tokens=trained, inner_steps=trained // 10), now=float(t))
+    m.drain(["L2"], now=28.0)
+    assert m.next_deadline() == 30.0  # L0's idle deadline comes before any lease
+    m.heartbeat("L0", HeartbeatStats(tokens=0, inner_steps=0), now=29.9)
+    m.heartbeat("L1", HeartbeatStats(tokens=280, inner_steps=28), now=29.9)  # no new progress since t=28
+    m.heartbeat("L2", HeartbeatStats(tokens=0, inner_steps=0), now=29.9)
+    m.expire(30.0)
+    assert m.learner("L0").state == FAILED and m.learner("L0").reason.startswith("trained nothing for 30.0 s")
+    assert m.learner("L1").state == ACTIVE and m.learner("L2").state == DRAINING
+    for t in (33.0, 37.0, 41.0, 45.0, 49.0, 53.0, 57.0, 57.9):  # beating within its lease, training nothing more
+        m.heartbeat("L1", HeartbeatStats(tokens=280, inner_steps=28), now=t)
+    assert m.learner("L1").state == ACTIVE
+    m.expire(58.0)  # its last progress was at 28 s
+    assert m.learner("L1").state == FAILED and m.learner("L1").reason.startswith("trained nothing for 30.0 s")
+    # Off with 0, and a coordinator restart gives everyone a fresh start.
+    off = membership(idle_timeout_s=0.0, lease_s=5.0, credential_lifetime_s=60.0)
+    off.join("", "host:1", "", PLAN, now=0.0)
+    for t in range(1, 100):
+        off.heartbeat("L0", HeartbeatStats(), now=float(t))
+    assert off.learner("L0").state == ACTIVE
+    again = membership(idle_timeout_s=30.0, lease_s=5.0, credential_lifetime_s=60.0)
+    again.join("", "host:1", "", PLAN, now=0.0)
+    again.renew_all(100.0)
+    again.expire(104.0)
+    assert again.learner("L0").state == JOINING
+    with pytest.raises(InvalidArgument, match="idle timeout"):
+        membership(idle_timeout_s=-1.0)

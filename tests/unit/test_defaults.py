@@ -45,6 +45,7 @@ SETTINGS = [
     (MergeConfig, "block_size", [("syncer", "block_size"), ("learner", "block_size")]),
     (MergeConfig, "update_chain_length", [("syncer", "chain")]),
     (CoordinatorConfig, "lease_s", [("coordinator", "lease_s")]),
+    (CoordinatorConfig, "idle_timeout_s", [("coordinator", "idle_timeout_s")]),
     (CoordinatorConfig, "max_learners", [("coordinator", "max_learners")]),
     (CoordinatorConfig, "drain_timeout_s", [("coordinator", "drain_timeout_s")]),
     (CoordinatorConfig, "join_timeout_s", [("coordinator", "join_timeout_s")]),

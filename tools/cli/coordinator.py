@@ -20,6 +20,7 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
 from diloco.errors import InvalidArgument, NotFound
+from diloco.files import private_dir
 from tools.cli.settings import add_config_flag, add_flag, from_flags
 
 ENDPOINTS_FILE = "endpoints.json"
@@ -57,7 +58,7 @@ def _admin_token(args: argparse.Namespace, data_dir: Path) -> str:
     from coordinator.server import write_secret_file
     from diloco.auth import new_secret
 
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)
     token = new_secret()
     write_secret_file(path, token)
     return token
@@ -130,6 +131,9 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--pools", CoordinatorConfig, "pools", "pools learners may join, comma-separated; the first is the default",
              shown=",".join, taken=lambda pools: tuple(x for x in pools.split(",") if x))
     add_flag(p, "--lease-s", CoordinatorConfig, "lease_s", "heartbeat lease, seconds", type=float)
+    add_flag(p, "--idle-timeout-s", CoordinatorConfig, "idle_timeout_s",
+             "mark failed a learner whose heartbeats report no new token or step for this long, seconds (0: never)",
+             type=float)
     add_flag(p, "--credential-lifetime-s", CoordinatorConfig, "credential_lifetime_s",
              "learner credentials expire after S seconds; every heartbeat reply renews them", type=float, metavar="S")
     add_flag(p, "--max-learners", CoordinatorConfig, "max_learners", "cap on learners joined or launching", type=int)

@@ -55,6 +55,7 @@ CHART_VALUES: dict[tuple[type, str], ChartValue] = {
     (SyncerConfig, "max_push_bytes"): ChartValue("syncer.maxPushMiB", shown=lambda size: size // 2**20),
     (SyncerConfig, "num_shards"): ChartValue("syncer.shards", own_default="a deployment spreads the model over 2 shards"),
     (CoordinatorConfig, "lease_s"): ChartValue("coordinator.leaseSeconds"),
+    (CoordinatorConfig, "idle_timeout_s"): ChartValue("coordinator.idleTimeoutSeconds"),
     (CoordinatorConfig, "max_learners"): ChartValue("coordinator.maxLearners"),
     (CoordinatorConfig, "drain_timeout_s"): ChartValue("coordinator.drainTimeoutSeconds"),
     (CoordinatorConfig, "join_timeout_s"): ChartValue("coordinator.joinTimeoutSeconds"),
