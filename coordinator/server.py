@@ -25,7 +25,7 @@ from coordinator.service import CoordinatorServicer
 from diloco import auth, rpc
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
-from diloco.files import atomic_write
+from diloco.files import atomic_write, private_dir
 from diloco.v1 import coordinator_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class CoordinatorServer:
     ) -> None:
         self.cfg = cfg
         self._secret = secret
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(cfg.data_dir)
         self.runtime = CoordinatorRuntime(cfg, RunInfo(run), self._send_marker, clock, secret=secret)
         self.server = rpc.server(
             options=[

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from diloco.errors import InvalidArgument, NotFound
+from diloco.files import private_append
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,7 @@ class TapeWriter:
         if fsync_every <= 0:
             raise InvalidArgument(f"fsync_every must be positive, got {fsync_every}")
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")
+        self._file: IO[str] | None = private_append(self.path)
         self._fsync_every = fsync_every
         self._pending = 0
         self.records = 0

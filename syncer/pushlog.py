@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from diloco.errors import InvalidArgument, NotFound
+from diloco.files import private_append
 from diloco.wire import PushMeta
 from syncer.core.shard import PushPayload, inspect_payload
 from syncer.core.snapshot import meta_in, meta_out
@@ -34,8 +35,7 @@ def log_name(shard_id: int) -> str:
 class PushLogWriter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[bytes] | None = open(self.path, "ab")
+        self._file: IO[bytes] | None = private_append(self.path, binary=True)
 
     def append(self, meta: PushMeta, payload: PushPayload, wire_bytes: int) -> None:
         if self._file is None:

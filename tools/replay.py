@@ -64,7 +64,9 @@ def _last_life(records: list[dict], tape: Path) -> list[dict]:
 
 
 def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str | Path | None,
-                 final: dict[str, torch.Tensor], final_versions: dict[int, int], secret: str = "") -> ShardReplay:
+                 final: dict[str, torch.Tensor], final_versions: dict[int, int], secret: str | None = None) -> ShardReplay:
+    """``secret``: the run's, which verifies the snapshot the shard's last life restored from
+    (None: the life must not have restored from one)."""
     from syncer import snapshot as snapshot_files
     from syncer.core import snapshot
     from syncer.core.rounds import Close
@@ -101,6 +103,9 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str |
             core.add_fragment(r["fragment"], initial["pieces"], r.get("version", 0))
             capture(r["fragment"])
         elif r["kind"] == "restore":
+            if not secret:
+                raise NotFound(f"shard {cfg.shard_id} restored from snapshot {r['snapshot']}: replay needs the run's "
+                               "secret to verify it")
             snapshot_id, state, channel = snapshot_files.load_for_restore(str(r["snapshot"]), snapshot_dir, cfg.shard_id, secret)
             snapshot.restore(core, state, 0.0)
             for meta, payload, wire_bytes in channel:
@@ -153,6 +158,19 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str |
     return ShardReplay(cfg.shard_id, rounds, restored_from, diff, {f: final_versions[f] for f in sorted(compared)})
 
 
+def _run_secret(run_dir: Path, tapes: list[Path]) -> str | None:
+    """The run secret, which authenticates the snapshots that restarted shards came back
+    from; a run whose shards never restored from one has nothing to verify. Never an empty
+    key: a manifest signed with it would pass."""
+    restored = [tape for tape in tapes if any(r["kind"] == "restore" for r in _last_life(list(read_tape(tape)), tape))]
+    path = run_dir / "secret"
+    secret = path.read_text().strip() if path.is_file() else ""
+    if restored and not secret:
+        raise NotFound(f"{path} is missing or empty: {', '.join(t.parent.name for t in restored)} restored from a "
+                       "snapshot, which only the run's secret can verify")
+    return secret or None
+
+
 def replay(run_dir: Path, snapshot_dir: str | Path | None = None) -> list[ShardReplay]:
     run_dir = Path(run_dir)
     for name in ("run.json", "model.safetensors", "summary.json"):
@@ -163,14 +181,13 @@ def replay(run_dir: Path, snapshot_dir: str | Path | None = None) -> list[ShardR
     if "final_versions" not in summary:
         raise InvalidArgument(f"{run_dir / 'summary.json'} has no final_versions (written by an older diloco)")
     final_versions = {int(f): int(v) for f, v in summary["final_versions"].items()}
-    # The run secret authenticates the snapshots a restarted shard came back from.
-    secret = (run_dir / "secret").read_text().strip() if (run_dir / "secret").is_file() else ""
-    from safetensors.torch import load_file
-
-    final = {k: v.float() for k, v in load_file(str(run_dir / "model.safetensors")).items()}
     tapes = sorted(run_dir.glob("shard*/tape-S*.jsonl"))
     if not tapes:
         raise NotFound(f"no shard tapes under {run_dir}")
+    secret = _run_secret(run_dir, tapes)
+    from safetensors.torch import load_file
+
+    final = {k: v.float() for k, v in load_file(str(run_dir / "model.safetensors")).items()}
     results = []
     for tape in tapes:
         shard_id = int(tape.stem.rsplit("S", 1)[1])

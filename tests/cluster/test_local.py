@@ -4,6 +4,7 @@ import collections
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 
@@ -47,7 +48,14 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     assert summary["learners_joined"] == 2 and summary["learners_failed"] == 0
     assert 0 < summary["goodput"] <= 1 and summary["rounds"] > 0
     assert (out / "model.safetensors").exists() and (out / "eval_loss.png").exists()
-    assert oct((out / "admin-token").stat().st_mode & 0o777) == "0o600"
+    # The run's state and secrets are its owner's alone. Readable: what a person reads (logs,
+    # plots, the summary), certificates, and the lock (a pid).
+    for directory in (out, out / "coordinator", out / "shard0", out / "shard1"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    for path in out.rglob("*"):
+        public = path.suffix in (".log", ".png", ".crt") or path.name in ("summary.json", "supervisor.lock")
+        if path.is_file() and not public:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     endpoints = json.loads((out / "endpoints.json").read_text())
     # Every process of the run: the services, the coordinator's fork server, each learner.
     assert sorted(e["role"] for e in endpoints) == ["coordinator", "fork-server", "learner", "learner", "shard0", "shard1"]

@@ -36,6 +36,7 @@ import torch
 from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from diloco.files import PRIVATE_DIR, atomic_write, private_dir
 from diloco.snapshots import snapshot_ids
 from learner.config import LearnerConfig
 from tools.chaos import SCAVENGED_POOL, ChaosMonkey
@@ -366,14 +367,13 @@ def run_local(cfg: LocalConfig) -> dict:
             resumes.write(json.dumps({"t": time.time(), "snapshot": resumed_from, "learners": cfg.learners,
                                       "learner_steps": learner_steps}) + "\n")
     else:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(private_dir(run_dir), PRIVATE_DIR)  # also an empty directory given as --out: it will hold the secret
         lock = _lock(run_dir)
-        (run_dir / "learners").mkdir(exist_ok=True)
-        (run_dir / "secret").write_text(auth.new_secret())
-        os.chmod(run_dir / "secret", 0o600)
-        (run_dir / "run.json").write_text(cfg.run.to_json())
+        private_dir(run_dir / "learners")
+        atomic_write(run_dir / "secret", auth.new_secret())
+        atomic_write(run_dir / "run.json", cfg.run.to_json())
         resolved = {**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json()), "learner_steps": learner_steps}
-        (run_dir / "config.json").write_text(json.dumps(resolved, indent=1, default=str))
+        atomic_write(run_dir / "config.json", json.dumps(resolved, indent=1, default=str))
     budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{learner_steps} inner steps each"
     console.print(f"[bold]diloco local[/]: task {cfg.run.task}, {cfg.learners} learners, {cfg.shards} shards, {budget}, "
                   f"run directory {run_dir}")

@@ -143,8 +143,7 @@ class Cluster:
         self._endpoint("coordinator", self.coordinator, coord.pid)
         token_file = self.dir / "coordinator" / "admin-token"
         wait_until(lambda: token_file.exists(), self.cfg.startup_timeout_s, "the admin token")
-        (self.dir / "admin-token").write_text(token_file.read_text())
-        os.chmod(self.dir / "admin-token", 0o600)
+        atomic_write(self.dir / "admin-token", token_file.read_text())
 
     def restart_shard(self, m: int, admin, log) -> None:
         """SIGKILL shard ``m`` and start it again: from a snapshot taken just before
