@@ -190,6 +190,21 @@ class CoordinatorRuntime:
         ``MAX_GONE_KEPT`` gone)."""
         return {auth.COORDINATOR_ID, *(f"S{m}" for m in range(len(self.cfg.shards))), *self.membership.learners}
 
+    def check_member(self, caller: str) -> None:
+        """A learner's credential stays valid until it expires, but reads the run only
+        while its learner is a member: one that left or was marked failed (or was
+        forgotten since, under ``MAX_GONE_KEPT``) must join again, under a new id. Ids
+        that are not learners (the shards) pass."""
+        if not (caller[:1] == "L" and caller[1:].isdigit()):
+            return
+        learner = self.membership.learners.get(caller)
+        if learner is None:
+            if int(caller[1:]) < self.membership.next_number:
+                raise FailedPrecondition(f"{caller} is no longer a member of the run; join again")
+        elif not learner.live:
+            raise FailedPrecondition(f"{caller} is no longer a member of the run: it {learner.state} "
+                                     f"({learner.reason}); join again")
+
     def _settle(self, save: bool = False) -> None:
         """Apply what time has done, hand every change on, save if anything changed,
         re-arm the timer. Called after every call and when the timer fires."""

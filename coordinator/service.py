@@ -2,7 +2,8 @@
 
 Who may call what: Join needs the join token; learner calls, WatchMembership and
 ReportSnapshot need a credential (a learner's, or a shard's ``S<m>``) and may only act
-for that id; admin calls need the admin token.
+for that id, and a learner only while it is a member (not once it left or failed:
+Heartbeat and Leave say so themselves); admin calls need the admin token.
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise PermissionDenied(f"credential is for {caller!r}, the request is for {claimed!r}")
         return caller
 
+    def _member(self, context, claimed: str | None = None, field: str = "learner_id") -> str:
+        """``_caller``, for calls that read or act on the run: a learner that left or
+        failed is refused although its credential has not expired."""
+        caller = self._caller(context, claimed, field)
+        self.runtime.check_member(caller)
+        return caller
+
     def _credential(self, learner_id: str) -> str:
         return auth.sign(self._secret, learner_id, self.runtime.cfg.credential_lifetime_s)
 
@@ -120,18 +128,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @_status_on_error
     async def GetTopology(self, request, context):
-        self._caller(context)
+        self._member(context)
         return self._topology_now()
 
     @_status_on_error
     async def RegisterModel(self, request, context):
-        self._caller(context, request.learner_id)
+        self._member(context, request.learner_id)
         self.runtime.register_model(request.learner_id, request.manifest_json)
         return coordinator_pb2.RegisterModelReply(topology=self._topology_now(), clock=self._clock(request.clock))
 
     async def WatchMembership(self, request, context):
         try:
-            watcher = self._caller(context, request.watcher or None)
+            watcher = self._member(context, request.watcher or None)
             if len(request.incarnation) > MAX_INCARNATION_CHARS:
                 raise InvalidArgument(f"incarnation has more than {MAX_INCARNATION_CHARS} characters")
             clock = self._clock(request.clock)
@@ -150,7 +158,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @_status_on_error
     async def ReportSnapshot(self, request, context):
-        self._caller(context, request.participant, "participant")
+        self._member(context, request.participant, "participant")
         files = convert.files_from_proto(request.files)
         self.runtime.report_snapshot(request.snapshot_id, request.participant, convert.clock_from_proto(request.clock), files)
         self._clock(request.clock)

@@ -78,5 +78,7 @@ class RunConfig:
             if not isinstance(raw, dict):
                 raise TypeError("not a JSON object")
             return cls(**raw)
+        except RecursionError:
+            raise InvalidArgument("invalid run config: JSON nested too deeply") from None
         except (TypeError, ValueError) as error:
             raise InvalidArgument(f"invalid run config: {error}") from None

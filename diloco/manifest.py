@@ -139,6 +139,8 @@ class Manifest:
                 raise ValueError(f"more than {MAX_ENTRIES} tensors")
             entries = tuple(_entry(e) for e in entries_raw)
             aliases = tuple((_name(a), _name(b)) for a, b in aliases_raw)
+        except RecursionError:
+            raise InvalidArgument("invalid model manifest: JSON nested too deeply") from None
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise InvalidArgument(f"invalid model manifest: {error}") from None
         return cls(entries, aliases)

@@ -144,6 +144,8 @@ def read_manifest(url: str | Path, secret: str | None = None) -> dict:
     """A snapshot manifest; with the run ``secret``, only one the run itself signed."""
     try:
         manifest = json.loads(read_file(url))
+    except RecursionError:
+        raise InvalidArgument(f"cannot read snapshot manifest {url}: JSON nested too deeply") from None
     except ValueError as error:
         raise InvalidArgument(f"cannot read snapshot manifest {url}: {error}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != 1 or not isinstance(manifest.get("files"), list):
@@ -156,7 +158,21 @@ def read_manifest(url: str | Path, secret: str | None = None) -> dict:
                 + ("it has no mac" if presented is None else "its mac does not match: modified, or another run's")
                 + "): refused"
             )
+    _check_id(url, manifest)
     return manifest
+
+
+def _check_id(url: str | Path, manifest: dict) -> None:
+    """A manifest in a directory named for a snapshot id must record that id: the mac
+    covers the id, not the directory's name, so an older snapshot copied under a higher
+    id would otherwise be restored as "latest"."""
+    directory = posixpath.basename(posixpath.dirname(str(url).rstrip("/")))
+    recorded = manifest.get("snapshot_id")
+    if directory.isdigit() and (isinstance(recorded, bool) or not isinstance(recorded, int) or recorded != int(directory)):
+        raise FailedPrecondition(
+            f"snapshot directory {directory} holds the signed manifest of snapshot {recorded!r} ({url}): "
+            f"a snapshot copied under another id, refused; remove {directory} or restore a snapshot by its own id"
+        )
 
 
 def sign_manifest(secret: str, manifest: dict) -> dict:

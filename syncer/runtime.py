@@ -634,8 +634,9 @@ class ShardRuntime:
         for fragment_id in self.core.fragments:
             self._evaluate(fragment_id)
 
-    def set_membership(self, live: set[str], failed: set[str], draining: set[str] = frozenset()) -> None:
-        self.core.set_membership(live, failed, draining)
+    def set_membership(self, live: set[str], failed: set[str], draining: set[str] = frozenset(),
+                       left: set[str] = frozenset()) -> None:
+        self.core.set_membership(live, failed, draining, left)
         if self.recorder is not None:
             for learner_id in self.recorder.open_channels - live:
                 self.recorder.learner_gone(learner_id)

@@ -153,7 +153,8 @@ class ShardServer:
             live = {i.learner_id for i in event.learners if _MEMBERSHIP_EVENTS.get(i.state) == "joined"}
             failed = {i.learner_id for i in event.learners if i.state == common_pb2.LEARNER_STATE_FAILED}
             draining = {i.learner_id for i in event.learners if i.state == common_pb2.LEARNER_STATE_DRAINING}
-            self.runtime.set_membership(live, failed, draining)
+            left = {i.learner_id for i in event.learners if i.state == common_pb2.LEARNER_STATE_LEFT}
+            self.runtime.set_membership(live, failed, draining, left)
             return
         for info in event.learners:
             kind = _MEMBERSHIP_EVENTS.get(info.state)

@@ -255,6 +255,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         try:
             learner_id = self._authenticate(context)
             core = self.runtime.core
+            core.check_reader(learner_id)
             wanted = list(request.fragments) or [f.id for f in core.owned]
             if not wanted:
                 core.state_of(0)  # no plan yet: says so
@@ -296,7 +297,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
 
     async def Status(self, request, context):
         try:
-            self._authenticate(context)  # any process of the run: it lists live learner ids and counters
+            # any process of the run that is still in it: it lists live learner ids and counters
+            self.runtime.core.check_reader(self._authenticate(context))
         except DilocoError as error:
             await rpc.abort_with(context, error)
         core, counters = self.runtime.core, self.runtime.counters

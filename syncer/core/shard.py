@@ -39,6 +39,9 @@ from syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
 ACCEPTED = "accepted"
 ACCEPTED_NEXT_ROUND = "accepted_next_round"
 DUPLICATE = "duplicate"
+MAX_LEFT_KEPT = 4096
+"""Learners that left, remembered (newest) so that their credentials, still valid until
+they expire, no longer read the model; older ones are forgotten."""
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,8 @@ class ShardCore:
         self.draining: set[str] = set()
         """Learners the coordinator is draining: they may still push (their last progress
         is merged), but no round waits for them."""
+        self.left: dict[str, None] = {}
+        """The newest ``MAX_LEFT_KEPT`` learners that left, oldest first."""
         self.fragments: dict[int, FragmentState] = {}
         self.pushes_received = 0
         self.rounds_closed = 0
@@ -650,10 +655,25 @@ class ShardCore:
         learners that may push (live or draining)."""
         return {auth.COORDINATOR_ID, *(f"S{m}" for m in range(self.cfg.num_shards)), *self.live, *self.draining}
 
-    def set_membership(self, live: set[str], failed: set[str], draining: set[str] = frozenset()) -> None:
+    def check_reader(self, learner_id: str) -> None:
+        """A learner's credential stays valid until it expires; once this shard knows the
+        learner left or failed, it no longer reads the model or the shard's state (the same
+        refusal as its pushes get). A learner this shard has not heard of yet (it has just
+        joined) or one draining passes."""
+        if learner_id in self.failed:
+            raise PermissionDenied(f"{learner_id} was marked failed or removed: it may no longer read the run")
+        if learner_id in self.left:
+            raise FailedPrecondition(f"{learner_id} has left the run: join the coordinator again")
+
+    def set_membership(self, live: set[str], failed: set[str], draining: set[str] = frozenset(),
+                       left: set[str] = frozenset()) -> None:
         self.live = set(live)
         self.failed = set(failed)
         self.draining = set(draining) - self.live
+        for learner_id in left:
+            self._remember_left(learner_id)
+        for learner_id in self.live | self.draining | self.failed:
+            self.left.pop(learner_id, None)
 
     def learner_failed(self, learner_id: str) -> None:
         self.live.discard(learner_id)
@@ -668,7 +688,14 @@ class ShardCore:
     def learner_left(self, learner_id: str) -> None:
         self.live.discard(learner_id)
         self.draining.discard(learner_id)
+        self._remember_left(learner_id)
         self._forget(learner_id)
+
+    def _remember_left(self, learner_id: str) -> None:
+        self.left.pop(learner_id, None)
+        self.left[learner_id] = None
+        while len(self.left) > MAX_LEFT_KEPT:
+            del self.left[next(iter(self.left))]
 
     def _forget(self, learner_id: str) -> None:
         """A learner gone for good: its mirrors are memory no reply will use."""
@@ -680,3 +707,4 @@ class ShardCore:
         self.live.add(learner_id)
         self.draining.discard(learner_id)
         self.failed.discard(learner_id)
+        self.left.pop(learner_id, None)

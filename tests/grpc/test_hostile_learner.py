@@ -96,3 +96,110 @@ def test_an_anchor_version_out_of_range_is_refused_before_touching_the_shard(tmp
                 status = await client.status()
                 assert [f.version for f in status.fragments] == [1]
     run(scenario())
+
+
+DEEP = "[" * 100_000
+"""A manifest nested 100,000 deep: json.loads raised RecursionError, which became UNKNOWN."""
+
+
+def test_a_deeply_nested_manifest_is_an_invalid_argument_and_both_services_keep_serving(tmp_path):
+    """RegisterModel on the coordinator and Initialize on a shard with a manifest nested
+    100,000 deep ended UNKNOWN "RecursionError"; now INVALID_ARGUMENT, saying why."""
+    from tests.grpc.test_syncer_initialize import MANIFEST, PLAN, chunks, empty_shard, header, raw_initialize
+
+    async def scenario():
+        async with running_coordinator(tmp_path) as coordinator:
+            learner = await joined(coordinator.address)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await learner.stub.RegisterModel(
+                    coordinator_pb2.RegisterModelRequest(learner_id=learner.learner_id, manifest_json=DEEP),
+                    metadata=learner.metadata, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "nested too deeply" in info.value.details()
+            topology = await learner.register_model(model_plan(TINY)[0].to_json())
+            assert topology.plan.plan_hash
+            await learner.close()
+        async with empty_shard(tmp_path / "shard") as (server, address):
+            encoded = fp32(0)
+            hostile = header(0, encoded=encoded)
+            hostile.header.manifest_json = DEEP
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_initialize(address, [hostile, *chunks(encoded)])
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "nested too deeply" in info.value.details()
+            async with client_for(address, "L0") as client:
+                assert await client.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, encoded)
+    run(scenario())
+
+
+async def _refused(call, code):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        result = call()
+        if hasattr(result, "__aiter__"):
+            async for _ in result:
+                pass
+        else:
+            await result
+    assert info.value.code() == code, info.value.details()
+    return info.value.details()
+
+
+def test_a_learner_that_left_or_failed_no_longer_reads_the_coordinator(tmp_path):
+    """After Leave (or being marked failed), the learner's credential still read the
+    topology (with the model manifest) and followed the membership until it expired.
+    Now FAILED_PRECONDITION, as its Heartbeat already was; it joins again under a new id."""
+    async def scenario():
+        async with running_coordinator(tmp_path) as coordinator:
+            honest = await joined(coordinator.address)
+            await honest.register_model(model_plan(TINY)[0].to_json())
+            leaver, failer = await joined(coordinator.address), await joined(coordinator.address)
+            assert (await leaver.topology()).plan.plan_hash
+            await leaver.leave("done")
+            await failer.leave("crashed", failed=True)
+            precondition = grpc.StatusCode.FAILED_PRECONDITION
+            for gone, state in ((leaver, "left"), (failer, "failed")):
+                md = gone.metadata
+                details = await _refused(lambda: gone.stub.GetTopology(coordinator_pb2.GetTopologyRequest(), metadata=md,
+                                                                       timeout=10), precondition)
+                assert f"{gone.learner_id} is no longer a member of the run: it {state}" in details
+                await _refused(lambda: gone.stub.RegisterModel(coordinator_pb2.RegisterModelRequest(
+                    learner_id=gone.learner_id, manifest_json=model_plan(TINY)[0].to_json()), metadata=md, timeout=10),
+                    precondition)
+                await _refused(lambda: gone.stub.WatchMembership(coordinator_pb2.WatchMembershipRequest(
+                    watcher=gone.learner_id), metadata=md, timeout=10), precondition)
+                await _refused(lambda: gone.stub.ReportSnapshot(coordinator_pb2.ReportSnapshotRequest(
+                    snapshot_id=1, participant=gone.learner_id), metadata=md, timeout=10), precondition)
+                await gone.leave("again")  # idempotent, as before
+            assert (await honest.topology()).plan.plan_hash
+            again = await joined(coordinator.address)
+            assert again.learner_id not in (leaver.learner_id, failer.learner_id)
+            assert (await again.topology()).plan.plan_hash
+            for session in (honest, leaver, failer, again):
+                await session.close()
+    run(scenario())
+
+
+def test_a_learner_a_shard_knows_is_gone_no_longer_reads_the_shard(tmp_path):
+    """Bootstrap (the full model) and Status answered a learner the shard knew had left
+    or failed. Now refused like its pushes: FAILED_PRECONDITION once it left,
+    PERMISSION_DENIED once it failed; a draining learner, one the shard has not heard of
+    yet and the coordinator still read."""
+    async def scenario():
+        async with running_shard(tmp_path, learners=("L0", "L1", "L2")) as (shard, address):
+            shard.runtime.membership("left", "L0")
+            shard.runtime.membership("failed", "L1")
+            shard.runtime.membership("draining", "L2")
+            for learner_id, code, says in (("L0", grpc.StatusCode.FAILED_PRECONDITION, "has left"),
+                                           ("L1", grpc.StatusCode.PERMISSION_DENIED, "marked failed")):
+                async with client_for(address, learner_id) as client:
+                    assert says in await _refused(client.status, code)
+                    assert says in await _refused(lambda: client.stub.Bootstrap(
+                        syncer_pb2.BootstrapRequest(), metadata=client.credential.metadata(), timeout=10), code)
+            for reader in ("L2", "L9", auth.COORDINATOR_ID):
+                async with client_for(address, reader) as client:
+                    assert list((await client.status()).live_learners) == []
+                    assert [u.fragment for u in await client.bootstrap()] == [f.id for f in shard.runtime.core.owned]
+            shard.runtime.set_membership({"L3"}, {"L1"}, left={"L2"})  # a snapshot of the coordinator's membership
+            async with client_for(address, "L2") as client:
+                await _refused(client.status, grpc.StatusCode.FAILED_PRECONDITION)
+    run(scenario())

@@ -262,3 +262,20 @@ def test_restored_chain_serves_the_same_updates_and_keeps_its_length():
     close(fresh, 0, now=11.1)
     assert [s.kind for s in fresh.update_for(0, 1).segments] == ["full"]
     assert fresh.update_for(0, 1) == shard.update_for(0, 1)
+
+
+@pytest.mark.parametrize("spec", ["latest", "2"])
+def test_a_snapshot_copied_under_a_higher_id_is_refused_naming_both_ids(tmp_path, spec):
+    """Issue 39: the mac covers the manifest, not its directory's name, so a genuine older
+    snapshot copied to ``000002/`` was restored as ``latest``. Refused, so that an operator
+    notices; the genuine one still restores by its own id."""
+    from diloco.snapshots import find_manifest, read_manifest, sign_manifest
+
+    secret = "run secret"
+    manifest = sign_manifest(secret, {"format": 1, "snapshot_id": 1, "files": []})
+    for directory in ("000001", "000002"):
+        (tmp_path / directory).mkdir()
+        (tmp_path / directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FailedPrecondition, match=r"directory 000002 holds the signed manifest of snapshot 1\b"):
+        snapshot_files.load_for_restore(spec, tmp_path, 0, secret)
+    assert read_manifest(find_manifest(tmp_path, "1"), secret)["snapshot_id"] == 1
