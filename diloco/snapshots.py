@@ -24,7 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from diloco import auth
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound
-from diloco.files import atomic_write
+from diloco.files import atomic_write, private_dir
 
 MANIFEST = "manifest.json"
 _FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
@@ -50,7 +50,7 @@ def prepare(directory: str | Path) -> None:
     """Make a snapshot's directory where directories exist (object stores have none)."""
     fs, path = _fs(directory)
     if isinstance(fs, LocalFileSystem):
-        Path(path).mkdir(parents=True, exist_ok=True)
+        private_dir(path)  # 0700: it holds the model and the optimizers' state
 
 
 def write_file(url: str | Path, data: bytes) -> None:
