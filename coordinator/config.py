@@ -23,6 +23,13 @@ def check_dns_label(what: str, value: str, max_chars: int = 63) -> None:
         )
 
 
+MAX_LEARNERS = 2048
+"""The largest ``max_learners``, and ``MAX_SHARDS`` the most shards: the coordinator's
+vector clock names every learner it lists (live, and up to 1000 gone), every shard and
+itself, and a clock on the wire holds at most 4096 entries."""
+MAX_SHARDS = 1024
+
+
 @dataclass(frozen=True)
 class LocalLauncherConfig:
     """Learners as child processes of the coordinator (the embedded default)."""
@@ -143,8 +150,10 @@ class CoordinatorConfig:
             raise InvalidArgument(f"snapshot every must be a finite number of seconds >= 0, got {self.snapshot_every_s}")
         if self.snapshot_keep < 0:
             raise InvalidArgument(f"snapshot keep must be >= 0, got {self.snapshot_keep}")
-        if self.max_learners < 1:
-            raise InvalidArgument(f"max learners must be >= 1, got {self.max_learners}")
+        if not 1 <= self.max_learners <= MAX_LEARNERS:
+            raise InvalidArgument(f"max learners must be in [1, {MAX_LEARNERS}], got {self.max_learners}")
+        if len(self.shards) > MAX_SHARDS:
+            raise InvalidArgument(f"at most {MAX_SHARDS} shards, got {len(self.shards)}")
         if not self.pools:
             raise InvalidArgument("at least one pool is needed")
         if len(set(self.pools)) != len(self.pools):

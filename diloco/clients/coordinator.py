@@ -174,6 +174,8 @@ class AdminClient:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 hint = self.unreachable_hint or ("is it running, and is this its address (--coordinator, or the "
                                                  "run directory's endpoints.json)?")
+                if rpc.handshake_failed(error.details() or ""):
+                    hint = rpc.handshake_hint()
                 raise Unavailable(f"no coordinator answers at {self.address} ({what}): {hint} {error.details()}") from None
             raise error_from_rpc(error, f"{what} at {self.address}") from None
 

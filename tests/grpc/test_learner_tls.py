@@ -126,3 +126,29 @@ def test_a_tls_learner_at_a_plaintext_coordinator_is_told_to_give_insecure(tmp_p
             assert took_s < 20
 
     run(scenario())
+
+
+def test_an_admin_that_speaks_plaintext_to_a_tls_coordinator_is_told_tls_is_the_likely_cause(tmp_path, certs):
+    from diloco.clients.coordinator import AdminClient
+
+    ours, _ = certs
+
+    async def scenario():
+        rpc.use_tls(rpc.Tls.from_dir(ours))  # the coordinator serves mutual TLS
+        async with running_coordinator(tmp_path) as coordinator:
+            rpc.use_tls(None)  # this admin does not
+
+            def members() -> str:
+                client = AdminClient(coordinator.address, "any-token", timeout_s=5)
+                try:
+                    with pytest.raises(Unavailable) as refused:
+                        client.members()
+                    return str(refused.value)
+                finally:
+                    client.close()
+
+            message = await asyncio.to_thread(members)
+            assert f"no coordinator answers at {coordinator.address}" in message
+            assert "TLS is the likely cause" in message and "diloco --tls-dir DIR" in message, message
+
+    run(scenario())

@@ -479,3 +479,26 @@ def test_a_member_that_heartbeats_but_trains_nothing_fails_after_the_idle_timeou
     assert again.learner("L0").state == JOINING
     with pytest.raises(InvalidArgument, match="idle timeout"):
         membership(idle_timeout_s=-1.0)
+
+
+def test_the_learner_cap_keeps_the_coordinators_clock_under_the_wire_limit():
+    """Every learner the coordinator lists (live, and the gone it keeps), every shard and
+    itself fit in one clock on the wire; a cap above that is refused by name."""
+    from coordinator.config import MAX_LEARNERS, MAX_SHARDS
+    from diloco.convert import MAX_CLOCK_ENTRIES
+
+    assert MAX_LEARNERS + MAX_GONE_KEPT + MAX_SHARDS + 1 <= MAX_CLOCK_ENTRIES
+    membership(max_learners=MAX_LEARNERS)
+    with pytest.raises(InvalidArgument, match=f"max learners must be in \\[1, {MAX_LEARNERS}\\], got 2049"):
+        membership(max_learners=MAX_LEARNERS + 1)
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_SHARDS} shards"):
+        membership(shards=tuple(f"127.0.0.1:{7000 + i}" for i in range(MAX_SHARDS + 1)))
+
+
+def test_the_chart_caps_learners_as_the_coordinator_does():
+    import json
+
+    from coordinator.config import MAX_LEARNERS
+
+    schema = json.loads((Path(__file__).resolve().parents[2] / "k8s" / "diloco" / "values.schema.json").read_text())
+    assert schema["properties"]["coordinator"]["properties"]["maxLearners"]["maximum"] == MAX_LEARNERS
