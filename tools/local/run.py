@@ -86,8 +86,6 @@ def _launch(admin, cfg: LocalConfig) -> None:
             raise Unavailable(f"could not launch learners: {failed}")
 
 
-LIVE_STATES = ("joining", "active", "draining")
-
 LEARNERS_STOP_S = 8.0
 """How long a stop waits for drained learners' summaries (their final pushes take at
 most ``FINAL_PUSH_WAIT_S``) before the shards and the coordinator go regardless."""
@@ -98,7 +96,7 @@ def _stop_learners(admin, run_dir: Path, say: Callable[[str], None]) -> list[str
     it writes its summary; wait for those summaries (at most ``LEARNERS_STOP_S``; a second
     Ctrl-C stops waiting). Returns the ids drained."""
     try:
-        live = [m["id"] for m in admin.members(include_gone=True) if m["state"] in LIVE_STATES]
+        live = [m["id"] for m in admin.members()]  # joining, active or draining
         if live:
             admin.remove_learners(live, drain=True)
     except DilocoError as error:
