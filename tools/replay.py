@@ -141,7 +141,8 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str |
             job = core.begin_round(r["fragment"], Close(r["reason"], r["grace_s"]), 0.0)
             if job.version != r["version"]:
                 raise FailedPrecondition(f"tape {tape}: fragment {r['fragment']} is at {job.version - 1}, the tape closes {r['version']}")
-            job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0))
+            job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0),
+                          clip=tuple(r.get("clip", ())))
             core.finish_round(job, compute_round(job, cfg), 0.0)
             rounds += 1
             capture(r["fragment"])

@@ -12,6 +12,7 @@ clock step can at worst fail a learner early, which then joins again.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 
 from coordinator.config import CoordinatorConfig
@@ -24,6 +25,11 @@ STATES = (JOINING, ACTIVE, DRAINING, FAILED, LEFT)
 MAX_GONE_KEPT = 1000
 MAX_REASON_CHARS = 500
 """A learner's own reason for leaving is cut to this (it is stored, listed and shown)."""
+TOKEN_RATE_MULTIPLE = 3.0
+"""A learner's reported tokens are credited at most this many times as fast as the
+median rate credited to the other live learners (``credit_tokens``): one learner's claims
+cannot exhaust a run's token budget. The shards bound its influence on the model by the
+same multiple (``SyncerConfig.robust_multiple``)."""
 
 
 @dataclass
@@ -44,6 +50,8 @@ class Learner:
     drain_deadline_s: float | None = None
     progress_s: float = 0.0
     """When its heartbeats last reported more tokens or steps than before (or it joined)."""
+    token_rate: float = 0.0
+    """Tokens per second credited over its last report (``credit_tokens``)."""
 
     @property
     def live(self) -> bool:
@@ -198,10 +206,11 @@ class Membership:
             raise FailedPrecondition(f"{learner_id} was marked failed ({learner.reason}); join again")
         if learner.state == LEFT:
             raise FailedPrecondition(f"{learner_id} has left ({learner.reason}); join again")
-        learner.heartbeat_s = now
         if stats.tokens > learner.tokens or stats.inner_steps > learner.inner_steps:
             learner.progress_s = now
-        learner.tokens, learner.inner_steps = stats.tokens, stats.inner_steps
+        self.credit_tokens(learner, stats.tokens, now)
+        learner.heartbeat_s = now
+        learner.inner_steps = max(learner.inner_steps, stats.inner_steps)
         learner.version_lag, learner.tokens_per_s = stats.version_lag, stats.tokens_per_s
         if learner.state == JOINING:
             learner.state = ACTIVE
@@ -216,9 +225,28 @@ class Membership:
         learner = self.learner(learner_id)
         if learner.live:
             if final is not None:
-                learner.tokens, learner.inner_steps = max(learner.tokens, final[0]), max(learner.inner_steps, final[1])
+                self.credit_tokens(learner, final[0], now)
+                learner.inner_steps = max(learner.inner_steps, final[1])
             reason = reason[:MAX_REASON_CHARS] or ("failed" if failed else "left")
             self._depart(learner, FAILED if failed else LEFT, reason, now, gently=True)
+
+    def credit_tokens(self, learner: Learner, reported: int, now: float) -> None:
+        """Count the tokens a learner reports it has trained, as far as they are credible:
+        the increase since its last report, at most ``TOKEN_RATE_MULTIPLE`` x the median
+        rate of the other live learners over the time since then. Counts never go down. With
+        no other learner reporting progress there is nothing to compare with and the report
+        is taken as it is (a run's only learner can exhaust only its own budget)."""
+        increase = reported - learner.tokens
+        if increase <= 0:
+            return
+        elapsed = max(now - learner.heartbeat_s, 0.0)
+        rates = [other.token_rate for other in self.learners.values()
+                 if other is not learner and other.live and other.token_rate > 0]
+        if rates:
+            increase = min(increase, int(TOKEN_RATE_MULTIPLE * statistics.median_low(rates) * elapsed))
+        learner.tokens += increase
+        if elapsed > 0:
+            learner.token_rate = increase / elapsed
 
     # --- time ------------------------------------------------------------------------
 

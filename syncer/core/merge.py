@@ -23,21 +23,29 @@ class Contribution:
     inner_steps: int
     staleness: int
     failed: bool = False
+    weight_cap: float = math.inf
+    """The most its raw weight may count for (``syncer.core.bounds``)."""
+
+
+def raw_weight(tokens: int, inner_steps: int) -> float:
+    """``tokens * (tokens / steps)``: a push's weight before its cap, staleness and
+    normalisation (0 for a push that trained nothing)."""
+    return tokens * (tokens / inner_steps) if inner_steps > 0 and tokens > 0 else 0.0
 
 
 def token_weights(contributions: Sequence[Contribution], staleness_lambda: float = 0.0) -> list[float]:
-    """``w = tokens * (tokens / steps)``, discounted by ``1 / (1 + lambda * staleness)``,
-    normalised to sum 1.
+    """``w = min(tokens * (tokens / steps), weight_cap)``, discounted by
+    ``1 / (1 + lambda * staleness)``, normalised to sum 1.
 
     Learners that took no inner steps, and learners marked failed, get weight 0. When every
     weight is 0 the result is all zeros (the round changes nothing).
     """
     raw = []
     for c in contributions:
-        if c.failed or c.inner_steps <= 0 or c.tokens <= 0:
+        if c.failed:
             raw.append(0.0)
             continue
-        w = c.tokens * (c.tokens / c.inner_steps)
+        w = min(raw_weight(c.tokens, c.inner_steps), c.weight_cap)
         if staleness_lambda:
             w /= 1.0 + staleness_lambda * max(c.staleness, 0)
         raw.append(w)

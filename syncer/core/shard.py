@@ -32,7 +32,8 @@ from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied,
 from diloco.fragments import Fragment, FragmentPlan
 from diloco.wire import MAX_VERSION, PushMeta
 from syncer.config import SyncerConfig
-from syncer.core.merge import Contribution, merge_piece, token_weights
+from syncer.core.bounds import Influence, Push
+from syncer.core.merge import Contribution, merge_piece, raw_weight, token_weights
 from syncer.core.outer import outer_step_
 from syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
 
@@ -144,6 +145,8 @@ class FragmentState:
     condensed: dict[str, tuple[int, Segment]] = field(default_factory=dict)
     """Condensed replies the last round made: learner -> (its base version, the update to
     ``version``)."""
+    influence: Influence = field(default_factory=Influence)
+    """The other learners' latest pushes, which bound a new push's delta and weight."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,8 @@ class RoundJob:
     mirrors: tuple[tuple[str, int, Mirror], ...] = ()
     """(learner, its push's base version, its mirror) for each pusher whose anchor the
     shard mirrors at that base: ``condense_replies`` answers them."""
+    clip: tuple[float, ...] = ()
+    """The factor each push's delta is scaled by (``syncer.core.bounds``); empty: all 1."""
 
 
 def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
@@ -189,11 +194,12 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
         scale = 1.0
         if sum(job.weights) > 0:
             tensors = [p.payload.tensors[index] for p in job.pushes]
+            clip = job.clip or (1.0,) * len(job.pushes)
 
             def add(terms: list[tuple[int, float]], out: np.ndarray) -> float:
-                return accumulate([(tensors[i], alpha) for i, alpha in terms], out, overwrite=True)
+                return accumulate([(tensors[i], alpha * clip[i]) for i, alpha in terms], out, overwrite=True)
 
-            norms = [p.payload.norms[index] for p in job.pushes]
+            norms = [p.payload.norms[index] * clip[i] for i, p in enumerate(job.pushes)]
             rda = m.merge == "rda" and not piece.embedding and not piece.buffer
             scale = merge_piece(add, norms, job.weights, rda, delta)
             momentum = job.momentum[index].reshape(-1)
@@ -449,6 +455,14 @@ class ShardCore:
         state.last_target[meta.learner_id] = target
         return Ack(outcome, target)
 
+    @staticmethod
+    def _measure(state: FragmentState, pending: Pending) -> Push:
+        """What ``Influence`` weighs of a push: its delta's norm (buffers, which carry values
+        rather than deltas, left out), its raw weight and when it arrived."""
+        norm = math.sqrt(sum(n * n for piece, n in zip(state.fragment.pieces, pending.payload.norms) if not piece.buffer))
+        meta = pending.meta
+        return Push(meta.learner_id, norm, raw_weight(meta.tokens, meta.inner_steps), pending.received_at)
+
     def fragment_norm(self, state: FragmentState) -> float:
         """The fragment's L2 norm, computed once per version (while a round is applying,
         the last computed one)."""
@@ -487,6 +501,11 @@ class ShardCore:
         if state.applying or not state.open:
             raise FailedPrecondition(f"fragment {fragment_id} has no round to close")
         pushes = tuple(state.open[k] for k in sorted(state.open))
+        counted = [p for p in pushes if p.meta.learner_id not in self.failed]
+        measured = [self._measure(state, p) for p in counted]
+        bounds = dict(zip((p.meta.learner_id for p in counted),
+                          state.influence.bounds(measured, self.cfg.robust_multiple, lambda: self.fragment_norm(state))))
+        state.influence.record(measured)
         contributions = [
             Contribution(
                 p.meta.learner_id,
@@ -494,6 +513,7 @@ class ShardCore:
                 p.meta.inner_steps,
                 state.version - p.meta.base_version,
                 failed=p.meta.learner_id in self.failed,
+                weight_cap=bounds[p.meta.learner_id].weight_cap if p.meta.learner_id in bounds else math.inf,
             )
             for p in pushes
         ]
@@ -520,6 +540,7 @@ class ShardCore:
             opened_at=opened,
             closed_at=now,
             participation=merged / live if live else 1.0,
+            clip=tuple(bounds[p.meta.learner_id].clip if p.meta.learner_id in bounds else 1.0 for p in pushes),
             mirrors=tuple(
                 (p.meta.learner_id, p.meta.base_version, mirror) for p in pushes
                 if not p.meta.final
@@ -698,10 +719,12 @@ class ShardCore:
             del self.left[next(iter(self.left))]
 
     def _forget(self, learner_id: str) -> None:
-        """A learner gone for good: its mirrors are memory no reply will use."""
+        """A learner gone for good: its mirrors are memory no reply will use, and its pushes
+    no longer vouch for what the others send."""
         for state in self.fragments.values():
             state.mirrors.pop(learner_id, None)
             state.condensed.pop(learner_id, None)
+            state.influence.forget(learner_id)
 
     def learner_joined(self, learner_id: str) -> None:
         self.live.add(learner_id)

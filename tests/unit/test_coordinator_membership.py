@@ -194,13 +194,40 @@ def test_a_leave_carries_the_learner_s_final_counts():
     m.join("", "host:1", "", PLAN, now=100.0)
     m.join("", "host:2", "", PLAN, now=100.0)
     m.heartbeat("L0", HeartbeatStats(tokens=64, inner_steps=2), now=101.0)
-    m.heartbeat("L1", HeartbeatStats(tokens=640, inner_steps=20), now=101.0)
-    m.leave("L0", "finished", now=102.0, final=(1920, 60))
+    m.heartbeat("L1", HeartbeatStats(tokens=128, inner_steps=4), now=101.0)
+    m.leave("L0", "finished", now=102.0, final=(192, 6))
     m.leave("L1", "finished", now=102.0, final=(64, 2))
-    assert (m.learner("L0").tokens, m.learner("L0").inner_steps) == (1920, 60)
-    assert (m.learner("L1").tokens, m.learner("L1").inner_steps) == (640, 20)
+    assert (m.learner("L0").tokens, m.learner("L0").inner_steps) == (192, 6)
+    assert (m.learner("L1").tokens, m.learner("L1").inner_steps) == (128, 4)
     m.leave("L0", "again", now=103.0, final=(10**9, 10**9))  # already left: nothing changes
-    assert m.learner("L0").tokens == 1920
+    assert m.learner("L0").tokens == 192
+
+
+def test_reported_tokens_are_credited_at_most_three_times_as_fast_as_the_others():
+    """A learner claiming 1e12 tokens (in heartbeats, or in its Leave) is credited the
+    multiple of the other live learners' median rate over the time since its last report:
+    it cannot end a token-budgeted run by itself. A run's only reporting learner is taken at
+    its word: there is nobody to compare it with."""
+    m = membership()
+    for _ in range(4):
+        m.join("", "host:1", "", PLAN, now=0.0)
+    m.heartbeat("L3", HeartbeatStats(tokens=10**12, inner_steps=1), now=0.5)  # nobody to compare with yet
+    assert m.learner("L3").tokens == 10**12
+    m.leave("L3", "done", now=0.6)
+    for t in (1.0, 2.0, 3.0):
+        for i, rate in enumerate((1000, 1200, 1500)):  # tokens per second
+            m.heartbeat(f"L{i}", HeartbeatStats(tokens=int(rate * t), inner_steps=int(t)), now=t)
+    assert [m.learner(f"L{i}").tokens for i in range(3)] == [3000, 3600, 4500]
+    m.join("", "host:1", "", PLAN, now=3.0)
+    m.heartbeat("L4", HeartbeatStats(tokens=10**12, inner_steps=1), now=5.0)
+    assert m.learner("L4").tokens == 3 * 1200 * 2  # the median of 1000, 1200, 1500
+    assert m.learner("L4").progress_s == 5.0
+    m.heartbeat("L4", HeartbeatStats(tokens=10**12, inner_steps=1), now=6.0)
+    assert m.learner("L4").tokens == 3 * 1200 * 3
+    m.leave("L4", "done", now=7.0, final=(10**12, 10**7))
+    assert m.learner("L4").tokens == 3 * 1200 * 4
+    m.heartbeat("L0", HeartbeatStats(tokens=10, inner_steps=1), now=7.0)  # counts never go down
+    assert m.learner("L0").tokens == 3000
 
 
 def test_a_learner_that_leaves_because_it_failed_is_failed_with_its_reason():

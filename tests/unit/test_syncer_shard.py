@@ -54,9 +54,9 @@ class Learner:
         self.clock = VectorClock()
         self.g = torch.Generator().manual_seed(seed)
 
-    def push(self, fid, now, tokens=64, steps=4, specs_override=None):
+    def push(self, fid, now, tokens=64, steps=4, specs_override=None, scale=0.01):
         pieces = self.shard.plan.fragments[fid].pieces
-        deltas = [torch.randn(p.shape, generator=self.g) * 0.01 for p in pieces]
+        deltas = [torch.randn(p.shape, generator=self.g) * scale for p in pieces]
         encoded = [encode(p.name, d) for p, d in zip(pieces, deltas)]
         self.clock = self.clock.tick(self.name)
         meta = PushMeta(
@@ -873,3 +873,57 @@ def test_an_anchor_version_from_the_wire_is_bounded():
     for version in (2**53, 2**64 - 1):
         with pytest.raises(InvalidArgument, match="out of range"):
             anchor_version_from_proto(syncer_pb2.InitializeHeader(anchor=True, anchor_version=version))
+
+
+def fragment_moved(shard, fid, before):
+    return math.sqrt(sum(float(np.sum((after - was) ** 2)) for after, was in zip(shard.fragments[fid].params, before)))
+
+
+def test_a_learner_pushing_huge_deltas_moves_a_fragment_as_far_as_three_honest_ones_at_most():
+    """1 of 4 learners pushes deltas 800x the others' (accepted: under max_delta_ratio x the
+    fragment's norm); its round moves the fragment by the robust multiple (3) x the median
+    honest delta, scaled by the round's share of the live learners, not by 800x."""
+    shard, initial = make_shard(num_fragments=1)
+    shard.set_membership({"L0", "L1", "L2", "L3"}, set())
+    honest = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
+    attacker = Learner("L3", shard, initial, seed=3)
+    norms = []
+    for rnd in range(3):
+        for i, learner in enumerate(honest):
+            meta, payload, _ = learner.push(0, now=rnd + i * 0.1)
+            norms.append(math.sqrt(sum(n * n for n in payload.norms)))
+            job = close(shard, 0, now=rnd + i * 0.1 + 0.01)
+            assert job.clip == (1.0,)
+            learner.apply(shard.update_for(0, learner.version[0], learner.name))
+    latest = sorted(norms[-3:])[1]  # the median of the other learners' latest pushes
+    before = [p.copy() for p in shard.fragments[0].params]
+    _, payload, ack = attacker.push(0, now=3.0, scale=8.0)
+    assert ack.outcome == ACCEPTED
+    pushed = math.sqrt(sum(n * n for n in payload.norms))
+    assert pushed > 400 * latest
+    job = close(shard, 0, now=3.01)
+    assert job.clip == (pytest.approx(3 * latest / pushed),)
+    moved = fragment_moved(shard, 0, before)
+    assert 0.9 * 3 * latest / 4 < moved < 1.1 * 3 * latest / 4  # lr 1 x participation 1/4; int4 rounding
+    # An honest push after it is held to the same reference and passes whole.
+    honest[0].push(0, now=4.0)
+    assert close(shard, 0, now=4.01).clip == (1.0,)
+
+
+def test_claimed_tokens_count_at_most_three_times_the_other_learners():
+    """A learner claiming 1e12 tokens in one step shares a round with an honest one: its
+    weight is capped at 3**2 x the others' (tokens count 3x), so the honest learner keeps a
+    tenth of the round instead of 1e-18 of it."""
+    shard, initial = make_shard(quorum=2, num_fragments=1)
+    shard.set_membership({"L0", "L1", "L3"}, set())
+    a, b, attacker = (Learner(name, shard, initial, seed=i) for i, name in enumerate(("L0", "L1", "L3")))
+    a.push(0, now=0.0)
+    b.push(0, now=0.1)
+    assert close(shard, 0, now=0.2).weights == (0.5, 0.5)
+    for learner in (a, b):
+        learner.apply(shard.update_for(0, learner.version[0], learner.name))
+    a.push(0, now=1.0)
+    attacker.push(0, now=1.1, tokens=10**12, steps=1)
+    job = close(shard, 0, now=1.2)
+    assert [p.meta.learner_id for p in job.pushes] == ["L0", "L3"]
+    assert job.weights == (pytest.approx(0.1), pytest.approx(0.9))

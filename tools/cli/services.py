@@ -91,6 +91,9 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
              type=float, metavar="S")
     add_flag(p, "--max-delta-ratio", SyncerConfig, "max_delta_ratio",
              "refuse a push whose delta norm exceeds this many times its fragment's norm", type=float)
+    add_flag(p, "--robust-multiple", SyncerConfig, "robust_multiple",
+             "clip a push's delta to this many times the median of the other learners' latest deltas to its fragment "
+             "(per unit of time) and count its tokens at most this many times theirs", type=float)
     add_flag(p, "--stream-idle-timeout-s", SyncerConfig, "stream_idle_timeout_s",
              "close a push stream that sends nothing for this long, seconds", type=float)
     p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory or URL, s3://... (for --restore latest or an id)")

@@ -1,0 +1,103 @@
+"""What one push may count for: clipping against the other learners' latest pushes."""
+
+import math
+
+import pytest
+
+from syncer.core.bounds import FALLBACK_RATIO, LEARNERS_REMEMBERED, Influence, Push
+
+
+def norm_never_needed():
+    raise AssertionError("the fragment's norm is only read when no other learner is on record")
+
+
+def history(*pushes: Push) -> Influence:
+    influence = Influence()
+    for push in pushes:
+        influence.record([push])
+    return influence
+
+
+def test_with_no_other_learner_on_record_a_delta_is_held_to_the_fragment_norm():
+    influence = Influence()
+    (bound,) = influence.bounds([Push("L0", 5.0, 100.0, 0.0)], 3.0, lambda: 2.0)
+    assert bound.clip == pytest.approx(FALLBACK_RATIO * 2.0 / 5.0)
+    assert bound.weight_cap == math.inf
+    (small,) = influence.bounds([Push("L0", 0.5, 100.0, 0.0)], 3.0, lambda: 2.0)
+    assert small.clip == 1.0
+    # A fragment of norm under 1 is taken as 1: a zero-initialised fragment still trains.
+    (zero,) = influence.bounds([Push("L0", 0.5, 100.0, 0.0)], 3.0, lambda: 0.0)
+    assert zero.clip == 1.0
+    # Its own earlier pushes do not vouch for a learner.
+    (own,) = history(Push("L0", 100.0, 1.0, 0.0)).bounds([Push("L0", 5.0, 1.0, 10.0)], 3.0, lambda: 2.0)
+    assert own.clip == pytest.approx(2.0 / 5.0)
+
+
+def test_a_delta_is_clipped_to_the_multiple_of_the_other_learners_median():
+    influence = history(Push("L0", 1.0, 10.0, 0.0), Push("L1", 2.0, 10.0, 0.0), Push("L2", 100.0, 10.0, 0.0))
+    (bound,) = influence.bounds([Push("L3", 30.0, 10.0, 1.0)], 3.0, norm_never_needed)
+    assert bound.clip == pytest.approx(3.0 * 2.0 / 30.0)  # median of 1, 2, 100 is 2: the outlier moves it one rank
+    (honest,) = influence.bounds([Push("L3", 5.9, 10.0, 1.0)], 3.0, norm_never_needed)
+    assert honest.clip == 1.0
+    # Of an even count the lower middle: one learner of two cannot raise the other's bound.
+    two = history(Push("L0", 1.0, 10.0, 0.0), Push("L2", 1000.0, 10.0, 0.0))
+    (bound,) = two.bounds([Push("L3", 30.0, 10.0, 1.0)], 3.0, norm_never_needed)
+    assert bound.clip == pytest.approx(3.0 / 30.0)
+
+
+def test_pushing_more_often_than_the_others_buys_no_more_movement():
+    """The bound shrinks with the time since the learner's own previous merged push, against
+    the others' typical interval: movement per unit of time is bounded, not per push."""
+    influence = Influence()
+    for t in (0.0, 2.0, 4.0):  # L0 and L1 push every 2 s with norm 1
+        influence.record([Push("L0", 1.0, 10.0, t), Push("L1", 1.0, 10.0, t + 0.1)])
+    influence.record([Push("L2", 1.0, 10.0, 4.0)])
+    (flood,) = influence.bounds([Push("L2", 3.0, 10.0, 4.2)], 3.0, norm_never_needed)
+    assert flood.clip == pytest.approx(3.0 * (0.2 / 2.0) / 3.0)
+    (later,) = influence.bounds([Push("L2", 3.0, 10.0, 9.0)], 3.0, norm_never_needed)
+    assert later.clip == 1.0  # a slow learner is not bounded by more than the multiple
+    # A learner's first push has no interval: the plain bound.
+    (first,) = influence.bounds([Push("L3", 3.0, 10.0, 4.2)], 3.0, norm_never_needed)
+    assert first.clip == 1.0
+
+
+def test_a_weight_is_capped_so_that_its_tokens_count_at_most_the_multiple_of_the_others():
+    influence = history(Push("L0", 1.0, 100.0, 0.0), Push("L1", 1.0, 400.0, 0.0), Push("L2", 1.0, 1e24, 0.0))
+    (bound,) = influence.bounds([Push("L3", 1.0, 1e24, 1.0)], 3.0, norm_never_needed)
+    assert bound.weight_cap == pytest.approx(9 * 400.0)
+
+
+def test_the_other_pushes_of_the_same_round_are_the_others_latest():
+    influence = history(Push("L0", 100.0, 1e6, 0.0), Push("L1", 100.0, 1e6, 0.0))
+    round_ = [Push("L0", 1.0, 10.0, 5.0), Push("L1", 1.0, 10.0, 5.0), Push("L2", 50.0, 1e9, 5.0)]
+    b0, b1, b2 = influence.bounds(round_, 3.0, norm_never_needed)
+    assert b2.clip == pytest.approx(3.0 / 50.0) and b2.weight_cap == pytest.approx(90.0)
+    assert b0.clip == 1.0 and b1.clip == 1.0
+    # Bounds read the reference; only record changes it.
+    assert influence.latest["L0"].norm == 100.0
+
+
+def test_the_reference_keeps_raw_values_so_honest_growth_is_not_ratcheted_down():
+    """A run's first full sync period makes deltas ~20x its first pushes': clipped values
+    stored as the reference would clip every honest push after that one."""
+    influence = history(Push("L0", 0.05, 10.0, 0.0), Push("L1", 0.05, 10.0, 0.0))
+    round_ = [Push("L2", 1.0, 10.0, 1.0)]
+    (first,) = influence.bounds(round_, 3.0, norm_never_needed)
+    assert first.clip < 1.0
+    influence.record(round_)
+    influence.record([Push("L0", 1.1, 10.0, 1.1)])
+    (second,) = influence.bounds([Push("L1", 1.2, 10.0, 1.2)], 3.0, norm_never_needed)
+    assert second.clip == 1.0
+
+
+def test_the_reference_remembers_the_newest_learners_and_forgets_a_gone_one():
+    influence = Influence()
+    for i in range(LEARNERS_REMEMBERED + 5):
+        influence.record([Push(f"L{i}", 1.0, 1.0, float(i))])
+    assert len(influence.latest) == LEARNERS_REMEMBERED
+    assert "L0" not in influence.latest and f"L{LEARNERS_REMEMBERED + 4}" in influence.latest
+    influence.forget("L10")
+    assert "L10" not in influence.latest
+    # A learner pushing again moves to the newest end.
+    influence.record([Push("L5", 2.0, 1.0, 100.0)])
+    assert next(reversed(influence.latest)) == "L5" and influence.latest["L5"].interval == pytest.approx(95.0)
