@@ -26,10 +26,10 @@ MAX_GONE_KEPT = 1000
 MAX_REASON_CHARS = 500
 """A learner's own reason for leaving is cut to this (it is stored, listed and shown)."""
 TOKEN_RATE_MULTIPLE = 3.0
-"""A learner's reported tokens are credited at most this many times as fast as the
-median rate credited to the other live learners (``credit_tokens``): one learner's claims
-cannot exhaust a run's token budget. The shards bound its influence on the model by the
-same multiple (``SyncerConfig.robust_multiple``)."""
+"""A learner's reported tokens are credited at most this many times the median rate of
+the other learners (``credit_tokens``): one learner's claims cannot exhaust a run's token
+budget. The shards bound its influence on the model by the same multiple
+(``SyncerConfig.robust_multiple``)."""
 
 
 @dataclass
@@ -50,8 +50,12 @@ class Learner:
     drain_deadline_s: float | None = None
     progress_s: float = 0.0
     """When its heartbeats last reported more tokens or steps than before (or it joined)."""
+    claimed: int = 0
+    """The most tokens it has reported; ``tokens`` is what of them is credited."""
+    vouched: int = 0
+    """Tokens credited while other learners' rates bounded them: never taken back."""
     token_rate: float = 0.0
-    """Tokens per second credited over its last report (``credit_tokens``)."""
+    """Its credited tokens per second since it joined (``credit_tokens``)."""
 
     @property
     def live(self) -> bool:
@@ -191,7 +195,12 @@ class Membership:
         launch = self.launches.pop(launch_id, None) if launch_id else None
         if launch is None and self.occupied() >= self.cfg.max_learners:
             raise ResourceExhausted(f"the run is at its cap of {self.cfg.max_learners} learners")
-        learner = Learner(f"L{self.next_number}", pool, address, launch_id, JOINING, now, now, progress_s=now)
+        # A launch id is the learner's only if that launch has not joined yet (waiting, or
+        # timed out and late): one copied from another member (members see each other's)
+        # would have that member's process stopped when this one leaves.
+        late = self.failed_launches.pop(launch_id, None) if launch_id and launch is None else None
+        owned = launch.launch_id if launch is not None else late.launch_id if late is not None else ""
+        learner = Learner(f"L{self.next_number}", pool, address, owned, JOINING, now, now, progress_s=now)
         self.next_number += 1
         self.learners[learner.id] = learner
         self._emit("joined", learner, f"joined pool {pool}" + (f" (launch {launch_id})" if launch_id else ""))
@@ -232,21 +241,22 @@ class Membership:
 
     def credit_tokens(self, learner: Learner, reported: int, now: float) -> None:
         """Count the tokens a learner reports it has trained, as far as they are credible:
-        the increase since its last report, at most ``TOKEN_RATE_MULTIPLE`` x the median
-        rate of the other live learners over the time since then. Counts never go down. With
-        no other learner reporting progress there is nothing to compare with and the report
-        is taken as it is (a run's only learner can exhaust only its own budget)."""
-        increase = reported - learner.tokens
-        if increase <= 0:
-            return
-        elapsed = max(now - learner.heartbeat_s, 0.0)
-        rates = [other.token_rate for other in self.learners.values()
-                 if other is not learner and other.live and other.token_rate > 0]
+        at most ``TOKEN_RATE_MULTIPLE`` x the median rate of the other learners (live or
+        gone: each one's credited tokens over its time in the run) times its own time in the
+        run. With no other learner's rate to compare with (the run's first reports), a
+        report is taken as it is, provisionally: once there is a reference, whatever exceeds
+        the bound is taken back. Counts credited under a reference never go down."""
+        learner.claimed = max(learner.claimed, reported)
+        age = max(now - learner.joined_s, 0.0)
+        rates = [other.token_rate for other in self.learners.values() if other is not learner and other.token_rate > 0]
         if rates:
-            increase = min(increase, int(TOKEN_RATE_MULTIPLE * statistics.median_low(rates) * elapsed))
-        learner.tokens += increase
-        if elapsed > 0:
-            learner.token_rate = increase / elapsed
+            bound = int(TOKEN_RATE_MULTIPLE * statistics.median_low(rates) * age)
+            learner.vouched = max(learner.vouched, min(learner.claimed, bound))
+            learner.tokens = learner.vouched
+        else:
+            learner.tokens = learner.claimed
+        if age > 0:
+            learner.token_rate = learner.tokens / age
 
     # --- time ------------------------------------------------------------------------
 

@@ -205,22 +205,24 @@ def test_a_leave_carries_the_learner_s_final_counts():
 
 def test_reported_tokens_are_credited_at_most_three_times_as_fast_as_the_others():
     """A learner claiming 1e12 tokens (in heartbeats, or in its Leave) is credited the
-    multiple of the other live learners' median rate over the time since its last report:
-    it cannot end a token-budgeted run by itself. A run's only reporting learner is taken at
-    its word: there is nobody to compare it with."""
+    multiple of the other learners' median rate times its time in the run: it cannot end a
+    token-budgeted run by itself. The run's first reports, with nobody to compare with, are
+    taken provisionally and taken back once there is a reference."""
     m = membership()
     for _ in range(4):
         m.join("", "host:1", "", PLAN, now=0.0)
     m.heartbeat("L3", HeartbeatStats(tokens=10**12, inner_steps=1), now=0.5)  # nobody to compare with yet
     assert m.learner("L3").tokens == 10**12
-    m.leave("L3", "done", now=0.6)
     for t in (1.0, 2.0, 3.0):
         for i, rate in enumerate((1000, 1200, 1500)):  # tokens per second
             m.heartbeat(f"L{i}", HeartbeatStats(tokens=int(rate * t), inner_steps=int(t)), now=t)
     assert [m.learner(f"L{i}").tokens for i in range(3)] == [3000, 3600, 4500]
+    m.heartbeat("L3", HeartbeatStats(tokens=10**12, inner_steps=1), now=3.5)
+    assert m.learner("L3").tokens == 3 * 1200 * 3.5  # taken back: the median of 1000, 1200, 1500
+    m.leave("L3", "done", now=3.6)
     m.join("", "host:1", "", PLAN, now=3.0)
     m.heartbeat("L4", HeartbeatStats(tokens=10**12, inner_steps=1), now=5.0)
-    assert m.learner("L4").tokens == 3 * 1200 * 2  # the median of 1000, 1200, 1500
+    assert m.learner("L4").tokens == 3 * 1200 * 2  # L3, gone, still counts: 1000, 1200, 1500, 3600
     assert m.learner("L4").progress_s == 5.0
     m.heartbeat("L4", HeartbeatStats(tokens=10**12, inner_steps=1), now=6.0)
     assert m.learner("L4").tokens == 3 * 1200 * 3
@@ -347,6 +349,19 @@ def test_a_learner_whose_launch_timed_out_may_still_join():
     m.expire(60.0)
     learner = m.join("", "host:1", "x1", "", now=61.0)  # late, but there is room
     assert (learner.id, learner.launch_id) == ("L0", "x1")
+
+
+def test_a_launch_id_is_taken_only_by_the_launch_that_has_not_joined():
+    """Members see each other's launch ids: a learner joining with one copied from a
+    member (or made up) gets none, so its leaving stops nobody's process."""
+    m = membership()
+    m.add_launch("x1", "default", now=0.0)
+    assert m.join("", "host:1", "x1", "", now=1.0).launch_id == "x1"
+    assert m.join("", "host:2", "x1", "", now=2.0).launch_id == ""
+    assert m.join("", "host:3", "made-up", "", now=2.0).launch_id == ""
+    m.take_changes()
+    m.leave("L1", "done", now=3.0)
+    assert [c.stop_launch for c in m.take_changes()] == [""]
 
 
 def test_the_cap_counts_what_is_already_taken():

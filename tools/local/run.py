@@ -37,6 +37,7 @@ from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from diloco.files import PRIVATE_DIR, atomic_write, private_dir
+from diloco.pin import pin_of
 from diloco.snapshots import snapshot_ids
 from learner.config import LearnerConfig
 from tools.chaos import SCAVENGED_POOL, ChaosMonkey
@@ -353,6 +354,7 @@ def run_local(cfg: LocalConfig) -> dict:
         _check_new_run_dir(run_dir)
     _check_devices(cfg)
     task = supervisor_task(cfg.run, cfg.learners)
+    pin = pin_of(task.model, cfg.run.fragments)  # the run's model, pinned at the coordinator (before any evaluation)
     unit = task.eval_unit
     eval_start = eval_task(cfg.run, task)  # a task whose evaluation fails stops here, with nothing written
     learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))
@@ -375,7 +377,7 @@ def run_local(cfg: LocalConfig) -> dict:
     budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{learner_steps} inner steps each"
     console.print(f"[bold]diloco local[/]: task {cfg.run.task}, {cfg.learners} learners, {cfg.shards} shards, {budget}, "
                   f"run directory {run_dir}")
-    cluster = Cluster(cfg, run_dir, learner_steps)
+    cluster = Cluster(cfg, run_dir, learner_steps, pin)
     started_wall, started = time.time(), time.monotonic()
     admin = monkey = None
     before: set[str] = set()
@@ -432,7 +434,10 @@ def run_local(cfg: LocalConfig) -> dict:
                         draining |= set(todo)
                         drained_at = drained_at or time.time()
                 current = [m for m in members if m["id"] not in before]
-                if _finished(cfg, current, monkey):
+                # The run's learners are those it launched; one that joined by itself with the
+                # run's credential (an own-loop script, a hostile one) does not hold the end:
+                # the stop below drains it with the rest.
+                if _finished(cfg, [m for m in current if m["launch_id"]], monkey):
                     break
                 # A launch that never joins (the learner died while starting) must not hang
                 # the run: once every member is gone, wait for late joiners only so long.
