@@ -120,6 +120,15 @@ class CoordinatorConfig:
     ones after each completes (0: keep every snapshot)."""
     restore: str | None = None
     """"latest" or a snapshot id: the run restarts from it (learners re-join)."""
+    pin_model: bool = False
+    """Build the run's model from the run config (task, task options, seed, ``--init``)
+    once at start and pin it (``diloco.pin``): RegisterModel accepts only its manifest and
+    the shards only its initial values, whoever calls first. Off: the first learner that
+    registers fixes the manifest, and the first to reach a shard a fragment's values."""
+    model_sha256: str = ""
+    """Pin only the manifest, by the hex SHA-256 of its JSON: for a coordinator that cannot
+    build the task (its code is only in the learner image). The first manifest with this
+    digest becomes the run's; initial values stay the first learner's."""
     host: str = "127.0.0.1"
     port: int = 0
     health_port: int | None = None
@@ -169,6 +178,12 @@ class CoordinatorConfig:
                 raise InvalidArgument(f"shard address must be HOST:PORT, got {address!r}")
         if self.restore is not None and self.restore != "latest" and not self.restore.isdigit():
             raise InvalidArgument(f"restore must be 'latest' or a snapshot id, got {self.restore!r}")
+        if self.model_sha256:
+            from diloco.pin import check_sha256
+
+            check_sha256(self.model_sha256)
+            if self.pin_model:
+                raise InvalidArgument("pin the model either by building it (pin_model) or by its manifest's SHA-256, not both")
         if not 0 <= self.port < 65536:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
 

@@ -115,15 +115,18 @@ def snapshot_to_proto(snapshot: Snapshot) -> coordinator_pb2.SnapshotInfo:
 
 
 def topology_to_proto(
-    run: RunConfig, shards: tuple[str, ...], epoch: int, plan: FragmentPlan | None = None, manifest_json: str = ""
+    run: RunConfig, shards: tuple[str, ...], epoch: int, plan: FragmentPlan | None = None, manifest_json: str = "",
+    initial_values: tuple[bytes, ...] = (),
 ) -> common_pb2.Topology:
     """Without shards (a coordinator used for membership only) the plan is laid out
     for one shard and the shard list is empty. Before the first learner registered its
-    model there is no plan: the shards are listed without their fragments."""
+    model there is no plan (unless the model is pinned): the shards are listed without
+    their fragments. ``initial_values``: the pinned initial values' digests."""
     num_shards = max(1, len(shards))
     return common_pb2.Topology(
         plan=plan_to_proto(plan, num_shards) if plan is not None else None,
         manifest_json=manifest_json,
+        initial_values=list(initial_values),
         shards=[
             common_pb2.ShardInfo(
                 shard_id=m, address=address,

@@ -27,6 +27,7 @@ from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
 from diloco.files import atomic_write_json
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
+from diloco.pin import ModelPin, manifest_sha256
 from diloco.snapshots import (
     MANIFEST, find_manifest, join, pins, prepare, read_manifest, remove_snapshot, sign_manifest, snapshot_ids,
     write_file,
@@ -61,11 +62,23 @@ class Directive:
 @dataclass
 class RunInfo:
     """What the coordinator knows of the run, for manifests and checks. The model manifest
-    (and so the plan) is fixed by the first learner that registers its model."""
+    (and so the plan) is the operator's when pinned (``pin``, or ``manifest_sha256`` for
+    the manifest alone), else fixed by the first learner that registers its model."""
 
     run: RunConfig
     manifest_json: str = ""
     plan: FragmentPlan | None = None
+    pin: ModelPin | None = None
+    """The operator's model (``--pin-model``): its manifest is the run's from the start,
+    and its initial values the only ones the shards take."""
+    manifest_sha256: str = ""
+    """The operator's manifest digest (``--model-sha256``): the first registered manifest
+    with this digest becomes the run's."""
+    manifest: Manifest | None = None
+
+    def __post_init__(self) -> None:
+        if self.pin is not None and not self.manifest_json:
+            self.adopt(self.pin.manifest_json)
 
     @property
     def plan_hash(self) -> str:
@@ -75,9 +88,42 @@ class RunInfo:
     def run_config_json(self) -> str:
         return self.run.to_json()
 
-    def adopt(self, manifest_json: str) -> None:
-        self.plan = Manifest.from_json(manifest_json).plan(self.run.fragments)
-        self.manifest_json = manifest_json
+    @property
+    def initial_values(self) -> tuple[bytes, ...]:
+        """The pinned initial values' digests, by fragment (empty: not pinned)."""
+        return self.pin.initial_values if self.pin is not None else ()
+
+    def adopt(self, manifest_json: str, manifest: Manifest | None = None, plan: FragmentPlan | None = None) -> None:
+        """Make ``manifest_json`` the run's (``manifest`` and ``plan``: already parsed and
+        planned off the event loop)."""
+        manifest = manifest or self.parse(manifest_json)
+        self.plan = plan or manifest.plan(self.run.fragments)
+        self.manifest, self.manifest_json = manifest, manifest_json
+
+    def parse(self, manifest_json: str) -> Manifest:
+        """A manifest from the wire or a file, parsed and bounded by the run's maximum model size."""
+        return Manifest.from_json(manifest_json).check_size(self.run.max_model_bytes)
+
+    def pin_difference(self, manifest: Manifest) -> str | None:
+        """How ``manifest`` departs from the pinned model, in one phrase (None: it does not,
+        or nothing is pinned)."""
+        if self.pin is not None:
+            return manifest.first_difference(self.manifest)
+        if self.manifest_sha256:
+            digest = manifest_sha256(manifest.to_json())
+            if digest != self.manifest_sha256.lower():
+                return f"its manifest's SHA-256 is {digest[:16]}..., the run's pinned one {self.manifest_sha256[:16]}..."
+        return None
+
+    def examine(self, manifest_json: str) -> tuple[Manifest, FragmentPlan | None, str | None]:
+        """A learner's manifest parsed and bounded, the plan it would give the run when the
+        run has none yet, and how it differs from the run's (pinned or registered) model.
+        Reads only immutable values: it runs in a worker thread."""
+        manifest, run_manifest = self.parse(manifest_json), self.manifest
+        if run_manifest is not None:
+            return manifest, None, manifest.first_difference(run_manifest)
+        difference = self.pin_difference(manifest)
+        return manifest, (manifest.plan(self.run.fragments) if difference is None else None), difference
 
 
 class CoordinatorRuntime:
@@ -116,6 +162,8 @@ class CoordinatorRuntime:
         self._next_periodic: float | None = None
         """When the next scheduled snapshot is due (``snapshot_every_s``), once the run has a model."""
         self._closed = False
+        self._examining = asyncio.Semaphore(1)
+        """Learners' manifests are examined one at a time (each in a worker thread)."""
         self._load()
 
     # --- the state file --------------------------------------------------------------
@@ -131,7 +179,7 @@ class CoordinatorRuntime:
         state = read_state(self.state_path)
         if state is not None:
             if state.get("manifest"):
-                self.run.adopt(state["manifest"])
+                self._adopt_kept(state["manifest"], f"coordinator state {self.state_path}")
             self.membership = Membership.from_state(self.cfg, self.run.plan_hash, state.get("membership", {}))
             self.snapshots = Snapshots.from_state(
                 self.cfg.snapshot_timeout_s, str(self.cfg.snapshots_path), state.get("snapshots", {}), now
@@ -149,8 +197,8 @@ class CoordinatorRuntime:
         if self.cfg.restore is not None:
             manifest_path = find_manifest(self.cfg.snapshots_path, self.cfg.restore)
             manifest = read_manifest(manifest_path, self._secret)
-            if not self.run.manifest_json and manifest.get("run", {}).get("manifest"):
-                self.run.adopt(manifest["run"]["manifest"])
+            if manifest.get("run", {}).get("manifest"):
+                self._adopt_kept(manifest["run"]["manifest"], f"snapshot {manifest['snapshot_id']}")
                 self.membership.plan_hash = self.run.plan_hash
             if manifest.get("run", {}).get("plan_hash") != self.run.plan_hash:
                 raise FailedPrecondition(f"snapshot {manifest['snapshot_id']} was taken with another fragment plan")
@@ -159,6 +207,20 @@ class CoordinatorRuntime:
             self.membership.take_changes()
             logger.info("restoring the run from snapshot %d (%s)", self.restored_from, manifest_path)
         self._save()
+
+    def _adopt_kept(self, manifest_json: str, where: str) -> None:
+        """The manifest a state file or a snapshot kept: the run's, unless the operator
+        pinned a model it does not match (then the coordinator does not start: that state
+        belongs to another model's run)."""
+        if self.run.pin is not None and manifest_json == self.run.manifest_json:
+            return
+        manifest = self.run.parse(manifest_json)
+        difference = self.run.pin_difference(manifest)
+        if difference is not None:
+            raise FailedPrecondition(f"{where} holds another model than the pinned one ({difference}): start the "
+                                     "pinned model's run in a new data directory, or pin the model of that state")
+        if self.run.pin is None and not self.run.manifest_json:
+            self.run.adopt(manifest_json, manifest)
 
     def _save(self) -> None:
         atomic_write_json(
@@ -338,18 +400,28 @@ class CoordinatorRuntime:
         finally:
             self._settle()
 
-    def register_model(self, learner_id: str, manifest_json: str) -> None:
-        """The learner's model manifest: the first fixes the run's model and plan; one that
-        differs is refused, naming the first tensor that differs, and the learner leaves."""
-        manifest = Manifest.from_json(manifest_json)
+    async def register_model(self, learner_id: str, manifest_json: str) -> None:
+        """The learner's model manifest. Pinned, the run's model is the operator's; else the
+        first manifest registered fixes the run's model and plan. One that differs is
+        refused, naming the first tensor that differs, and the learner leaves. A manifest
+        equal to the run's is taken as it is; any other is parsed, bounded by the run's
+        maximum model size and planned in a worker thread, one at a time: a hostile one
+        (100,000 tensors, 2^40 elements) neither stalls the event loop nor allocates."""
         self.membership.learner(learner_id)
-        if not self.run.manifest_json:
-            self.run.adopt(manifest_json)
-            self.membership.plan_hash = self.run.plan_hash
-            logger.info("the run's model is %s's: %d tensors, plan %s", learner_id, len(manifest.entries), self.run.plan_hash[:12])
-            self._settle(save=True)
+        if manifest_json and manifest_json == self.run.manifest_json:
             return
-        difference = manifest.first_difference(Manifest.from_json(self.run.manifest_json))
+        async with self._examining:
+            manifest, plan, difference = await asyncio.to_thread(self.run.examine, manifest_json)
+        if difference is None and plan is not None:  # examined while the run had no model
+            if not self.run.manifest_json:
+                self.run.adopt(manifest_json, manifest, plan)
+                self.membership.plan_hash = self.run.plan_hash
+                logger.info("the run's model is %s's: %d tensors, %d bytes, manifest sha256 %s, plan %s", learner_id,
+                            len(manifest.entries), manifest.total_bytes, manifest_sha256(manifest_json)[:16],
+                            self.run.plan_hash[:12])
+                self._settle(save=True)
+                return
+            difference = manifest.first_difference(self.run.manifest)  # another registered meanwhile
         if difference is not None:
             self.leave(learner_id, f"its model differs from the run's: {difference}", failed=True)
             raise FailedPrecondition(f"{learner_id}'s model differs from the run's: {difference}")

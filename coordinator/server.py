@@ -9,6 +9,7 @@ elsewhere, ``snapshots/``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from diloco import auth, rpc
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
 from diloco.files import atomic_write, private_dir
+from diloco.pin import PIN_FILE, ModelPin, build_pin
 from diloco.v1 import coordinator_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,20 @@ def default_launcher(server: CoordinatorServer, address: str) -> Launcher | None
 def write_secret_file(path: Path, value: str) -> None:
     """Owner-only, written whole: learners may read it the moment it appears."""
     atomic_write(path, value + "\n", mode=0o600)
+
+
+def pinned_model(run: RunConfig, data_dir: Path) -> ModelPin:
+    """The pin kept in the data directory for this run config (``diloco local`` writes it
+    from the model it builds anyway), else the run's model built now and kept there. Slow
+    the first time (torch, the task's model): off the event loop."""
+    path = data_dir / PIN_FILE
+    pin = ModelPin.read(path, run)
+    if pin is None:
+        started = time.monotonic()
+        pin = build_pin(run)
+        atomic_write(path, pin.to_json(run))
+        logger.info("built the run's model to pin it in %.1f s (kept in %s)", time.monotonic() - started, path)
+    return pin
 
 
 class ShardCalls:
@@ -103,11 +119,23 @@ class CoordinatorServer:
         admin_token: str,
         launcher_factory: LauncherFactory = default_launcher,
         clock: Callable[[], float] = time.time,
+        pin: ModelPin | None = None,
     ) -> None:
+        """``pin``: the run's model, already built (``run_coordinator`` builds it in a worker
+        thread); with ``cfg.pin_model`` and none given, it is built here."""
         self.cfg = cfg
         self._secret = secret
         private_dir(cfg.data_dir)
-        self.runtime = CoordinatorRuntime(cfg, RunInfo(run), self._send_marker, clock, secret=secret)
+        if cfg.pin_model and pin is None:
+            pin = pinned_model(run, cfg.data_dir)
+        info = RunInfo(run, pin=pin, manifest_sha256=cfg.model_sha256.lower())
+        self.runtime = CoordinatorRuntime(cfg, info, self._send_marker, clock, secret=secret)
+        if pin is not None:
+            logger.info("the run's model is pinned: %d tensors, manifest sha256 %s, plan %s, initial values of %d "
+                        "fragments", len(info.manifest.entries), pin.manifest_sha256[:16], info.plan_hash[:12],
+                        len(pin.initial_values))
+        elif cfg.model_sha256:
+            logger.info("the run's model manifest is pinned: sha256 %s", cfg.model_sha256.lower()[:16])
         self.server = rpc.server(
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -173,7 +201,11 @@ async def run_coordinator(
     run: RunConfig, cfg: CoordinatorConfig, secret: str, admin_token: str, port_file: Path | None = None
 ) -> int:
     """Serve until SIGTERM/SIGINT; then stop launched children, save the state, exit 0."""
-    coordinator = CoordinatorServer(run, cfg, secret, admin_token)
+    pin = None
+    if cfg.pin_model:
+        private_dir(cfg.data_dir)
+        pin = await asyncio.to_thread(pinned_model, run, cfg.data_dir)
+    coordinator = CoordinatorServer(run, cfg, secret, admin_token, pin=pin)
     await coordinator.start()
     await rpc.announce_and_wait_for_signal("coordinator", coordinator.address, port_file)
     logger.info("coordinator shutting down")

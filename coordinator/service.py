@@ -134,7 +134,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @_status_on_error
     async def RegisterModel(self, request, context):
         self._member(context, request.learner_id)
-        self.runtime.register_model(request.learner_id, request.manifest_json)
+        await self.runtime.register_model(request.learner_id, request.manifest_json)
         return coordinator_pb2.RegisterModelReply(topology=self._topology_now(), clock=self._clock(request.clock))
 
     async def WatchMembership(self, request, context):
@@ -276,7 +276,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         key = (self.runtime.topology_epoch, run.plan_hash)
         if self._topology is None or self._topology[0] != key:
             topology = convert.topology_to_proto(run.run, self.runtime.cfg.shards, self.runtime.topology_epoch,
-                                                 run.plan, run.manifest_json)
+                                                 run.plan, run.manifest_json, run.initial_values)
             self._topology = (key, topology)
         return self._topology[1]
 

@@ -2,8 +2,9 @@
 into fragments, and the sync schedule. The coordinator hands it to learners as JSON in the
 topology; shards get it on their command line.
 
-The model itself is the task's (``diloco.task``): shards and the coordinator never build
-it; the fragment plan comes from the model manifest the first learner registers."""
+The model itself is the task's (``diloco.task``): shards never build it; the fragment plan
+comes from the run's model manifest, which a coordinator started with ``--pin-model``
+builds from this config (``diloco.pin``), else the first learner registers."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ class RunConfig:
     since the push, which the next push then carries) or ``mix`` (alpha above; with
     alpha 0 the tau steps trained since the push are overwritten: measured, goodput
     0.60 vs 0.97 for rebase at H=4, tau=2, with the same final loss within noise)."""
+    max_model_bytes: int = 64 << 30
+    """Largest model a run may have: the sum over the manifest's tensors of elements x
+    bytes per element (its dtype's). The coordinator and the shards refuse a manifest
+    over it before they plan or allocate anything; 64 GiB (16 billion fp32 parameters)
+    by default, raise it for a larger model."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or ":" not in self.task:
@@ -65,6 +71,8 @@ class RunConfig:
             raise InvalidArgument(f"overlap (tau) must be >= 1 inner step, got {self.overlap_steps}")
         if not 0.0 <= self.merge_alpha < 1.0:
             raise InvalidArgument(f"merge alpha must be in [0, 1), got {self.merge_alpha}")
+        if isinstance(self.max_model_bytes, bool) or not isinstance(self.max_model_bytes, int) or self.max_model_bytes < 1:
+            raise InvalidArgument(f"max model bytes must be a positive integer, got {self.max_model_bytes!r}")
         if self.reply_rule not in REPLY_RULES:
             raise InvalidArgument(f"reply rule must be one of {REPLY_RULES}, got {self.reply_rule!r}")
 

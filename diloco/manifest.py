@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diloco.errors import InvalidArgument
+from diloco.errors import InvalidArgument, ResourceExhausted
 from diloco.fragments import FragmentPlan, is_embedding_name, plan_fragments
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ MAX_NUMEL = 1 << 40
 MAX_VALUE_NUMEL = 4096
 """Non-synced tensors up to this size travel in the manifest (their value for export)."""
 MAX_JSON_BYTES = 16 << 20
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2,
+               "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,20 @@ class Manifest:
                 raise InvalidArgument(f"model manifest: alias {alias!r} -> {target!r} is not a shared tensor of the model")
         if not any(e.synced and e.numel for e in self.entries):
             raise InvalidArgument("model manifest: no floating-point tensor to synchronise")
+
+    @property
+    def total_bytes(self) -> int:
+        """The model's size: elements x bytes per element, over every tensor."""
+        return sum(e.numel * DTYPE_BYTES[e.dtype] for e in self.entries)
+
+    def check_size(self, max_bytes: int) -> Manifest:
+        """This manifest, if the model it describes fits in ``max_bytes`` (the run's
+        ``max_model_bytes``); else ResourceExhausted, before anyone plans or allocates it."""
+        total = self.total_bytes
+        if total > max_bytes:
+            raise ResourceExhausted(f"model manifest describes {total:,} bytes of tensors, over the run's maximum model "
+                                    f"size of {max_bytes:,} bytes (--max-model-bytes)")
+        return self
 
     @property
     def synced(self) -> list[Entry]:

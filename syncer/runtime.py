@@ -20,6 +20,7 @@ import numpy as np
 from opentelemetry.trace import SpanContext
 
 from diloco.clock import VectorClock
+from diloco.config import RunConfig
 from diloco.codec import encode, values_digest
 from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition
 from diloco.fragments import FragmentPlan
@@ -73,6 +74,20 @@ def _push_key(pending) -> tuple[str, int, int]:
     return pending.meta.learner_id, pending.meta.fragment, pending.meta.seq
 
 
+@dataclass(frozen=True)
+class RunModel:
+    """The model an Initialize is checked against."""
+
+    manifest_json: str
+    plan: FragmentPlan
+    initial_values: tuple[bytes, ...]
+    """Pinned ``values_digest`` of each fragment's initial values (empty: not pinned)."""
+
+
+RunModelSource = Callable[[], Awaitable[tuple[str, tuple[bytes, ...]]]]
+"""Asks the coordinator for the run's (manifest JSON, pinned initial values' digests)."""
+
+
 @dataclass
 class _AnchorOffers:
     """Anchors offered for one fragment of a shard back without its state."""
@@ -104,11 +119,23 @@ class ShardRuntime:
         telemetry: ShardTelemetry | None = None,
         num_fragments: int | None = None,
         data_dir: Path | None = None,
+        max_model_bytes: int = RunConfig.max_model_bytes,
     ) -> None:
         """``num_fragments``: the run's P, to plan from a manifest a learner sends (None: the
         core's plan, which must then be given). ``data_dir``: where the run's manifest and
-        each fragment's initial values are kept (``diloco replay`` starts from them)."""
+        each fragment's initial values are kept (``diloco replay`` starts from them).
+        ``max_model_bytes``: the run's maximum model size, checked before planning."""
         self.core = core
+        self.max_model_bytes = max_model_bytes
+        self.run_model: RunModelSource | None = None
+        """Asks the coordinator for the run's manifest and pinned initial values (set when
+        the shard follows one): Initialize then plans from the coordinator's manifest, never
+        the learner's, and takes fresh initial values only with the pinned digest."""
+        self._run_model: RunModel | None = None
+        """The coordinator's answer, once it had a model (a run's model never changes)."""
+        self._asking: asyncio.Task | None = None
+        self._planning = asyncio.Semaphore(1)
+        """Learners' manifests (no coordinator) are parsed and planned one at a time."""
         self.incarnation = secrets.token_hex(8)
         """This process's id, sent when following the coordinator and in marker replies: a
         new one tells the coordinator the shard restarted (``WatchMembershipRequest``)."""
@@ -177,11 +204,56 @@ class ShardRuntime:
         return "serving"
 
     def plan_from(self, manifest_json: str) -> FragmentPlan:
-        """The run's fragment plan from a manifest (parsed and bounded: it came over the wire)."""
+        """The run's fragment plan from a manifest (parsed, bounded by the run's maximum model
+        size: it came over the wire). Slow for a large manifest: off the event loop."""
         core = self.core
         if core.plan is not None and manifest_json == core.manifest_json:
             return core.plan
-        return Manifest.from_json(manifest_json).plan(self.num_fragments)
+        return Manifest.from_json(manifest_json).check_size(self.max_model_bytes).plan(self.num_fragments)
+
+    async def model_for_initialize(self, offered_manifest_json: str) -> RunModel:
+        """The run's model an Initialize is checked against: the coordinator's manifest and
+        pinned initial values when this shard follows a coordinator (the manifest the learner
+        sent is not even parsed), else the learner's manifest. Parsing and planning run in
+        a worker thread, one at a time: a manifest of 100,000 tensors does not stall the
+        event loop (Status, pushes, membership) while it is planned."""
+        if self.run_model is None:
+            async with self._planning:
+                plan = await asyncio.to_thread(self.plan_from, offered_manifest_json)
+            return RunModel(offered_manifest_json, plan, ())
+        if self._run_model is not None:
+            return self._run_model
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._ask_coordinator())
+        return await asyncio.shield(self._asking)
+
+    async def _ask_coordinator(self) -> RunModel:
+        manifest_json, initial_values = await self.run_model()
+        if not manifest_json:
+            raise FailedPrecondition("the coordinator holds no model for this run yet: a learner registers its model "
+                                     "(RegisterModel) before it offers values")
+        async with self._planning:
+            plan = await asyncio.to_thread(self.plan_from, manifest_json)
+        if initial_values and len(initial_values) != plan.num_fragments:
+            raise FailedPrecondition(f"the coordinator pins the initial values of {len(initial_values)} fragments, "
+                                     f"the run has {plan.num_fragments}")
+        self._run_model = RunModel(manifest_json, plan, tuple(initial_values))
+        return self._run_model
+
+    async def check_initial_values(self, learner_id: str, model: RunModel, fragment_id: int, tensors) -> None:
+        """Fresh initial values (not an anchor) of a run whose coordinator pins them must be
+        the pinned ones, bit for bit (``values_digest``); else FailedPrecondition and the
+        shard is left as it was."""
+        if not model.initial_values:
+            return
+        digest = await asyncio.to_thread(values_digest, tensors)
+        pinned = model.initial_values[fragment_id]
+        if digest != pinned:
+            raise FailedPrecondition(
+                f"{learner_id}'s initial values of fragment {fragment_id} are not the run's pinned ones (sha256 "
+                f"{digest.hex()[:16]}..., pinned {pinned.hex()[:16]}...): the coordinator pins the model its run config "
+                "builds; a learner whose task builds other values (another seed, --init, a device-dependent init) "
+                "cannot initialise the run")
 
     def expect_anchors(self, manifest_json: str) -> None:
         """This shard held the run's model in an earlier life and came back without its

@@ -14,6 +14,7 @@ import grpc
 from diloco import auth, rpc
 from diloco.config import RunConfig
 from diloco.errors import Unavailable
+from diloco.manifest import MAX_JSON_BYTES
 from diloco.tape import TapeWriter
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from syncer import snapshot
@@ -34,6 +35,12 @@ _MEMBERSHIP_EVENTS = {
 }
 
 
+RUN_MODEL_TIMEOUT_S = 10.0
+"""Deadline of the shard's GetTopology, which fetches the run's model from the coordinator."""
+RUN_MODEL_MESSAGE_BYTES = MAX_JSON_BYTES + (4 << 20)
+"""A topology carries the manifest (at most ``MAX_JSON_BYTES``) and the plan."""
+
+
 class ShardServer:
     def __init__(self, run: RunConfig, cfg: SyncerConfig, server_cfg: ShardServerConfig,
                  core: ShardCore | None = None) -> None:
@@ -47,7 +54,10 @@ class ShardServer:
         if server_cfg.data_dir is not None and server_cfg.push_log:
             push_log = PushLogWriter(Path(server_cfg.data_dir) / log_name(cfg.shard_id))
         data_dir = Path(server_cfg.data_dir) if server_cfg.data_dir is not None else None
-        self.runtime = ShardRuntime(core or ShardCore(cfg), tape, push_log, num_fragments=run.fragments, data_dir=data_dir)
+        self.runtime = ShardRuntime(core or ShardCore(cfg), tape, push_log, num_fragments=run.fragments, data_dir=data_dir,
+                                    max_model_bytes=run.max_model_bytes)
+        if server_cfg.coordinator:
+            self.runtime.run_model = self._run_model
         if server_cfg.restore:
             self.runtime.restore(*snapshot.load_for_restore(server_cfg.restore, server_cfg.snapshot_dir, cfg.shard_id,
                                                             server_cfg.secret, pin=True))
@@ -86,6 +96,7 @@ class ShardServer:
         """Follow (and report snapshots to) a coordinator that started after this shard:
         with ephemeral ports, one of the two must start first."""
         self.server_cfg = dataclasses.replace(self.server_cfg, coordinator=coordinator)
+        self.runtime.run_model = self._run_model
         if self._watch is not None:
             self._watch.cancel()
         self._watch = asyncio.get_running_loop().create_task(self._follow_membership())
@@ -105,6 +116,18 @@ class ShardServer:
     def _credentials(self) -> tuple[tuple[str, str], ...]:
         name = f"S{self.cfg.shard_id}"
         return ((auth.LEARNER_METADATA, name), (auth.CREDENTIAL_METADATA, auth.sign(self.server_cfg.secret, name)))
+
+    async def _run_model(self) -> tuple[str, tuple[bytes, ...]]:
+        """The run's manifest and pinned initial values as the coordinator holds them (its
+        topology, asked as ``S<m>``). UNAVAILABLE is retried by the channel's policy."""
+        options = rpc.channel_options(RUN_MODEL_MESSAGE_BYTES, "diloco.v1.Coordinator")
+        async with rpc.channel(self.server_cfg.coordinator, options) as channel:
+            try:
+                topology = await coordinator_pb2_grpc.CoordinatorStub(channel).GetTopology(
+                    coordinator_pb2.GetTopologyRequest(), metadata=self._credentials(), timeout=RUN_MODEL_TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                raise Unavailable(f"the coordinator's model (GetTopology): {error.code().name}: {error.details()}") from None
+        return topology.manifest_json, tuple(topology.initial_values)
 
     async def _report_snapshot(self, result: MarkerResult) -> None:
         """Tell the coordinator this shard's part of a snapshot is on disk (state and

@@ -209,20 +209,22 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         reading = True
         try:
             learner_id = self._authenticate(context)
-            header = await _header(requests, "initialize", self.runtime.core.cfg.stream_idle_timeout_s)
+            core = self.runtime.core
+            core.check_reader(learner_id)  # a learner that left or failed: refused before anything is parsed
+            header = await _header(requests, "initialize", core.cfg.stream_idle_timeout_s)
             if header.learner_id != learner_id:
                 raise PermissionDenied(f"credential is for {learner_id!r}, the request claims {header.learner_id!r}")
             anchor_version = convert.anchor_version_from_proto(header)
-            plan = self.runtime.plan_from(header.manifest_json)
+            model = await self.runtime.model_for_initialize(header.manifest_json)
+            plan = model.plan
             if plan.plan_hash != header.plan_hash:
                 raise InvalidArgument(
-                    f"plan hash {header.plan_hash[:12]!r} is not the plan this shard cuts the manifest into "
-                    f"({self.runtime.num_fragments} fragments: {plan.plan_hash[:12]}): the learner's run config differs "
-                    "from the shard's"
+                    f"plan hash {header.plan_hash[:12]!r} is not the plan this shard cuts the run's manifest into "
+                    f"({self.runtime.num_fragments} fragments: {plan.plan_hash[:12]}): the learner's model or run config "
+                    "differs from the run's"
                 )
-            core = self.runtime.core
             if core.plan is not None and core.plan.plan_hash != plan.plan_hash:
-                core.adopt_plan(plan, header.manifest_json)  # raises FailedPrecondition, naming both plans
+                core.adopt_plan(plan, model.manifest_json)  # raises FailedPrecondition, naming both plans
             specs = convert.initial_specs(header, plan)
             owner = plan.fragments[header.fragment].owner(core.cfg.num_shards)
             if owner != core.cfg.shard_id:
@@ -237,12 +239,14 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                                                   clock=clock_to_proto(core.clock))
             payload, _ = await self._receive(requests, specs, payload_bytes)
             reading = False
+            if anchor_version is None:
+                await self.runtime.check_initial_values(learner_id, model, header.fragment, payload.tensors)
             values = [np.frombuffer(t.payload, dtype="<f4").reshape(t.spec.shape) for t in payload.tensors]
             if anchor_version is not None and self.runtime.anchors_only:  # the newest anchor offered in a window wins
-                added = await self.runtime.offer_anchor(learner_id, header.manifest_json, plan, header.fragment, values,
+                added = await self.runtime.offer_anchor(learner_id, model.manifest_json, plan, header.fragment, values,
                                                         anchor_version)
             else:
-                added = self.runtime.initialize(learner_id, header.manifest_json, plan, header.fragment, values,
+                added = self.runtime.initialize(learner_id, model.manifest_json, plan, header.fragment, values,
                                                 anchor_version)
             return syncer_pb2.InitializeReply(initialized=added, version=core.fragments[header.fragment].version,
                                               clock=clock_to_proto(core.clock))

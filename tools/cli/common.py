@@ -28,6 +28,9 @@ def add_run_config(parser: argparse.ArgumentParser) -> None:
              "start the model from these weights (an export: diloco admin export, or a run's model.safetensors)",
              metavar="FILE.safetensors")
     add_flag(group, "--fragments", RunConfig, "fragments", "P: fragments the model is cut into", type=int)
+    add_flag(group, "--max-model-bytes", RunConfig, "max_model_bytes",
+             "largest model the run takes (elements x bytes per element, over every tensor): the coordinator and the "
+             "shards refuse a bigger manifest before planning or allocating it", type=int, metavar="BYTES")
     add_flag(group, "--sync-every", RunConfig, "sync_every_steps", "H: inner steps between two sends of a fragment", type=int)
     add_flag(group, "--overlap", RunConfig, "overlap_steps", "tau: inner steps before a reply is needed", type=int)
     add_flag(group, "--alpha", RunConfig, "merge_alpha", "merge alpha when applying a reply (0: overwrite)", type=float)

@@ -150,6 +150,13 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--snapshot-keep", CoordinatorConfig, "snapshot_keep",
              "keep the newest N complete snapshots, delete older ones (0: keep all)", type=int, metavar="N")
     p.add_argument("--restore", metavar="latest|ID", help="restart the run from a complete snapshot (learners re-join)")
+    pin = p.add_argument_group("the run's model (docs/security.md: without a pin the first learner fixes it)")
+    add_flag(pin, "--pin-model", CoordinatorConfig, "pin_model",
+             "build the run's model from the run config (--task, --task-option, --seed, --init) at start and pin its "
+             "manifest and every fragment's initial values: learners and shards take no other", action="store_true")
+    add_flag(pin, "--model-sha256", CoordinatorConfig, "model_sha256",
+             "pin only the manifest, by the SHA-256 of its JSON (a task this coordinator cannot build); initial values "
+             "stay the first learner's", metavar="HEX")
     add_flag(p, "--launcher", CoordinatorConfig, "launcher", "how AddLearners starts learners",
              choices=["local", "kubernetes", "none"])
     add_flag(p, "--release", CoordinatorConfig, "release", "owner label of launched pods (the Helm release)")
