@@ -23,6 +23,7 @@ from diloco.errors import AlreadyExists, Unavailable
 from diloco.files import atomic_write, atomic_write_json
 from tools.certs import make_certs
 from coordinator.launcher import FORK_SERVER_PID_FILE
+from diloco.pin import PIN_FILE, ModelPin
 from tools.chaos import SCAVENGED_POOL, learner_pid
 from tools.local.config import LocalConfig
 
@@ -41,9 +42,13 @@ def _free_port() -> int:
 class Cluster:
     """The processes of one local run; every one of them ends when the run does."""
 
-    def __init__(self, cfg: LocalConfig, run_dir: Path, learner_steps: int) -> None:
+    def __init__(self, cfg: LocalConfig, run_dir: Path, learner_steps: int, pin: ModelPin | None = None) -> None:
+        """``pin``: the run's model, pinned at the coordinator (``run_local`` builds the task
+        anyway, for the start evaluation: the coordinator reuses it instead of building it
+        again); None: the coordinator builds it."""
         self.cfg, self.dir = cfg, run_dir
         self.learner_steps = learner_steps
+        self.pin = pin
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._plain: rpc.Tls | None = None
         self.endpoints: list[dict] = []
@@ -127,7 +132,10 @@ class Cluster:
         })
         learner_cmd = f"{sys.executable} -m tools.cli --exit-with-parent --log-level INFO {tls}learner --config {shlex.quote(str(learner_config))}"
         coordinator_config = self.dir / "coordinator" / "coordinator.json"
+        if self.pin is not None:  # the coordinator pins it (a resumed run's coordinator checks its state against it)
+            atomic_write(self.dir / "coordinator" / PIN_FILE, self.pin.to_json(self.cfg.run))
         atomic_write_json(coordinator_config, {
+            "pin_model": True,
             "port": int(self.coordinator.rsplit(":", 1)[1]), "data_dir": str(self.dir / "coordinator"),
             "shards": ",".join(self.shards), "learner_command": learner_cmd, "pools": f"default,{SCAVENGED_POOL}",
             "snapshot_dir": self.snapshot_dir, "snapshot_every_s": self.cfg.snapshot_every_s,

@@ -122,7 +122,7 @@ The schema checks the built-in task's option names and numbers; what it cannot s
 {{- fail (printf "run.taskOptions: width %d must be divisible by heads %d (the built-in byte GPT)" $width $heads) -}}
 {{- end -}}
 {{- end -}}
-{{- dict "task" $run.task "task_options" $options "seed" (int $run.seed) "fragments" (int $run.fragments) "sync_every_steps" (int $run.syncEverySteps) "overlap_steps" (int $run.overlapSteps) "merge_alpha" (float64 $run.mergeAlpha) "reply_rule" $run.replyRule | toJson -}}
+{{- dict "task" $run.task "task_options" $options "seed" (int $run.seed) "fragments" (int $run.fragments) "sync_every_steps" (int $run.syncEverySteps) "overlap_steps" (int $run.overlapSteps) "merge_alpha" (float64 $run.mergeAlpha) "reply_rule" $run.replyRule "max_model_bytes" (int64 $run.maxModelBytes) | toJson -}}
 {{- end -}}
 
 {{/*
