@@ -470,19 +470,21 @@ class ShardRuntime:
         self.counters.rounds += 1
         self._trace_round(job, merge_s)
         participants = [p.meta.learner_id for p in job.pushes]
-        clipped = ", ".join(f"{p.meta.learner_id} x{c:.3g}" for p, c in zip(job.pushes, job.clip) if c < 1)
+        clipped = ", ".join(f"{p.meta.learner_id} x{c * g:.3g}" for p, c, (_, g) in zip(job.pushes, job.clip or (1.0,) * len(job.pushes), job.measured)
+                            if c * g < 1)
         logger.info(
             "fragment %d -> version %d: %d learners, %s (merge %.1f ms)%s",
             job.fragment.id, job.version, len(participants), job.reason, merge_s * 1e3,
-            f"; deltas clipped to the others' (robust multiple): {clipped}" if clipped else "",
+            f"; deltas cut to the others' norm and direction: {clipped}" if clipped else "",
         )
         self._record(
             "round",
             fragment=job.fragment.id,
             version=job.version,
             participants=participants,
-            weights=list(job.weights),  # exact: replay re-applies them, and the clips
+            weights=list(job.weights),  # exact: replay re-applies them, the clips and the gates
             clip=list(job.clip),
+            gate=[g for _, g in job.measured],
             participation=job.participation,
             quorum_s=round(job.quorum_s, 6),
             grace_s=round(job.grace_s, 6),

@@ -142,7 +142,7 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str |
             if job.version != r["version"]:
                 raise FailedPrecondition(f"tape {tape}: fragment {r['fragment']} is at {job.version - 1}, the tape closes {r['version']}")
             job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0),
-                          clip=tuple(r.get("clip", ())))
+                          clip=tuple(r.get("clip", ())), gate=tuple(r.get("gate", ())))
             core.finish_round(job, compute_round(job, cfg), 0.0)
             rounds += 1
             capture(r["fragment"])

@@ -243,14 +243,17 @@ class Membership:
         """Count the tokens a learner reports it has trained, as far as they are credible:
         at most ``TOKEN_RATE_MULTIPLE`` x the median rate of the other learners (live or
         gone: each one's credited tokens over its time in the run) times its own time in the
-        run. With no other learner's rate to compare with (the run's first reports), a
+        run, counted no longer than the longest of theirs. With no other learner's rate to compare with (the run's first reports), a
         report is taken as it is, provisionally: once there is a reference, whatever exceeds
         the bound is taken back. Counts credited under a reference never go down."""
         learner.claimed = max(learner.claimed, reported)
         age = max(now - learner.joined_s, 0.0)
-        rates = [other.token_rate for other in self.learners.values() if other is not learner and other.token_rate > 0]
-        if rates:
-            bound = int(TOKEN_RATE_MULTIPLE * statistics.median_low(rates) * age)
+        others = [other for other in self.learners.values() if other is not learner and other.token_rate > 0]
+        if others:
+            # Time in the run counts only while some other learner was there to compare with:
+            # one that joins first cannot bank the time it was alone.
+            span = min(age, max(other.heartbeat_s - other.joined_s for other in others))
+            bound = int(TOKEN_RATE_MULTIPLE * statistics.median_low(o.token_rate for o in others) * span)
             learner.vouched = max(learner.vouched, min(learner.claimed, bound))
             learner.tokens = learner.vouched
         else:

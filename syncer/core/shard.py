@@ -32,7 +32,7 @@ from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied,
 from diloco.fragments import Fragment, FragmentPlan
 from diloco.wire import MAX_VERSION, PushMeta
 from syncer.config import SyncerConfig
-from syncer.core.bounds import Influence, Push
+from syncer.core.bounds import REFERENCE_DECAY, Influence, Push, gate
 from syncer.core.merge import Contribution, merge_piece, raw_weight, token_weights
 from syncer.core.outer import outer_step_
 from syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
@@ -147,6 +147,10 @@ class FragmentState:
     ``version``)."""
     influence: Influence = field(default_factory=Influence)
     """The other learners' latest pushes, which bound a new push's delta and weight."""
+    reference: list[np.ndarray] = field(default_factory=list)
+    """Where the fragment has been going: an average of the recent merged updates every
+    pusher agreed with (``syncer.core.bounds``; zeros until the first round). 4 bytes per
+    parameter."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,16 @@ class RoundJob:
     """(learner, its push's base version, its mirror) for each pusher whose anchor the
     shard mirrors at that base: ``condense_replies`` answers them."""
     clip: tuple[float, ...] = ()
-    """The factor each push's delta is scaled by (``syncer.core.bounds``); empty: all 1."""
+    """The factor each push's delta is scaled by for its norm (``syncer.core.bounds``);
+    empty: all 1."""
+    agreement: tuple[float | None, ...] = ()
+    """Per push, the others' median agreement its own is gated against (empty: none)."""
+    reference: tuple[np.ndarray, ...] = ()
+    """The fragment's reference direction, updated in place by ``compute_round``."""
+    gate: tuple[float, ...] = ()
+    """Given (a replay): each push's gate, instead of measuring it."""
+    measured: list[tuple[float | None, float]] = field(default_factory=list)
+    """Filled by ``compute_round``: each push's (agreement, gate)."""
 
 
 def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
@@ -185,6 +198,11 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
     merge buffer, one piece at a time; deltas are accumulated straight from their int4 bytes. Returns the update segment: the int4 encoding
     of exactly what was added to the parameters."""
     m = cfg.merge
+    gates = _gates(job)
+    clip = tuple(c * g for c, g in zip(job.clip or (1.0,) * len(job.pushes), gates))
+    # The reference follows rounds whose every merged push counted in full: a learner whose
+    # pushes are cut cannot turn it towards its own direction.
+    follow = bool(job.reference) and all(g == 1.0 for g, w in zip(gates, job.weights) if w > 0)
     encoded = []
     for index, piece in enumerate(job.fragment.pieces):
         if piece.buffer:
@@ -194,7 +212,6 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
         scale = 1.0
         if sum(job.weights) > 0:
             tensors = [p.payload.tensors[index] for p in job.pushes]
-            clip = job.clip or (1.0,) * len(job.pushes)
 
             def add(terms: list[tuple[int, float]], out: np.ndarray) -> float:
                 return accumulate([(tensors[i], alpha * clip[i]) for i, alpha in terms], out, overwrite=True)
@@ -207,6 +224,10 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
             # Nothing with weight arrived (every pusher failed): no step, momentum untouched.
             delta.fill(0)
             momentum = np.zeros_like(delta)
+        if follow:
+            reference = job.reference[index].reshape(-1)
+            reference *= REFERENCE_DECAY
+            reference += np.float32((1 - REFERENCE_DECAY) * scale) * delta
         lr = m.outer_lr * (job.participation if m.scale_by == "live" else 1.0)
         packed, scales = outer_step_(
             delta, momentum, job.residual[index].reshape(-1), job.params[index].reshape(-1),
@@ -214,6 +235,34 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
         )
         encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
     return Segment(job.version, "delta", tuple(encoded))
+
+
+def _gates(job: RoundJob) -> tuple[float, ...]:
+    """Each push's gate (``syncer.core.bounds.gate``): given (a replay), or from its delta's
+    cosine with the fragment's reference direction, measured here (one more decoding pass
+    over each push with weight > 0), recorded in ``job.measured``."""
+    if job.gate:
+        job.measured[:] = [(None, g) for g in job.gate]
+        return job.gate
+    cosines: list[float | None] = [None] * len(job.pushes)
+    pieces = [(i, p) for i, p in enumerate(job.fragment.pieces) if not p.buffer]
+    reference_sq = sum(float(np.dot(job.reference[i].reshape(-1), job.reference[i].reshape(-1))) for i, _ in pieces) \
+        if job.reference else 0.0
+    if reference_sq > 0:
+        for k, (push, weight) in enumerate(zip(job.pushes, job.weights)):
+            if weight <= 0:
+                continue
+            dot = norm_sq = 0.0
+            for i, piece in pieces:
+                scratch = job.merge_buffer[: piece.numel]
+                norm_sq += accumulate([(push.payload.tensors[i], 1.0)], scratch, overwrite=True)
+                dot += float(np.dot(scratch, job.reference[i].reshape(-1)))
+            if norm_sq > 0:
+                cosines[k] = dot / math.sqrt(norm_sq * reference_sq)
+    agreement = job.agreement or (None,) * len(job.pushes)
+    gates = tuple(gate(c, a) for c, a in zip(cosines, agreement))
+    job.measured[:] = list(zip(cosines, gates))
+    return gates
 
 
 def condense_replies(job: RoundJob, cfg: SyncerConfig) -> dict[str, tuple[int, Segment]]:
@@ -352,6 +401,7 @@ class ShardCore:
             chain=deque(maxlen=self.cfg.merge.update_chain_length),
             merge_buffer=np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32),
             version=version,
+            reference=[np.zeros_like(p) for p in params],
         )
         return True
 
@@ -541,6 +591,8 @@ class ShardCore:
             closed_at=now,
             participation=merged / live if live else 1.0,
             clip=tuple(bounds[p.meta.learner_id].clip if p.meta.learner_id in bounds else 1.0 for p in pushes),
+            agreement=tuple(bounds[p.meta.learner_id].agreement if p.meta.learner_id in bounds else None for p in pushes),
+            reference=tuple(state.reference),
             mirrors=tuple(
                 (p.meta.learner_id, p.meta.base_version, mirror) for p in pushes
                 if not p.meta.final
@@ -568,6 +620,8 @@ class ShardCore:
         state.applying = False
         state.last_reason = job.reason
         state.last_participants = len(job.pushes)
+        for push, (cos, _) in zip(job.pushes, job.measured):
+            state.influence.agreed(push.meta.learner_id, cos)
         state.timings.observe("sync_time_s", now - job.closed_at, self.cfg.rounds.ema_factor)
         self.rounds_closed += 1
         self.clock = self.clock.tick(self.process)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from syncer.core.bounds import FALLBACK_RATIO, LEARNERS_REMEMBERED, Influence, Push
+from syncer.core.bounds import FALLBACK_PERIOD_S, FALLBACK_RATIO, LEARNERS_REMEMBERED, Influence, Push, gate
 
 
 def norm_never_needed():
@@ -18,19 +18,25 @@ def history(*pushes: Push) -> Influence:
     return influence
 
 
-def test_with_no_other_learner_on_record_a_delta_is_held_to_the_fragment_norm():
+def test_with_no_other_learner_on_record_a_delta_is_held_to_the_fragment_norm_per_period():
     influence = Influence()
-    (bound,) = influence.bounds([Push("L0", 5.0, 100.0, 0.0)], 3.0, lambda: 2.0)
-    assert bound.clip == pytest.approx(FALLBACK_RATIO * 2.0 / 5.0)
+    (bound,) = influence.bounds([Push("L0", 5.0, 100.0, 0.0)], 3.0, lambda: 8.0)
+    assert bound.clip == pytest.approx(FALLBACK_RATIO * 8.0 / 5.0)
     assert bound.weight_cap == math.inf
-    (small,) = influence.bounds([Push("L0", 0.5, 100.0, 0.0)], 3.0, lambda: 2.0)
+    (small,) = influence.bounds([Push("L0", 0.5, 100.0, 0.0)], 3.0, lambda: 8.0)
     assert small.clip == 1.0
     # A fragment of norm under 1 is taken as 1: a zero-initialised fragment still trains.
-    (zero,) = influence.bounds([Push("L0", 0.5, 100.0, 0.0)], 3.0, lambda: 0.0)
+    (zero,) = influence.bounds([Push("L0", 0.2, 100.0, 0.0)], 3.0, lambda: 0.0)
     assert zero.clip == 1.0
+    # Alone, pushing again soon after the fragment's last merge: the rest of the period.
+    influence.record([Push("L0", 2.0, 100.0, 0.0)])
+    (soon,) = influence.bounds([Push("L0", 2.0, 100.0, FALLBACK_PERIOD_S / 4)], 3.0, lambda: 8.0)
+    assert soon.clip == pytest.approx(FALLBACK_RATIO * 8.0 / 4 / 2.0)
+    (later,) = influence.bounds([Push("L0", 2.0, 100.0, 2 * FALLBACK_PERIOD_S)], 3.0, lambda: 8.0)
+    assert later.clip == 1.0
     # Its own earlier pushes do not vouch for a learner.
-    (own,) = history(Push("L0", 100.0, 1.0, 0.0)).bounds([Push("L0", 5.0, 1.0, 10.0)], 3.0, lambda: 2.0)
-    assert own.clip == pytest.approx(2.0 / 5.0)
+    (own,) = history(Push("L0", 100.0, 1.0, 0.0)).bounds([Push("L0", 5.0, 1.0, 10.0)], 3.0, lambda: 8.0)
+    assert own.clip == pytest.approx(FALLBACK_RATIO * 8.0 / 5.0)
 
 
 def test_a_delta_is_clipped_to_the_multiple_of_the_other_learners_median():
@@ -101,3 +107,26 @@ def test_the_reference_remembers_the_newest_learners_and_forgets_a_gone_one():
     # A learner pushing again moves to the newest end.
     influence.record([Push("L5", 2.0, 1.0, 100.0)])
     assert next(reversed(influence.latest)) == "L5" and influence.latest["L5"].interval == pytest.approx(95.0)
+
+
+def test_the_gate_counts_a_push_by_how_its_direction_agrees_with_the_others():
+    assert gate(0.30, 0.40) == 1.0 and gate(0.20, 0.40) == 1.0  # at m / 2 and above: whole
+    assert gate(0.15, 0.40) == pytest.approx(0.5)
+    assert gate(0.10, 0.40) == 0.0 and gate(-0.5, 0.40) == 0.0  # at m / 4 and below: nothing
+    # Nothing to compare with, or others that do not agree with the reference themselves.
+    assert gate(None, 0.4) == gate(0.0, None) == gate(-1.0, 0.0) == gate(-1.0, -0.2) == 1.0
+
+
+def test_a_push_is_gated_against_the_median_of_the_other_learners_agreement():
+    influence = history(Push("L0", 1.0, 1.0, 0.0), Push("L1", 1.0, 1.0, 0.0), Push("L2", 1.0, 1.0, 0.0))
+    for learner, cos in (("L0", 0.3), ("L1", 0.5), ("L2", 0.05)):
+        influence.agreed(learner, cos)
+    influence.agreed("L9", 0.9)  # no push on record: nothing to attach it to
+    assert "L9" not in influence.latest
+    (bound,) = influence.bounds([Push("L3", 1.0, 1.0, 1.0)], 3.0, norm_never_needed)
+    assert bound.agreement == 0.3
+    (own,) = influence.bounds([Push("L2", 1.0, 1.0, 1.0)], 3.0, norm_never_needed)
+    assert own.agreement == 0.3  # of L0 and L1: the lower middle
+    # A learner's next push keeps its last agreement until its round measures the new one.
+    influence.record([Push("L0", 1.0, 1.0, 2.0)])
+    assert influence.latest["L0"].cos == 0.3

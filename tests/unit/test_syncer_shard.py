@@ -13,6 +13,7 @@ from diloco.codec import decode, encode
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import plan_fragments
 from syncer.config import MergeConfig, RoundConfig, SyncerConfig
+from syncer.core.bounds import Push
 from syncer.core.rounds import Close, Wait
 from syncer.core.shard import (
     ACCEPTED,
@@ -54,9 +55,10 @@ class Learner:
         self.clock = VectorClock()
         self.g = torch.Generator().manual_seed(seed)
 
-    def push(self, fid, now, tokens=64, steps=4, specs_override=None, scale=0.01):
+    def push(self, fid, now, tokens=64, steps=4, specs_override=None, scale=0.01, deltas=None):
         pieces = self.shard.plan.fragments[fid].pieces
-        deltas = [torch.randn(p.shape, generator=self.g) * scale for p in pieces]
+        if deltas is None:
+            deltas = [torch.randn(p.shape, generator=self.g) * scale for p in pieces]
         encoded = [encode(p.name, d) for p, d in zip(pieces, deltas)]
         self.clock = self.clock.tick(self.name)
         meta = PushMeta(
@@ -758,6 +760,8 @@ def test_push_bound_uses_the_fragment_norm_of_its_version():
     shard, initial = make_shard(merge="mean", outer_lr=1.0, outer_momentum=0.0, scale_by="round")
     shard.cfg = dataclasses.replace(shard.cfg, max_delta_ratio=1.0)
     state = shard.fragments[0]
+    # Others on record with huge deltas: the robust clip (syncer.core.bounds) never binds here.
+    state.influence.record([Push("L8", 1e9, 1.0, -10.0), Push("L9", 1e9, 1.0, -10.0)])
     norm0 = shard.fragment_norm(state)
     pieces = state.fragment.pieces
     clocks = {n: VectorClock() for n in ("L0", "L1", "L2")}
@@ -879,35 +883,74 @@ def fragment_moved(shard, fid, before):
     return math.sqrt(sum(float(np.sum((after - was) ** 2)) for after, was in zip(shard.fragments[fid].params, before)))
 
 
-def test_a_learner_pushing_huge_deltas_moves_a_fragment_as_far_as_three_honest_ones_at_most():
-    """1 of 4 learners pushes deltas 800x the others' (accepted: under max_delta_ratio x the
-    fragment's norm); its round moves the fragment by the robust multiple (3) x the median
-    honest delta, scaled by the round's share of the live learners, not by 800x."""
+def honest_round(shard, honest, direction, rnd, g):
+    """Each honest learner pushes the common ``direction`` plus its own noise, in a round of
+    its own (K = 1), and applies the reply. Returns the norms of their deltas."""
+    norms = []
+    for i, learner in enumerate(honest):
+        deltas = [d + 0.5 * torch.randn(d.shape, generator=g) * d.abs().mean() for d in direction]
+        _, payload, _ = learner.push(0, now=rnd + i * 0.1, deltas=deltas)
+        norms.append(math.sqrt(sum(n * n for n in payload.norms)))
+        job = close(shard, 0, now=rnd + i * 0.1 + 0.01)
+        assert job.clip == (1.0,) and job.measured[0][1] == 1.0
+        learner.apply(shard.update_for(0, learner.version[0], learner.name))
+    return norms
+
+
+def hostile_setup():
     shard, initial = make_shard(num_fragments=1)
     shard.set_membership({"L0", "L1", "L2", "L3"}, set())
     honest = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
+    g = torch.Generator().manual_seed(7)
+    direction = [torch.randn(p.shape, generator=g) * 0.01 for p in shard.plan.fragments[0].pieces]
+    norms = [honest_round(shard, honest, direction, rnd, g) for rnd in range(3)]
+    return shard, initial, honest, direction, g, sorted(norms[-1])[1]
+
+
+def test_a_learner_pushing_huge_deltas_moves_a_fragment_as_far_as_three_honest_ones_at_most():
+    """1 of 4 learners pushes the honest direction at 800x the others' norm (accepted: under
+    max_delta_ratio x the fragment's norm); its round moves the fragment by the robust
+    multiple (3) x the median honest delta, scaled by the round's share of the live
+    learners, not by 800x."""
+    shard, initial, honest, direction, g, latest = hostile_setup()
     attacker = Learner("L3", shard, initial, seed=3)
-    norms = []
-    for rnd in range(3):
-        for i, learner in enumerate(honest):
-            meta, payload, _ = learner.push(0, now=rnd + i * 0.1)
-            norms.append(math.sqrt(sum(n * n for n in payload.norms)))
-            job = close(shard, 0, now=rnd + i * 0.1 + 0.01)
-            assert job.clip == (1.0,)
-            learner.apply(shard.update_for(0, learner.version[0], learner.name))
-    latest = sorted(norms[-3:])[1]  # the median of the other learners' latest pushes
     before = [p.copy() for p in shard.fragments[0].params]
-    _, payload, ack = attacker.push(0, now=3.0, scale=8.0)
+    _, payload, ack = attacker.push(0, now=3.0, deltas=[d * 800 for d in direction])
     assert ack.outcome == ACCEPTED
     pushed = math.sqrt(sum(n * n for n in payload.norms))
     assert pushed > 400 * latest
     job = close(shard, 0, now=3.01)
-    assert job.clip == (pytest.approx(3 * latest / pushed),)
+    assert job.clip == (pytest.approx(3 * latest / pushed),) and job.measured[0][1] == 1.0
     moved = fragment_moved(shard, 0, before)
     assert 0.9 * 3 * latest / 4 < moved < 1.1 * 3 * latest / 4  # lr 1 x participation 1/4; int4 rounding
     # An honest push after it is held to the same reference and passes whole.
-    honest[0].push(0, now=4.0)
-    assert close(shard, 0, now=4.01).clip == (1.0,)
+    honest_round(shard, honest[:1], direction, 4, g)
+
+
+@pytest.mark.parametrize("attack", ["random", "grow"])
+def test_a_learner_pushing_against_where_the_fragment_goes_is_gated_out(attack):
+    """Pushes at an honest norm but in a direction the others do not take (a random one,
+    or along the model's own values, which grows it) agree with the fragment's reference
+    direction at a cosine near 0: their gate is 0 and the fragment does not move. The
+    reference does not follow those rounds; the honest pushes after them pass whole."""
+    shard, initial, honest, direction, g, latest = hostile_setup()
+    attacker = Learner("L3", shard, initial, seed=3)
+    state = shard.fragments[0]
+    for rnd in range(3):
+        if attack == "random":
+            deltas = [torch.randn(p.shape, generator=g) for p in state.params]
+        else:  # delta = anchor - params = -params: the merged step adds the values to themselves
+            deltas = [-torch.from_numpy(p.copy()) for p in state.params]
+        norm = math.sqrt(sum(float(d.pow(2).sum()) for d in deltas))
+        before, reference = [p.copy() for p in state.params], [r.copy() for r in state.reference]
+        attacker.push(0, now=3.0 + rnd, deltas=[d * latest / norm for d in deltas])
+        job = close(shard, 0, now=3.01 + rnd)
+        cos, gate = job.measured[0]
+        assert abs(cos) < 0.1 and gate == 0.0
+        assert fragment_moved(shard, 0, before) < 0.01 * latest  # only what int4 left over from earlier rounds
+        assert all(np.array_equal(r, was) for r, was in zip(state.reference, reference))
+        attacker.apply(shard.update_for(0, attacker.version[0], attacker.name))
+    honest_round(shard, honest, direction, 10, g)
 
 
 def test_claimed_tokens_count_at_most_three_times_the_other_learners():

@@ -39,7 +39,8 @@ SCALE = 0.95
 """Of the largest delta a shard accepts."""
 
 
-def attacker(run_dir: Path, attack: str, seed: int, step_s: float, stop: threading.Event, log: list[str]) -> None:
+def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, stop: threading.Event,
+             log: list[str]) -> None:
     """Join the run in ``run_dir`` as soon as it is up and push ``attack`` until drained."""
     import diloco
     from diloco.config import RunConfig
@@ -60,7 +61,7 @@ def attacker(run_dir: Path, attack: str, seed: int, step_s: float, stop: threadi
     g = torch.Generator().manual_seed(10_000 + seed)
     log.append(f"{learner.learner_id} joined: attack {attack}")
     with learner:
-        while not (learner.should_stop or stop.is_set()):
+        while not (learner.should_stop or stop.is_set() or _honest_done(run_dir, honest)):
             with torch.no_grad():
                 for fragment_id, anchor in learner.anchors().items():
                     pieces = learner.plan.fragments[fragment_id].pieces
@@ -79,6 +80,13 @@ def attacker(run_dir: Path, attack: str, seed: int, step_s: float, stop: threadi
             time.sleep(step_s)
     log.append(f"{learner.learner_id} left after {learner.summary.inner_steps} steps, "
                f"{learner.summary.pushes_sent} pushes")
+
+
+def _honest_done(run_dir: Path, honest: int) -> bool:
+    """Every learner ``diloco local`` launched has written its summary: the attacker
+    leaves too (a run that predates the end waiting only for its own learners would wait
+    for it)."""
+    return len(list((run_dir / "learners").glob("*.json"))) >= honest
 
 
 def _wait_for_coordinator(run_dir: Path, stop: threading.Event, timeout_s: float = 120.0) -> str | None:
@@ -101,7 +109,7 @@ def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s
     stop, log = threading.Event(), []
     thread = None
     if attack != "none":
-        thread = threading.Thread(target=attacker, args=(run_dir, attack, seed, step_s, stop, log), daemon=True)
+        thread = threading.Thread(target=attacker, args=(run_dir, attack, seed, step_s, learners, stop, log), daemon=True)
     started = time.monotonic()
     with open(out / f"{attack}-seed{seed}.log", "w") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
