@@ -755,6 +755,8 @@ class ShardCore:
         self.draining.discard(learner_id)
         self.failed.add(learner_id)
         self._forget(learner_id)
+        for state in self.fragments.values():  # a removed learner (a bad one, say) vouches for nothing more
+            state.influence.forget(learner_id)
 
     def learner_draining(self, learner_id: str) -> None:
         self.live.discard(learner_id)
@@ -773,12 +775,12 @@ class ShardCore:
             del self.left[next(iter(self.left))]
 
     def _forget(self, learner_id: str) -> None:
-        """A learner gone for good: its mirrors are memory no reply will use, and its pushes
-    no longer vouch for what the others send."""
+        """A learner gone for good: its mirrors are memory no reply will use. (Its latest
+        pushes stay in the fragments' references when it left in good standing: a learner
+        that outstays the others is still compared with them.)"""
         for state in self.fragments.values():
             state.mirrors.pop(learner_id, None)
             state.condensed.pop(learner_id, None)
-            state.influence.forget(learner_id)
 
     def learner_joined(self, learner_id: str) -> None:
         self.live.add(learner_id)

@@ -33,7 +33,7 @@ def test_a_learner_pushing_the_largest_accepted_delta_every_time_does_not_ruin_t
     assert honest["exit"] == 0 and attacked["exit"] == 0
     assert attacked["attacker"][0].endswith("joined: attack grow"), attacked["attacker"]
     assert attacked["attacker_pushes_merged"] >= 10
-    assert attacked["attacker_clip_median"] < 0.2  # its deltas are cut to the honest ones' scale
+    assert attacked["attacker_factor_median"] < 0.2  # its deltas are cut to the honest ones' scale and direction
     start = json.loads((honest["dir"] / "summary.json").read_text())["eval_loss_start"]
     assert honest["eval_final"] < start - 1.5
     # Without the bounds this run ends far above its start (the model's norm grows ~10x per merged push).

@@ -120,25 +120,32 @@ def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s
     if thread is not None:
         thread.join(30)
     summary = json.loads((run_dir / "summary.json").read_text())
-    clips = [c for shard in sorted(run_dir.glob("shard*")) for c in _attacker_clips(shard)]
+    factors = [f for shard in sorted(run_dir.glob("shard*")) for f in _factors(shard)]
+    theirs = [f for own, f in factors if not own]
+    ours = [f for own, f in factors if own]
     return {"attack": attack, "seed": seed, "exit": code, "wall_s": round(time.monotonic() - started, 1),
             "eval_final": summary.get("eval_loss_final"), "attacker": log,
-            "attacker_clip_median": statistics.median(clips) if clips else None, "attacker_pushes_merged": len(clips)}
+            "attacker_factor_median": statistics.median(theirs) if theirs else None,
+            "attacker_pushes_merged": len(theirs), "honest_pushes_merged": len(ours),
+            "honest_pushes_cut": sum(1 for f in ours if f < 1),
+            "honest_cut_factor_median": statistics.median([f for f in ours if f < 1] or [1.0])}
 
 
-def _attacker_clips(shard: Path) -> list[float]:
-    """The clip factors of the pushes the shard merged from learners that no ``diloco local``
-    learner log names (the attacker)."""
+def _factors(shard: Path) -> list[tuple[bool, float]]:
+    """(pushed by a ``diloco local`` learner, the factor its delta was merged at: norm clip x
+    direction gate) for every push the shard merged."""
     from diloco.tape import read_tape
 
     run_dir = shard.parent
     own = {p.name.removesuffix(".json") for p in (run_dir / "learners").glob("*.json")}
-    clips = []
+    factors = []
     for tape in shard.glob("tape-*.jsonl"):
         for r in read_tape(tape):
             if r["kind"] == "round":
-                clips += [c for learner, c in zip(r["participants"], r.get("clip", [])) if learner not in own]
-    return clips
+                n = len(r["participants"])
+                for learner, c, g in zip(r["participants"], r.get("clip") or [1.0] * n, r.get("gate") or [1.0] * n):
+                    factors.append((learner in own, c * g))
+    return factors
 
 
 def main(argv: list[str] | None = None) -> int:
