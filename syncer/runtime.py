@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,7 @@ from diloco.tape import TapeWriter
 from diloco.wire import PushMeta
 from syncer import snapshot as snapshot_files
 from syncer.core import snapshot
+from syncer.core.bounds import choose_anchor
 from syncer.core.rounds import Close
 from syncer.core.shard import (
     DUPLICATE, Ack, FragmentUpdate, Mirror, PushPayload, RoundJob, ShardCore, Segment, compute_round, condense,
@@ -88,14 +90,22 @@ RunModelSource = Callable[[], Awaitable[tuple[str, tuple[bytes, ...]]]]
 """Asks the coordinator for the run's (manifest JSON, pinned initial values' digests)."""
 
 
+ANCHORS_HELD = 8
+"""The most anchors of one fragment whose values a shard holds while it collects offers."""
+
+
 @dataclass
 class _AnchorOffers:
     """Anchors offered for one fragment of a shard back without its state."""
 
     taken: asyncio.Future
     """Resolved with the learner whose anchor became the fragment's state."""
-    best: tuple[str, object, int] | None = None
-    offered: list[tuple[str, int]] = field(default_factory=list)
+    offered: list[tuple[str, int, float]] = field(default_factory=list)
+    """(learner, version, norm) of every offer."""
+    values: dict[int, object] = field(default_factory=dict)
+    """The values of at most ``ANCHORS_HELD`` offers (by index in ``offered``): when more
+    come, the highest version's are dropped (``choose_anchor`` takes the newest near the
+    lower median, never the newest of all when there are many)."""
     timer: asyncio.TimerHandle | None = None
 
 
@@ -285,8 +295,9 @@ class ShardRuntime:
                            version: int) -> bool:
         """A learner's anchor of a fragment this shard lacks: offers are collected for
         ``anchor_window_s`` after the first one, or until every live learner has offered,
-        and the newest becomes the fragment's state (True for its learner). A fragment
-        that has values takes none (False)."""
+        and the newest that agrees with the others (``syncer.core.bounds.choose_anchor``)
+        becomes the fragment's state (True for its learner). A fragment that has values
+        takes none (False)."""
         if fragment_id in self.core.fragments:
             return False
         loop = asyncio.get_running_loop()
@@ -297,10 +308,14 @@ class ShardRuntime:
                         self.core.cfg.anchor_window_s)
             offers.timer = loop.call_later(self.core.cfg.anchor_window_s, self._take_newest_anchor,
                                            fragment_id, manifest_json, plan)
-        offers.offered.append((learner_id, version))
-        if offers.best is None or version > offers.best[2]:
-            offers.best = (learner_id, values, version)
-        if self.core.live and self.core.live <= {learner for learner, _ in offers.offered}:
+        norm = await asyncio.to_thread(lambda: math.sqrt(sum(float(np.dot(v.reshape(-1), v.reshape(-1))) for v in values)))
+        if fragment_id in self.core.fragments or self._anchor_offers.get(fragment_id) is not offers:
+            return False  # taken while the norm was computed
+        offers.values[len(offers.offered)] = values
+        offers.offered.append((learner_id, version, norm))
+        if len(offers.values) > ANCHORS_HELD:
+            del offers.values[max(offers.values, key=lambda i: offers.offered[i][1])]
+        if self.core.live and self.core.live <= {learner for learner, _, _ in offers.offered}:
             offers.timer.cancel()  # everyone who could offer has: no newer anchor is coming
             loop.call_soon(self._take_newest_anchor, fragment_id, manifest_json, plan)
         winner = await asyncio.shield(offers.taken)
@@ -310,10 +325,16 @@ class ShardRuntime:
         offers = self._anchor_offers.pop(fragment_id, None)
         if offers is None:  # taken already (every live learner had offered)
             return
-        learner_id, values, version = offers.best
+        held = sorted(offers.values)
+        chosen = choose_anchor([offers.offered[i][1:] for i in held])
         try:
-            self.initialize(learner_id, manifest_json, plan, fragment_id, values, version,
-                            offered=sorted(offers.offered, key=lambda o: o[1]))
+            if chosen is None:
+                raise FailedPrecondition(
+                    f"no anchor offered for fragment {fragment_id} agrees with the others' versions and norms: "
+                    f"{[(learner, version, round(norm, 3)) for learner, version, norm in offers.offered]}")
+            learner_id, version, _ = offers.offered[held[chosen]]
+            self.initialize(learner_id, manifest_json, plan, fragment_id, offers.values[held[chosen]], version,
+                            offered=sorted(([learner, version] for learner, version, _ in offers.offered), key=lambda o: o[1]))
         except Exception as error:  # every offer of the window gets the reason
             offers.taken.set_exception(error)
             return

@@ -165,3 +165,28 @@ def gate(cos: float | None, agreement: float | None) -> float:
 
 def _clip(norm: float, limit: float) -> float:
     return min(1.0, limit / norm) if norm > limit else 1.0
+
+
+ANCHOR_VERSION_SLACK = 64
+"""How many versions an anchor may be ahead of the lower median of those offered."""
+ANCHOR_NORM_RATIO = 2.0
+"""How far (either way) an anchor's norm may be from the lower median of those offered."""
+
+
+def choose_anchor(offers: list[tuple[int, float]]) -> int | None:
+    """Which of the (version, norm) anchors offered for a fragment of a shard back without
+    its state becomes its state: the newest whose version is at most ``ANCHOR_VERSION_SLACK``
+    above the lower median of the versions offered and whose norm is within
+    ``ANCHOR_NORM_RATIO`` of the lower median norm (one learner cannot pull the fragment to
+    a version the others never saw, nor to values of another scale); ties go to the norm
+    nearest that median. None when none qualifies. One offer is taken as it is: there is
+    nothing to compare it with."""
+    if not offers:
+        return None
+    version_limit = statistics.median_low(v for v, _ in offers) + ANCHOR_VERSION_SLACK
+    norm = statistics.median_low(n for _, n in offers)
+    candidates = [i for i, (v, n) in enumerate(offers)
+                  if v <= version_limit and norm / ANCHOR_NORM_RATIO <= n <= norm * ANCHOR_NORM_RATIO]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda i: (offers[i][0], -abs(offers[i][1] - norm)))

@@ -17,6 +17,7 @@ from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
 from syncer import snapshot
+from syncer.core.bounds import Push
 from syncer.config import MergeConfig, SyncerConfig
 from syncer.runtime import MANIFEST_FILE, initial_name
 from syncer.server import ShardServer, ShardServerConfig
@@ -95,6 +96,9 @@ def test_a_learner_joining_late_downloads_one_int4_update_from_the_seed(tmp_path
             core = server.runtime.core
             async with client_for(address, "L0") as c0, client_for(address, "L2") as c2:
                 assert await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+                # Others on record with huge deltas: L0's pushes, alone, are not held to the
+                # fallback bound (syncer.core.bounds), and the fragment moves.
+                core.fragments[0].influence.record([Push("L8", 1e9, 1.0, -10.0), Push("L9", 1e9, 1.0, -10.0)])
                 trained = FakeLearner.of(server, "L0", fragment=0)
                 for _ in range(3):
                     await trained.push(c0, deltas=[torch.randn(t.shape) * 0.05 for t in seed])
@@ -367,7 +371,7 @@ def test_the_anchor_window_closes_once_every_live_learner_has_offered(tmp_path):
             async with client_for(address, "L0") as c0:
                 assert await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
         async with empty_shard(tmp_path, anchor_window_s=30.0) as (server, address):
-            newer = [t + 0.3 for t in PLAN.gather(0, STATE)]
+            newer = [t * 1.1 for t in PLAN.gather(0, STATE)]  # near the other anchor, as honest ones are
             async with client_for(address, "L0") as c0, client_for(address, "L1") as c1:
                 started = asyncio.get_running_loop().time()
                 first, second = await asyncio.gather(
@@ -376,5 +380,33 @@ def test_the_anchor_window_closes_once_every_live_learner_has_offered(tmp_path):
                 assert asyncio.get_running_loop().time() - started < 10  # long before the 30 s window ends
                 assert (first, second) == (True, False)
                 assert server.runtime.recovered[0] == ("L0", 7)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("attack", ["version", "values"])
+def test_an_anchor_one_learner_inflates_loses_to_the_honest_ones(tmp_path, attack):
+    """A shard back without its state took the newest anchor offered, whatever its
+    version: one learner's anchor at version +1e6 (or its values x1000, one version
+    ahead) became the fragment (measured: norm 4.8 -> 4816). Now the newest anchor near
+    the lower median of the versions and norms offered wins; the attacker's answer is
+    False like any loser's."""
+    async def scenario():
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as c0:
+                assert await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+        async with empty_shard(tmp_path, anchor_window_s=30.0, learners=("L0", "L1", "L2")) as (server, address):
+            honest = PLAN.gather(0, STATE)
+            near = [t * 1.01 for t in honest]
+            hostile = ([t * 1.02 for t in honest], 12 + 10**6) if attack == "version" else ([t * 1000 for t in honest], 13)
+            async with client_for(address, "L0") as c0, client_for(address, "L1") as c1, client_for(address, "L2") as c2:
+                answers = await asyncio.gather(
+                    c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, honest), anchor_version=11),
+                    c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, near), anchor_version=12),
+                    c2.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, hostile[0]), anchor_version=hostile[1]))
+                assert answers == [False, True, False]
+                assert server.runtime.recovered[0] == ("L1", 12)
+                (update,) = await c0.bootstrap([0])
+                assert update.version == 12 and all((a == b).all() for a, b in zip(update.segments[-1].tensors, near))
 
     run(scenario())

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from syncer.core.bounds import FALLBACK_PERIOD_S, FALLBACK_RATIO, LEARNERS_REMEMBERED, Influence, Push, gate
+from syncer.core.bounds import (ANCHOR_VERSION_SLACK, FALLBACK_PERIOD_S, FALLBACK_RATIO, LEARNERS_REMEMBERED, Influence,
+                                 Push, choose_anchor, gate)
 
 
 def norm_never_needed():
@@ -130,3 +131,17 @@ def test_a_push_is_gated_against_the_median_of_the_other_learners_agreement():
     # A learner's next push keeps its last agreement until its round measures the new one.
     influence.record([Push("L0", 1.0, 1.0, 2.0)])
     assert influence.latest["L0"].cos == 0.3
+
+
+def test_an_anchor_is_the_newest_that_agrees_with_the_others_versions_and_norms():
+    assert choose_anchor([]) is None
+    assert choose_anchor([(10**6, 4816.0)]) == 0  # alone: nothing to compare with
+    assert choose_anchor([(9, 4.8), (12, 4.9)]) == 1  # the newer of two honest anchors
+    # One learner's anchor at version +1e6, or with values x1000, loses to the honest ones.
+    assert choose_anchor([(100, 4.8), (10**6, 4.8), (101, 4.9)]) == 2
+    assert choose_anchor([(100, 4.8), (101, 4816.0)]) == 0
+    assert choose_anchor([(100, 4.8), (101, 4.8), (101, 4816.0)]) == 1
+    assert choose_anchor([(100, 4.8), (100 + ANCHOR_VERSION_SLACK, 4.8)]) == 1
+    assert choose_anchor([(100, 4.8), (101 + ANCHOR_VERSION_SLACK, 4.8)]) == 0
+    # Same version: the norm nearest the median.
+    assert choose_anchor([(100, 4.8), (100, 9.0), (100, 4.7)]) == 0
