@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +41,9 @@ SCALE = 0.95
 
 def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, stop: threading.Event,
              log: list[str]) -> None:
-    """Join the run in ``run_dir`` as soon as it is up and push ``attack`` until drained."""
+    """Join the run in ``run_dir`` as soon as it is up and push ``attack`` until drained.
+    Run it in a process of its own (``attacker_process``): joining chooses the process's
+    transport (TLS) for good."""
     import diloco
     from diloco.config import RunConfig
     from learner.config import LearnerConfig
@@ -60,6 +62,7 @@ def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, 
                                   join_token=(run_dir / "coordinator" / "join-token").read_text().strip())
     g = torch.Generator().manual_seed(10_000 + seed)
     log.append(f"{learner.learner_id} joined: attack {attack}")
+    print(log[-1], flush=True)
     with learner:
         while not (learner.should_stop or stop.is_set() or _honest_done(run_dir, honest)):
             with torch.no_grad():
@@ -80,6 +83,7 @@ def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, 
             time.sleep(step_s)
     log.append(f"{learner.learner_id} left after {learner.summary.inner_steps} steps, "
                f"{learner.summary.pushes_sent} pushes")
+    print(log[-1], flush=True)
 
 
 def _honest_done(run_dir: Path, honest: int) -> bool:
@@ -106,19 +110,24 @@ def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s
     run_dir = out / f"{attack}-seed{seed}"
     command = [sys.executable, "-m", "tools.cli", "local", "--learners", str(learners), "--steps", str(steps),
                "--seed", str(seed), "--out", str(run_dir), *extra]
-    stop, log = threading.Event(), []
-    thread = None
-    if attack != "none":
-        thread = threading.Thread(target=attacker, args=(run_dir, attack, seed, step_s, learners, stop, log), daemon=True)
+    hostile = out / f"{attack}-seed{seed}.attacker.log"
     started = time.monotonic()
-    with open(out / f"{attack}-seed{seed}.log", "w") as output:
+    with open(out / f"{attack}-seed{seed}.log", "w") as output, open(hostile, "w") as attacker_output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-        if thread is not None:
-            thread.start()
+        intruder = None
+        if attack != "none":
+            intruder = subprocess.Popen([sys.executable, "-m", "tools.bench.hostile", "attacker", str(run_dir), attack,
+                                         str(seed), str(step_s), str(learners)],
+                                        stdout=attacker_output, stderr=subprocess.STDOUT)
         code = process.wait()
-    stop.set()
-    if thread is not None:
-        thread.join(30)
+        if intruder is not None:
+            intruder.terminate()
+            try:
+                intruder.wait(30)
+            except subprocess.TimeoutExpired:
+                intruder.kill()
+                intruder.wait()
+    log = [line.strip() for line in hostile.read_text().splitlines() if " joined: attack " in line or " left after " in line]
     summary = json.loads((run_dir / "summary.json").read_text())
     factors = [f for shard in sorted(run_dir.glob("shard*")) for f in _factors(shard)]
     theirs = [f for own, f in factors if not own]
@@ -148,7 +157,20 @@ def _factors(shard: Path) -> list[tuple[bool, float]]:
     return factors
 
 
+def attacker_process(argv: list[str]) -> int:
+    """``attacker RUN_DIR ATTACK SEED STEP_S HONEST``: the attacker, in this process, until
+    drained or SIGTERM."""
+    run_dir, attack, seed, step_s, honest = Path(argv[0]), argv[1], int(argv[2]), float(argv[3]), int(argv[4])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    attacker(run_dir, attack, seed, step_s, honest, stop, [])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["attacker"]:
+        return attacker_process(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--attacks", nargs="+", default=["none", "random", "grow"], choices=["none", "random", "grow"])
