@@ -401,7 +401,8 @@ class ShardCore:
             chain=deque(maxlen=self.cfg.merge.update_chain_length),
             merge_buffer=np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32),
             version=version,
-            reference=[np.zeros_like(p) for p in params],
+            reference=[np.zeros(0 if piece.buffer else p.size, dtype=np.float32)  # buffers carry values, not deltas
+                       for piece, p in zip(fragment.pieces, params)],
         )
         return True
 

@@ -232,6 +232,13 @@ def _other_model():
     return model_plan(gpt_run(width=24, depth=1, heads=2, context=16, fragments=2))
 
 
+def _other_fragment0():
+    """Another model's manifest, plan and fragment 0's values as an Initialize carries them."""
+    other, other_plan, other_state = _other_model()
+    own = [encode(p.name, t, encoding="fp32") for p, t in zip(other_plan.fragments[0].pieces, other_plan.gather(0, other_state))]
+    return other, other_plan, own
+
+
 def _register(session, manifest_json):
     """RegisterModel on the raw stub (its status code, not the client's error)."""
     return session.stub.RegisterModel(coordinator_pb2.RegisterModelRequest(
@@ -318,9 +325,7 @@ def test_shards_take_only_the_pinned_model_and_its_initial_values(tmp_path):
                 attacker.learner_id, 0, MANIFEST.to_json(), PLAN.plan_hash, halves), attacker.learner_id),
                 grpc.StatusCode.FAILED_PRECONDITION)
             assert "not the run's pinned ones" in details
-            other, other_plan, other_state = _other_model()
-            own = [encode(p.name, t, encoding="fp32")
-                   for p, t in zip(other_plan.fragments[0].pieces, other_plan.gather(0, other_state))]
+            other, other_plan, own = _other_fragment0()
             details = await _refused(lambda: raw_initialize(address, _initialize_as(
                 attacker.learner_id, 0, other.to_json(), other_plan.plan_hash, own), attacker.learner_id),
                 grpc.StatusCode.INVALID_ARGUMENT)
@@ -344,9 +349,7 @@ def test_shards_plan_from_the_registered_manifest_not_the_learners(tmp_path):
     async def scenario():
         async with _shard_following(tmp_path) as (shard, address, coordinator):
             honest, attacker = await joined(coordinator.address), await joined(coordinator.address)
-            other, other_plan, other_state = _other_model()
-            own = [encode(p.name, t, encoding="fp32")
-                   for p, t in zip(other_plan.fragments[0].pieces, other_plan.gather(0, other_state))]
+            other, other_plan, own = _other_fragment0()
             details = await _refused(lambda: raw_initialize(address, _initialize_as(
                 attacker.learner_id, 0, other.to_json(), other_plan.plan_hash, own), attacker.learner_id),
                 grpc.StatusCode.FAILED_PRECONDITION)
