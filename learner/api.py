@@ -224,6 +224,13 @@ class Learner:
         if self.events is not None:
             self.events.append(kind, time.time(), **fields)
 
+    def begin_training(self) -> None:
+        """The inner-step loop starts now: its state event, and the clock the step time
+        pushes report is taken on (the slot a run's goodput counts starts at that event;
+        a clock started earlier counts set-up time as steps)."""
+        self.event("state", state="computing", step=0)
+        self._started = time.monotonic()
+
     def close(self, reason: str = "finished", *, failed: bool = False) -> Summary:
         """Finish in-flight pushes (bounded), apply what arrived, leave. Idempotent.
         ``failed``: the training loop raised (a slice's hosts are not sent the last writes:

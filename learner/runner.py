@@ -82,7 +82,7 @@ class TaskRunner:
         learner, cfg, task = self.learner, self.cfg, self.task
         if not (cfg.skip_start_eval or learner.joined_in_progress):  # else the first step comes at once
             self._evaluate(0)
-        learner.event("state", state="computing", step=0)
+        learner.begin_training()
         batches = iter(task.batches)
         for step in range(cfg.steps):
             if learner.should_stop:

@@ -122,6 +122,9 @@ class SliceFollower:
     def event(self, kind: str, **fields) -> None:
         """Followers keep no event tape (the leader's is the learner's)."""
 
+    def begin_training(self) -> None:
+        """The leader records it."""
+
     def step(self, tokens: int) -> None:
         self.summary.inner_steps += 1
         self.summary.tokens += tokens

@@ -73,6 +73,11 @@ ABLATIONS = {
     "H=8": {"sync_every": 8},
     "H=16": {"sync_every": 16},
 }
+WORKLOADS = {"standard": 120, "long": 480, "longer": 960}
+"""``--workload``: inner steps per worker. Longer workloads keep the workers, batch and
+schedule shape (warmup, then cosine over the whole run) and multiply the tokens, so the
+systems meet the late phase of training, where the learning rate has decayed and the
+gradient is mostly noise; 4x and 8x the standard run."""
 DEFAULT_VARIANT = "K=1, no grace (default)"
 ABLATION_SCENARIOS = ("nofault", "hetero", "mtbf30")
 """Where ablations run: those of them in ``--scenario``, or the first two when none is."""
@@ -83,7 +88,7 @@ class CompareConfig:
     run: RunConfig = field(default_factory=RunConfig)
     workers: int = 4
     """M: learners / DP workers / torchft replicas (4, so that half of them can be slow)."""
-    steps: int = 120
+    steps: int = WORKLOADS["standard"]
     seed: int = 3
     """Seed of the fault schedules (3: its first kill falls 8 s in, inside a one-minute run)."""
     seeds: int = 3
@@ -91,6 +96,9 @@ class CompareConfig:
     mtbf_s: float = 30.0
     slow_factor: float = 1.5
     systems: tuple[str, ...] = SYSTEMS
+    curve_points: int = 8
+    """Points of every run's eval curve (``tools.metrics.eval_curve``): the global model is
+    saved as the run passes each eighth of its budget and evaluated after it."""
     out: Path = Path("runs/compare")
 
     def __post_init__(self) -> None:
@@ -98,6 +106,8 @@ class CompareConfig:
             raise InvalidArgument("compare needs >= 2 workers and >= 1 step")
         if self.seeds < 1:
             raise InvalidArgument(f"--seeds must be >= 1, got {self.seeds}")
+        if self.curve_points < 0:
+            raise InvalidArgument(f"curve points must be >= 0, got {self.curve_points}")
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
             raise InvalidArgument(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
@@ -139,7 +149,8 @@ def _local_cfg(cfg: CompareConfig, out: Path, **changes):
     # a killed one, keeps training until the learners together have trained the budget.
     # No evaluations while training: DP and torchft make none (each system's final model
     # is evaluated once, by the same code).
-    local = LocalConfig(run=cfg.run, learners=cfg.workers, tokens=cfg.tokens, out=out, learner_evals=0)
+    local = LocalConfig(run=cfg.run, learners=cfg.workers, tokens=cfg.tokens, out=out, learner_evals=0,
+                        curve_points=cfg.curve_points)
     return replace(local, **changes)
 
 
@@ -174,6 +185,7 @@ def _decoupled_metrics(summary: dict) -> dict:
         "bytes_down_per_1k_tokens": bytes_per_1k_tokens(summary["bytes_down"], summary["tokens"]),
         "eval_unit": summary["eval_unit"],
         "eval_loss_start": summary["eval_loss_start"],
+        "curve": summary["curve"],
         "step_goodput": summary["step_goodput"],
         "learners_killed": summary["learners_killed"],
         "run_dir": summary["run_dir"],
@@ -185,7 +197,8 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
         return {"skipped": f"{system} has no way to {'grow a running job' if scenario == 'scavenge' else 'restart a shard'} here"}
     faults = {"kill_every_s": cfg.mtbf_s, "fault_seed": cfg.seed} if scenario == "mtbf30" else {}
     slow = {"slow_workers": cfg.slow} if scenario == "hetero" else {}
-    common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, out=out, **faults, **slow)
+    common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, out=out, curve_points=cfg.curve_points,
+                  **faults, **slow)
     if system == "dp":
         from tools.baseline.dp import DPConfig, run_dp
 
@@ -198,7 +211,8 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
         # torchft's Streaming DiLoCo applies a reply by mixing with alpha (its own algorithm).
         result = run_torchft(TorchftConfig(**{**common, "run": replace(cfg.run, reply_rule="mix")}), show_progress=True)
     return {**{k: result[k] for k in METRICS}, "eval_unit": result["eval_unit"],
-            "eval_loss_start": result["eval_loss_start"], "restarts": result.get("restarts"), "run_dir": str(out)}
+            "eval_loss_start": result["eval_loss_start"], "curve": result["curve"], "restarts": result.get("restarts"),
+            "run_dir": str(out)}
 
 
 def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | None = None,
@@ -397,6 +411,55 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def mean_curve(cell: dict) -> list[tuple[float, float, float, float]] | None:
+    """(tokens, mean, lowest, highest eval loss) at each point of the cell's runs' eval
+    curves, taken point by point (every run saves at the same shares of its budget); None
+    when a run has no curve or the runs' points differ in number."""
+    curves = [run.get("curve") for run in cell.get("seeds", ())]
+    if not curves or not all(curves) or len({len(c) for c in curves}) != 1:
+        return None
+    points = []
+    for at in zip(*curves):
+        evals = [e for _, e in at if e is not None]
+        if evals:
+            points.append((statistics.fmean(t for t, _ in at), statistics.fmean(evals), min(evals), max(evals)))
+    return points
+
+
+def plot_curves(results: list[dict], path: Path, unit: str) -> bool:
+    """Eval loss against tokens trained, one panel per scenario, a line per system (the mean
+    of its runs, the band their range); log y. False when no cell has curves."""
+    panels = [(r["scenario"], {s: c for s, c in ((s, mean_curve(m)) for s, m in r["systems"].items()) if c})
+              for r in results]
+    panels = [(scenario, curves) for scenario, curves in panels if curves]
+    if not panels:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (scenario, curves) in zip(axes[0], panels):
+        for system in SYSTEMS:
+            if system not in curves:
+                continue
+            tokens, mean, low, high = zip(*curves[system])
+            millions = [t / 1e6 for t in tokens]
+            ax.plot(millions, mean, marker=".", label=system)
+            ax.fill_between(millions, low, high, alpha=0.2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens trained (millions)")
+        ax.set_ylabel(f"eval loss ({unit})")
+        ax.set_title(scenario)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 class Interrupted(Exception):
     """A signal stopped the sweep after ``done`` of its ``planned`` cells; the report holds
     the cells done."""
@@ -440,6 +503,7 @@ def write_report(cfg: CompareConfig, results: list[dict], ablations: dict | None
                                                      indent=1))
     if results:
         plot(results, cfg.out / "compare.png")
+        plot_curves(results, cfg.out / "curves.png", cfg.eval_unit)
     return report
 
 

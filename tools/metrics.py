@@ -17,11 +17,17 @@ system turns its own records into the inputs below, and these functions make the
 - **bytes per 1k tokens**: bytes on the wire over tokens computed (``bytes_per_1k_tokens``).
 - **start**: seconds from the system's launch (its supervisor starting the first process)
   until every worker launched at the start has begun its first inner step (``start_s``).
+- **eval curve**: the eval loss against the tokens trained (``eval_curve``): each system
+  saves its global model under ``RUN_DIR/curve/`` as training passes each of
+  ``curve_points`` equal shares of its budget (DP: rank 0's model after the step; torchft:
+  replica 0's global copies; Decoupled: the shards' export, labelled with the tokens the
+  learners had trained by then), and the same code evaluates them after the run.
 
 Also here: the eval loss of a model, and the tokens of one inner step."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,6 +101,38 @@ def tokens_per_step(run: RunConfig, task: Task) -> int:
     except StopIteration:
         raise TaskError(f"task {run.task!r} yields no batches") from None
     return checked_tokens(run.task, task.tokens(batch))
+
+
+CURVE_DIR = "curve"
+
+
+def curve_path(run_dir: Path, tokens: int, suffix: str = ".safetensors") -> Path:
+    """Where a run saves its global model at ``tokens`` trained tokens (``eval_curve``)."""
+    return run_dir / CURVE_DIR / f"tokens-{tokens:015d}{suffix}"
+
+
+def curve_marks(budget_tokens: int, points: int) -> list[int]:
+    """The token (or step) counts at which a run of ``budget_tokens`` saves its model for a
+    curve of ``points`` equal shares (the last share ends with the final model, which is
+    evaluated anyway); fewer when the budget has fewer units than shares."""
+    return sorted({budget_tokens * k // points for k in range(1, points)} - {0})
+
+
+def eval_curve(run: RunConfig, task: Task, run_dir: Path, start: float, final: tuple[int, float]) -> list[list]:
+    """``[[tokens, eval loss], ...]``: the initial model at 0 tokens, every model the run
+    saved under ``curve/`` (``curve_path``), and ``final`` (tokens, eval loss)."""
+    import torch
+    from safetensors.torch import load_file
+
+    points = [[0, _rounded(start)]]
+    for path in sorted((run_dir / CURVE_DIR).glob("tokens-*")):
+        state = load_file(str(path)) if path.suffix == ".safetensors" else torch.load(path, weights_only=True)
+        points.append([int(path.stem.removeprefix("tokens-")), _rounded(eval_task(run, task, state))])
+    return [*points, [final[0], _rounded(final[1])]]
+
+
+def _rounded(value: float | None) -> float | None:
+    return round(value, 4) if value is not None and math.isfinite(value) else value
 
 
 def tape_stats(run_dir: Path, fragments: int, steps: dict[str, int]) -> dict:

@@ -56,6 +56,16 @@ def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
             assert 0 < m["goodput"] <= 1 and 0 <= m["uptime"] <= 1 and m["global_stall_s"] >= 0, (name, m)
             assert 0 < m["start_s"] < m["wall_s"], (name, m)  # launch to every worker's first step
             assert m["eval_unit"] == "bits/byte" and m["eval_loss_final"] < m["eval_loss_start"], (name, m)
+            # The eval curve: the initial model, the saved ones as training passed each eighth
+            # of the budget (DP: after steps 2, 4, ..., 14), the final model.
+            curve = m["curve"]
+            assert curve[0] == [0, m["eval_loss_start"]] and curve[-1] == [m["tokens"], m["eval_loss_final"]], (name, curve)
+            tokens = [t for t, _ in curve]
+            assert tokens == sorted(set(tokens)) and all(0 < e < m["eval_loss_start"] for _, e in curve[1:]), (name, curve)
+            if name == "dp":
+                assert tokens[1:-1] == [WORKERS * TOKENS_PER_STEP * step for step in range(2, STEPS, 2)], curve
+            else:  # exported when the learners' tokens reached a mark: as many as the supervisor saw pass
+                assert len(curve) >= 2 and all(t >= budget // 8 for t in tokens[1:]), curve
 
     # Decoupled: what the learners say they sent is what the shards received; what they
     # received the shards sent (the shards also sent the bootstrap, which no push answers).
@@ -87,6 +97,7 @@ def test_compare_writes_figures_that_obey_their_definitions(tmp_path):
         assert m["bytes_up_per_1k_tokens"] + m["bytes_down_per_1k_tokens"] == pytest.approx(m["bytes_per_1k_tokens"], abs=0.02)
     assert " up, " in report and " down" in report
     assert (out / "compare.png").stat().st_size > 10_000
+    assert (out / "curves.png").stat().st_size > 10_000  # eval against tokens, one line per system
 
     # A second compare into the same directory is refused before it runs anything.
     again = compare(out)

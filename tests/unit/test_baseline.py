@@ -305,7 +305,7 @@ def test_ablations_run_the_chosen_variants_and_reuse_the_scenario_for_the_defaul
 
     def fake_run_local(local):
         launched.append(local)
-        return {"tokens": 1000, "bytes_up": 10, "bytes_down": 30, "eval_unit": "bits/byte", "eval_loss_start": 8.0,
+        return {"tokens": 1000, "bytes_up": 10, "bytes_down": 30, "eval_unit": "bits/byte", "eval_loss_start": 8.0, "curve": [],
                 "eval_loss_final": 3.0 + local.run.seed / 10, "goodput": 0.9, "step_goodput": 0.95,
                 "learners_killed": 0, "run_dir": str(local.out), "wall_s": 1.0, "uptime": 1.0,
                 "global_stall_s": 0.0, "start_s": 2.0}
@@ -331,7 +331,7 @@ def test_an_ablation_of_mtbf30_runs_the_scenarios_faults_with_the_changed_settin
 
     def fake_run_local(local):
         launched.append(local)
-        return {"tokens": 1000, "bytes_up": 10, "bytes_down": 30, "eval_unit": "bits/byte", "eval_loss_start": 8.0,
+        return {"tokens": 1000, "bytes_up": 10, "bytes_down": 30, "eval_unit": "bits/byte", "eval_loss_start": 8.0, "curve": [],
                 "eval_loss_final": 3.0, "goodput": 0.9, "step_goodput": 0.95, "learners_killed": 1,
                 "run_dir": str(local.out), "wall_s": 1.0, "uptime": 1.0, "global_stall_s": 0.0, "start_s": 2.0}
 

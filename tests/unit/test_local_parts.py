@@ -10,8 +10,8 @@ import pytest
 from tools.chaos import ChaosConfig, learner_pid, parse_learner_device, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
 from tools.local.config import LocalConfig
-from tools.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, expected_period, goodput, slot_seconds,
-                           start_s, tape_stats, uptime, wire_bytes)
+from tools.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, curve_marks, curve_path, expected_period,
+                           goodput, slot_seconds, start_s, tape_stats, uptime, wire_bytes)
 from diloco.tape import TapeWriter
 from tools.timeline import learner_intervals
 
@@ -243,3 +243,34 @@ def test_failures_are_reported_once_each_with_their_reason_cut():
     assert lines == [f"learner L1 failed: {'x' * (REASON_CHARS - 1)}…", "launch ab12 failed: exit code 2"]
     assert failures.new(members, launches) == []  # each once
     assert shown_state(members[1]).startswith("failed: xxx") and shown_state(members[0]) == "active"
+
+
+def test_curve_marks_split_the_budget_into_equal_shares():
+    assert curve_marks(800, 8) == [100, 200, 300, 400, 500, 600, 700]
+    assert curve_marks(16, 8) == [2, 4, 6, 8, 10, 12, 14]
+    assert curve_marks(3, 8) == [1, 2]  # fewer units than shares: each mark once, none at 0
+    assert curve_marks(800, 1) == curve_marks(800, 0) == []
+
+
+def test_the_eval_curve_evaluates_every_saved_model_in_token_order_with_one_task(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from diloco.config import RunConfig
+    from diloco.task import evaluate
+    from tools.metrics import eval_curve, supervisor_task
+
+    run = RunConfig(task_options={"width": "16", "depth": "1", "heads": "2", "context": "16", "eval_batches": "2"})
+    task = supervisor_task(run, 1)
+    initial = {k: v.clone() for k, v in task.model.state_dict().items()}
+    shrunk = {k: v * 0.5 for k, v in initial.items()}
+    # Saved out of order and in both formats (Decoupled exports safetensors, the baselines torch.save).
+    (tmp_path / "curve").mkdir()
+    save_file(shrunk, str(curve_path(tmp_path, 2000)))
+    torch.save(initial, curve_path(tmp_path, 1000, ".pt"))
+    (tmp_path / "curve" / ".tokens-000000000003000.safetensors.tmp").write_bytes(b"half-written")
+    curve = eval_curve(run, task, tmp_path, 8.5, (3000, 1.25))
+    task.model.load_state_dict(shrunk)
+    assert curve == [[0, 8.5], [1000, pytest.approx(evaluate(run.task, supervisor_task(run, 1)), abs=1e-4)],
+                     [2000, pytest.approx(evaluate(run.task, task), abs=1e-4)], [3000, 1.25]]
+    assert curve[1][1] != curve[2][1]

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SUMMARY_KEYS = (
     "wall_s", "tokens", "eval_unit", "eval_loss_start", "eval_loss_final", "goodput", "uptime", "global_stall_s",
-    "bytes_per_1k_tokens", "start_s", "restarts", "steps",
+    "bytes_per_1k_tokens", "start_s", "restarts", "steps", "curve",
 )
 """Exactly the keys of every baseline's summary.json, in this order."""
 
@@ -184,6 +184,9 @@ class WorkloadConfig:
     for its workers: on a machine with fewer cores than workers, more threads make every
     lock-step collective wait for descheduled spinning threads (measured here, 3 workers
     on 2 cores: 0.7 s per step with 1 thread, 5 s with torch's default of 2)."""
+    curve_points: int = 0
+    """Save the global model as the job passes each of this many equal shares of its steps
+    (``tools.metrics.eval_curve``; 0 or 1: only the final model)."""
 
     def inner(self):
         """The workers' inner-loop config (``learner_inner``)."""
@@ -269,13 +272,16 @@ class BaselineRun:
     def finish(self, final_model: dict[str, torch.Tensor], metrics: dict, details: dict, **values) -> dict:
         """Evaluate the final model and write ``stats.json`` (the metrics, rounded, then
         ``details``) and, last, as it marks a finished run, ``summary.json``: ``values``
-        (wall_s, tokens, goodput, restarts) with the eval losses, the metrics' uptime,
-        global stall and bytes, and the steps. Returns the summary."""
-        from tools.metrics import eval_task
+        (wall_s, tokens, goodput, restarts) with the eval losses (and the eval curve,
+        ``tools.metrics.eval_curve``), the metrics' uptime, global stall and bytes, and
+        the steps. Returns the summary."""
+        from tools.metrics import eval_curve, eval_task
 
+        final = eval_task(self.cfg.run, self.task, final_model)
+        curve = eval_curve(self.cfg.run, self.task, self.dir, self.eval_start, (values["tokens"], final))
         result = summary(
             eval_unit=self.task.eval_unit, eval_loss_start=self.eval_start,
-            eval_loss_final=eval_task(self.cfg.run, self.task, final_model), uptime=metrics["uptime"],
+            eval_loss_final=final, curve=curve, uptime=metrics["uptime"],
             global_stall_s=metrics["global_stall_s"], bytes_per_1k_tokens=metrics["bytes_per_1k_tokens"],
             start_s=metrics["start_s"], steps=self.cfg.steps, **values,
         )

@@ -29,6 +29,7 @@ from tools.baseline.common import JsonlWriter, advance_schedule, grad_dtype, run
 from tools.baseline.dp import DPConfig
 from diloco.files import atomic_write
 from diloco.task import TaskError, checked_tokens
+from tools.metrics import curve_marks, curve_path
 from learner.runner import inner_optimizer, inner_step
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
         timeline.write(kind="ready", step=start, t=time.time())
     logger.info("worker %d attempt %d training from step %d", rank, attempt, start)
     slow = cfg.slow_factor(rank)
+    curve_steps = set(curve_marks(cfg.steps, cfg.curve_points))
     for step, t0, batch in worker_steps(cfg, f"worker {rank}", batches, start):
         def all_reduce(loss: torch.Tensor) -> None:
             if slow > 1.0:
@@ -112,6 +114,8 @@ def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
         if timeline is None:
             continue
         timeline.write(kind="step", step=done, t0=t0, t1=t1, loss=round(mean_loss, 5), tokens=tokens)
+        if done in curve_steps:  # the global model as training passes each share of the budget
+            _save(curve_path(run_dir, done * cfg.workers * tokens, ".pt"), model.state_dict())
         if done % cfg.checkpoint_every_steps == 0 or done == cfg.steps:
             c0 = time.time()
             _save(checkpoint, {"step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict()})

@@ -88,6 +88,8 @@ class TorchftConfig(WorkloadConfig):
         for name in ("workers", "steps", "threads_per_worker"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        if self.curve_points < 0:
+            raise InvalidArgument(f"curve points must be >= 0, got {self.curve_points}")
         if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
             raise InvalidArgument(f"kill every must be a finite number of seconds >= 0, got {self.kill_every_s}")
         if (self.kill_every_s or self.kill_at_steps) and self.workers < 2:

@@ -36,6 +36,7 @@ from tools.baseline.common import (
 from tools.baseline.torchft_peer import TorchftConfig
 from diloco.files import atomic_write, atomic_write_json
 from diloco.task import TaskError, checked_tokens
+from tools.metrics import curve_marks, curve_path
 from learner.runner import inner_optimizer, inner_step
 
 
@@ -133,6 +134,18 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
         supervisor.wait(["go"])
     timeline.write(kind="ready", t=time.time(), step=start_step, attempt=attempt, fragment_delay=fragment_delay)
     slow = cfg.slow_factor(index)
+    names = {id(param): name for name, param in model.named_parameters()}
+
+    def global_state() -> dict[str, torch.Tensor]:
+        """The model with every fragment's global copy (what the syncs agreed on)."""
+        state = model.state_dict()
+        for frag_module, frag in zip(fragments, diloco._fragments):  # noqa: SLF001 - the global copies
+            for local_name, param in frag_module.named_parameters():
+                state[names[id(param)]] = frag.original_parameters[local_name].clone()
+        return state
+
+    # Replica 0 saves the global model as the run passes each share of its steps.
+    curve_steps = set(curve_marks(cfg.steps, cfg.curve_points)) if index == 0 else set()
     with diloco:
         for step, t0, batch in worker_steps(cfg, f"replica {index}", batches, start_step):
             def checked(loss: torch.Tensor) -> None:
@@ -145,18 +158,19 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
             value = inner_step(spec, task, batch, optimizer, schedule, inner.grad_clip, before_update=checked).item()
             tokens = checked_tokens(spec, task.tokens(batch))
             timeline.write(kind="step", step=step + 1, t0=t0, t1=time.time(), loss=round(value, 5), tokens=tokens)
-    final = model.state_dict()
-    names = {id(p): name for name, p in model.named_parameters()}
-    for frag_module, frag in zip(fragments, diloco._fragments):  # noqa: SLF001 - the global copies
-        for local_name, param in frag_module.named_parameters():
-            final[names[id(param)]] = frag.original_parameters[local_name].clone()
-    buffer = io.BytesIO()
-    torch.save(final, buffer)
-    atomic_write(run_dir / f"global-replica{index}.pt", buffer.getvalue())
+            if step + 1 in curve_steps:
+                _save(curve_path(run_dir, (step + 1) * cfg.workers * tokens, ".pt"), global_state())
+    _save(run_dir / f"global-replica{index}.pt", global_state())
     atomic_write_json(run_dir / f"global-replica{index}.json", {"manager_step": manager.current_step()})
     timeline.write(kind="done", t=time.time(), manager_step=manager.current_step())
     timeline.close()
     manager.shutdown(wait=False)
+
+
+def _save(path: Path, state: dict[str, torch.Tensor]) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write(path, buffer.getvalue())
 
 
 def _observed_prepare(prepare_sync, fragment: int, timeline: JsonlWriter):

@@ -187,6 +187,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--learner-evals", LocalConfig, "learner_evals",
              "evaluations each learner makes while it trains (0: none; the supervisor evaluates the seed and the "
              "final model either way)", type=int, metavar="N")
+    add_flag(p, "--curve-points", LocalConfig, "curve_points",
+             "export the global model as the learners pass each of N equal shares of the budget and give its eval "
+             "against tokens in summary.json's curve (0: only the start and the final model)", type=int, metavar="N")
     add_flag(p, "--fork-server", LocalConfig, "fork_server",
              "the coordinator forks learners from a process that loaded their code once, so no launch (start, "
              "replacement, scavenged learner) pays the load; --no-fork-server: each launch starts a process",
@@ -245,10 +248,14 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from tools import compare
 
     scenarios = tuple(args.scenario or compare.SCENARIOS)
     cfg = from_flags(args, compare.CompareConfig, run=build_run_config(args))
+    if args.workload:
+        cfg = replace(cfg, steps=compare.WORKLOADS[args.workload])
     emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
     ablations = tuple(compare.ABLATIONS) if args.ablations else tuple(args.ablation or ())
     try:
@@ -262,7 +269,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def add_compare(commands: argparse._SubParsersAction) -> None:
-    from tools.compare import ABLATIONS, DEFAULT_VARIANT, SCENARIOS, SYSTEMS, CompareConfig
+    from tools.compare import ABLATIONS, DEFAULT_VARIANT, SCENARIOS, SYSTEMS, WORKLOADS, CompareConfig
 
     p = commands.add_parser(
         "compare",
@@ -283,7 +290,13 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
                         help="also run this ablation (repeatable), beside the default variant: "
                              + "; ".join(a for a in ABLATIONS if a != DEFAULT_VARIANT))
     add_flag(p, "--workers", CompareConfig, "workers", "M: learners / DP workers / torchft replicas", type=int)
-    add_flag(p, "--steps", CompareConfig, "steps", "inner steps per worker", type=int)
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--workload", choices=tuple(WORKLOADS),
+                        help="inner steps per worker by name: " + ", ".join(f"{k} {v}" for k, v in WORKLOADS.items())
+                             + " (default standard)")
+    add_flag(budget, "--steps", CompareConfig, "steps", "inner steps per worker", type=int)
+    add_flag(p, "--curve-points", CompareConfig, "curve_points", "points of every run's eval curve (OUT/curves.png): "
+             "the global model is saved as the run passes each share of its budget and evaluated after it", type=int)
     add_flag(p, "--seed-faults", CompareConfig, "seed", "seed of the fault schedules", type=int)
     add_flag(p, "--seeds", CompareConfig, "seeds", "runs of every cell, each with its own model, data order and faults "
              "(the report gives their mean and spread)", type=int)

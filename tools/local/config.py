@@ -73,6 +73,10 @@ class LocalConfig:
     """Evaluations each learner makes while it trains (for the live table and the eval
     plot); 0: none, only the supervisor's of the seed and the final model (``diloco
     compare``: the baselines evaluate nothing while they train either)."""
+    curve_points: int = 0
+    """Export the global model as the learners pass each of this many equal shares of the
+    budget, for the eval curve in ``summary.json`` (``tools.metrics.eval_curve``; 0 or 1:
+    only the start and the final model)."""
     fork_server: bool = LocalLauncherConfig.fork_server
     """The coordinator forks learners from a fork server that loaded their code once."""
     tls: bool = True
@@ -86,6 +90,8 @@ class LocalConfig:
             raise InvalidArgument("learners, shards, steps and quorum must all be >= 1")
         if self.tokens is not None and self.tokens < 1:
             raise InvalidArgument(f"--tokens must be >= 1, got {self.tokens}")
+        if self.curve_points < 0:
+            raise InvalidArgument(f"curve points must be >= 0, got {self.curve_points}")
         if self.learner_evals < 0:
             raise InvalidArgument(f"learner evaluations must be >= 0, got {self.learner_evals}")
         if self.delay_ms < 0:

@@ -46,8 +46,8 @@ from tools.local.config import LocalConfig
 from tools.local.plots import plot_eval
 from tools.local.progress import Failures, closing_lines, final_table, progress_line, progress_table
 from tools.local.supervisor import Cluster, shard_status, take_snapshot
-from tools.metrics import (eval_task, expected_period, goodput, learner_events, slot_seconds, start_s, supervisor_task,
-                           tape_stats, tokens_per_step, uptime, wire_bytes)
+from tools.metrics import (curve_marks, curve_path, eval_curve, eval_task, expected_period, goodput, learner_events,
+                           slot_seconds, start_s, supervisor_task, tape_stats, tokens_per_step, uptime, wire_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,8 @@ def run_local(cfg: LocalConfig) -> dict:
     pin = pin_of(task.model, cfg.run.fragments)  # the run's model, pinned at the coordinator (before any evaluation)
     unit = task.eval_unit
     eval_start = eval_task(cfg.run, task)  # a task whose evaluation fails stops here, with nothing written
-    learner_steps = cfg.learner_steps(tokens_per_step(cfg.run, task))
+    batch_tokens = tokens_per_step(cfg.run, task)
+    learner_steps = cfg.learner_steps(batch_tokens)
     if cfg.resume and cfg.tokens is None:  # the steps each learner has left
         learner_steps = max(learner_steps - _steps_done(run_dir), 1)
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)  # logs: no table cut at 80
@@ -397,6 +398,7 @@ def run_local(cfg: LocalConfig) -> dict:
                                  learner_steps, run_dir / "chaos.jsonl", time.monotonic())
             monkey.start()
         last_stats, step_goodput, idle_since, last_line = 0.0, None, None, 0.0
+        marks = curve_marks(cfg.tokens or cfg.learners * learner_steps * batch_tokens, cfg.curve_points)
         failures = Failures()
         pace = Pace()
         # On a terminal a live table; in a log (CI, nohup, kubectl logs) one line every 10 s.
@@ -421,6 +423,12 @@ def run_local(cfg: LocalConfig) -> dict:
                     last_line = time.monotonic()
                 trained = sum(m["tokens"] for m in members)
                 rate = pace.add(time.monotonic(), trained)
+                if marks and trained >= marks[0]:  # a point of the eval curve: the global model now
+                    marks = [m for m in marks if m > trained]
+                    try:
+                        export_model(admin, curve_path(run_dir, trained), timeout_s=60)
+                    except DilocoError as error:  # a shard restarting: the curve lacks this point
+                        logger.warning("could not export the model for the eval curve at %d tokens: %s", trained, error)
                 # A drain takes effect about a heartbeat interval after it is sent (the counts
                 # are half an interval old, the directive rides the next heartbeat): sent that
                 # early, the learners stop at the budget on average instead of past it.
@@ -519,6 +527,8 @@ def run_local(cfg: LocalConfig) -> dict:
     steps.update({i: s["inner_steps"] for i, s in summaries.items()})
     tokens = sum(s["tokens"] for s in summaries.values()) + sum(
         m["tokens"] for m in members if m["id"] not in summaries)
+    curve = eval_curve(cfg.run, task, run_dir, _figure(eval_start, 4), (tokens, _figure(eval_final, 4))) \
+        if state is not None and task.eval_batches else []
     # Goodput and uptime are this part's (a resumed run's earlier parts had theirs); tokens,
     # rounds and bytes are the whole run's.
     part = {i: r for i, r in events.items() if i not in before}
@@ -554,6 +564,7 @@ def run_local(cfg: LocalConfig) -> dict:
         "eval_unit": unit,
         "eval_loss_start": _figure(eval_start, 4),
         "eval_loss_final": _figure(eval_final, 4),
+        "curve": curve,
         "start_s": start_s(started_wall, first_steps[: cfg.learners]),
         "goodput": goodput(stats.pop("useful_s"), slots),
         "step_goodput": stats.pop("step_goodput"),
