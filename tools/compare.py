@@ -49,6 +49,7 @@ from tools.chaos import ChaosConfig
 from tools.metrics import bytes_per_1k_tokens
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
+from learner.config import LearnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class CompareConfig:
     mtbf_s: float = 30.0
     slow_factor: float = 1.5
     systems: tuple[str, ...] = SYSTEMS
+    lr: float = LearnerConfig.lr
+    """Peak inner learning rate of every system's workers (``LearnerConfig.lr``)."""
     curve_points: int = 8
     """Points of every run's eval curve (``tools.metrics.eval_curve``): the global model is
     saved as the run passes each eighth of its budget and evaluated after it."""
@@ -108,6 +111,7 @@ class CompareConfig:
             raise InvalidArgument(f"--seeds must be >= 1, got {self.seeds}")
         if self.curve_points < 0:
             raise InvalidArgument(f"curve points must be >= 0, got {self.curve_points}")
+        LearnerConfig(lr=self.lr)  # the learners' own check, before any run starts
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
             raise InvalidArgument(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
@@ -149,7 +153,7 @@ def _local_cfg(cfg: CompareConfig, out: Path, **changes):
     # a killed one, keeps training until the learners together have trained the budget.
     # No evaluations while training: DP and torchft make none (each system's final model
     # is evaluated once, by the same code).
-    local = LocalConfig(run=cfg.run, learners=cfg.workers, tokens=cfg.tokens, out=out, learner_evals=0,
+    local = LocalConfig(run=cfg.run, learners=cfg.workers, tokens=cfg.tokens, out=out, learner_evals=0, lr=cfg.lr,
                         curve_points=cfg.curve_points)
     return replace(local, **changes)
 
@@ -197,7 +201,7 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
         return {"skipped": f"{system} has no way to {'grow a running job' if scenario == 'scavenge' else 'restart a shard'} here"}
     faults = {"kill_every_s": cfg.mtbf_s, "fault_seed": cfg.seed} if scenario == "mtbf30" else {}
     slow = {"slow_workers": cfg.slow} if scenario == "hetero" else {}
-    common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, out=out, curve_points=cfg.curve_points,
+    common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, out=out, lr=cfg.lr, curve_points=cfg.curve_points,
                   **faults, **slow)
     if system == "dp":
         from tools.baseline.dp import DPConfig, run_dp

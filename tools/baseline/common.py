@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 from diloco.errors import InvalidArgument
 from diloco.files import atomic_write_json
+from learner.config import LearnerConfig
 
 if TYPE_CHECKING:
     import torch
@@ -63,13 +64,11 @@ def check_slow_workers(slow: tuple[tuple[int, float], ...], workers: int) -> Non
             raise InvalidArgument(f"slow worker factor must be a finite number >= 1, got {factor}")
 
 
-def learner_inner(steps: int):
-    """A worker's inner-loop config: the AdamW lr and weight decay, warmup, cosine schedule
-    and clipping of a learner in diloco local (``LearnerConfig`` defaults), for ``steps``
-    steps. Data, batch size and seed are the task's (``worker_task``)."""
-    from learner.config import LearnerConfig
-
-    return LearnerConfig(steps=steps)
+def learner_inner(steps: int, lr: float):
+    """A worker's inner-loop config: the AdamW weight decay, warmup, cosine schedule and
+    clipping of a learner in diloco local (``LearnerConfig`` defaults), for ``steps`` steps
+    at peak learning rate ``lr``. Data, batch size and seed are the task's (``worker_task``)."""
+    return LearnerConfig(steps=steps, lr=lr)
 
 
 def worker_task(run, worker: int, workers: int):
@@ -184,13 +183,15 @@ class WorkloadConfig:
     for its workers: on a machine with fewer cores than workers, more threads make every
     lock-step collective wait for descheduled spinning threads (measured here, 3 workers
     on 2 cores: 0.7 s per step with 1 thread, 5 s with torch's default of 2)."""
+    lr: float = LearnerConfig.lr
+    """Peak inner learning rate of every worker (``LearnerConfig.lr``, as diloco local's learners)."""
     curve_points: int = 0
     """Save the global model as the job passes each of this many equal shares of its steps
     (``tools.metrics.eval_curve``; 0 or 1: only the final model)."""
 
     def inner(self):
         """The workers' inner-loop config (``learner_inner``)."""
-        return learner_inner(self.steps)
+        return learner_inner(self.steps, self.lr)
 
     def task(self, worker: int):
         """Worker ``worker``'s instance of the run's task (``worker_task``)."""

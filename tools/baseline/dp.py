@@ -39,6 +39,7 @@ from tools.baseline.common import (
     check_slow_workers, kill, median, ring_allreduce_bytes, spawn, task_error,
 )
 from diloco.config import RunConfig
+from learner.config import LearnerConfig
 from tools.metrics import bytes_per_1k_tokens, expected_period, goodput, start_s, uptime
 from diloco.errors import InvalidArgument, Unavailable
 from diloco.task import TaskError
@@ -81,6 +82,7 @@ class DPConfig(WorkloadConfig):
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         if self.curve_points < 0:
             raise InvalidArgument(f"curve points must be >= 0, got {self.curve_points}")
+        LearnerConfig(lr=self.lr)  # the learners' own check
         if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
             raise InvalidArgument(f"kill every must be a finite number of seconds >= 0, got {self.kill_every_s}")
         if self.kill_every_s and self.workers < 2:

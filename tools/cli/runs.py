@@ -187,6 +187,7 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--learner-evals", LocalConfig, "learner_evals",
              "evaluations each learner makes while it trains (0: none; the supervisor evaluates the seed and the "
              "final model either way)", type=int, metavar="N")
+    add_flag(p, "--lr", LocalConfig, "lr", "the learners' peak inner learning rate", type=float)
     add_flag(p, "--curve-points", LocalConfig, "curve_points",
              "export the global model as the learners pass each of N equal shares of the budget and give its eval "
              "against tokens in summary.json's curve (0: only the start and the final model)", type=int, metavar="N")
@@ -295,6 +296,7 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
                         help="inner steps per worker by name: " + ", ".join(f"{k} {v}" for k, v in WORKLOADS.items())
                              + " (default standard)")
     add_flag(budget, "--steps", CompareConfig, "steps", "inner steps per worker", type=int)
+    add_flag(p, "--lr", CompareConfig, "lr", "peak inner learning rate of every system's workers", type=float)
     add_flag(p, "--curve-points", CompareConfig, "curve_points", "points of every run's eval curve (OUT/curves.png): "
              "the global model is saved as the run passes each share of its budget and evaluated after it", type=int)
     add_flag(p, "--seed-faults", CompareConfig, "seed", "seed of the fault schedules", type=int)
@@ -389,6 +391,7 @@ def add_baseline(commands: argparse._SubParsersAction) -> None:
     for p, who, cls in ((dp, "workers", DPConfig), (ft, "replicas", TorchftConfig)):
         add_flag(p, "--workers", cls, "workers", f"M: {who}, one process each", type=int)
         add_flag(p, "--steps", cls, "steps", "steps per worker", type=int)
+        add_flag(p, "--lr", cls, "lr", "peak inner learning rate", type=float)
         add_flag(p, "--kill-every", cls, "kill_every_s",
                  f"SIGKILL a random one of the {who} every SECONDS on average (exponential; 0: never)", type=float,
                  metavar="SECONDS")

@@ -44,6 +44,8 @@ class LocalConfig:
     """What the shards' replies carry: condensed or chain (ablations)."""
     delta_codec: str = LearnerConfig.delta_codec
     """The learners' delta encoding: int4 or fp32 (ablations)."""
+    lr: float = LearnerConfig.lr
+    """The learners' peak inner learning rate (``LearnerConfig.lr``)."""
     error_feedback: bool = LearnerConfig.error_feedback
     """The learners carry what quantization left out of a push into the next (ablations)."""
     block_size: int = MergeConfig.block_size
@@ -101,6 +103,7 @@ class LocalConfig:
                 if index >= self.learners:
                     raise InvalidArgument(f"{flag} L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
         MergeConfig(block_size=self.block_size)  # the shards' own checks, before any process starts
+        LearnerConfig(lr=self.lr)  # and the learners''
         if self.shards > self.run.fragments:
             raise InvalidArgument(f"{self.shards} shards for {self.run.fragments} fragments: some shard would own none")
 

@@ -227,7 +227,7 @@ def _check_new_run_dir(run_dir: Path) -> None:
 
 # What defines a run, kept from its config.json when it is resumed (the rest, such as the
 # number of learners, the chaos and the snapshot schedule, may differ from one part to the next).
-RUN_DEFINING = ("shards", "quorum", "grace", "steps", "tokens", "outer_lr", "outer_momentum", "merge", "scale_by",
+RUN_DEFINING = ("shards", "quorum", "grace", "steps", "tokens", "lr", "outer_lr", "outer_momentum", "merge", "scale_by",
                 "downlink", "delta_codec", "error_feedback", "block_size", "tls", "snapshot_dir")
 # Kept from it unless given again.
 RUN_ADJUSTABLE = ("learners", "learner_threads", "snapshot_every_s", "snapshot_keep", "fork_server")

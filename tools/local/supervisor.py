@@ -127,7 +127,7 @@ class Cluster:
             else self.learner_steps + 1,
             "num_learners": self.cfg.learners,
             "summary_dir": str(self.dir / "learners"), "events_dir": str(self.dir / "learners"),
-            "delta_codec": self.cfg.delta_codec, "error_feedback": self.cfg.error_feedback,
+            "lr": self.cfg.lr, "delta_codec": self.cfg.delta_codec, "error_feedback": self.cfg.error_feedback,
             "block_size": self.cfg.block_size, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
         })
         learner_cmd = f"{sys.executable} -m tools.cli --exit-with-parent --log-level INFO {tls}learner --config {shlex.quote(str(learner_config))}"
