@@ -147,6 +147,10 @@ class FragmentState:
     ``version``)."""
     influence: Influence = field(default_factory=Influence)
     """The other learners' latest pushes, which bound a new push's delta and weight."""
+    departed: dict[str, int] = field(default_factory=dict)
+    """Learners whose final push was merged -> the version until which they still count
+    among the live learners of this fragment's rounds: a round for each learner that had
+    not pushed in it, the rest of the cycle their last push belonged to."""
     reference: list[np.ndarray] = field(default_factory=list)
     """Where the fragment has been going: an average of the recent merged updates every
     pusher agreed with (``syncer.core.bounds``; zeros until the first round). 4 bytes per
@@ -571,9 +575,17 @@ class ShardCore:
         weights = token_weights(contributions, self.cfg.merge.staleness_lambda)
         merged = sum(1 for w in weights if w > 0)
         # Draining learners still count: their last pushes arrive one round at a time, each
-        # a learner's share of the run's progress, not all of it.
-        members = (self.live | self.draining) - self.failed
-        live = len(members | {p.meta.learner_id for p, w in zip(pushes, weights) if w > 0})
+        # a learner's share of the run's progress, not all of it. So does a learner whose
+        # final push was merged, for the rest of that cycle (a round per learner that stays):
+        # at the end of a run the last learner's final push was merged at 4x its share once
+        # the others had left, and the final eval came out worse than an eighth before it.
+        state.departed = {d: until for d, until in state.departed.items() if until > state.version}
+        members = ((self.live | self.draining) - self.failed) | set(state.departed)
+        pushed = {p.meta.learner_id for p, w in zip(pushes, weights) if w > 0}
+        live = len(members | pushed)
+        for p, w in zip(pushes, weights):
+            if p.meta.final and w > 0:
+                state.departed[p.meta.learner_id] = state.version + len(members - pushed) + 1
         opened = state.opened_at if state.opened_at is not None else now
         quorum_s = (state.quorum_at - opened) if state.quorum_at is not None else now - opened
         job = RoundJob(
@@ -755,6 +767,8 @@ class ShardCore:
         self.live.discard(learner_id)
         self.draining.discard(learner_id)
         self.failed.add(learner_id)
+        for state in self.fragments.values():
+            state.departed.pop(learner_id, None)
         self._forget(learner_id)
         for state in self.fragments.values():  # a removed learner (a bad one, say) vouches for nothing more
             state.influence.forget(learner_id)

@@ -55,7 +55,7 @@ class Learner:
         self.clock = VectorClock()
         self.g = torch.Generator().manual_seed(seed)
 
-    def push(self, fid, now, tokens=64, steps=4, specs_override=None, scale=0.01, deltas=None):
+    def push(self, fid, now, tokens=64, steps=4, specs_override=None, scale=0.01, deltas=None, final=False):
         pieces = self.shard.plan.fragments[fid].pieces
         if deltas is None:
             deltas = [torch.randn(p.shape, generator=self.g) * scale for p in pieces]
@@ -63,7 +63,7 @@ class Learner:
         self.clock = self.clock.tick(self.name)
         meta = PushMeta(
             self.name, fid, self.version[fid], tokens, steps, 0.1, self.clock,
-            tuple(e.spec for e in encoded) if specs_override is None else specs_override,
+            tuple(e.spec for e in encoded) if specs_override is None else specs_override, final=final,
         )
         self.shard.check_header(meta)
         payload = inspect_payload(meta.specs, b"".join(e.payload for e in encoded))
@@ -475,6 +475,39 @@ def test_a_draining_learner_still_pushes_its_last_progress_until_it_leaves():
     assert job.participation == 0.5  # one of two draining learners: its share, not the whole step
     shard.learner_joined("L0")
     assert shard.live == {"L0"} and shard.draining == {"L2"}
+
+
+def test_a_final_push_is_merged_at_its_share_of_the_cycle_after_the_others_left():
+    """The run's end: every learner drains, sends its final push and leaves. The last one's
+    final push is its share of the cycle, as the others' were (it was merged at the whole
+    step once they had left); once the cycle is over, the departed no longer count."""
+    shard, initial = make_shard()
+    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
+    for learner in learners:
+        shard.learner_draining(learner.name)
+    shares = []
+    for t, learner in enumerate(learners):
+        assert learner.push(0, now=t, final=True)[2].outcome == ACCEPTED
+        shares.append(close(shard, 0, now=t).participation)
+        shard.learner_left(learner.name)
+    assert shares == [pytest.approx(1 / 3)] * 3  # before: 1/3, 1/2, 1
+    shard.learner_joined("L3")  # a new learner's rounds: the departed count until their cycle ends
+    newcomer = Learner("L3", shard, initial, seed=3)
+    shares = []
+    for t in range(3):
+        newcomer.push(0, now=10 + t)
+        shares.append(close(shard, 0, now=10 + t).participation)
+    assert shares == [pytest.approx(1 / 3), 0.5, 1.0]
+
+
+def test_a_failed_learner_s_final_push_leaves_no_share_behind():
+    shard, initial = make_shard()
+    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
+    learners[0].push(0, now=0.0, final=True)
+    close(shard, 0, now=0.0)
+    shard.learner_failed("L0")  # removed after all: its share goes with it
+    learners[1].push(0, now=1.0)
+    assert close(shard, 0, now=1.0).participation == 0.5  # L1 of L1, L2
 
 
 def test_header_limits_are_inclusive_and_errors_name_the_problem():
