@@ -63,7 +63,7 @@ ABLATIONS = {
     "merge mean": {"merge": "mean"},
     "alpha 0.5 (mix)": {"alpha": 0.5, "reply_rule": "mix"},
     "fp32 deltas": {"delta_codec": "fp32"},
-    "no error feedback": {"error_feedback": False},
+    "error feedback": {"error_feedback": True},
     "block 64": {"block_size": 64},
     "reply rule mix": {"reply_rule": "mix"},
     "outer lr not scaled by participation": {"scale_by": "round"},
