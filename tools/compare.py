@@ -63,7 +63,7 @@ ABLATIONS = {
     "merge mean": {"merge": "mean"},
     "alpha 0.5 (mix)": {"alpha": 0.5, "reply_rule": "mix"},
     "fp32 deltas": {"delta_codec": "fp32"},
-    "error feedback": {"error_feedback": True},
+    "no error feedback": {"error_feedback": False},
     "block 64": {"block_size": 64},
     "reply rule mix": {"reply_rule": "mix"},
     "outer lr not scaled by participation": {"scale_by": "round"},
@@ -442,6 +442,7 @@ def plot_curves(results: list[dict], path: Path, unit: str) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for ax, (scenario, curves) in zip(axes[0], panels):
@@ -453,6 +454,8 @@ def plot_curves(results: list[dict], path: Path, unit: str) -> bool:
             ax.plot(millions, mean, marker=".", label=system)
             ax.fill_between(millions, low, high, alpha=0.2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
         ax.set_xlabel("tokens trained (millions)")
         ax.set_ylabel(f"eval loss ({unit})")
         ax.set_title(scenario)
