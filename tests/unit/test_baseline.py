@@ -344,3 +344,29 @@ def test_an_ablation_of_mtbf30_runs_the_scenarios_faults_with_the_changed_settin
     assert [l.downlink for l in launched] == ["chain", "chain"] and {l.downlink for l in own} == {"condensed"}
     assert [l.chaos for l in launched] == [l.chaos for l in own]
     assert [l.chaos.kill_every_s for l in own] == [cfg.mtbf_s] * 2 and own[0].chaos.seed != own[1].chaos.seed
+
+
+def test_a_cell_s_curve_is_the_mean_of_its_runs_point_by_point_with_their_range(tmp_path):
+    from tools import compare
+
+    runs = [{"curve": [[0, 8.0], [1000, 4.0], [2010, 3.0]]}, {"curve": [[0, 8.2], [1000, 5.0], [1990, 2.0]]}]
+    assert compare.mean_curve({"seeds": runs}) == [(0, 8.1, 8.0, 8.2), (1000, 4.5, 4.0, 5.0), (2000, 2.5, 2.0, 3.0)]
+    # A run without a curve, or with fewer points, leaves the cell without one (and out of the plot).
+    assert compare.mean_curve({"seeds": [runs[0], {"curve": []}]}) is None
+    assert compare.mean_curve({"seeds": [runs[0], {"curve": runs[1]["curve"][:2]}]}) is None
+    results = [{"scenario": "nofault", "systems": {"dp": {"seeds": runs}, "decoupled": {"seeds": [{"curve": []}]}}}]
+    assert compare.plot_curves(results, tmp_path / "curves.png", "bits/byte")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert not compare.plot_curves([{"scenario": "nofault", "systems": {"dp": {"skipped": "why"}}}], tmp_path / "none.png", "x")
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_a_workload_names_the_steps_and_the_lr_is_checked_before_any_run(tmp_path):
+    from tools import compare
+
+    assert compare.WORKLOADS == {"standard": 120, "long": 480, "longer": 960}
+    assert compare.CompareConfig().steps == compare.WORKLOADS["standard"]
+    with pytest.raises(InvalidArgument, match="lr must be a positive number"):
+        compare.CompareConfig(lr=0.0)
+    with pytest.raises(InvalidArgument, match="curve points must be >= 0"):
+        compare.CompareConfig(curve_points=-1)
