@@ -46,7 +46,7 @@ from functools import cached_property
 from pathlib import Path
 
 from tools.chaos import ChaosConfig
-from tools.metrics import bytes_per_1k_tokens
+from tools.metrics import bytes_per_1k_tokens, check_curve_points
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from learner.config import LearnerConfig
@@ -109,8 +109,7 @@ class CompareConfig:
             raise InvalidArgument("compare needs >= 2 workers and >= 1 step")
         if self.seeds < 1:
             raise InvalidArgument(f"--seeds must be >= 1, got {self.seeds}")
-        if self.curve_points < 0:
-            raise InvalidArgument(f"curve points must be >= 0, got {self.curve_points}")
+        check_curve_points(self.curve_points)
         LearnerConfig(lr=self.lr)  # the learners' own check, before any run starts
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from diloco.auth import COORDINATOR_ID
 from diloco.config import RunConfig
+from diloco.errors import InvalidArgument
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
 
@@ -109,6 +110,12 @@ CURVE_DIR = "curve"
 def curve_path(run_dir: Path, tokens: int, suffix: str = ".safetensors") -> Path:
     """Where a run saves its global model at ``tokens`` trained tokens (``eval_curve``)."""
     return run_dir / CURVE_DIR / f"tokens-{tokens:015d}{suffix}"
+
+
+def check_curve_points(points: int) -> None:
+    """A config's ``curve_points`` (every system's), checked where the config is made."""
+    if points < 0:
+        raise InvalidArgument(f"curve points must be >= 0, got {points}")
 
 
 def curve_marks(budget_tokens: int, points: int) -> list[int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from diloco.errors import InvalidArgument
-from diloco.files import atomic_write_json
+from diloco.files import atomic_write, atomic_write_json
 from learner.config import LearnerConfig
 
 if TYPE_CHECKING:
@@ -69,6 +69,17 @@ def learner_inner(steps: int, lr: float):
     clipping of a learner in diloco local (``LearnerConfig`` defaults), for ``steps`` steps
     at peak learning rate ``lr``. Data, batch size and seed are the task's (``worker_task``)."""
     return LearnerConfig(steps=steps, lr=lr)
+
+
+def save_torch(path: Path, value: object) -> None:
+    """``torch.save`` of ``value`` to ``path``, atomically (a reader never sees half a file)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    atomic_write(path, buffer.getvalue())
 
 
 def worker_task(run, worker: int, workers: int):

@@ -14,7 +14,6 @@ Usage: ``python -m tools.baseline.dp_worker --run-dir DIR --rank R --attempt A -
 from __future__ import annotations
 
 import argparse
-import io
 import logging
 import math
 import sys
@@ -25,9 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tools.baseline.common import JsonlWriter, advance_schedule, grad_dtype, run_worker, skip_batches, worker_steps
+from tools.baseline.common import (
+    JsonlWriter, advance_schedule, grad_dtype, run_worker, save_torch, skip_batches, worker_steps,
+)
 from tools.baseline.dp import DPConfig
-from diloco.files import atomic_write
 from diloco.task import TaskError, checked_tokens
 from tools.metrics import curve_marks, curve_path
 from learner.runner import inner_optimizer, inner_step
@@ -56,11 +56,6 @@ def _broadcast_model(group: dist.ProcessGroupGloo, model: torch.nn.Module) -> No
         if wire is not tensor:
             tensor.copy_(wire)
 
-
-def _save(path: Path, value: object) -> None:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    atomic_write(path, buffer.getvalue())
 
 
 def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
@@ -115,13 +110,13 @@ def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
             continue
         timeline.write(kind="step", step=done, t0=t0, t1=t1, loss=round(mean_loss, 5), tokens=tokens)
         if done in curve_steps:  # the global model as training passes each share of the budget
-            _save(curve_path(run_dir, done * cfg.workers * tokens, ".pt"), model.state_dict())
+            save_torch(curve_path(run_dir, done * cfg.workers * tokens, ".pt"), model.state_dict())
         if done % cfg.checkpoint_every_steps == 0 or done == cfg.steps:
             c0 = time.time()
-            _save(checkpoint, {"step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            save_torch(checkpoint, {"step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
             timeline.write(kind="checkpoint", step=done, t0=c0, t1=time.time())
     if timeline is not None:
-        _save(run_dir / "model.pt", model.state_dict())
+        save_torch(run_dir / "model.pt", model.state_dict())
         timeline.write(kind="done", t=time.time())
         timeline.close()
     group.barrier().wait()  # nobody exits before rank 0 has written the final model

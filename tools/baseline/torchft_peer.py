@@ -39,7 +39,7 @@ from tools.baseline.common import (
 )
 from diloco.config import RunConfig
 from learner.config import LearnerConfig
-from tools.metrics import bytes_per_1k_tokens, expected_period, goodput, start_s, uptime
+from tools.metrics import bytes_per_1k_tokens, check_curve_points, expected_period, goodput, start_s, uptime
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.task import TaskError
 from syncer.config import MergeConfig
@@ -89,8 +89,7 @@ class TorchftConfig(WorkloadConfig):
         for name in ("workers", "steps", "threads_per_worker"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
-        if self.curve_points < 0:
-            raise InvalidArgument(f"curve points must be >= 0, got {self.curve_points}")
+        check_curve_points(self.curve_points)
         LearnerConfig(lr=self.lr)  # the learners' own check
         if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
             raise InvalidArgument(f"kill every must be a finite number of seconds >= 0, got {self.kill_every_s}")

@@ -19,7 +19,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import io
 import logging
 import math
 import sys
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 from tools.baseline.common import (
-    JsonlWriter, advance_schedule, ring_allreduce_bytes, run_worker, skip_batches, worker_steps,
+    JsonlWriter, advance_schedule, ring_allreduce_bytes, run_worker, save_torch, skip_batches, worker_steps,
 )
 from tools.baseline.torchft_peer import TorchftConfig
 from diloco.files import atomic_write, atomic_write_json
@@ -159,18 +158,13 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
             tokens = checked_tokens(spec, task.tokens(batch))
             timeline.write(kind="step", step=step + 1, t0=t0, t1=time.time(), loss=round(value, 5), tokens=tokens)
             if step + 1 in curve_steps:
-                _save(curve_path(run_dir, (step + 1) * cfg.workers * tokens, ".pt"), global_state())
-    _save(run_dir / f"global-replica{index}.pt", global_state())
+                save_torch(curve_path(run_dir, (step + 1) * cfg.workers * tokens, ".pt"), global_state())
+    save_torch(run_dir / f"global-replica{index}.pt", global_state())
     atomic_write_json(run_dir / f"global-replica{index}.json", {"manager_step": manager.current_step()})
     timeline.write(kind="done", t=time.time(), manager_step=manager.current_step())
     timeline.close()
     manager.shutdown(wait=False)
 
-
-def _save(path: Path, state: dict[str, torch.Tensor]) -> None:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    atomic_write(path, buffer.getvalue())
 
 
 def _observed_prepare(prepare_sync, fragment: int, timeline: JsonlWriter):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, LocalLauncherConfig
 from tools.chaos import ChaosConfig
+from tools.metrics import check_curve_points
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from learner.config import LearnerConfig
@@ -92,8 +93,7 @@ class LocalConfig:
             raise InvalidArgument("learners, shards, steps and quorum must all be >= 1")
         if self.tokens is not None and self.tokens < 1:
             raise InvalidArgument(f"--tokens must be >= 1, got {self.tokens}")
-        if self.curve_points < 0:
-            raise InvalidArgument(f"curve points must be >= 0, got {self.curve_points}")
+        check_curve_points(self.curve_points)
         if self.learner_evals < 0:
             raise InvalidArgument(f"learner evaluations must be >= 0, got {self.learner_evals}")
         if self.delay_ms < 0:
@@ -103,7 +103,7 @@ class LocalConfig:
                 if index >= self.learners:
                     raise InvalidArgument(f"{flag} L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
         MergeConfig(block_size=self.block_size)  # the shards' own checks, before any process starts
-        LearnerConfig(lr=self.lr)  # and the learners''
+        LearnerConfig(lr=self.lr)  # and the learners'
         if self.shards > self.run.fragments:
             raise InvalidArgument(f"{self.shards} shards for {self.run.fragments} fragments: some shard would own none")
 

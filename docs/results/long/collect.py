@@ -16,19 +16,16 @@ for name in sys.argv[2:]:
     run = runs / name
     if not (run / "results.json").exists():  # diloco local
         s = json.loads((run / "summary.json").read_text())
-        cfg = json.loads((run / "config.json").read_text())
         up, down = 1000 * s["bytes_up"] / s["tokens"], 1000 * s["bytes_down"] / s["tokens"]
-        curve, final = s["curve"], s["eval_loss_final"]
-        command = (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else ""
     else:  # a compare of one baseline
         r = json.loads((run / "results.json").read_text())["results"][0]["systems"]
         system, cell = next(iter(r.items()))
         s = cell["seeds"][0]
         up = down = s["bytes_per_1k_tokens"] / 2
-        curve, final = s["curve"], s["eval_loss_final"]
-        command = (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else ""
         if system == "dp" and dp is None:
-            dp = final
+            dp = s["eval_loss_final"]
+    curve, final = s["curve"], s["eval_loss_final"]
+    command = (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else ""
     vs = f"{100 * (final / dp - 1):+.1f} %" if dp else "–"
     points = " ".join(f"{e:.3f}" for _, e in curve[1:])
     rows.append(f"| {name} | `{command}` | {final:.3f} | {vs} | {up:,.0f} | {down:,.0f} | {points} |")
