@@ -9,6 +9,7 @@ from pathlib import Path
 
 from diloco import auth
 from diloco.errors import InvalidArgument
+from diloco.sites import check_mbit
 
 LAUNCHERS = ("local", "kubernetes", "none")
 # Pool and release names end up in pod names and label values: keep them DNS labels.
@@ -46,9 +47,21 @@ class LocalLauncherConfig:
     on a few cores, a replacement starts in a fraction of a second. False (or where fork
     is missing): every launch starts a process."""
 
+    site_hub: str = ""
+    """Emulated sites (``diloco.sites``, needs root): ``TAG/NETWORK`` of a hub another
+    process made (``diloco local --link-mbit``); each learner then runs in a network
+    namespace of its own joined to that hub by a shaped link. Empty: learners run in this
+    process's namespace."""
+    link_mbit: float = 1000.0
+    """The rate of each site's link, each way, Mbit/s (with ``site_hub``); a launch's
+    ``link_mbit`` override sets its own."""
+
     def __post_init__(self) -> None:
         if not (math.isfinite(self.terminate_timeout_s) and self.terminate_timeout_s > 0):
             raise InvalidArgument(f"terminate timeout must be > 0 s, got {self.terminate_timeout_s}")
+        if self.site_hub and not re.fullmatch(r"[0-9a-f]{4}/198\.1[89]\.\d{1,3}\.0/24", self.site_hub):
+            raise InvalidArgument(f"site hub must be TAG/198.18-19.X.0/24 (diloco.sites), got {self.site_hub!r}")
+        check_mbit(self.link_mbit)
 
 
 @dataclass(frozen=True)

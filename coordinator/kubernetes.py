@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from coordinator.config import KubernetesLauncherConfig
-from coordinator.launcher import ExitCallback, LaunchResult, learner_args
+from coordinator.launcher import LINK_OVERRIDE, ExitCallback, LaunchResult, learner_args
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 logger = logging.getLogger(__name__)
@@ -323,6 +323,9 @@ class KubernetesLauncher:
     async def launch(self, launch_ids: Sequence[str], pool: str, overrides: Mapping[str, str]) -> list[LaunchResult]:
         from kubernetes.client.exceptions import ApiException
 
+        if LINK_OVERRIDE in overrides:
+            raise InvalidArgument(f"{LINK_OVERRIDE}: emulated sites are the local launcher's; pods run on the "
+                                  "cluster's own network")
         if self.on_exit is not None and self._watcher is None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
         manifests = [self.manifest(i, pool, overrides) for i in launch_ids]

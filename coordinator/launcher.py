@@ -25,14 +25,18 @@ from typing import Protocol
 
 from coordinator.config import LocalLauncherConfig
 from diloco import forks
-from diloco.errors import InvalidArgument
+from diloco.errors import DilocoError, InvalidArgument
+from diloco.sites import Site, Sites, HubSpec, check_mbit
 from diloco.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
 # Flags the launcher sets itself; an override may not replace them.
-RESERVED_FLAGS = ("coordinator", "join-token-file", "pool", "launch-id")
+RESERVED_FLAGS = ("coordinator", "join-token-file", "pool", "launch-id", "netns")
 
+SITES_FILE = "sites.jsonl"
+"""One line per learner that ran on an emulated site, written when it ended: its site and
+the bytes the kernel counted on its link, beside the launcher's logs."""
 FORK_SERVER_PID_FILE = "fork-server.pid"
 """The fork server's pid, beside its log in the launcher's log directory."""
 
@@ -70,6 +74,16 @@ joining flags, where the learner goes and what it presents, are the launcher's),
 with the check its value must pass before anything is launched (tests keep these in step
 with the learner's own flags)."""
 _OVERRIDE_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+LINK_OVERRIDE = "link_mbit"
+"""The one override that is the launcher's, not a learner flag: the rate of the launch's
+emulated site (the local launcher with ``site_hub``; ``diloco.sites``)."""
+
+
+def _link_mbit(value: str) -> float:
+    try:
+        return check_mbit(float(value), LINK_OVERRIDE)
+    except ValueError:
+        raise InvalidArgument(f"--set {LINK_OVERRIDE}={value}: not a number") from None
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,9 @@ def override_args(overrides: Mapping[str, str]) -> list[str]:
     """``{"device": "cpu", "warmup_steps": "10"}`` -> ``--device cpu --warmup-steps 10``."""
     args = []
     for key, value in sorted(overrides.items()):
+        if key == LINK_OVERRIDE:  # the launcher's (checked here, before anything starts)
+            _link_mbit(value)
+            continue
         flag = key.replace("_", "-")
         if not _OVERRIDE_KEY.match(key):
             raise InvalidArgument(f"override key must be a flag name like 'warmup_steps', got {key!r}")
@@ -267,6 +284,8 @@ class LocalProcessLauncher:
         self._starting_server: asyncio.Task | None = None
         self._closing = False
         self._watchers: set[asyncio.Task] = set()
+        self.sites = Sites(HubSpec.parse(cfg.site_hub)) if cfg.site_hub else None
+        self.site_of: dict[str, Site] = {}
 
     def prefix(self) -> list[str]:
         return list(self.cfg.command) or [sys.executable, "-m", "tools.cli", "learner"]
@@ -278,6 +297,11 @@ class LocalProcessLauncher:
         for launch_id in launch_ids:
             args = learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)
             log_path = self.log_dir / f"{launch_id}.log"
+            try:
+                args += self._site(launch_id, overrides)
+            except DilocoError as error:
+                results.append(LaunchResult(launch_id, False, str(error)))
+                continue
             if server is not None and server.running:
                 process = await server.fork(args, log_path)
                 self.processes[launch_id] = process
@@ -288,11 +312,39 @@ class LocalProcessLauncher:
             try:
                 process = await self._start(launch_id, args, log_path)
             except OSError as error:
+                self._remove_site(launch_id)
                 results.append(LaunchResult(launch_id, False, f"cannot start {self.prefix()[0]}: {error.strerror or error}"))
                 continue
             logger.info("launched learner %s (pid %d, pool %s), log %s", launch_id, process.pid, pool, log_path)
             results.append(LaunchResult(launch_id, True, f"pid {process.pid}, log {log_path}"))
         return results
+
+    def _site(self, launch_id: str, overrides: Mapping[str, str]) -> list[str]:
+        """The learner's own emulated site (with ``site_hub``): its flags."""
+        if self.sites is None:
+            if LINK_OVERRIDE in overrides:
+                raise InvalidArgument(f"{LINK_OVERRIDE}: this launcher has no emulated sites "
+                                      "(a local run with --link-mbit makes them)")
+            return []
+        mbit = _link_mbit(overrides[LINK_OVERRIDE]) if LINK_OVERRIDE in overrides else self.cfg.link_mbit
+        site = self.sites.add(mbit)
+        self.site_of[launch_id] = site
+        return ["--netns", site.netns]
+
+    def _remove_site(self, launch_id: str) -> None:
+        """Record what the kernel counted on the learner's link (``SITES_FILE``), then
+        remove its site."""
+        site = self.site_of.pop(launch_id, None)
+        if site is None:
+            return
+        try:
+            counted = self.sites.counters(site)
+        except OSError as error:
+            counted = {"error": str(error)}
+        with open(self.log_dir / SITES_FILE, "a") as out:
+            out.write(json.dumps({"launch_id": launch_id, "netns": site.netns, "address": site.address,
+                                  "mbit": site.mbit, **counted}) + "\n")
+        self.sites.remove(site)
 
     def settled(self) -> None:
         """Start the fork server when none runs (at the coordinator's start, and again after
@@ -369,6 +421,7 @@ class LocalProcessLauncher:
             except OSError as error:
                 failure = f"cannot start {self.prefix()[0]}: {error.strerror or error}"
         self.processes.pop(launch_id, None)
+        self._remove_site(launch_id)
         detail = failure or describe_exit(returncode)
         if returncode != 0 and not failure:  # say why: the learner's last words
             tail = log_tail(self.log_dir / f"{launch_id}.log")
@@ -424,6 +477,8 @@ class LocalProcessLauncher:
             await asyncio.gather(*self._watchers, return_exceptions=True)
         if self.fork_server is not None:
             await self.fork_server.close()
+        for launch_id in list(self.site_of):  # launches that never started a process
+            self._remove_site(launch_id)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

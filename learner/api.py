@@ -481,7 +481,7 @@ class Learner:
         if self.streamer is not None:
             st = self.streamer.stats
             s.pushes_sent, s.pushes_acked, s.pushes_dropped = st.pushes_sent, st.pushes_acked, st.pushes_dropped
-            s.bytes_up, s.bytes_down = st.bytes_up, st.bytes_down
+            s.bytes_up, s.bytes_down, s.bytes_initialize = st.bytes_up, st.bytes_down, st.bytes_initialize
             if st.latency_s:
                 s.sync_latency_s_p50 = sorted(st.latency_s)[len(st.latency_s) // 2]
         if hasattr(self, "book"):

@@ -55,6 +55,8 @@ class StreamStats:
     pushes_dropped: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    bytes_initialize: int = 0
+    """fp32 values offered with Initialize (initial values, anchors), taken or not."""
     resyncs: int = 0
     latency_s: list[float] = field(default_factory=list)
 
@@ -153,6 +155,7 @@ class Streamer:
                 if fragment in have:
                     continue
                 encoded = await asyncio.to_thread(encode, fragment)
+                self.stats.bytes_initialize += sum(len(e.payload) for e in encoded)
                 if await client.initialize(fragment, manifest_json, plan_hash, encoded):
                     taken.append(fragment)
             return taken
@@ -315,6 +318,7 @@ class Streamer:
 
         async def offer(fragment: int) -> None:
             encoded, version = await asyncio.to_thread(encode_anchor, fragment)
+            self.stats.bytes_initialize += sum(len(e.payload) for e in encoded)
             if await self._client(shard).initialize(fragment, manifest_json, plan_hash, encoded, version):
                 logger.warning("shard %d came back without fragment %d: it restarts from our anchor at version %d",
                                shard, fragment, version)

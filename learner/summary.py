@@ -32,6 +32,8 @@ class Summary:
     """Sends skipped because the fragment's previous push still awaited its reply."""
     bytes_up: int = 0
     bytes_down: int = 0
+    bytes_initialize: int = 0
+    """fp32 values offered to shards with Initialize (initial values, anchors), taken or not."""
     mean_staleness: float = 0.0
     blocked_s: float = 0.0
     """Time the training loop spent on the network (submitting, never waiting): ~0."""

@@ -96,6 +96,20 @@ def parse_slow(text: str) -> tuple[int, float]:
     return index, value
 
 
+def parse_link(text: str) -> tuple[int, float]:
+    """``"1:5"`` or ``"L1:5"`` -> (1, 5.0): the learner launched second is on a 5 Mbit/s site."""
+    which, sep, mbit = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        index, value = int(which.removeprefix("L")), float(mbit)
+    except ValueError:
+        raise InvalidArgument(f"--link takes ID:MBIT, e.g. L1:5, got {text!r}") from None
+    if index < 0:
+        raise InvalidArgument(f"--link needs a learner index >= 0, got {text!r}")
+    return index, value
+
+
 def parse_learner_device(text: str) -> tuple[int, str]:
     """``"0:xla"`` or ``"L0:xla"`` -> (0, "xla"): the learner launched first trains on XLA."""
     which, sep, device = text.partition(":")

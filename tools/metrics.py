@@ -27,6 +27,7 @@ Also here: the eval loss of a model, and the tokens of one inner step."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -197,6 +198,38 @@ def wire_bytes(run_dir: Path) -> dict:
             elif r["kind"] == "sent" and r["learner"] != COORDINATOR_ID:
                 down += r["bytes"]
     return {"bytes_up": up, "bytes_down": down}
+
+
+def link_bytes(sites_file: Path, summaries: dict[str, dict], learner_of: dict[str, str]) -> dict | None:
+    """What the kernel counted on the learners' emulated links (``coordinator.launcher``'s
+    sites file: one line per learner that ran on a site) beside each learner's own count
+    of the payloads it sent and received (pushes and the fp32 values it offered with
+    Initialize up; replies and bootstraps down). The kernel counts every frame (TLS,
+    HTTP/2, TCP/IP and Ethernet headers, heartbeats, joins): ``overhead_up`` is kernel /
+    payload - 1 over the uplinks, ``overhead_down`` over the downlinks, of the learners
+    that wrote a summary (a killed one writes none: its site is listed, not counted). None
+    when no learner ran on a site."""
+    if not sites_file.exists():
+        return None
+    sites = []
+    for line in sites_file.read_text().splitlines():
+        record = json.loads(line)
+        learner = learner_of.get(record["launch_id"])
+        own = summaries.get(learner) if learner else None
+        if own is not None:
+            record.update(payload_up=own["bytes_up"] + own.get("bytes_initialize", 0), payload_down=own["bytes_down"])
+        sites.append({"learner": learner, **record})
+    counted = [s for s in sites if "payload_up" in s and "up" in s]
+    totals = {key: sum(s[key] for s in counted) for key in ("up", "down", "payload_up", "payload_down")}
+
+    def overhead(kernel: int, payload: int) -> float | None:
+        return round(kernel / payload - 1, 4) if payload else None
+
+    return {"sites": sites, "kernel_up": totals["up"], "kernel_down": totals["down"],
+            "payload_up": totals["payload_up"], "payload_down": totals["payload_down"],
+            "overhead_up": overhead(totals["up"], totals["payload_up"]),
+            "overhead_down": overhead(totals["down"], totals["payload_down"]),
+            "not_counted": [s["learner"] or s["launch_id"] for s in sites if s not in counted]}
 
 
 def slot_seconds(slot_starts: list[float], end: float, scavenged: list[tuple[float, int]]) -> float:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig, KubernetesLauncherConfig, LocalLauncherConfig
-from diloco.errors import InvalidArgument, NotFound
+from diloco.errors import FailedPrecondition, InvalidArgument, NotFound
 from diloco.files import private_dir
 from tools.cli.settings import add_config_flag, add_flag, from_flags
 
@@ -169,6 +169,12 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
              "fork learners from a process that loaded their code once (the learner command with --fork-server), "
              "so no launch pays the load; --no-fork-server: each launch starts a process",
              action=argparse.BooleanOptionalAction)
+    add_flag(local, "--site-hub", LocalLauncherConfig, "site_hub",
+             "emulated sites (root): TAG/NETWORK of a hub made by diloco.sites; each learner runs in a network "
+             "namespace of its own behind a shaped link (diloco local --link-mbit sets this)", metavar="TAG/NETWORK")
+    add_flag(local, "--link-mbit", LocalLauncherConfig, "link_mbit",
+             "each emulated site's link rate, each way, Mbit/s (with --site-hub; AddLearners' link_mbit override "
+             "sets a launch's own)", type=float)
     k8s = p.add_argument_group("kubernetes launcher")
     k8s.add_argument("--namespace", help="namespace of learner pods (default $POD_NAMESPACE, else default)")
     k8s.add_argument("--pod-template", action="append", type=_pod_template, metavar="[POOL=]PATH",
@@ -445,6 +451,19 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cleanup(args: argparse.Namespace) -> int:
+    from diloco import sites
+
+    if os.geteuid() != 0:
+        raise FailedPrecondition("diloco admin cleanup removes network namespaces and links: run it as root")
+    removed = sites.remove_dead()
+    if args.json:
+        print(json.dumps(removed))
+    else:
+        print(f"removed {len(removed)}: {', '.join(removed)}" if removed else "nothing to remove: no run left emulated sites")
+    return 0
+
+
 def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     admin = commands.add_parser(
         "admin",
@@ -509,6 +528,12 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     accept.add_argument("--yes", action="store_true", help="confirm: the fragments' training is lost")
     accept.add_argument("--json", action="store_true", help="print {shard_id, fragments, model_state} as JSON")
     accept.set_defaults(func=_accept_initial_values)
+
+    cleanup = verbs.add_parser(
+        "cleanup", help="remove what killed local runs left on this machine: emulated sites (network namespaces, "
+                        "veth pairs, bridges) whose run is gone; a live run's are kept (root)")
+    cleanup.add_argument("--json", action="store_true", help="print the removed names as a JSON list")
+    cleanup.set_defaults(func=_cleanup)
 
     export = verbs.add_parser(
         "export", help="write the global model as model.safetensors (the keys of the task model's state_dict)",

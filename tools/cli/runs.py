@@ -123,7 +123,7 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _local_config(args: argparse.Namespace):
-    from tools.chaos import parse_learner_device, parse_scavenge, parse_slow
+    from tools.chaos import parse_learner_device, parse_link, parse_scavenge, parse_slow
 
     return from_flags(
         args, LocalConfig,
@@ -135,6 +135,7 @@ def _local_config(args: argparse.Namespace):
         ),
         slow_learners=tuple(parse_slow(x) for x in args.slow_learner or ()),
         learner_devices=tuple(parse_learner_device(x) for x in args.learner_device or ()),
+        links=tuple(parse_link(x) for x in args.link or ()),
         child_env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint,
                    "OTEL_EXPORTER_OTLP_INSECURE": "true"} if args.otlp_endpoint else None,
         learner_threads=args.learner_threads, snapshot_dir=args.snapshot_dir,
@@ -198,6 +199,14 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--insecure", LocalConfig, "tls",
              "plaintext gRPC between the run's processes instead of mutual TLS with a CA and certificate made for "
              "the run in RUN_DIR/tls", action="store_true", shown=lambda tls: not tls)
+    links = p.add_argument_group("emulated sites (root: network namespaces, veth pairs and tc; docs/sites.md)")
+    add_flag(links, "--link-mbit", LocalConfig, "link_mbit",
+             "every learner (replacements and scavenged ones too) runs in a network namespace of its own, joined to the "
+             "shards and the coordinator by a link the kernel shapes to R Mbit/s each way (None: every process on "
+             "127.0.0.1)", type=float, metavar="R")
+    links.add_argument("--link", action="append", metavar="ID:MBIT",
+                       help="the ID-th learner launched (0-based; L1 reads as 1) gets a link of MBIT Mbit/s instead "
+                            "(repeatable; turns sites on)")
     snapshots = p.add_argument_group("snapshots")
     snapshots.add_argument("--snapshot-dir", metavar="DIR|URL",
                            help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "

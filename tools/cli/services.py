@@ -109,6 +109,11 @@ def _learner(args: argparse.Namespace) -> int:
     started = time.time()
     from diloco.errors import InvalidArgument, NotFound
 
+    if args.netns:  # first: every socket and thread after this is the site's
+        from diloco.sites import enter
+
+        enter(args.netns)
+
     from learner.server import joined_membership, run_learner, run_slice_follower, static_membership
     from learner.slice import SliceLink
 
@@ -180,6 +185,8 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
     add_flag(join, "--pool", CoordinatorConfig, "pools", "pool reported to the coordinator (its default pool)",
              shown=lambda pools: pools[0])
     join.add_argument("--launch-id", default="", help="set by launchers to match the process they started")
+    join.add_argument("--netns", metavar="NAME", help="run in this network namespace: an emulated site (set by the "
+                                                      "local launcher with --link-mbit; needs root)")
     join.add_argument("--fork-server", dest="serve_forks", action="store_true",
                       help="a launcher's fork server: load the learner's code once, then fork a learner for each "
                            "launch read from stdin (diloco.forks: one JSON request per line); exit when stdin closes")

@@ -14,6 +14,7 @@ from tools.chaos import ChaosConfig
 from tools.metrics import check_curve_points
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
+from diloco.sites import check_mbit
 from learner.config import LearnerConfig
 from syncer.config import MergeConfig, RoundConfig
 
@@ -85,6 +86,13 @@ class LocalConfig:
     tls: bool = True
     """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls
     (False: plaintext gRPC on 127.0.0.1, ``--insecure``)."""
+    link_mbit: float | None = None
+    """Emulated sites (``diloco.sites``, needs root): every learner runs in a network
+    namespace of its own behind a link shaped to this rate each way, Mbit/s; the shards
+    and the coordinator listen on the hub. None: every process on 127.0.0.1."""
+    links: tuple[tuple[int, float], ...] = ()
+    """(launch index, Mbit/s): that learner's own link rate (sites on; the others at
+    ``link_mbit``, or the launcher's default)."""
     resume: bool = False
     """Continue the stopped run in ``out`` from its newest complete snapshot (``resume_config``)."""
 
@@ -98,7 +106,12 @@ class LocalConfig:
             raise InvalidArgument(f"learner evaluations must be >= 0, got {self.learner_evals}")
         if self.delay_ms < 0:
             raise InvalidArgument(f"--delay-ms must be >= 0, got {self.delay_ms}")
-        for flag, pairs in (("--slow-learner", self.slow_learners), ("--learner-device", self.learner_devices)):
+        for _, mbit in self.links:
+            check_mbit(mbit, "--link")
+        if self.link_mbit is not None:
+            check_mbit(self.link_mbit)
+        for flag, pairs in (("--slow-learner", self.slow_learners), ("--learner-device", self.learner_devices),
+                            ("--link", self.links)):
             for index, _ in pairs:
                 if index >= self.learners:
                     raise InvalidArgument(f"{flag} L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
@@ -107,6 +120,11 @@ class LocalConfig:
         if self.shards > self.run.fragments:
             raise InvalidArgument(f"{self.shards} shards for {self.run.fragments} fragments: some shard would own none")
 
+
+    @property
+    def sites(self) -> bool:
+        """Learners run on emulated sites."""
+        return self.link_mbit is not None or bool(self.links)
 
     @property
     def threads_per_learner(self) -> int:

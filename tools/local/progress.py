@@ -53,10 +53,21 @@ def closing_lines(summary: dict, run_dir: Path) -> list[str]:
              f"{summary['wall_s']:.0f} s · goodput {_number(summary['goodput'], 2)}",
              f"model: {model}" if model.exists() else "model: none exported",
              f"run directory: {run_dir} (summary.json, logs/; diloco local --json prints the summary)"]
+    if links := summary.get("links"):
+        rates = sorted({s["mbit"] for s in links["sites"]})
+        lines.append(f"links: {len(links['sites'])} sites at {'/'.join(f'{r:g}' for r in rates)} Mbit/s · the kernel "
+                     f"counted {links['kernel_up'] / 1e6:.2f} MB up, {links['kernel_down'] / 1e6:.2f} MB down, the "
+                     f"learners' payloads {links['payload_up'] / 1e6:.2f} MB up, {links['payload_down'] / 1e6:.2f} MB "
+                     f"down (overhead {_percent(links['overhead_up'])} up, {_percent(links['overhead_down'])} down)"
+                     + (f" · not counted (no summary): {', '.join(links['not_counted'])}" if links["not_counted"] else ""))
     if summary["interrupted"] and summary.get("snapshot_at_stop") is not None:
         lines.append(f"resume: diloco local --resume {run_dir}")
     lines += [f"FAILED: {line}" for line in summary.get("failures", [])]
     return lines
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{value:+.1%}"
 
 
 def progress_line(members: list[dict], statuses: list, events: dict[str, list[dict]], started: float, unit: str) -> str:

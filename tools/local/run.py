@@ -33,12 +33,13 @@ from pathlib import Path
 
 import torch
 
-from diloco import auth
+from diloco import auth, sites
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from diloco.files import PRIVATE_DIR, atomic_write, private_dir
 from diloco.pin import pin_of
 from diloco.snapshots import snapshot_ids
+from coordinator.launcher import LINK_OVERRIDE, SITES_FILE
 from learner.config import LearnerConfig
 from tools.chaos import SCAVENGED_POOL, ChaosMonkey
 from tools.export import export_model
@@ -46,7 +47,7 @@ from tools.local.config import LocalConfig
 from tools.local.plots import plot_eval
 from tools.local.progress import Failures, closing_lines, final_table, progress_line, progress_table
 from tools.local.supervisor import Cluster, shard_status, take_snapshot
-from tools.metrics import (curve_marks, curve_path, eval_curve, eval_task, expected_period, goodput, learner_events,
+from tools.metrics import (curve_marks, curve_path, eval_curve, eval_task, expected_period, goodput, learner_events, link_bytes,
                            slot_seconds, start_s, supervisor_task, tape_stats, tokens_per_step, uptime, wire_bytes)
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,13 @@ EXPORT_ATTEMPTS = 3
 
 
 def _launch(admin, cfg: LocalConfig) -> None:
-    slow, devices = dict(cfg.slow_learners), dict(cfg.learner_devices)
+    slow, devices, links = dict(cfg.slow_learners), dict(cfg.learner_devices), dict(cfg.links)
     for index in range(cfg.learners):
         overrides = {"slow_factor": str(slow[index])} if index in slow else {}
         if index in devices:
             overrides["device"] = devices[index]
+        if index in links:
+            overrides[LINK_OVERRIDE] = str(links[index])
         failed = [r for r in admin.add_learners(1, overrides=overrides) if not r["ok"]]
         if failed:
             raise Unavailable(f"could not launch learners: {failed}")
@@ -326,6 +329,16 @@ def _steps_done(run_dir: Path) -> int:
     return max((int(l.get("inner_steps", 0)) for l in learners), default=0)
 
 
+def _make_hub(console) -> sites.HubSpec:
+    """The emulated sites' hub, after removing what killed runs left (``diloco.sites``)."""
+    sites.check()
+    if removed := sites.remove_dead():
+        console.print(f"removed what killed runs left of their emulated sites: {', '.join(removed)}")
+    hub = sites.create_hub()
+    console.print(f"emulated sites: hub {hub.bridge} at {hub.address}, each learner on a site of its own")
+    return hub
+
+
 def _check_devices(cfg: LocalConfig) -> None:
     """A learner device this machine cannot give fails the run before anything starts."""
     devices = {device for _, device in cfg.learner_devices}
@@ -378,7 +391,13 @@ def run_local(cfg: LocalConfig) -> dict:
     budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{learner_steps} inner steps each"
     console.print(f"[bold]diloco local[/]: task {cfg.run.task}, {cfg.learners} learners, {cfg.shards} shards, {budget}, "
                   f"run directory {run_dir}")
-    cluster = Cluster(cfg, run_dir, learner_steps, pin)
+    hub = _make_hub(console) if cfg.sites else None
+    try:
+        cluster = Cluster(cfg, run_dir, learner_steps, pin, hub)
+    except BaseException:
+        if hub is not None:
+            sites.remove_hub(hub)
+        raise
     started_wall, started = time.time(), time.monotonic()
     admin = monkey = None
     before: set[str] = set()
@@ -505,7 +524,11 @@ def run_local(cfg: LocalConfig) -> dict:
                 logger.warning("could not list the learners: %s", error)
         if admin is not None:
             admin.close()
-        cluster.stop(say=say)
+        try:
+            cluster.stop(say=say)
+        finally:
+            if hub is not None:
+                sites.remove_hub(hub)
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
         if interrupted:
@@ -571,6 +594,8 @@ def run_local(cfg: LocalConfig) -> dict:
         "uptime": up,
         "global_stall_s": stall,
         **wire_bytes(run_dir),
+        "links": link_bytes(run_dir / "coordinator" / "learners" / SITES_FILE, summaries,
+                            {m["launch_id"]: m["id"] for m in members if m["launch_id"]}),
         **{k: v for k, v in stats.items() if k != "step_s"},
         "learners_joined": len(members) if members else len(summaries),
         "learners_failed": sum(1 for m in members if m["state"] == "failed") + len(failed_launches),

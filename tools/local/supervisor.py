@@ -24,6 +24,7 @@ from diloco.files import atomic_write, atomic_write_json
 from tools.certs import make_certs
 from coordinator.launcher import FORK_SERVER_PID_FILE
 from diloco.pin import PIN_FILE, ModelPin
+from diloco.sites import HubSpec
 from tools.chaos import SCAVENGED_POOL, learner_pid
 from tools.local.config import LocalConfig
 
@@ -33,27 +34,32 @@ LEARNER_EXIT_WAIT_S = 5.0
 coordinator are stopped (the coordinator then SIGTERMs any still running)."""
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class Cluster:
     """The processes of one local run; every one of them ends when the run does."""
 
-    def __init__(self, cfg: LocalConfig, run_dir: Path, learner_steps: int, pin: ModelPin | None = None) -> None:
+    def __init__(self, cfg: LocalConfig, run_dir: Path, learner_steps: int, pin: ModelPin | None = None,
+                 hub: HubSpec | None = None) -> None:
         """``pin``: the run's model, pinned at the coordinator (``run_local`` builds the task
         anyway, for the start evaluation: the coordinator reuses it instead of building it
-        again); None: the coordinator builds it."""
+        again); None: the coordinator builds it. ``hub``: the emulated sites' hub (made by
+        the caller): the shards and the coordinator listen on its address, and the
+        coordinator's launcher puts each learner on a site of its own."""
         self.cfg, self.dir = cfg, run_dir
         self.learner_steps = learner_steps
         self.pin = pin
+        self.hub = hub
+        self.host = hub.address if hub is not None else "127.0.0.1"
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._plain: rpc.Tls | None = None
         self.endpoints: list[dict] = []
-        self.coordinator = f"127.0.0.1:{_free_port()}"
-        self.shards = [f"127.0.0.1:{_free_port()}" for _ in range(cfg.shards)]
+        self.coordinator = f"{self.host}:{_free_port(self.host)}"
+        self.shards = [f"{self.host}:{_free_port(self.host)}" for _ in range(cfg.shards)]
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
         log = open(self.dir / "logs" / f"{role}.log", "ab")
@@ -88,7 +94,7 @@ class Cluster:
         (RUN_DIR/shard<m>/syncer.json), not flags turned back into strings."""
         config = self.dir / f"shard{m}" / "syncer.json"
         atomic_write_json(config, {
-            "shard_id": m, "shards": self.cfg.shards, "port": int(self.shards[m].rsplit(":", 1)[1]),
+            "shard_id": m, "shards": self.cfg.shards, "host": self.host, "port": int(self.shards[m].rsplit(":", 1)[1]),
             "data_dir": str(self.dir / f"shard{m}"), "push_log": True, "coordinator": self.coordinator,
             "quorum": self.cfg.quorum, "grace": self.cfg.grace, "outer_lr": self.cfg.outer_lr,
             "outer_momentum": self.cfg.outer_momentum, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
@@ -113,8 +119,9 @@ class Cluster:
         self.common = {"secret_file": str(self.dir / "secret"), "run_config": str(self.dir / "run.json")}
         self.restore = ["--restore", restore] if restore else []
         if self.cfg.tls:
-            if not (self.dir / "tls").exists():  # a resumed run keeps its certificates
-                make_certs(self.dir / "tls", ["localhost", "127.0.0.1"])
+            # A resumed run keeps its certificates; on emulated sites it gets new ones, for its new hub's address.
+            if not (self.dir / "tls").exists() or self.hub is not None:
+                make_certs(self.dir / "tls", sorted({"localhost", "127.0.0.1", self.host}), overwrite=True)
             self._plain = rpc.use_tls(rpc.Tls.from_dir(self.dir / "tls"))  # this supervisor's own calls, until stop
         tls = f"--tls-dir {self.dir / 'tls'} " if self.cfg.tls else "--insecure "
         # Every process gets its settings as one JSON document (diloco <command> --config);
@@ -135,11 +142,13 @@ class Cluster:
         if self.pin is not None:  # the coordinator pins it (a resumed run's coordinator checks its state against it)
             atomic_write(self.dir / "coordinator" / PIN_FILE, self.pin.to_json(self.cfg.run))
         atomic_write_json(coordinator_config, {
-            "pin_model": True,
+            "pin_model": True, "host": self.host,
             "port": int(self.coordinator.rsplit(":", 1)[1]), "data_dir": str(self.dir / "coordinator"),
             "shards": ",".join(self.shards), "learner_command": learner_cmd, "pools": f"default,{SCAVENGED_POOL}",
             "snapshot_dir": self.snapshot_dir, "snapshot_every_s": self.cfg.snapshot_every_s,
             "snapshot_keep": self.cfg.snapshot_keep, "fork_server": self.cfg.fork_server, **self.common,
+            **({"site_hub": str(self.hub)} if self.hub is not None else {}),
+            **({"link_mbit": self.cfg.link_mbit} if self.cfg.link_mbit is not None else {}),
         })
         coord = self._spawn("coordinator", ["coordinator", "--config", str(coordinator_config), *self.restore])
         # Every shard starts at once; then each is waited for.

@@ -1,0 +1,85 @@
+"""`diloco local --link-mbit`: every learner on an emulated site of its own, as a user
+runs it (real processes, real namespaces and shaped links)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster.test_local import TINY
+from tests.netsites import bridges, namespaces, require_sites, transfer_mbit
+from tests.polling import poll
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.mark.timeout(300)
+def test_local_on_20_mbit_sites_trains_and_its_links_really_limit(tmp_path):
+    require_sites()
+    before = namespaces(), bridges()
+    out, log = tmp_path / "run", tmp_path / "local.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "150",
+             "--batch-size", "8", "--link-mbit", "20", "--out", str(out), *TINY], stderr=stderr, stdout=subprocess.DEVNULL)
+    try:
+        hub = poll(lambda: re.search(r"hub (dl\w+)br at (198\.1[89]\.\d+\.1)", log.read_text()), "the hub", 60,
+                   [("diloco local", proc)])
+        prefix, address = hub.group(1) + "-", hub.group(2)
+        site = poll(lambda: sorted(n for n in namespaces() if n.startswith(prefix)), "a learner's site", 60,
+                    [("diloco local", proc)])[0]
+        # A bulk upload from inside a learner's site, while it trains, runs at the link's
+        # rate; the same upload from this namespace is not limited by the machine.
+        assert transfer_mbit(address, 2_500_000, sender_netns=site) <= 21
+        assert transfer_mbit(address, 2_500_000) > 100
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_loss_final"] < summary["eval_loss_start"] - 0.5
+    links = summary["links"]
+    assert sorted(s["learner"] for s in links["sites"]) == ["L0", "L1"]
+    assert all(s["mbit"] == 20 and s["address"].startswith(address.rsplit(".", 1)[0] + ".") for s in links["sites"])
+    # The kernel saw every byte the learners counted, plus the headers and the control traffic.
+    assert links["kernel_up"] >= links["payload_up"] > 0 and links["kernel_down"] >= links["payload_down"] > 0
+    assert links["not_counted"] == []
+    assert "links: 2 sites at 20 Mbit/s" in log.read_text()
+    assert (namespaces(), bridges()) == before  # every namespace, veth and bridge is gone
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_runs_sites_are_removed_by_admin_cleanup_and_nothing_else(tmp_path):
+    """SIGKILL reaches no handler: the coordinator (which watches its parent) removes its
+    learners' sites as it stops, and the hub (bridge and record) stays until the next start
+    or `diloco admin cleanup` removes it; a live run's hub is not touched."""
+    from diloco import sites
+
+    require_sites()
+    before = namespaces(), bridges()
+    live = sites.create_hub()  # another run's, alive (this process)
+    try:
+        log = tmp_path / "local.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--steps", "2000", "--batch-size", "8",
+                 "--link-mbit", "50", "--out", str(tmp_path / "run"), *TINY], stderr=stderr, stdout=subprocess.DEVNULL)
+        try:
+            prefix = poll(lambda: re.search(r"hub (dl\w+)br at", log.read_text()), "the hub", 60,
+                          [("diloco local", proc)]).group(1)
+            poll(lambda: len([n for n in namespaces() if n.startswith(prefix + "-")]) == 2, "two sites", 60,
+                 [("diloco local", proc)])
+        finally:
+            proc.kill()
+            proc.wait()
+        poll(lambda: not any(n.startswith(prefix + "-") for n in namespaces()), "the coordinator removing the sites", 60)
+        assert prefix + "br" in bridges()
+        cleanup = subprocess.run([sys.executable, "-m", "tools.cli", "admin", "cleanup", "--json"],
+                                 capture_output=True, text=True, timeout=60)
+        assert cleanup.returncode == 0, cleanup.stderr
+        assert json.loads(cleanup.stdout) == [prefix + "br"]
+        assert live.bridge in bridges()
+    finally:
+        sites.remove_hub(live)
+    assert (namespaces(), bridges()) == before
