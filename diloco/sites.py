@@ -35,6 +35,7 @@ import logging
 import os
 import secrets
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -226,6 +227,17 @@ def create_hub() -> HubSpec:
         remove_hub(hub)
         raise
     logger.info("hub %s: %s on %s", hub.bridge, hub.address, network)
+    return hub
+
+
+def new_hub(say: Callable[[str], None]) -> HubSpec:
+    """A run's hub, after removing what killed runs left (``remove_dead``); ``say`` hears
+    what was removed and where the hub is."""
+    check()
+    if removed := remove_dead():
+        say(f"removed what killed runs left of their emulated sites: {', '.join(removed)}")
+    hub = create_hub()
+    say(f"emulated sites: hub {hub.bridge} at {hub.address}, each worker on a site of its own")
     return hub
 
 

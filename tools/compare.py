@@ -46,7 +46,8 @@ from functools import cached_property
 from pathlib import Path
 
 from tools.chaos import ChaosConfig
-from tools.metrics import bytes_per_1k_tokens, check_curve_points
+from tools.baseline.common import check_sites_and_limit
+from tools.metrics import bytes_per_1k_tokens, check_curve_points, link_load
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from learner.config import LearnerConfig
@@ -102,6 +103,12 @@ class CompareConfig:
     curve_points: int = 8
     """Points of every run's eval curve (``tools.metrics.eval_curve``): the global model is
     saved as the run passes each eighth of its budget and evaluated after it."""
+    link_mbit: float | None = None
+    """Emulated sites (``diloco.sites``, root): every system's workers each on a site of its
+    own behind a link shaped to this rate each way, Mbit/s. None: all on 127.0.0.1."""
+    time_limit_s: float | None = None
+    """Stop a run this long after its start, the budget trained or not (it is marked
+    ``time_limited``; its tokens per second still count). None: no limit."""
     out: Path = Path("runs/compare")
 
     def __post_init__(self) -> None:
@@ -110,6 +117,7 @@ class CompareConfig:
         if self.seeds < 1:
             raise InvalidArgument(f"--seeds must be >= 1, got {self.seeds}")
         check_curve_points(self.curve_points)
+        check_sites_and_limit(self.link_mbit, self.time_limit_s)
         LearnerConfig(lr=self.lr)  # the learners' own check, before any run starts
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown:
@@ -153,7 +161,7 @@ def _local_cfg(cfg: CompareConfig, out: Path, **changes):
     # No evaluations while training: DP and torchft make none (each system's final model
     # is evaluated once, by the same code).
     local = LocalConfig(run=cfg.run, learners=cfg.workers, tokens=cfg.tokens, out=out, learner_evals=0, lr=cfg.lr,
-                        curve_points=cfg.curve_points)
+                        curve_points=cfg.curve_points, link_mbit=cfg.link_mbit, time_limit_s=cfg.time_limit_s)
     return replace(local, **changes)
 
 
@@ -191,8 +199,20 @@ def _decoupled_metrics(summary: dict) -> dict:
         "curve": summary["curve"],
         "step_goodput": summary["step_goodput"],
         "learners_killed": summary["learners_killed"],
+        **run_load(summary),
+        # (kernel / the learners' own payload counts - 1, each direction: the protocol's overhead)
+        "links_overhead": {"up": links["overhead_up"], "down": links["overhead_down"]}
+        if (links := summary.get("links")) else None,
         "run_dir": summary["run_dir"],
     }
+
+
+def run_load(summary: dict) -> dict:
+    """What every system's run reports for the bandwidth sweep, by the same code: tokens per
+    second of wall time, whether it stopped at its time limit, and (on emulated sites)
+    the bytes the kernel counted on the workers' links per 1k tokens (``link_load``)."""
+    return {"tokens_per_s": round(summary["tokens"] / summary["wall_s"], 1) if summary["wall_s"] else None,
+            "time_limited": bool(summary.get("time_limited")), **link_load(summary.get("links"), summary["tokens"])}
 
 
 def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict:
@@ -201,7 +221,7 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
     faults = {"kill_every_s": cfg.mtbf_s, "fault_seed": cfg.seed} if scenario == "mtbf30" else {}
     slow = {"slow_workers": cfg.slow} if scenario == "hetero" else {}
     common = dict(run=cfg.run, workers=cfg.workers, steps=cfg.steps, out=out, lr=cfg.lr, curve_points=cfg.curve_points,
-                  **faults, **slow)
+                  link_mbit=cfg.link_mbit, time_limit_s=cfg.time_limit_s, **faults, **slow)
     if system == "dp":
         from tools.baseline.dp import DPConfig, run_dp
 
@@ -215,7 +235,7 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
         result = run_torchft(TorchftConfig(**{**common, "run": replace(cfg.run, reply_rule="mix")}), show_progress=True)
     return {**{k: result[k] for k in METRICS}, "eval_unit": result["eval_unit"],
             "eval_loss_start": result["eval_loss_start"], "curve": result["curve"], "restarts": result.get("restarts"),
-            "run_dir": str(out)}
+            **run_load(result), "run_dir": str(out)}
 
 
 def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | None = None,

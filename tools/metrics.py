@@ -232,6 +232,17 @@ def link_bytes(sites_file: Path, summaries: dict[str, dict], learner_of: dict[st
             "not_counted": [s["learner"] or s["launch_id"] for s in sites if s not in counted]}
 
 
+def link_load(links: dict | None, tokens: int) -> dict:
+    """Bytes the kernel counted on every worker's emulated link (a ``links`` section: its
+    ``sites``, each with ``up`` and ``down``) per 1k tokens trained: ``link_up_per_1k_tokens``
+    summed over the sites' uplinks, ``link_down_per_1k_tokens`` over their downlinks. The
+    same for every system; empty without sites."""
+    if not links:
+        return {}
+    return {f"link_{way}_per_1k_tokens": bytes_per_1k_tokens(sum(s.get(way, 0) for s in links["sites"]), tokens)
+            for way in ("up", "down")}
+
+
 def slot_seconds(slot_starts: list[float], end: float, scavenged: list[tuple[float, int]]) -> float:
     """Learner-slot time of the training window, the denominator of goodput. Each of the
     learners launched at the start holds a slot from its first inner step (the first

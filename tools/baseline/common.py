@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SUMMARY_KEYS = (
     "wall_s", "tokens", "eval_unit", "eval_loss_start", "eval_loss_final", "goodput", "uptime", "global_stall_s",
-    "bytes_per_1k_tokens", "start_s", "restarts", "steps", "curve",
+    "bytes_per_1k_tokens", "start_s", "restarts", "steps", "curve", "time_limited", "links",
 )
 """Exactly the keys of every baseline's summary.json, in this order."""
 
@@ -62,6 +62,15 @@ def check_slow_workers(slow: tuple[tuple[int, float], ...], workers: int) -> Non
             raise InvalidArgument(f"slow worker {wid} does not exist: ids are 0..{workers - 1}")
         if not (math.isfinite(factor) and factor >= 1.0):
             raise InvalidArgument(f"slow worker factor must be a finite number >= 1, got {factor}")
+
+
+def check_sites_and_limit(link_mbit: float | None, time_limit_s: float | None) -> None:
+    from diloco.sites import check_mbit
+
+    if link_mbit is not None:
+        check_mbit(link_mbit)
+    if time_limit_s is not None and not (math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise InvalidArgument(f"time limit must be a positive number of seconds, got {time_limit_s}")
 
 
 def learner_inner(steps: int, lr: float):
@@ -199,6 +208,13 @@ class WorkloadConfig:
     curve_points: int = 0
     """Save the global model as the job passes each of this many equal shares of its steps
     (``tools.metrics.eval_curve``; 0 or 1: only the final model)."""
+    link_mbit: float | None = None
+    """Emulated sites (``diloco.sites``, root): every worker runs in a network namespace
+    of its own behind a link shaped to this rate each way, Mbit/s; the supervisor's store
+    (and torchft's lighthouse) listen on the hub. None: everything on 127.0.0.1."""
+    time_limit_s: float | None = None
+    """Stop the job this long after its launch, trained or not: the summary then says
+    ``time_limited`` and gives the tokens it reached (no final model, no final eval)."""
 
     def inner(self):
         """The workers' inner-loop config (``learner_inner``)."""
@@ -281,21 +297,23 @@ class BaselineRun:
     def dir(self) -> Path:
         return self.cfg.out
 
-    def finish(self, final_model: dict[str, torch.Tensor], metrics: dict, details: dict, **values) -> dict:
+    def finish(self, final_model: dict[str, torch.Tensor] | None, metrics: dict, details: dict, **values) -> dict:
         """Evaluate the final model and write ``stats.json`` (the metrics, rounded, then
         ``details``) and, last, as it marks a finished run, ``summary.json``: ``values``
-        (wall_s, tokens, goodput, restarts) with the eval losses (and the eval curve,
-        ``tools.metrics.eval_curve``), the metrics' uptime, global stall and bytes, and
-        the steps. Returns the summary."""
+        (wall_s, tokens, goodput, restarts, links) with the eval losses (and the eval
+        curve, ``tools.metrics.eval_curve``), the metrics' uptime, global stall and bytes,
+        and the steps. ``final_model`` None: the run stopped at its time limit, with no
+        final model (no final eval, no curve). Returns the summary."""
         from tools.metrics import eval_curve, eval_task
 
-        final = eval_task(self.cfg.run, self.task, final_model)
-        curve = eval_curve(self.cfg.run, self.task, self.dir, self.eval_start, (values["tokens"], final))
+        final = eval_task(self.cfg.run, self.task, final_model) if final_model is not None else None
+        curve = eval_curve(self.cfg.run, self.task, self.dir, self.eval_start, (values["tokens"], final)) \
+            if final_model is not None else []
         result = summary(
             eval_unit=self.task.eval_unit, eval_loss_start=self.eval_start,
             eval_loss_final=final, curve=curve, uptime=metrics["uptime"],
             global_stall_s=metrics["global_stall_s"], bytes_per_1k_tokens=metrics["bytes_per_1k_tokens"],
-            start_s=metrics["start_s"], steps=self.cfg.steps, **values,
+            start_s=metrics["start_s"], steps=self.cfg.steps, time_limited=final_model is None, **values,
         )
         atomic_write_json(self.dir / "stats.json", {
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
@@ -363,13 +381,70 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def spawn(module: str, args: list[str], log: Path) -> subprocess.Popen:
+@dataclass(frozen=True)
+class Placement:
+    """Where a worker process runs: its command's prefix and environment, and the address
+    it listens on and gives its peers."""
+
+    prefix: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    address: str = "127.0.0.1"
+
+
+class WorkerSites:
+    """Where a baseline's workers run: this namespace, or (``link_mbit``) each worker on an
+    emulated site of its own (``diloco.sites``) for the whole run; a restarted worker comes
+    back on its site, as on its machine. ``host``: where the supervisor's side listens."""
+
+    def __init__(self, link_mbit: float | None, run_dir: Path, say: Callable[[str], None]) -> None:
+        from diloco import sites
+
+        self.mbit, self.dir = link_mbit, run_dir
+        self.hub = sites.new_hub(say) if link_mbit is not None else None
+        self.sites = sites.Sites(self.hub) if self.hub is not None else None
+        self.of: dict[int, object] = {}
+
+    @property
+    def host(self) -> str:
+        return self.hub.address if self.hub is not None else "127.0.0.1"
+
+    def place(self, worker: int) -> Placement:
+        from diloco.sites import SITE_IFACE
+
+        if self.sites is None:
+            return Placement()
+        if worker not in self.of:
+            self.of[worker] = self.sites.add(self.mbit)
+        site = self.of[worker]
+        # gloo binds and advertises the site's interface (its default resolves the host name).
+        return Placement(("ip", "netns", "exec", site.netns), (("GLOO_SOCKET_IFNAME", SITE_IFACE),), site.address)
+
+    def close(self) -> dict | None:
+        """Record what the kernel counted on every worker's link (``sites.jsonl``), remove
+        the sites and the hub; the counts, or None without sites."""
+        if self.hub is None:
+            return None
+        from diloco import sites
+
+        try:
+            records = [{"worker": w, "netns": s.netns, "address": s.address, "mbit": s.mbit, **self.sites.counters(s)}
+                       for w, s in sorted(self.of.items())]
+            with open(self.dir / "sites.jsonl", "w") as out:
+                out.writelines(json.dumps(r) + "\n" for r in records)
+        finally:
+            sites.remove_hub(self.hub)
+        return {"sites": records, "kernel_up": sum(r["up"] for r in records),
+                "kernel_down": sum(r["down"] for r in records)}
+
+
+def spawn(module: str, args: list[str], log: Path, where: Placement = Placement()) -> subprocess.Popen:
     """``python -m module args`` in its own session (so it can be killed with everything
-    it started), stdout and stderr appended to ``log``."""
+    it started), ``where`` says (its namespace), stdout and stderr appended to ``log``."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen([*where.prefix, sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **dict(where.env)} if where.env else None)
 
 
 def kill(proc: subprocess.Popen) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from tools.baseline.common import (
     TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
-    check_slow_workers, kill, median, ring_allreduce_bytes, spawn, task_error,
+    WorkerSites, check_sites_and_limit, check_slow_workers, kill, median, ring_allreduce_bytes, spawn, task_error,
 )
 from diloco.config import RunConfig
 from learner.config import LearnerConfig
@@ -81,6 +81,7 @@ class DPConfig(WorkloadConfig):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         check_curve_points(self.curve_points)
+        check_sites_and_limit(self.link_mbit, self.time_limit_s)
         LearnerConfig(lr=self.lr)  # the learners' own check
         if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
             raise InvalidArgument(f"kill every must be a finite number of seconds >= 0, got {self.kill_every_s}")
@@ -198,8 +199,11 @@ class Supervisor:
     """Launches all workers, watches them, injects the planned kills, and restarts every
     worker from the last checkpoint when one dies (an elastic torchrun agent, in short)."""
 
-    def __init__(self, cfg: DPConfig, run_dir: Path, store_port: int, progress: _Progress | None) -> None:
-        self.cfg, self.dir, self.store_port, self.progress = cfg, run_dir, store_port, progress
+    def __init__(self, cfg: DPConfig, run_dir: Path, store_port: int, progress: _Progress | None,
+                 sites: WorkerSites) -> None:
+        self.cfg, self.dir, self.store_port, self.progress, self.sites = cfg, run_dir, store_port, progress, sites
+        self.deadline = time.monotonic() + cfg.time_limit_s if cfg.time_limit_s else None
+        self.time_limited = False
         self.kills = KillPlan(cfg.kill_every_s, cfg.fault_seed)
         self.kill_steps = sorted(cfg.kill_at_steps)
         self._victims = random.Random(cfg.fault_seed)
@@ -217,7 +221,8 @@ class Supervisor:
             self._launch(attempt.number)
             outcome = self._watch(attempt)
             self._stop_workers()
-            if outcome == "done":
+            if outcome in ("done", "time limit"):
+                self.time_limited = outcome == "time limit"
                 return
             self.restarts += 1
             if self.restarts > self.cfg.max_restarts:
@@ -225,11 +230,13 @@ class Supervisor:
 
     def _launch(self, number: int) -> None:
         launched = time.time()
-        self.procs = [
-            spawn(WORKER_MODULE, ["--run-dir", str(self.dir), "--rank", str(rank), "--attempt", str(number),
-                                  "--store-port", str(self.store_port)], self.dir / "logs" / f"worker{rank}.log")
-            for rank in range(self.cfg.workers)
-        ]
+        self.procs = []
+        for rank in range(self.cfg.workers):
+            where = self.sites.place(rank)
+            self.procs.append(spawn(WORKER_MODULE, [
+                "--run-dir", str(self.dir), "--rank", str(rank), "--attempt", str(number), "--store-host",
+                self.sites.host, "--store-port", str(self.store_port), "--address", where.address,
+            ], self.dir / "logs" / f"worker{rank}.log", where))
         self.events.write(kind="launch", attempt=number, pids=[p.pid for p in self.procs], t=launched)
 
     def _watch(self, attempt: Attempt) -> str:
@@ -275,6 +282,12 @@ class Supervisor:
                     attempt.add(record)
                 self.events.write(kind="done", attempt=attempt.number, t=now)
                 return "done"
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                for record in tail.read():
+                    attempt.add(record)
+                self.events.write(kind="time_limit", attempt=attempt.number, step=self._step, t=now)
+                logger.info("time limit of %.0f s reached at step %d: stopping", self.cfg.time_limit_s, self._step)
+                return "time limit"
             if attempt.ready_t is None and time.monotonic() - launched > self.cfg.startup_timeout_s:
                 raise Unavailable(f"workers not training {self.cfg.startup_timeout_s:.0f} s after launch; "
                                   f"see {self.dir / 'logs'}")
@@ -327,23 +340,33 @@ def run_dp(cfg: DPConfig, show_progress: bool = True) -> dict:
     # The gradients plus the loss, one buffer per step (fp32 for the byte GPT).
     buffer_bytes = (numel + 1) * params[0].element_size()
 
-    # The rendezvous store lives here, like torchrun's agent's: it outlives every worker.
-    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    started, launched = time.monotonic(), time.time()
-    progress = _Progress(cfg) if show_progress else None
-    supervisor = Supervisor(cfg, run_dir, store.port, progress)
+    sites = WorkerSites(cfg.link_mbit, run_dir, logger.info)
+    links = None
     try:
-        with progress or nullcontext():
-            supervisor.run()
+        # The rendezvous store lives here, like torchrun's agent's: it outlives every worker.
+        store = TCPStore(sites.host, 0, None, True, wait_for_workers=False)
+        started, launched = time.monotonic(), time.time()
+        progress = _Progress(cfg) if show_progress else None
+        supervisor = Supervisor(cfg, run_dir, store.port, progress, sites)
+        try:
+            with progress or nullcontext():
+                supervisor.run()
+        finally:
+            supervisor.close()
+            del store
+        wall_s = time.monotonic() - started
     finally:
-        supervisor.close()
-        del store
-    wall_s = time.monotonic() - started
+        links = sites.close()
 
     metrics = dp_metrics(supervisor.attempts, cfg.workers, buffer_bytes, step_tokens)
     # The workers step together: the job's first step is every worker's.
     metrics["start_s"] = start_s(launched, [a.steps[0][1] for a in supervisor.attempts if a.steps][:1])
     details = {"params": numel, "buffer_bytes": buffer_bytes,
                "restarts_detail": _restarts_detail(run_dir, supervisor.attempts)}
+    if supervisor.time_limited:  # the steps it reached, no final model
+        steps = max((a.steps[-1][0] for a in supervisor.attempts if a.steps), default=0)
+        return run.finish(None, metrics, details, wall_s=wall_s, tokens=steps * step_tokens,
+                          goodput=metrics["goodput"], restarts=supervisor.restarts, links=links)
     return run.finish(torch.load(run_dir / "model.pt", weights_only=True), metrics, details, wall_s=wall_s,
-                      tokens=cfg.steps * step_tokens, goodput=metrics["goodput"], restarts=supervisor.restarts)
+                      tokens=cfg.steps * step_tokens, goodput=metrics["goodput"], restarts=supervisor.restarts,
+                      links=links)

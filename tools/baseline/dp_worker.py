@@ -8,7 +8,8 @@ backward on its own batch, one all-reduce of a single flat buffer holding every 
 clip, inner optimizer step. A fresh start takes rank 0's initial parameters, as DDP does.
 Rank 0 writes the timeline and the checkpoints.
 
-Usage: ``python -m tools.baseline.dp_worker --run-dir DIR --rank R --attempt A --store-port P``
+Usage: ``python -m tools.baseline.dp_worker --run-dir DIR --rank R --attempt A [--store-host H] --store-port P
+[--address A]`` (H: the supervisor's store; A: this worker's own address, on an emulated site)
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ from learner.runner import inner_optimizer, inner_step
 logger = logging.getLogger(__name__)
 
 
-def _group(store_port: int, attempt: int, rank: int, world: int, timeout_s: float) -> dist.ProcessGroupGloo:
-    """A gloo group bound to 127.0.0.1; each attempt rendezvouses under its own prefix of
-    the supervisor's store, so keys left by a killed attempt never collide."""
+def _group(store: tuple[str, int], address: str, attempt: int, rank: int, world: int,
+           timeout_s: float) -> dist.ProcessGroupGloo:
+    """A gloo group bound to ``address`` (127.0.0.1, or the worker's emulated site); each
+    attempt rendezvouses under its own prefix of the supervisor's store, so keys left by a
+    killed attempt never collide."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=timeout)
+    client = dist.TCPStore(store[0], store[1], None, False, timeout=timeout)
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     options._timeout = timeout
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"attempt-{attempt}", store), rank, world, options)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"attempt-{attempt}", client), rank, world, options)
 
 
 @torch.no_grad()
@@ -58,7 +61,7 @@ def _broadcast_model(group: dist.ProcessGroupGloo, model: torch.nn.Module) -> No
 
 
 
-def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
+def train(run_dir: Path, rank: int, attempt: int, store: tuple[str, int], address: str) -> None:
     cfg, task = DPConfig.for_worker(run_dir, rank)
     inner = cfg.inner()
     spec = cfg.run.task
@@ -80,7 +83,7 @@ def train(run_dir: Path, rank: int, attempt: int, store_port: int) -> None:
         start = state["step"]
         advance_schedule(schedule, start)
     batches = skip_batches(spec, task.batches, start)
-    group = _group(store_port, attempt, rank, cfg.workers, cfg.collective_timeout_s)
+    group = _group(store, address, attempt, rank, cfg.workers, cfg.collective_timeout_s)
     if start == 0:
         _broadcast_model(group, model)
     group.barrier().wait()  # every worker loaded and connected: training starts now
@@ -127,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--attempt", type=int, required=True)
+    parser.add_argument("--store-host", default="127.0.0.1")
     parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--address", default="127.0.0.1", help="the address this worker binds and gives its peers")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_worker(train, args.run_dir, args.rank, args.attempt, args.store_port)
+    return run_worker(train, args.run_dir, args.rank, args.attempt, (args.store_host, args.store_port), args.address)
 
 
 if __name__ == "__main__":

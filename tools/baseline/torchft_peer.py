@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tools.baseline.common import (
     TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
-    check_slow_workers, kill, median, spawn, task_error,
+    WorkerSites, check_sites_and_limit, check_slow_workers, kill, median, spawn, task_error,
 )
 from diloco.config import RunConfig
 from learner.config import LearnerConfig
@@ -90,6 +90,7 @@ class TorchftConfig(WorkloadConfig):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         check_curve_points(self.curve_points)
+        check_sites_and_limit(self.link_mbit, self.time_limit_s)
         LearnerConfig(lr=self.lr)  # the learners' own check
         if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
             raise InvalidArgument(f"kill every must be a finite number of seconds >= 0, got {self.kill_every_s}")
@@ -223,8 +224,11 @@ class _Slot:
 
 
 class Supervisor:
-    def __init__(self, cfg: TorchftConfig, run_dir: Path, store, lighthouse: str, progress) -> None:
+    def __init__(self, cfg: TorchftConfig, run_dir: Path, store, lighthouse: str, progress, sites: WorkerSites) -> None:
         self.cfg, self.dir, self.store, self.lighthouse, self.progress = cfg, run_dir, store, lighthouse, progress
+        self.sites = sites
+        self.deadline = time.monotonic() + cfg.time_limit_s if cfg.time_limit_s else None
+        self.time_limited = False
         self.kills = KillPlan(cfg.kill_every_s, cfg.fault_seed)
         self.kill_steps = sorted(cfg.kill_at_steps)
         self._victims = random.Random(cfg.fault_seed)
@@ -239,6 +243,12 @@ class Supervisor:
         launched = time.monotonic()
         while not all(s.done for s in self.slots):
             self._read()
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                self.time_limited = True
+                self.events.write(kind="time_limit", steps=[s.step for s in self.slots], t=time.time())
+                logger.info("time limit of %.0f s reached at steps %s: stopping", self.cfg.time_limit_s,
+                            [s.step for s in self.slots])
+                return
             now = time.time()
             if not self.started:
                 if int(self.store.add("ready", 0)) >= self.cfg.workers:
@@ -276,10 +286,12 @@ class Supervisor:
     def _launch(self, slot: _Slot) -> None:
         slot.killed = False
         launched = time.time()
+        where = self.sites.place(slot.index)
         slot.proc = spawn(REPLICA_MODULE, [
             "replica", "--run-dir", str(self.dir), "--replica", str(slot.index), "--attempt", str(slot.attempt),
-            "--lighthouse", self.lighthouse, "--store-port", str(self.store.port), "--start-step", str(slot.step),
-        ], self.dir / "logs" / f"replica{slot.index}.log")
+            "--lighthouse", self.lighthouse, "--store-host", self.sites.host, "--store-port", str(self.store.port),
+            "--address", where.address, "--start-step", str(slot.step),
+        ], self.dir / "logs" / f"replica{slot.index}.log", where)
         self.events.write(kind="launch", replica=slot.index, attempt=slot.attempt, step=slot.step, pid=slot.proc.pid,
                           t=launched)
         slot.tails.append(JsonlTail(self.dir / "timeline" / f"replica{slot.index}-attempt{slot.attempt}.jsonl"))
@@ -349,29 +361,35 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
 
     run = BaselineRun.start(cfg, "torchft", holds=("summary.json", "events.jsonl"))
     cfg, run_dir = run.cfg, run.dir
-    started, launched = time.monotonic(), time.time()
-    lighthouse = spawn(REPLICA_MODULE, ["lighthouse", "--run-dir", str(run_dir)], run_dir / "logs" / "lighthouse.log")
-    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    progress = _Progress(cfg) if show_progress else None
-    supervisor = None
+    sites = WorkerSites(cfg.link_mbit, run_dir, logger.info)
     try:
-        address = _wait_for_file(run_dir / "lighthouse", lighthouse, cfg.startup_timeout_s)
-        supervisor = Supervisor(cfg, run_dir, store, address, progress)
-        with progress or nullcontext():
-            supervisor.run()
+        started, launched = time.monotonic(), time.time()
+        lighthouse = spawn(REPLICA_MODULE, ["lighthouse", "--run-dir", str(run_dir), "--host", sites.host],
+                           run_dir / "logs" / "lighthouse.log")
+        store = TCPStore(sites.host, 0, None, True, wait_for_workers=False)
+        progress = _Progress(cfg) if show_progress else None
+        supervisor = None
+        try:
+            address = _wait_for_file(run_dir / "lighthouse", lighthouse, cfg.startup_timeout_s)
+            supervisor = Supervisor(cfg, run_dir, store, address, progress, sites)
+            with progress or nullcontext():
+                supervisor.run()
+        finally:
+            if supervisor is not None:
+                supervisor.close()
+            kill(lighthouse)
+            del store
+        wall_s = time.monotonic() - started
     finally:
-        if supervisor is not None:
-            supervisor.close()
-        kill(lighthouse)
-        del store
-    wall_s = time.monotonic() - started
+        links = sites.close()
 
-    finals = []
-    for path in run_dir.glob("global-replica*.json"):
-        finals.append((json.loads(path.read_text())["manager_step"], path.with_suffix(".pt")))
-    newest = max(finals)[1]
-    state = torch.load(newest, weights_only=True)
-    torch.save(state, run_dir / "model.pt")
+    state, newest = None, None
+    if not supervisor.time_limited:
+        finals = [(json.loads(path.read_text())["manager_step"], path.with_suffix(".pt"))
+                  for path in run_dir.glob("global-replica*.json")]
+        newest = max(finals)[1]
+        state = torch.load(newest, weights_only=True)
+        torch.save(state, run_dir / "model.pt")
     timelines = [records for slot in supervisor.slots for records in slot.records]
     metrics = ft_metrics(timelines, cfg.fragments, cfg.run.sync_every_steps, run.batch_tokens)
     first_steps = [min((r["t0"] for records in slot.records for r in records if r["kind"] == "step"), default=None)
@@ -382,7 +400,7 @@ def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     details = {
         "goodput": good,
         "goodput_with_overlap": goodput(metrics["useful_worker_s_with_overlap"], cfg.workers * window),
-        "final_model_from": newest.name,
+        "final_model_from": newest.name if newest is not None else None,
     }
     return run.finish(state, metrics, details, wall_s=wall_s, tokens=metrics["tokens_computed"], goodput=good,
-                      restarts=supervisor.restarts)
+                      restarts=supervisor.restarts, links=links)

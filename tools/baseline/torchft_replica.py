@@ -39,14 +39,17 @@ from tools.metrics import curve_marks, curve_path
 from learner.runner import inner_optimizer, inner_step
 
 
-def lighthouse(run_dir: Path) -> None:
-    """Serve the Lighthouse on 127.0.0.1 until killed; its address goes to a file."""
+def lighthouse(run_dir: Path, host: str) -> None:
+    """Serve the Lighthouse on ``host`` (127.0.0.1, or the emulated sites' hub) until
+    killed; its address goes to a file."""
     from torchft.coordination import LighthouseServer
 
     cfg = TorchftConfig.read(run_dir)
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=cfg.join_timeout_ms,
+    server = LighthouseServer(bind=f"{host}:0", min_replicas=1, join_timeout_ms=cfg.join_timeout_ms,
                               quorum_tick_ms=100, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
-    atomic_write(run_dir / "lighthouse", server.address().encode())
+    # (it names itself by the host name, which a replica on an emulated site cannot resolve)
+    port = server.address().rsplit(":", 1)[1]
+    atomic_write(run_dir / "lighthouse", f"http://{host}:{port}".encode())
     while True:
         time.sleep(3600)
 
@@ -74,7 +77,8 @@ def _tensor_bytes(value: object) -> int:
     return 0
 
 
-def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store_port: int, start_step: int) -> None:
+def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store: tuple[str, int], address: str,
+            start_step: int) -> None:
     from torch.distributed import TCPStore
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
@@ -108,11 +112,13 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
         timeline.write(kind="heal", t=time.time(), bytes=received)
 
     timeout = timedelta(seconds=cfg.timeout_s)
-    own_store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    # Its own store and its advertised name: where the other replicas reach it (heals, the
+    # cross-replica group), 127.0.0.1 or its emulated site's address.
+    own_store = TCPStore(address, 0, None, True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
-        min_replica_size=1, use_async_quorum=False, store_addr="127.0.0.1", store_port=own_store.port,
-        rank=0, world_size=1, lighthouse_addr=lighthouse_addr, replica_id=f"replica{index}", hostname="127.0.0.1",
+        min_replica_size=1, use_async_quorum=False, store_addr=address, store_port=own_store.port,
+        rank=0, world_size=1, lighthouse_addr=lighthouse_addr, replica_id=f"replica{index}", hostname=address,
         timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout,
         init_sync=False,  # every replica starts from the same seeded model
     )
@@ -128,7 +134,7 @@ def replica(run_dir: Path, index: int, attempt: int, lighthouse_addr: str, store
     if attempt == 0:
         # The first launch starts together (as diloco local's learners and the DP workers
         # do); a replacement joins whenever it is up.
-        supervisor = TCPStore("127.0.0.1", store_port, None, False, timeout=timedelta(seconds=cfg.startup_timeout_s))
+        supervisor = TCPStore(store[0], store[1], None, False, timeout=timedelta(seconds=cfg.startup_timeout_s))
         supervisor.add("ready", 1)
         supervisor.wait(["go"])
     timeline.write(kind="ready", t=time.time(), step=start_step, attempt=attempt, fragment_delay=fragment_delay)
@@ -192,20 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     roles = parser.add_subparsers(dest="role", required=True)
     lh = roles.add_parser("lighthouse")
     lh.add_argument("--run-dir", type=Path, required=True)
+    lh.add_argument("--host", default="127.0.0.1")
     rp = roles.add_parser("replica")
     rp.add_argument("--run-dir", type=Path, required=True)
     rp.add_argument("--replica", type=int, required=True)
     rp.add_argument("--attempt", type=int, required=True)
     rp.add_argument("--lighthouse", required=True)
+    rp.add_argument("--store-host", default="127.0.0.1")
     rp.add_argument("--store-port", type=int, required=True)
+    rp.add_argument("--address", default="127.0.0.1", help="the address this replica binds and gives its peers")
     rp.add_argument("--start-step", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.role == "lighthouse":
-        lighthouse(args.run_dir)
+        lighthouse(args.run_dir, args.host)
         return 0
-    return run_worker(replica, args.run_dir, args.replica, args.attempt, args.lighthouse, args.store_port,
-                      args.start_step)
+    return run_worker(replica, args.run_dir, args.replica, args.attempt, args.lighthouse,
+                      (args.store_host, args.store_port), args.address, args.start_step)
 
 
 if __name__ == "__main__":

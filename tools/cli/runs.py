@@ -223,6 +223,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                        help="the ID-th learner launched (0-based; L1 reads as 1) takes FACTOR x as long per "
                        "step (repeatable); ids are given at join, so its events file says slow_factor")
     add_flag(chaos, "--delay-ms", LocalConfig, "delay_ms", "delay added to every push and reply", type=float)
+    add_flag(p, "--time-limit-s", LocalConfig, "time_limit_s",
+             "stop the learners this long after the start, the budget trained or not (summary.json: time_limited)",
+             type=float, metavar="S")
     chaos.add_argument("--restart-shard-at", type=float, metavar="SECONDS",
                        help="snapshot, SIGKILL shard 0 and restart it from the snapshot at SECONDS")
     add_flag(chaos, "--restart-from", ChaosConfig, "restart_from",
@@ -266,6 +269,20 @@ def _compare(args: argparse.Namespace) -> int:
     cfg = from_flags(args, compare.CompareConfig, run=build_run_config(args))
     if args.workload:
         cfg = replace(cfg, steps=compare.WORKLOADS[args.workload])
+    if cfg.link_mbit is not None or args.bandwidth_sweep:
+        from diloco.sites import check
+
+        check()  # root, namespaces and tc, before any run starts
+    if args.bandwidth_sweep:
+        from tools import bandwidth
+
+        if args.scenario or args.ablations or args.ablation or cfg.link_mbit is not None:
+            raise InvalidArgument("--bandwidth-sweep runs nofault at each of its rates: without --scenario, "
+                                  "--ablation(s) or --link-mbit")
+        rates = bandwidth.parse_rates(args.bandwidth_sweep)
+        results = bandwidth.run(cfg, rates)
+        print(json.dumps(results) if args.json else (cfg.out / "bandwidth.md").read_text())
+        return 0
     emit = (lambda r: print(json.dumps(r), flush=True)) if args.json else None
     ablations = tuple(compare.ABLATIONS) if args.ablations else tuple(args.ablation or ())
     try:
@@ -279,6 +296,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def add_compare(commands: argparse._SubParsersAction) -> None:
+    from tools.bandwidth import TIME_LIMIT_S
     from tools.compare import ABLATIONS, DEFAULT_VARIANT, SCENARIOS, SYSTEMS, WORKLOADS, CompareConfig
 
     p = commands.add_parser(
@@ -312,6 +330,16 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--seeds", CompareConfig, "seeds", "runs of every cell, each with its own model, data order and faults "
              "(the report gives their mean and spread)", type=int)
     add_flag(p, "--out", CompareConfig, "out", "output directory", type=Path)
+    links = p.add_argument_group("emulated sites (root: network namespaces, veth pairs and tc; docs/sites.md)")
+    add_flag(links, "--link-mbit", CompareConfig, "link_mbit",
+             "every system's workers each on a site of its own behind a link the kernel shapes to R Mbit/s each way "
+             "(None: all on 127.0.0.1)", type=float, metavar="R")
+    links.add_argument("--bandwidth-sweep", metavar="R1,R2,...",
+                       help="instead of the scenarios: every system, nofault, at each of these link rates (Mbit/s, e.g. "
+                            "1000,100,20,5,1); writes OUT/bandwidth.md, .json and .png")
+    add_flag(links, "--time-limit-s", CompareConfig, "time_limit_s",
+             "stop a run this long after its start, the budget trained or not; it reports the tokens per second it "
+             f"reached, marked time-limited (the sweep's default: {TIME_LIMIT_S:g})", type=float, metavar="S")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario as it finishes")
     add_run_config(p)
     p.set_defaults(func=_compare)
@@ -411,6 +439,10 @@ def add_baseline(commands: argparse._SubParsersAction) -> None:
         add_flag(p, "--fault-seed", cls, "fault_seed", "seed of the kill plan", type=int)
         add_flag(p, "--threads-per-worker", cls, "threads_per_worker", "torch threads of each process (as torchrun sets)",
                  type=int)
+        add_flag(p, "--link-mbit", cls, "link_mbit", f"each of the {who} on an emulated site of its own behind a link "
+                 "the kernel shapes to R Mbit/s each way (root; None: all on 127.0.0.1)", type=float, metavar="R")
+        add_flag(p, "--time-limit-s", cls, "time_limit_s", "stop the job this long after its launch, trained or not "
+                 "(no final model; the summary says time_limited)", type=float, metavar="S")
         p.add_argument("--out", help="run directory (default ./runs/<baseline>-<timestamp>)")
         p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
         add_run_config(p)

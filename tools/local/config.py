@@ -93,6 +93,9 @@ class LocalConfig:
     links: tuple[tuple[int, float], ...] = ()
     """(launch index, Mbit/s): that learner's own link rate (sites on; the others at
     ``link_mbit``, or the launcher's default)."""
+    time_limit_s: float | None = None
+    """Stop the learners this long after the start, the budget trained or not (the summary
+    says ``time_limited``); ``diloco compare --bandwidth-sweep`` bounds its cells so."""
     resume: bool = False
     """Continue the stopped run in ``out`` from its newest complete snapshot (``resume_config``)."""
 
@@ -104,6 +107,8 @@ class LocalConfig:
         check_curve_points(self.curve_points)
         if self.learner_evals < 0:
             raise InvalidArgument(f"learner evaluations must be >= 0, got {self.learner_evals}")
+        if self.time_limit_s is not None and not (math.isfinite(self.time_limit_s) and self.time_limit_s > 0):
+            raise InvalidArgument(f"time limit must be a positive number of seconds, got {self.time_limit_s}")
         if self.delay_ms < 0:
             raise InvalidArgument(f"--delay-ms must be >= 0, got {self.delay_ms}")
         for _, mbit in self.links:

@@ -329,16 +329,6 @@ def _steps_done(run_dir: Path) -> int:
     return max((int(l.get("inner_steps", 0)) for l in learners), default=0)
 
 
-def _make_hub(console) -> sites.HubSpec:
-    """The emulated sites' hub, after removing what killed runs left (``diloco.sites``)."""
-    sites.check()
-    if removed := sites.remove_dead():
-        console.print(f"removed what killed runs left of their emulated sites: {', '.join(removed)}")
-    hub = sites.create_hub()
-    console.print(f"emulated sites: hub {hub.bridge} at {hub.address}, each learner on a site of its own")
-    return hub
-
-
 def _check_devices(cfg: LocalConfig) -> None:
     """A learner device this machine cannot give fails the run before anything starts."""
     devices = {device for _, device in cfg.learner_devices}
@@ -391,7 +381,7 @@ def run_local(cfg: LocalConfig) -> dict:
     budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{learner_steps} inner steps each"
     console.print(f"[bold]diloco local[/]: task {cfg.run.task}, {cfg.learners} learners, {cfg.shards} shards, {budget}, "
                   f"run directory {run_dir}")
-    hub = _make_hub(console) if cfg.sites else None
+    hub = sites.new_hub(lambda line: console.print(line, soft_wrap=True, markup=False)) if cfg.sites else None
     try:
         cluster = Cluster(cfg, run_dir, learner_steps, pin, hub)
     except BaseException:
@@ -401,7 +391,7 @@ def run_local(cfg: LocalConfig) -> dict:
     started_wall, started = time.time(), time.monotonic()
     admin = monkey = None
     before: set[str] = set()
-    interrupted = False
+    interrupted = time_limited = False
     draining: set[str] = set()
     drained_at = None
     previous_sigterm = _sigterm_interrupts()
@@ -465,6 +455,10 @@ def run_local(cfg: LocalConfig) -> dict:
                 # run's credential (an own-loop script, a hostile one) does not hold the end:
                 # the stop below drains it with the rest.
                 if _finished(cfg, [m for m in current if m["launch_id"]], monkey):
+                    break
+                if cfg.time_limit_s is not None and time.monotonic() - started > cfg.time_limit_s:
+                    console.print(f"time limit of {cfg.time_limit_s:g} s reached at {trained:,} tokens: stopping")
+                    time_limited = True
                     break
                 # A launch that never joins (the learner died while starting) must not hang
                 # the run: once every member is gone, wait for late joiners only so long.
@@ -611,6 +605,7 @@ def run_local(cfg: LocalConfig) -> dict:
         "final_versions": {str(f): v for f, v in sorted(versions.items())},
         "started_unix": round(started_wall, 3),
         "interrupted": interrupted,
+        "time_limited": time_limited,
         "resumed_from_snapshot": resumed_from,
         "snapshot_at_stop": stop_snapshot,
         "launches_failed": failed_launches,
