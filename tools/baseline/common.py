@@ -383,11 +383,10 @@ def median(values: list[float]) -> float:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a worker process runs: its command's prefix and environment, and the address
-    it listens on and gives its peers."""
+    """Where a worker process runs: its command's prefix (its namespace), and the address it
+    listens on and gives its peers."""
 
     prefix: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
     address: str = "127.0.0.1"
 
 
@@ -417,7 +416,7 @@ class WorkerSites:
             self.of[worker] = self.sites.add(self.mbit)
         site = self.of[worker]
         # gloo binds and advertises the site's interface (its default resolves the host name).
-        return Placement(("ip", "netns", "exec", site.netns), (("GLOO_SOCKET_IFNAME", SITE_IFACE),), site.address)
+        return Placement(("ip", "netns", "exec", site.netns, "env", f"GLOO_SOCKET_IFNAME={SITE_IFACE}"), site.address)
 
     def close(self) -> dict | None:
         """Record what the kernel counted on every worker's link (``sites.jsonl``), remove
@@ -443,8 +442,7 @@ def spawn(module: str, args: list[str], log: Path, where: Placement = Placement(
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
         return subprocess.Popen([*where.prefix, sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, **dict(where.env)} if where.env else None)
+                                stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def kill(proc: subprocess.Popen) -> None:
