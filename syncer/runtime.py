@@ -8,6 +8,7 @@ result in, answers every push waiting on that round and writes the event tape.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -155,6 +156,8 @@ class ShardRuntime:
         """Set by ``expect_anchors``: fresh initial values are refused."""
         self.recovered: dict[int, tuple[str, int]] = {}
         """Fragments that came back from a learner's anchor: (learner, version)."""
+        self.initializing: collections.Counter[int] = collections.Counter()
+        """Initialize uploads in flight, by fragment (Status lists them)."""
         self._initial_digests: dict[int, bytes] = {}
         """``values_digest`` of each fragment's initial values file, once read."""
         self._anchor_offers: dict[int, _AnchorOffers] = {}

@@ -237,7 +237,14 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 reading = False
                 return syncer_pb2.InitializeReply(initialized=False, version=core.fragments[header.fragment].version,
                                                   clock=clock_to_proto(core.clock))
-            payload, _ = await self._receive(requests, specs, payload_bytes)
+            uploads = self.runtime.initializing
+            uploads[header.fragment] += 1  # (Status lists it: learners starting now wait instead of sending theirs)
+            try:
+                payload, _ = await self._receive(requests, specs, payload_bytes)
+            finally:
+                uploads[header.fragment] -= 1
+                if not uploads[header.fragment]:
+                    del uploads[header.fragment]
             reading = False
             if anchor_version is None:
                 await self.runtime.check_initial_values(learner_id, model, header.fragment, payload.tensors)
@@ -329,4 +336,5 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             plan_hash=core.plan.plan_hash if core.plan is not None else "",
             model_state=self.runtime.model_state(),
             anchors_only=self.runtime.anchors_only,
+            initializing=sorted(self.runtime.initializing),
         )

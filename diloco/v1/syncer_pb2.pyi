@@ -233,7 +233,7 @@ class FragmentStatus(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., open_round_pushes: _Optional[int] = ..., round_state: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard_id", "fragments", "live_learners", "rounds_closed", "pushes_received", "bytes_received", "bytes_sent", "clock", "plan_hash", "model_state", "anchors_only")
+    __slots__ = ("shard_id", "fragments", "live_learners", "rounds_closed", "pushes_received", "bytes_received", "bytes_sent", "clock", "plan_hash", "model_state", "anchors_only", "initializing")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class StatusReply(_message.Message):
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     MODEL_STATE_FIELD_NUMBER: _ClassVar[int]
     ANCHORS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZING_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     live_learners: _containers.RepeatedScalarFieldContainer[str]
@@ -256,4 +257,5 @@ class StatusReply(_message.Message):
     plan_hash: str
     model_state: str
     anchors_only: bool
-    def __init__(self, shard_id: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_learners: _Optional[_Iterable[str]] = ..., rounds_closed: _Optional[int] = ..., pushes_received: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., plan_hash: _Optional[str] = ..., model_state: _Optional[str] = ..., anchors_only: _Optional[bool] = ...) -> None: ...
+    initializing: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_id: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_learners: _Optional[_Iterable[str]] = ..., rounds_closed: _Optional[int] = ..., pushes_received: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., plan_hash: _Optional[str] = ..., model_state: _Optional[str] = ..., anchors_only: _Optional[bool] = ..., initializing: _Optional[_Iterable[int]] = ...) -> None: ...
