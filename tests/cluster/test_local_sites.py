@@ -83,3 +83,27 @@ def test_a_sigkilled_runs_sites_are_removed_by_admin_cleanup_and_nothing_else(tm
     finally:
         sites.remove_hub(live)
     assert (namespaces(), bridges()) == before
+
+
+@pytest.mark.timeout(300)
+def test_replacements_and_scavenged_learners_land_on_sites_of_their_own(tmp_path):
+    """A killed learner's replacement and a scavenged learner each get a new site (a new
+    namespace, a new address); the killed one's site is counted and removed when it ends."""
+    require_sites()
+    before = namespaces(), bridges()
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--steps", "400", "--batch-size", "8",
+         "--link-mbit", "50", "--link", "L1:10", "--kill-learner-every", "4", "--max-kills", "1", "--scavenge", "1@3",
+         "--chaos-seed", "1", "--out", str(out), *TINY], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["learners_killed"] == 1 and summary["learners_scavenged"] == 1
+    sites_of = {s["learner"]: s for s in summary["links"]["sites"]}
+    # Every learner that joined had a site of its own: the two launched, the replacement, the scavenged one.
+    assert set(sites_of) == {l["id"] for l in summary["learners"]} and len(sites_of) == 4
+    assert len({s["netns"] for s in sites_of.values()}) == 4 and len({s["address"] for s in sites_of.values()}) == 4
+    assert sorted(s["mbit"] for s in sites_of.values()) == [10, 50, 50, 50]  # launch index 1 alone at 10
+    killed = next(l["id"] for l in summary["learners"] if l["state"] == "failed")
+    assert sites_of[killed]["up"] > 0 and summary["links"]["not_counted"] == [killed]  # no summary: listed, not counted
+    assert (namespaces(), bridges()) == before

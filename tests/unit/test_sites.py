@@ -71,3 +71,19 @@ def test_a_launcher_without_sites_refuses_a_link_and_adds_no_flag(tmp_path):
     with pytest.raises(InvalidArgument, match="no emulated sites"):
         launcher._site("a", {LINK_OVERRIDE: "5"})
     assert launcher._site("a", {"steps": "3"}) == []
+
+
+def test_without_root_sites_are_refused_in_one_line_before_anything_starts(monkeypatch, tmp_path):
+    import os
+
+    from diloco import sites
+    from diloco.errors import FailedPrecondition
+    from tools.local.run import run_local
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(FailedPrecondition, match=r"^emulated sites \(--link-mbit\) need root: .*CAP_NET_ADMIN$"):
+        sites.check()
+    out = tmp_path / "run"
+    with pytest.raises(FailedPrecondition, match="need root"):
+        run_local(LocalConfig(link_mbit=20, out=out))
+    assert not out.exists()

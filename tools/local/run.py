@@ -356,6 +356,8 @@ def run_local(cfg: LocalConfig) -> dict:
     if not cfg.resume:
         _check_new_run_dir(run_dir)
     _check_devices(cfg)
+    if cfg.sites:
+        sites.check()  # root, namespaces and tc: before anything is written
     task = supervisor_task(cfg.run, cfg.learners)
     pin = pin_of(task.model, cfg.run.fragments)  # the run's model, pinned at the coordinator (before any evaluation)
     unit = task.eval_unit
