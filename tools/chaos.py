@@ -82,32 +82,32 @@ def parse_scavenge(text: str) -> tuple[int, float]:
         raise InvalidArgument(f"--scavenge takes N@SECONDS, e.g. 3@40, got {text!r}") from None
 
 
-def parse_slow(text: str) -> tuple[int, float]:
-    """``"1:1.5"`` or ``"L1:1.5"`` -> (1, 1.5): the learner launched second is 1.5x slower."""
-    which, sep, factor = text.partition(":")
+def _learner_number(text: str, flag: str, what: str, example: str) -> tuple[int, float]:
+    """``"L1:1.5"`` or ``"1:1.5"`` -> (1, 1.5), for ``flag ID:WHAT``."""
+    which, sep, number = text.partition(":")
     try:
         if not sep:
             raise ValueError
-        index, value = int(which.removeprefix("L")), float(factor)
+        index, value = int(which.removeprefix("L")), float(number)
     except ValueError:
-        raise InvalidArgument(f"--slow-learner takes ID:FACTOR, e.g. L1:1.5, got {text!r}") from None
-    if index < 0 or not value >= 1:
+        raise InvalidArgument(f"{flag} takes ID:{what}, e.g. {example}, got {text!r}") from None
+    if index < 0:
+        raise InvalidArgument(f"{flag} needs a learner index >= 0, got {text!r}")
+    return index, value
+
+
+def parse_slow(text: str) -> tuple[int, float]:
+    """``"1:1.5"`` or ``"L1:1.5"`` -> (1, 1.5): the learner launched second is 1.5x slower."""
+    index, value = _learner_number(text, "--slow-learner", "FACTOR", "L1:1.5")
+    if not value >= 1:
         raise InvalidArgument(f"--slow-learner needs a learner index >= 0 and a factor >= 1, got {text!r}")
     return index, value
 
 
 def parse_link(text: str) -> tuple[int, float]:
-    """``"1:5"`` or ``"L1:5"`` -> (1, 5.0): the learner launched second is on a 5 Mbit/s site."""
-    which, sep, mbit = text.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        index, value = int(which.removeprefix("L")), float(mbit)
-    except ValueError:
-        raise InvalidArgument(f"--link takes ID:MBIT, e.g. L1:5, got {text!r}") from None
-    if index < 0:
-        raise InvalidArgument(f"--link needs a learner index >= 0, got {text!r}")
-    return index, value
+    """``"1:5"`` or ``"L1:5"`` -> (1, 5.0): the learner launched second is on a 5 Mbit/s site
+    (the rate is checked with the config, ``diloco.sites.check_mbit``)."""
+    return _learner_number(text, "--link", "MBIT", "L1:5")
 
 
 def parse_learner_device(text: str) -> tuple[int, str]:
