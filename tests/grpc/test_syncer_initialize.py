@@ -416,9 +416,9 @@ def test_an_anchor_one_learner_inflates_loses_to_the_honest_ones(tmp_path, attac
 def test_a_starting_learner_waits_for_values_another_is_uploading_instead_of_sending_them_again(tmp_path, first_upload):
     """A run's learners start together and all find the shard empty: values one of them is
     uploading (Status lists their fragment under ``initializing``) are waited for, not
-    sent again over another learner's link (measured on 1000 Mbit/s sites before: 2.4x the
-    model's bytes offered at every start). An upload that fails frees its fragment: the
-    waiting learner then sends its own."""
+    sent again over another learner's link (before: 2.5x the model's values offered at a
+    4-learner start on 1000 Mbit/s sites; docs/results/bandwidth). An upload that fails
+    frees its fragment: the waiting learner then sends its own."""
     from diloco.clients.syncer import open_channel
     from diloco.convert import spec_to_proto
     from diloco.codec import frame
