@@ -48,11 +48,6 @@ class PushJob:
     """The push's trace, ended here when the push is dropped or fails."""
 
 
-INITIALIZING_POLL_S = 0.2
-"""How often a starting learner looks whether the initial values another learner is
-uploading have arrived."""
-
-
 @dataclass
 class StreamStats:
     pushes_sent: int = 0
@@ -83,10 +78,6 @@ class Streamer:
         self.max_inflight = max_inflight
         self.replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         self.stats = StreamStats()
-        digits = credential.id.lstrip("L")
-        self._rotation = int(digits) if digits.isdigit() else 0
-        """Where this learner starts among the fragments it offers initial values of (its
-        index): learners starting together send different ones first."""
         self._lock = threading.Lock()
         self._inflight = 0
         self._down: set[int] = set()
@@ -158,22 +149,15 @@ class Streamer:
                 while status.anchors_only and not set(fragments) <= {f.fragment for f in status.fragments}:
                     await asyncio.sleep(0.5)
                     status = await self._until_up(shard, client.status)
-            # One fragment at a time, looking again before each: values another learner is
-            # uploading (a run's learners start together) are waited for, not sent again
-            # over this learner's link. Learners start at different fragments.
-            taken, pending = [], set(fragments)
-            while pending := pending - {f.fragment for f in status.fragments}:
-                free = sorted(pending - set(status.initializing))
-                if free:
-                    fragment = free[self._rotation % len(free)]
-                    pending.discard(fragment)
-                    encoded = await asyncio.to_thread(encode, fragment)
-                    self.stats.bytes_initialize += sum(len(e.payload) for e in encoded)
-                    if await client.initialize(fragment, manifest_json, plan_hash, encoded):
-                        taken.append(fragment)
-                else:  # (an upload that fails frees its fragment: then this learner sends it)
-                    await asyncio.sleep(INITIALIZING_POLL_S)
-                status = await self._until_up(shard, client.status)
+            have = {f.fragment for f in status.fragments}
+            taken = []
+            for fragment in fragments:
+                if fragment in have:
+                    continue
+                encoded = await asyncio.to_thread(encode, fragment)
+                self.stats.bytes_initialize += sum(len(e.payload) for e in encoded)
+                if await client.initialize(fragment, manifest_json, plan_hash, encoded):
+                    taken.append(fragment)
             return taken
 
         return self._blocking(offer(), f"shard {shard}'s initial values", timeout_s, stop)
