@@ -273,7 +273,7 @@ def remove_dead() -> list[str]:
             except (OSError, ValueError, KeyError, TypeError):
                 logger.warning("ignoring %s: not a hub record", path)
                 continue
-            if _start_time(pid) is not None and _start_time(pid) == start:
+            if (alive := _start_time(pid)) is not None and alive == start:
                 continue
             removed += remove_hub(hub)
     return removed

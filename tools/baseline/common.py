@@ -401,7 +401,7 @@ class WorkerSites:
         self.mbit, self.dir = link_mbit, run_dir
         self.hub = sites.new_hub(say) if link_mbit is not None else None
         self.sites = sites.Sites(self.hub) if self.hub is not None else None
-        self.of: dict[int, object] = {}
+        self.of: dict[int, sites.Site] = {}
 
     @property
     def host(self) -> str:
