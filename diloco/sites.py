@@ -192,8 +192,12 @@ class Sites:
         return {"up": int((stats / "rx_bytes").read_text()), "down": int((stats / "tx_bytes").read_text())}
 
     def remove(self, site: Site) -> None:
-        """Delete the site's namespace (its veth pair and both qdiscs go with it)."""
+        """Delete the site's veth pair (both qdiscs go with it), then its namespace. The pair
+        first: a namespace's devices go when the kernel gets to it, later, and the next site
+        with this number must be able to take the name at once."""
         self.sites.pop(site.number, None)
+        with contextlib.suppress(FailedPrecondition):
+            _run("ip", "link", "del", site.host_iface)
         with contextlib.suppress(FailedPrecondition):
             _run("ip", "netns", "del", site.netns)
 
@@ -292,3 +296,46 @@ def enter(netns: str) -> None:
             raise FailedPrecondition(f"cannot enter network namespace {netns}: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)
+
+
+# --- faults (chaos on a live site; tools.chaos schedules them) ---------------------------
+
+BLACKHOLE_PREF = 100
+"""Priority of the policy rules that cut a site off one port (``block_port``)."""
+
+
+def site_of(pid: int, hub: HubSpec) -> tuple[str, str] | None:
+    """The site (namespace, hub-side interface) process ``pid`` runs in, if it runs in one
+    of ``hub``'s sites."""
+    with contextlib.suppress(FailedPrecondition):
+        for name in _run("ip", "netns", "identify", str(pid)).split():
+            if name.startswith(hub.prefix) and name.removeprefix(hub.prefix).isdigit():
+                return name, f"dl{hub.tag}h{name.removeprefix(hub.prefix)}"
+    return None
+
+
+def set_link(host_iface: str, up: bool) -> None:
+    """Cut (``up`` False) or restore a site's link: both directions, as a pulled cable."""
+    _run("ip", "link", "set", "dev", host_iface, "up" if up else "down")
+
+
+def link_mbit(host_iface: str) -> float:
+    """The rate a site's downlink is shaped to now."""
+    for qdisc in json.loads(_run("tc", "-j", "qdisc", "show", "dev", host_iface)):
+        if qdisc.get("kind") == "tbf":
+            return qdisc["options"]["rate"] * 8 / 1e6
+    raise FailedPrecondition(f"{host_iface} has no token bucket: not a site's link")
+
+
+def set_rate(netns: str, host_iface: str, mbit: float) -> None:
+    """Shape both directions of a site's link to ``mbit`` (a starved link, and back)."""
+    _run("tc", "-n", netns, "qdisc", "change", "dev", SITE_IFACE, "root", *_shaping(mbit))
+    _run("tc", "qdisc", "change", "dev", host_iface, "root", *_shaping(mbit))
+
+
+def block_port(netns: str, port: int, blocked: bool) -> None:
+    """Drop (``blocked``) or let through what the site sends to TCP port ``port`` on the hub:
+    one service (a shard, the coordinator) unreachable from that site while the rest of its
+    link works. Its connections stall as across a partition: nothing is refused."""
+    _run("ip", "-n", netns, "rule", "add" if blocked else "del", "pref", str(BLACKHOLE_PREF), "ipproto", "tcp",
+         "dport", str(port), "blackhole")

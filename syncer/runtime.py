@@ -402,6 +402,7 @@ class ShardRuntime:
 
         if not self.accepting:
             raise Unavailable(f"shard {self.core.cfg.shard_id} is shutting down")
+        self.core.check_pusher(meta.learner_id)
         now = self._monotonic()
         ack = self.core.accept(meta, payload, wire_bytes, now)
         self.counters.bytes_received += wire_bytes
@@ -709,9 +710,11 @@ class ShardRuntime:
         self.anchors_only = False
         self._track()
         self.snapshot_epoch = snapshot_id
-        outcomes = [self.core.accept(meta, payload, wire_bytes, now).outcome for meta, payload, wire_bytes in pushes]
+        acks = [(meta, self.core.accept(meta, payload, wire_bytes, now)) for meta, payload, wire_bytes in pushes]
         versions = {f: s.version for f, s in self.core.fragments.items()}
-        self._record("restore", snapshot=snapshot_id, versions=versions, channel_pushes=outcomes)
+        self._record("restore", snapshot=snapshot_id, versions=versions, channel_pushes=[a.outcome for _, a in acks],
+                     channel=[{"learner": m.learner_id, "fragment": m.fragment, "outcome": a.outcome,
+                               "target_version": a.target_version} for m, a in acks])
         for fragment_id, version in sorted(versions.items()):
             self.telemetry.fragment_values(fragment_id, version, "snapshot", str(snapshot_id))
 

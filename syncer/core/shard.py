@@ -425,12 +425,18 @@ class ShardCore:
             raise FailedPrecondition(f"fragment {fragment_id} is owned by shard {owner}, not shard {self.cfg.shard_id}")
         return state
 
+    def check_pusher(self, learner_id: str) -> None:
+        """A learner marked failed may no longer push: checked before its payload is read,
+        and again once it has arrived (an upload can outlast its learner's lease across a
+        cut link)."""
+        if learner_id in self.failed:
+            raise PermissionDenied(f"{learner_id} was marked failed or removed: it may no longer push")
+
     def check_header(self, meta: PushMeta) -> None:
         """Reject a push before reading its payload. Raises; changes nothing."""
         state = self.state_of(meta.fragment)
         cfg = self.cfg
-        if meta.learner_id in self.failed:
-            raise PermissionDenied(f"{meta.learner_id} was marked failed or removed: it may no longer push")
+        self.check_pusher(meta.learner_id)
         if meta.learner_id not in self.live and meta.learner_id not in self.draining:
             raise FailedPrecondition(
                 f"{meta.learner_id} is not a live member of the run as this shard knows it "

@@ -1,13 +1,14 @@
 """The pure parts of diloco local: chaos flag parsing, goodput's slot time, uptime, and
 the timeline's state spans."""
 
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tools.chaos import ChaosConfig, learner_pid, parse_learner_device, parse_scavenge, parse_slow
+from tools.chaos import DEFAULT_FAULT_S, ChaosConfig, FaultSpec, learner_pid, parse_chaos, parse_learner_device, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
 from tools.local.config import LocalConfig
 from tools.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, curve_marks, curve_path, expected_period,
@@ -34,6 +35,37 @@ def test_chaos_flags_parse_and_reject_nonsense():
         LocalConfig(slow_learners=((3, 1.5),))
     with pytest.raises(InvalidArgument, match="--tokens"):
         LocalConfig(tokens=0)
+
+
+def test_a_chaos_schedule_parses_and_bad_faults_get_one_line_before_anything_starts(tmp_path):
+    assert parse_chaos("cut:20, flap,kill@L1,cut-shard@S0,isolate-coordinator,restart-shard") == (
+        FaultSpec("cut", 20.0), FaultSpec("flap", DEFAULT_FAULT_S), FaultSpec("kill", None, "L1"),
+        FaultSpec("cut-shard", DEFAULT_FAULT_S, "S0"), FaultSpec("isolate-coordinator", DEFAULT_FAULT_S),
+        FaultSpec("restart-shard"))
+    for bad, message in (("partition", "unknown fault 'partition'"), ("cut:ten", "must be a number of seconds, got 'ten'"),
+                         ("cut:-1", "must be > 0 seconds"), ("kill:5", "kill is instant"),
+                         ("cut@S1", "cut takes L<n>, got @S1"), ("cut-shard@L0", "cut-shard takes S<n>"),
+                         ("isolate-coordinator@L0", "takes no target")):
+        with pytest.raises(InvalidArgument, match=re.escape(message)):
+            parse_chaos(bad)
+    with pytest.raises(InvalidArgument, match=re.escape("--chaos cut@L3: there are only 3 learners (L0..L2)")):
+        LocalConfig(chaos=ChaosConfig(faults=parse_chaos("cut@L3")), link_mbit=10)
+    with pytest.raises(InvalidArgument, match=re.escape("--chaos restart-shard@S2: there are only 2 shards (S0..S1)")):
+        LocalConfig(chaos=ChaosConfig(faults=parse_chaos("restart-shard@S2")))
+    with pytest.raises(InvalidArgument, match=re.escape("--chaos cut, starve: network faults act on emulated sites: "
+                                                        "add --link-mbit R")):
+        LocalConfig(chaos=ChaosConfig(faults=parse_chaos("starve,kill,cut")))
+    with pytest.raises(InvalidArgument, match="--chaos-every must be > 0"):
+        ChaosConfig(fault_every_s=0)
+    assert ChaosConfig(faults=parse_chaos("kill")).active and not ChaosConfig(faults=parse_chaos("kill")).network
+    out = tmp_path / "run"
+    for flags, message in ((["--chaos", "cut:x"], "the duration of cut must be a number of seconds"),
+                           (["--chaos", "nap"], "unknown fault 'nap'"),
+                           (["--chaos", "cut@L7", "--link-mbit", "10"], "there are only 3 learners")):
+        proc = subprocess.run([sys.executable, "-m", "tools.cli", "local", *flags, "--out", str(out)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_learner_devices_parse_and_a_device_this_machine_lacks_fails_before_anything_starts(tmp_path):

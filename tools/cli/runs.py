@@ -13,7 +13,7 @@ from pathlib import Path
 from diloco.errors import InvalidArgument
 from learner.config import DELTA_CODECS
 from syncer.config import DOWNLINKS, MERGE_MODES, SCALE_MODES
-from tools.chaos import RESTART_SOURCES, ChaosConfig
+from tools.chaos import DEFAULT_FAULT_S, FAULT_KINDS, RESTART_SOURCES, ChaosConfig
 from tools.cli.common import add_grace_flag, add_run_config, build_run_config
 from tools.cli.settings import add_config_flag, add_flag, from_flags
 from tools.local.config import LocalConfig
@@ -123,7 +123,7 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _local_config(args: argparse.Namespace):
-    from tools.chaos import parse_learner_device, parse_link, parse_scavenge, parse_slow
+    from tools.chaos import parse_chaos, parse_learner_device, parse_link, parse_scavenge, parse_slow
 
     return from_flags(
         args, LocalConfig,
@@ -132,6 +132,7 @@ def _local_config(args: argparse.Namespace):
             args, ChaosConfig,
             kill_every_s=args.kill_learner_every, max_kills=args.max_kills, restart_shard_at_s=args.restart_shard_at,
             scavenge=parse_scavenge(args.scavenge) if args.scavenge else None,
+            faults=parse_chaos(args.chaos) if args.chaos else (),
         ),
         slow_learners=tuple(parse_slow(x) for x in args.slow_learner or ()),
         learner_devices=tuple(parse_learner_device(x) for x in args.learner_device or ()),
@@ -232,7 +233,14 @@ def add_local(commands: argparse._SubParsersAction) -> None:
              "the restarted shard comes back from a snapshot or, with no state, from the learners' anchors",
              choices=RESTART_SOURCES)
     chaos.add_argument("--scavenge", metavar="N@SECONDS", help="add N learners through AddLearners at SECONDS")
-    add_flag(chaos, "--chaos-seed", ChaosConfig, "seed", "seed of the kill schedule and victims", type=int)
+    chaos.add_argument("--chaos", metavar="SPEC",
+                       help="one seeded schedule of faults: a comma list of KIND[:SECONDS][@TARGET], kinds "
+                            f"{', '.join(FAULT_KINDS)} (network faults last {DEFAULT_FAULT_S:g} s unless given and "
+                            "need --link-mbit), e.g. cut:20,flap,starve,cut-shard@S1,kill,restart-shard; each kind "
+                            "once per cycle in a seeded order; the run is checked after (check.json)")
+    add_flag(chaos, "--chaos-every", ChaosConfig, "fault_every_s", "mean seconds between two --chaos faults (Poisson)",
+             type=float, metavar="S")
+    add_flag(chaos, "--chaos-seed", ChaosConfig, "seed", "seed of the kill and fault schedules and their victims", type=int)
     add_run_config(p)
     p.set_defaults(func=_local)
 
@@ -242,6 +250,14 @@ def _timeline(args: argparse.Namespace) -> int:
 
     print(draw_timeline(Path(args.run_dir), Path(args.out) if args.out else None))
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from tools.check import describe, write_check
+
+    report = write_check(Path(args.run_dir))
+    print(json.dumps(report.to_json()) if args.json else describe(report))
+    return 0 if report.ok else 1
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -374,6 +390,14 @@ def add_run_tools(commands: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--out", help="PNG to write (default RUN_DIR/timeline.png)")
     p.set_defaults(func=_timeline)
+    p = commands.add_parser("check", help="check a diloco local chaos run's recorded history against its invariants",
+                            description="Check a finished diloco local run (tools/check.py: replay bit for bit, versions "
+                                        "never backwards, no push merged twice or after its learner failed, progress "
+                                        "while a learner could reach each shard, every learner accounted for, eval "
+                                        "improved); writes RUN_DIR/check.json; exit 1 on a violation.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="print check.json's object")
+    p.set_defaults(func=_check)
     p = commands.add_parser("replay", help="re-run a diloco local run's rounds from its tapes; compare with its final model")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--snapshot-dir", help="where the run's snapshots are, a directory or URL (default RUN_DIR/coordinator/snapshots)")

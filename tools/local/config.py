@@ -120,6 +120,10 @@ class LocalConfig:
             for index, _ in pairs:
                 if index >= self.learners:
                     raise InvalidArgument(f"{flag} L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
+        self.chaos.check_targets(self.learners, self.shards)
+        if self.chaos.network and not self.sites:
+            kinds = ", ".join(sorted({f.kind for f in self.chaos.faults if f.network}))
+            raise InvalidArgument(f"--chaos {kinds}: network faults act on emulated sites: add --link-mbit R")
         MergeConfig(block_size=self.block_size)  # the shards' own checks, before any process starts
         LearnerConfig(lr=self.lr)  # and the learners'
         if self.shards > self.run.fragments:

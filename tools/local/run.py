@@ -41,7 +41,8 @@ from diloco.pin import pin_of
 from diloco.snapshots import snapshot_ids
 from coordinator.launcher import LINK_OVERRIDE, SITES_FILE
 from learner.config import LearnerConfig
-from tools.chaos import SCAVENGED_POOL, ChaosMonkey
+from tools.chaos import SCAVENGED_POOL, ChaosMonkey, ChaosNetwork
+from tools.check import describe, write_check
 from tools.export import export_model
 from tools.local.config import LocalConfig
 from tools.local.plots import plot_eval
@@ -160,8 +161,9 @@ def run_failures(summary: dict, killed: set[str]) -> list[str]:
 
 def _finished(cfg: LocalConfig, members: list[dict], monkey: ChaosMonkey | None) -> bool:
     """Every learner launched has joined and is gone. A chaos action in progress (a kill
-    whose replacement is being launched) means not yet."""
-    if monkey is not None and not monkey.acting.acquire(blocking=False):
+    whose replacement is being launched, a network fault, a victim of one that may yet
+    be failed and replaced) means not yet."""
+    if monkey is not None and not (monkey.settled() and monkey.acting.acquire(blocking=False)):
         return False
     try:
         expected = cfg.learners + (monkey.launched if monkey is not None else 0)
@@ -405,8 +407,9 @@ def run_local(cfg: LocalConfig) -> dict:
         _launch(admin, cfg)
         if cfg.chaos.active:  # its clock starts now that the learners are launched
             chaos_admin = AdminClient(cluster.coordinator, token, timeout_s=10)
+            network = ChaosNetwork(hub, cluster.coordinator, tuple(cluster.shards)) if hub is not None else None
             monkey = ChaosMonkey(cfg.chaos, chaos_admin, lambda m: cluster.restart_shard(m, chaos_admin, monkey.record),
-                                 learner_steps, run_dir / "chaos.jsonl", time.monotonic())
+                                 learner_steps, run_dir / "chaos.jsonl", time.monotonic(), network, cfg.shards)
             monkey.start()
         last_stats, step_goodput, idle_since, last_line = 0.0, None, None, 0.0
         marks = curve_marks(cfg.tokens or cfg.learners * learner_steps * batch_tokens, cfg.curve_points)
@@ -613,7 +616,7 @@ def run_local(cfg: LocalConfig) -> dict:
         "launches_failed": failed_launches,
         "run_dir": str(run_dir),
     }
-    killed = {c["learner"] for c in chaos if c["kind"] == "kill"}
+    killed = {c["learner"] for c in chaos if c["kind"] in ("kill", "replace")}  # chaos' victims, replaced
     summary["failures"] = run_failures(summary, killed)
     summary = strict(summary, missing)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
@@ -622,6 +625,12 @@ def run_local(cfg: LocalConfig) -> dict:
         plot_eval(run_dir, events, eval_start, eval_final, tokens, unit)
     if events:
         draw_timeline(run_dir)
+    if cfg.chaos.active and not interrupted:  # the checker over what the run recorded: check.json
+        report = write_check(run_dir)
+        console.print(describe(report), soft_wrap=True, markup=False)
+        if not report.ok:
+            summary["failures"].append(f"the chaos checker found a violation ({run_dir / 'check.json'}): {report.first}")
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     for line in closing_lines(summary, run_dir):
         console.print(line, soft_wrap=True, markup=False)
     lock.close()

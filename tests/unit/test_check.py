@@ -1,0 +1,226 @@
+"""The chaos checker (tools/check.py) cannot pass vacuously: a recorded history that keeps
+every invariant passes, and the same history with one violation put in fails on exactly
+that invariant, with the violation named."""
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from tools.check import INVARIANTS, check, describe, write_check
+
+
+@dataclass
+class FakeReplay:
+    shard_id: int
+    max_abs_diff: float
+
+
+def exact(run_dir):
+    return [FakeReplay(0, 0.0)]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def history(versions: int = 10) -> list[dict]:
+    """Shard 0: L0 and L1 push fragment 0 in turn every second (each every 2 s), a round
+    per push, both leave at the end."""
+    tape = [{"kind": "start", "t": 0.0, "shard": 0},
+            {"kind": "membership", "t": 0.1, "event": "snapshot", "live": [], "failed": [], "draining": []},
+            {"kind": "membership", "t": 0.2, "learner": "L0", "event": "joined"},
+            {"kind": "membership", "t": 0.2, "learner": "L1", "event": "joined"}]
+    for v in range(1, versions + 1):
+        learner = f"L{(v - 1) % 2}"
+        tape.append({"kind": "push", "t": float(v), "learner": learner, "fragment": 0, "base_version": v - 1,
+                     "outcome": "accepted", "target_version": v})
+        tape.append({"kind": "round", "t": v + 0.01, "fragment": 0, "version": v, "participants": [learner],
+                     "weights": [1.0]})
+    tape += [{"kind": "membership", "t": versions + 0.5, "learner": "L0", "event": "left"},
+             {"kind": "membership", "t": versions + 0.6, "learner": "L1", "event": "left"},
+             {"kind": "stop", "t": versions + 1.0}]
+    return tape
+
+
+def summary() -> dict:
+    return {"eval_loss_start": 8.0, "eval_loss_final": 3.0, "missing": {}, "goodput": 0.9, "tokens": 1000,
+            "learners": [{"id": "L0", "state": "left", "reason": "finished"},
+                         {"id": "L1", "state": "left", "reason": "finished"}]}
+
+
+def write_run(path, tape=None, summ=None, chaos=(), endpoints=None):
+    (path / "shard0").mkdir(parents=True, exist_ok=True)
+    (path / "shard0" / "tape-S0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (tape or history())))
+    (path / "summary.json").write_text(json.dumps(summ or summary()))
+    (path / "chaos.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chaos))
+    (path / "endpoints.json").write_text(json.dumps(endpoints if endpoints is not None else
+                                                    [{"role": "learner", "id": "L0", "pid": _dead_pid()}]))
+    return path
+
+
+def failing(report) -> dict:
+    return {name: detail for name, detail in report.results.items() if detail is not None}
+
+
+def test_a_history_that_keeps_every_invariant_passes_and_says_so(tmp_path):
+    run = write_run(tmp_path)
+    report = check(run, replay_fn=exact)
+    assert failing(report) == {} and list(report.results) == list(INVARIANTS)
+    assert report.stats["shards"]["0"]["period_s"] == 2.0 and report.stats["shards"]["0"]["uptime"] == 1.0
+    assert describe(report).startswith("check: all 7 invariants hold after 0 faults")
+
+
+def test_a_replay_that_differs_fails(tmp_path):
+    run = write_run(tmp_path)
+    report = check(run, replay_fn=lambda d: [FakeReplay(0, 1e-3)])
+    assert failing(report) == {"replay": "shard 0 differs by 0.001"}
+    assert report.first == "replay: shard 0 differs by 0.001" and not report.ok
+
+
+def test_a_version_going_backwards_fails(tmp_path):
+    tape = history()
+    rounds = [r for r in tape if r["kind"] == "round"]
+    rounds[4]["version"], rounds[5]["version"] = 6, 5
+    assert failing(check(write_run(tmp_path, tape), replay_fn=exact)) == {
+        "versions": "shard 0 fragment 0: version 5 (epoch 0) after 6 (epoch 0) at t=6.010"}
+
+
+def test_a_restore_is_a_new_epoch_but_only_to_its_markers_cut(tmp_path):
+    tape = history()[:-3]  # killed after version 10
+    tape.insert(8, {"kind": "marker", "t": 2.5, "snapshot": 1, "versions": {"0": 2}})
+    tape += [{"kind": "start", "t": 12.0, "shard": 0},
+             {"kind": "restore", "t": 12.1, "snapshot": 1, "versions": {"0": 2}, "channel": []},
+             {"kind": "membership", "t": 12.2, "event": "snapshot", "live": ["L0"], "failed": [], "draining": []},
+             {"kind": "push", "t": 13.0, "learner": "L0", "fragment": 0, "outcome": "accepted", "target_version": 3},
+             {"kind": "round", "t": 13.01, "fragment": 0, "version": 3, "participants": ["L0"], "weights": [1.0]},
+             {"kind": "stop", "t": 14.0}]
+    summ = summary()
+    assert failing(check(write_run(tmp_path / "ok", tape, summ), replay_fn=exact)) == {}
+    tape[-5]["versions"] = {"0": 1}  # restored to something other than the cut
+    assert failing(check(write_run(tmp_path / "bad", tape, summ), replay_fn=exact)) == {
+        "versions": "shard 0 restored snapshot 1 at versions {0: 1}, not its marker's {0: 2}"}
+
+
+def test_a_push_merged_twice_fails(tmp_path):
+    tape = history()
+    again = dict(next(r for r in tape if r["kind"] == "round" and r["version"] == 3))
+    tape.insert(tape.index(next(r for r in tape if r["kind"] == "round" and r["version"] == 3)) + 1,
+                {**again, "version": 4, "t": 3.5})
+    for r in tape:  # keep the versions in order, so only the double merge is wrong
+        if r["kind"] == "round" and r["t"] > 3.5:
+            r["version"] += 1
+    assert failing(check(write_run(tmp_path, tape), replay_fn=exact)) == {
+        "merged_once": "shard 0 fragment 0 version 4 merged a push of L0 that no push record left unmerged "
+                       "(merged twice?)"}
+
+
+def test_channel_pushes_of_a_restore_count_as_pushes(tmp_path):
+    tape = history()[:6]  # start, membership, L0's first push and round
+    tape += [{"kind": "start", "t": 3.0, "shard": 0},
+             {"kind": "restore", "t": 3.1, "snapshot": 1, "versions": {"0": 1},
+              "channel": [{"learner": "L1", "fragment": 0, "outcome": "accepted", "target_version": 2}]},
+             {"kind": "round", "t": 3.2, "fragment": 0, "version": 2, "participants": ["L1"], "weights": [1.0]},
+             {"kind": "stop", "t": 3.5}]
+    assert "merged_once" not in failing(check(write_run(tmp_path / "ok", tape), replay_fn=exact))
+    tape[7]["channel"] = []
+    assert "merged_once" in failing(check(write_run(tmp_path / "bad", tape), replay_fn=exact))
+
+
+def test_a_push_accepted_after_its_learners_failure_fails(tmp_path):
+    tape = history()
+    tape.insert(tape.index(next(r for r in tape if r["kind"] == "push" and r["t"] == 6.0)),
+                {"kind": "membership", "t": 5.5, "learner": "L1", "event": "failed"})
+    summ = summary()
+    summ["learners"][1] = {"id": "L1", "state": "failed", "reason": "lease expired"}
+    result = failing(check(write_run(tmp_path, tape, summ), replay_fn=exact))
+    assert result == {"no_merge_after_failure": "shard 0 accepted a push of L1 (fragment 0) at t=6.000, after hearing "
+                                                "at t=5.500 that it was gone"}
+
+
+def test_weight_given_to_a_failed_learner_fails_and_weight_zero_passes(tmp_path):
+    tape = history()
+    last = next(r for r in tape if r["kind"] == "round" and r["version"] == 10)
+    last["participants"], last["weights"] = ["L1", "L0"], [0.0, 1.0]
+    tape.insert(tape.index(last), {"kind": "push", "t": 9.5, "learner": "L0", "fragment": 0, "outcome": "accepted"})
+    tape.insert(tape.index(last), {"kind": "membership", "t": 10.0, "learner": "L1", "event": "failed"})
+    tape.remove(next(r for r in tape if r["kind"] == "push" and r["t"] == 10.0))
+    tape.insert(3, {"kind": "push", "t": 0.5, "learner": "L1", "fragment": 0, "outcome": "accepted"})
+    summ = summary()
+    summ["learners"][1] = {"id": "L1", "state": "failed", "reason": "lease expired"}
+    assert "no_merge_after_failure" not in failing(check(write_run(tmp_path / "ok", tape, summ), replay_fn=exact))
+    last["weights"] = [0.5, 1.0]
+    assert failing(check(write_run(tmp_path / "bad", tape, summ), replay_fn=exact)) == {
+        "no_merge_after_failure": "shard 0 fragment 0 version 10 gave L1 weight 0.5 after hearing it failed"}
+
+
+def test_a_failure_a_shard_never_heard_of_fails(tmp_path):
+    summ = summary()
+    summ["learners"][1] = {"id": "L1", "state": "failed", "reason": "lease expired"}
+    assert failing(check(write_run(tmp_path, summ=summ), replay_fn=exact)) == {
+        "no_merge_after_failure": "shard 0 never heard that L1 failed"}
+
+
+def test_a_stall_while_learners_could_reach_the_shard_fails(tmp_path):
+    tape = history(30)
+    for r in tape:
+        if r["kind"] == "round" and 4 < r["t"] < 9:
+            r["kind"] = "noted"  # the pushes arrive, no round closes
+    tape = [r for r in tape if r["kind"] != "noted"]
+    report = check(write_run(tmp_path, tape), replay_fn=exact)
+    assert failing(report) == {"progress": "shard 0: no round for 6.0 s from t=3.010 while a learner could reach it "
+                                           "(expected period 2.00 s)"}
+    assert report.stats["shards"]["0"]["longest_gap_s"] == 6.0 and report.stats["shards"]["0"]["uptime"] < 1
+
+
+def test_a_gap_while_every_learner_is_cut_off_is_no_stall(tmp_path):
+    tape = [r for r in history(30) if not (r["kind"] in ("round", "push") and 4 < r["t"] < 9)]
+    for r in tape:
+        if r["kind"] in ("round", "push") and r["t"] > 9:
+            r["version" if r["kind"] == "round" else "target_version"] -= 4
+    cut = [{"kind": "fault", "t": 4.2, "fault": "cut", "learners": ["L0"]},
+           {"kind": "fault", "t": 4.3, "fault": "cut-shard", "shard": 0, "learners": ["L1"]},
+           {"kind": "heal", "t": 8.5, "fault": "cut", "learners": ["L0"]},
+           {"kind": "heal", "t": 8.6, "fault": "cut-shard", "learners": ["L1"]}]
+    report = check(write_run(tmp_path / "cut", tape, chaos=cut), replay_fn=exact)
+    assert failing(report) == {} and report.stats["faults"] == {"cut": 1, "cut-shard": 1}
+    # The same gap with one learner cut off another shard only: a stall.
+    cut[1]["shard"] = 1
+    assert "progress" in failing(check(write_run(tmp_path / "other", tape, chaos=cut), replay_fn=exact))
+
+
+@pytest.mark.parametrize("change, violation", [
+    (lambda s, e: s["learners"][0].update(state="active"), "L0 is still active at the end"),
+    (lambda s, e: s["learners"][1].update(reason=""), "L1 left with no recorded reason"),
+    (lambda s, e: s.update(missing={"L2": "never joined"}), "launches that never joined: {'L2': 'never joined'}"),
+    (lambda s, e: e.append({"role": "shard0", "pid": __import__("os").getpid()}), "still running after the run"),
+])
+def test_a_learner_unaccounted_for_or_a_process_left_running_fails(tmp_path, change, violation):
+    summ, endpoints = summary(), [{"role": "learner", "id": "L0", "pid": _dead_pid()}]
+    change(summ, endpoints)
+    result = failing(check(write_run(tmp_path, summ=summ, endpoints=endpoints), replay_fn=exact))
+    assert list(result) == ["learners"] and violation in result["learners"]
+
+
+def test_an_eval_that_did_not_improve_fails(tmp_path):
+    summ = summary()
+    summ["eval_loss_final"] = 8.0
+    assert failing(check(write_run(tmp_path, summ=summ), replay_fn=exact)) == {
+        "eval": "the final eval 8.0 is not below the initial 8.0"}
+
+
+def test_write_check_stores_the_verdict_and_the_cli_exits_1_on_a_violation(tmp_path):
+    summ = summary()
+    summ["eval_loss_final"] = 9.0
+    run = write_run(tmp_path, summ=summ)
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "check", str(run)], capture_output=True, text=True)
+    # No run.json or model: the replay cannot run, which is a violation too, named.
+    assert proc.returncode == 1 and proc.stdout.startswith("check: VIOLATION replay: cannot check:")
+    stored = json.loads((run / "check.json").read_text())
+    assert not stored["ok"] and {i["name"]: i["ok"] for i in stored["invariants"]}["eval"] is False
+    with pytest.raises(Exception, match="no summary.json"):
+        write_check(tmp_path / "nothing")
