@@ -516,6 +516,7 @@ class ShardRuntime:
             merge_s=round(merge_s, 6),
             reason=job.reason,
             opened_t=self._wall() - (self._monotonic() - job.opened_at),
+            closed_t=self._wall() - (self._monotonic() - job.closed_at),  # its weights were decided then
             clock=dict(self.core.clock.entries),
         )
 

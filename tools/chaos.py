@@ -457,23 +457,34 @@ class ChaosMonkey(threading.Thread):
         ``_Fault`` (under ``fault``) that heals it."""
         ids, names = [m["id"] for m, _, _ in victims], [n for _, n, _ in victims]
         _, netns, host = victims[0]
-        kind = spec.kind
+        pid, hub, kind = learner_pid(victims[0][0]), self.network.hub, spec.kind
+
+        def own(action: Callable) -> Callable:
+            """``action`` on the victim's site while it is the victim's: once its learner is
+            gone, the site's number (and names) go to the next learner launched."""
+            def guarded(*args) -> None:
+                if sites.site_of(pid, hub) != (netns, host):
+                    raise DilocoError(f"{ids[0]} left its site {netns}")
+                action(*args)
+            return guarded
+
         if kind in ("cut", "flap"):
             sites.set_link(host, False)
-            toggle = (lambda up: sites.set_link(host, up)) if kind == "flap" else None
-            fault = _Fault(kind, ids, names, 0.0, lambda: sites.set_link(host, True), toggle,
+            toggle = own(lambda up: sites.set_link(host, up)) if kind == "flap" else None
+            fault = _Fault(kind, ids, names, 0.0, own(lambda: sites.set_link(host, True)), toggle,
                            time.monotonic() + FLAP_PERIOD_S)
             return {"fault": fault}
         if kind == "starve":
             mbit = sites.link_mbit(host)
             sites.set_rate(netns, host, mbit * STARVE_FACTOR)
-            return {"fault": _Fault(kind, ids, names, 0.0, lambda: sites.set_rate(netns, host, mbit)),
+            return {"fault": _Fault(kind, ids, names, 0.0, own(lambda: sites.set_rate(netns, host, mbit))),
                     "mbit": mbit, "starved_mbit": mbit * STARVE_FACTOR}
         if kind == "cut-shard":
             m = int(spec.target[1:]) if spec.target else self.rng.randrange(len(self.network.shards))
             port = self.network.port(self.network.shards[m])
             sites.block_port(netns, port, True)
-            return {"fault": _Fault(kind, ids, names, 0.0, lambda: sites.block_port(netns, port, False)), "shard": m}
+            return {"fault": _Fault(kind, ids, names, 0.0, own(lambda: sites.block_port(netns, port, False))),
+                    "shard": m}
         port = self.network.port(self.network.coordinator)  # cut-coordinator, isolate-coordinator
         for _, n, _ in victims:
             sites.block_port(n, port, True)
@@ -498,8 +509,10 @@ class ChaosMonkey(threading.Thread):
             elif fault.toggle is not None and now >= fault.next_toggle:
                 fault.up = not fault.up
                 fault.next_toggle = now + FLAP_PERIOD_S
-                with contextlib.suppress(DilocoError):  # the learner's site gone: healed at the end
+                try:
                     fault.toggle(fault.up)
+                except DilocoError:  # its learner and site are gone: nothing left to flap
+                    fault.toggle = None
 
     def _heal(self, fault: _Fault) -> None:
         self.faults.remove(fault)

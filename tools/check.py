@@ -16,7 +16,8 @@ keep whatever was done to it:
   every learner failed at the coordinator is known as failed by every shard that ran to
   the end (shards learn of failures they missed while cut off);
 - ``progress``: the global model advanced: on every shard, no stretch longer than twice
-  the expected round period passed without a round while a live learner, syncing with
+  the expected round period (``metrics.expected_period`` of the learners' push
+  interval: 4x it, at least a second) passed without a round while a live learner, syncing with
   that shard and under no fault that cuts it off, was there (the shard's uptime under
   partitions is reported from the same intervals);
 - ``learners``: every learner left or failed with a recorded reason; none is still a
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from diloco.errors import DilocoError, NotFound
 from diloco.tape import read_tape
+from tools.metrics import expected_period
 
 logger = logging.getLogger(__name__)
 
@@ -174,9 +176,9 @@ def check_no_merge_after_failure(shard: int, records: list[dict], failed_at_coor
                     and r["t"] > gone[r["learner"]]:
                 raise Violation(f"shard {shard} accepted a push of {r['learner']} (fragment {r['fragment']}) at "
                                 f"t={r['t']:.3f}, after hearing at t={gone[r['learner']]:.3f} that it was gone")
-            if r["kind"] == "round":
+            if r["kind"] == "round":  # its weights were decided when it closed
                 for learner, weight in zip(r["participants"], r["weights"]):
-                    if learner in failed and r["t"] > failed[learner] and weight != 0:
+                    if learner in failed and r.get("closed_t", r["t"]) > failed[learner] and weight != 0:
                         raise Violation(f"shard {shard} fragment {r['fragment']} version {r['version']} gave "
                                         f"{learner} weight {weight} after hearing it failed")
     if lives and any(r["kind"] == "stop" for r in lives[-1]):
@@ -253,14 +255,16 @@ def check_progress(shard: int, records: list[dict], chaos: list[dict], end: floa
     longest stall; raises on a stall."""
     rounds = sorted(r["t"] for r in records if r["kind"] == "round")
     gaps = [b - a for a, b in zip(rounds, rounds[1:])]
-    # Expected period: the typical time between a learner's pushes to this shard (each
-    # round needs the quorum's pushes; with quorum 1 the rounds come at least that often).
+    # Expected period: from the typical time between a learner's pushes to this shard (a
+    # round needs the quorum's pushes; with quorum 1 they come at least that often), with
+    # metrics' slack and floor (a tiny model pushes every few tens of milliseconds).
     per_learner = defaultdict(list)
     for r in records:
         if r["kind"] == "push" and r["outcome"] != "duplicate":
             per_learner[r["learner"]].append(r["t"])
     push_gaps = [b - a for times in per_learner.values() for a, b in zip(times, times[1:])]
-    period = statistics.median(push_gaps) if push_gaps else (statistics.median(gaps) if gaps else 0.0)
+    cadence = statistics.median(push_gaps) if push_gaps else (statistics.median(gaps) if gaps else 0.0)
+    period = expected_period(cadence)  # the project's one definition (metrics.uptime's too)
     eligible = reachable(shard, records, chaos, end)
     total = sum(b - a for a, b in eligible)
     stalled, worst = 0.0, (0.0, None)
@@ -271,9 +275,9 @@ def check_progress(shard: int, records: list[dict], chaos: list[dict], end: floa
             stalled += max(0.0, (y - x) - STALL_FACTOR * period)
             if y - x > worst[0]:
                 worst = (y - x, x)
-    stats = {"period_s": round(period, 3), "reachable_s": round(total, 1),
+    stats = {"push_interval_s": round(cadence, 3), "period_s": round(period, 3), "reachable_s": round(total, 1),
              "uptime": round(1 - stalled / total, 4) if total else None, "longest_gap_s": round(worst[0], 2)}
-    if period and worst[0] > STALL_FACTOR * period:
+    if worst[0] > STALL_FACTOR * period:
         raise Violation(f"shard {shard}: no round for {worst[0]:.1f} s from t={worst[1]:.3f} while a learner could "
                         f"reach it (expected period {period:.2f} s)", stats)
     return stats
