@@ -394,3 +394,21 @@ def describe(report: Report) -> str:
                 f"({', '.join(f'{k} {n}' for k, n in report.stats['faults'].items()) or 'none'}); "
                 f"uptime under partitions {uptime or '-'}")
     return f"check: VIOLATION {report.first}"
+
+
+def totals(reports: list[Report]) -> dict:
+    """Several runs (a soak over seeds) in one: faults by kind, violations, the lowest
+    per-shard uptime, goodput."""
+    kinds: Counter = Counter()
+    for r in reports:
+        kinds.update(r.stats["faults"])
+    uptimes = [v["uptime"] for r in reports for v in r.stats["shards"].values() if v.get("uptime") is not None]
+    goodputs = [r.stats["goodput"] for r in reports if r.stats.get("goodput") is not None]
+    violations = [r.first for r in reports if not r.ok]
+    out = {"runs": len(reports), "faults": dict(sorted(kinds.items())), "faults_total": sum(kinds.values()),
+           "violations": violations, "min_uptime": min(uptimes, default=None),
+           "goodput": [min(goodputs), max(goodputs)] if goodputs else None}
+    out["line"] = (f"{len(reports)} runs, {out['faults_total']} faults "
+                   f"({', '.join(f'{k} {n}' for k, n in out['faults'].items())}), {len(violations)} with a violation; "
+                   f"lowest per-shard uptime under partitions {out['min_uptime']}; goodput {out['goodput']}")
+    return out

@@ -253,11 +253,15 @@ def _timeline(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from tools.check import describe, write_check
+    from tools.check import describe, totals, write_check
 
-    report = write_check(Path(args.run_dir))
-    print(json.dumps(report.to_json()) if args.json else describe(report))
-    return 0 if report.ok else 1
+    reports = [write_check(Path(d)) for d in args.run_dir]
+    for run_dir, report in zip(args.run_dir, reports):
+        line = json.dumps(report.to_json()) if args.json else describe(report)
+        print(f"{run_dir}: {line}" if len(reports) > 1 and not args.json else line)
+    if len(reports) > 1:
+        print(json.dumps(totals(reports)) if args.json else f"all: {totals(reports)['line']}")
+    return 0 if all(r.ok for r in reports) else 1
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -395,8 +399,8 @@ def add_run_tools(commands: argparse._SubParsersAction) -> None:
                                         "never backwards, no push merged twice or after its learner failed, progress "
                                         "while a learner could reach each shard, every learner accounted for, eval "
                                         "improved); writes RUN_DIR/check.json; exit 1 on a violation.")
-    p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--json", action="store_true", help="print check.json's object")
+    p.add_argument("run_dir", metavar="RUN_DIR", nargs="+", help="one or more runs (several: a soak; totals at the end)")
+    p.add_argument("--json", action="store_true", help="print check.json's object (one per run, then the totals)")
     p.set_defaults(func=_check)
     p = commands.add_parser("replay", help="re-run a diloco local run's rounds from its tapes; compare with its final model")
     p.add_argument("run_dir", metavar="RUN_DIR")
