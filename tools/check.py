@@ -376,9 +376,36 @@ def check(run_dir: Path, replay_fn=None) -> Report:
     report.stats = {"faults": dict(sorted(kinds.items())), "faults_total": sum(kinds.values()),
                     "replaced": Counter(c.get("cause", "kill") for c in chaos if c["kind"] == "replace"),
                     "shards": {str(s): v for s, v in sorted(shards.items())},
+                    "recovery_s": recovery(tapes, chaos),
                     "goodput": summary.get("goodput"), "tokens": summary.get("tokens"),
                     "eval": [summary.get("eval_loss_start"), summary.get("eval_loss_final")]}
     return report
+
+
+def recovery(tapes: dict[int, list[dict]], chaos: list[dict]) -> dict:
+    """Per fault kind that cuts pushes off (``CUTTING`` and ``cut-shard``): seconds from a
+    heal to its victim's next accepted push on a shard it had been cut off (median, max,
+    count); victims that never pushed again (failed, replaced) are not counted."""
+    pushes: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for shard, records in tapes.items():
+        for r in records:
+            if r["kind"] == "push" and r["outcome"] != "duplicate":
+                pushes[(shard, r["learner"])].append(r["t"])
+    started = {}
+    waits: dict[str, list[float]] = defaultdict(list)
+    for c in chaos:
+        if c["kind"] == "fault" and (c["fault"] in CUTTING or c["fault"] == "cut-shard"):
+            started[(c["fault"], c["learners"][0])] = c.get("shard")
+        elif c["kind"] == "heal" and (c["fault"], c["learners"][0]) in started:
+            shard = started.pop((c["fault"], c["learners"][0]))
+            learner = c["learners"][0]
+            nexts = [next((t for t in pushes[(s, learner)] if t >= c["t"]), None)
+                     for s in (tapes if shard is None else [shard])]
+            nexts = [t for t in nexts if t is not None]
+            if nexts:
+                waits[c["fault"]].append(min(nexts) - c["t"])
+    return {k: {"median": round(statistics.median(v), 2), "max": round(max(v), 2), "n": len(v)}
+            for k, v in sorted(waits.items())}
 
 
 def write_check(run_dir: Path) -> Report:

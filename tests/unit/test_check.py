@@ -193,6 +193,9 @@ def test_a_gap_while_every_learner_is_cut_off_is_no_stall(tmp_path):
            {"kind": "heal", "t": 7.0, "fault": "cut-shard", "learners": ["L1"]}]
     report = check(write_run(tmp_path / "cut", tape, chaos=cut), replay_fn=exact)
     assert failing(report) == {} and report.stats["faults"] == {"cut": 1, "cut-shard": 1}
+    # From each heal to the victim's next push (L0 at 7.25, L1 at 7.5).
+    assert report.stats["recovery_s"] == {"cut": {"median": 0.35, "max": 0.35, "n": 1},
+                                          "cut-shard": {"median": 0.5, "max": 0.5, "n": 1}}
     # The same gap with one learner cut off another shard only: a stall.
     cut[1]["shard"] = 1
     assert "progress" in failing(check(write_run(tmp_path / "other", tape, chaos=cut), replay_fn=exact))
