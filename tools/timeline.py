@@ -1,6 +1,7 @@
 """The learners' busy/idle timeline of a ``diloco local`` run, drawn from its tapes: one
 lane per learner coloured by state (starting, bootstrapping, computing, waiting,
-draining, dead), the shards' round closes as ticks, chaos actions as dashed lines.
+draining, dead), the shards' round closes as ticks, chaos actions as dashed lines and
+network faults as hatched boxes over their victims' lanes.
 
 Sources: each learner's event tape (``learners/<id>.events.jsonl``: its state changes),
 the shards' tapes (round closes; the coordinator's failure notices as membership
@@ -25,6 +26,8 @@ COLORS = {
     "draining": "#5fa8d3",
     "dead": "#c0392b",
 }
+FAULT_COLOR = "#c0392b"
+"""Network faults (chaos on emulated sites), hatched over their victims' lanes."""
 
 
 def learner_intervals(events: list[dict], end: float, death: float | None) -> list[tuple[float, float, str]]:
@@ -80,6 +83,18 @@ def draw_timeline(run_dir: Path, out: Path | None = None) -> Path:
             seen.add(state)
         label = learner + (f" ({first['slow_factor']:g}x slower)" if first.get("slow_factor", 1) > 1 else "")
         lanes[y] = label
+    lane_of = {learner: y for y, learner in enumerate(order, start=len(rounds))}
+    opened: dict[tuple[str, str], float] = {}
+    for c in chaos:  # network faults: a hatched box over each victim's lane, fault to heal
+        for learner in c.get("learners", ()) if c["kind"] in ("fault", "heal") else ():
+            if c["kind"] == "fault":
+                opened[(c["fault"], learner)] = c["t"]
+            elif (start := opened.pop((c["fault"], learner), None)) is not None and learner in lane_of:
+                y = lane_of[learner]
+                ax.broken_barh([(start - t0, c["t"] - start)], (y - 0.45, 0.9), facecolor="none",
+                               edgecolor=FAULT_COLOR, hatch="///", linewidth=0.8)
+                ax.text(start - t0, y - 0.47, c["fault"], fontsize=6, color=FAULT_COLOR, va="bottom")
+                seen.add("network fault")
     for y, (shard, times) in enumerate(rounds.items()):
         ax.vlines([t - t0 for t in times], y - 0.35, y + 0.35, color="#333333", linewidth=0.6)
         lanes[y] = f"{shard} round closes"
@@ -96,7 +111,10 @@ def draw_timeline(run_dir: Path, out: Path | None = None) -> Path:
     ax.set_xlim(0, end - t0)
     ax.set_xlabel("seconds since the first learner started")
     ax.set_title("diloco local: learners' states and the shards' round closes", pad=60 if marks else 6)
-    ax.legend(handles=[Patch(color=COLORS[s], label=s) for s in COLORS if s in seen],
+    handles = [Patch(color=COLORS[s], label=s) for s in COLORS if s in seen]
+    if "network fault" in seen:
+        handles.append(Patch(facecolor="none", edgecolor=FAULT_COLOR, hatch="///", label="network fault"))
+    ax.legend(handles=handles,
               loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.0 / (2 + len(lanes))), ncol=6, fontsize="small", frameon=False)
     fig.tight_layout()
     out = out or run_dir / "timeline.png"
