@@ -276,6 +276,8 @@ class ChaosMonkey(threading.Thread):
         what its predecessor had left; every other learner's are ``steps``)."""
         self._cycle: list[FaultSpec] = []
         self._lock = threading.Lock()
+        self._faults_lock = threading.Lock()
+        """Guards ``faults``: the healer thread heals them on time while actions run."""
         self.acting = threading.Lock()
         """Held during an action: a kill and its replacement are one step for observers."""
 
@@ -299,6 +301,10 @@ class ChaosMonkey(threading.Thread):
         next_kill = self.rng.expovariate(1 / self.cfg.kill_every_s) if self.cfg.kill_every_s else None
         next_fault = self.rng.expovariate(1 / self.cfg.fault_every_s) if self.cfg.faults else None
         last_watch = 0.0
+        # Heals and flaps keep their times while an action blocks (a shard restart waits
+        # for its snapshot, which waits for the learners a fault cuts off).
+        healer = threading.Thread(target=self._heal_until_halted, name="diloco-chaos-heal", daemon=True)
+        healer.start()
         try:
             while not self.halted.wait(0.2):
                 elapsed = time.monotonic() - self.started
@@ -318,14 +324,22 @@ class ChaosMonkey(threading.Thread):
                     if not done:
                         self._cycle.insert(0, spec)  # the same kind when a victim is there
                     next_fault = elapsed + (self.rng.expovariate(1 / self.cfg.fault_every_s) if done else 1.0)
-                self._tick_faults()
                 if self.watched and time.monotonic() - last_watch >= 1.0:
                     last_watch = time.monotonic()
                     self._act("watch")
         finally:
+            healer.join()
+            with self._faults_lock:  # one begun as the healer made its last pass
+                for fault in list(self.faults):
+                    self._heal(fault)
+            self.watched.clear()
+
+    def _heal_until_halted(self) -> None:
+        while not self.halted.wait(0.1):
+            self._tick_faults()
+        with self._faults_lock:
             for fault in list(self.faults):
                 self._heal(fault)
-            self.watched.clear()
 
     def _next_spec(self) -> FaultSpec:
         """Every kind once per cycle, in a seeded order: a short run sees each of them."""
@@ -447,7 +461,8 @@ class ChaosMonkey(threading.Thread):
                     duration_s=spec.duration_s, **{k: v for k, v in fields.items() if k != "fault"})
         fault = fields["fault"]
         fault.ends = now + spec.duration_s
-        self.faults.append(fault)
+        with self._faults_lock:
+            self.faults.append(fault)
         for learner in ids:
             self.watched[learner] = fault.ends + SETTLE_S
         return True
@@ -502,6 +517,10 @@ class ChaosMonkey(threading.Thread):
         return {"fault": _Fault(kind, ids, names, 0.0, undo)}
 
     def _tick_faults(self) -> None:
+        with self._faults_lock:
+            self._tick_faults_locked()
+
+    def _tick_faults_locked(self) -> None:
         now = time.monotonic()
         for fault in list(self.faults):
             if now >= fault.ends:
