@@ -158,18 +158,24 @@ class Sites:
 
     hub: HubSpec
     sites: dict[int, Site] = field(default_factory=dict)
+    last: int = 1
+    """The number given last: the next site takes the next free one after it, so that a
+    freed address (and namespace name) goes back into use as late as possible: what the
+    hub's neighbours and the peers' connections still hold of its last holder has aged."""
 
     def add(self, mbit: float) -> Site:
         check_mbit(mbit)
         hosts = list(ipaddress.ip_network(self.hub.network).hosts())[1:]
-        number = next((n for n in range(2, len(hosts) + 2) if n not in self.sites), None)
+        numbers = range(2, len(hosts) + 2)
+        after = [n for n in numbers if n > self.last] + [n for n in numbers if n <= self.last]
+        number = next((n for n in after if n not in self.sites), None)
         if number is None:
             raise ResourceExhausted(f"the hub {self.hub.bridge} has no address left for another site ({len(hosts)} in use)")
         site = Site(number, f"{self.hub.prefix}{number}", str(hosts[number - 2]), f"dl{self.hub.tag}h{number}", mbit)
         inner = f"dl{self.hub.tag}s{number}"
         prefix_len = ipaddress.ip_network(self.hub.network).prefixlen
         _run("ip", "netns", "add", site.netns)
-        self.sites[number] = site
+        self.sites[number], self.last = site, number
         try:
             _run("ip", "link", "add", site.host_iface, "type", "veth", "peer", "name", inner, "netns", site.netns)
             _run("ip", "link", "set", site.host_iface, "master", self.hub.bridge, "up")
@@ -336,6 +342,7 @@ def set_rate(netns: str, host_iface: str, mbit: float) -> None:
 def block_port(netns: str, port: int, blocked: bool) -> None:
     """Drop (``blocked``) or let through what the site sends to TCP port ``port`` on the hub:
     one service (a shard, the coordinator) unreachable from that site while the rest of its
-    link works. Its connections stall as across a partition: nothing is refused."""
+    link works. A policy rule with a blackhole route: a new connection fails at once (no
+    route), an established one stalls, its packets dropped; nothing reaches the service."""
     _run("ip", "-n", netns, "rule", "add" if blocked else "del", "pref", str(BLACKHOLE_PREF), "ipproto", "tcp",
          "dport", str(port), "blackhole")

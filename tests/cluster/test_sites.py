@@ -76,3 +76,62 @@ def test_sites_of_a_killed_run_are_removed_and_a_live_runs_are_not(hub):
     assert dead_site not in namespaces() and dead_hub.bridge not in bridges()
     assert live_site.netns in namespaces() and hub.bridge in bridges()
     live.close()
+
+
+_CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.5).close()
+    print("connected")
+except OSError as error:
+    print(type(error).__name__)
+"""
+
+
+def _connect_from(netns: str, address: str, port: int) -> str:
+    return subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", _CONNECT, address, str(port)],
+                          capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+def test_faults_cut_a_sites_link_one_port_or_its_rate_and_heal(hub):
+    """The primitives chaos uses (tools/chaos.py): each fault takes effect, leaves the rest
+    of the link alone, and heals."""
+    import socket
+
+    on = sites.Sites(hub)
+    site = on.add(20)
+    servers = [socket.create_server((hub.address, 0)) for _ in range(2)]
+    try:
+        a, b = (s.getsockname()[1] for s in servers)
+        assert _connect_from(site.netns, hub.address, a) == "connected"
+        sites.block_port(site.netns, a, True)  # one port unreachable (no route: EINVAL at once), the other reached
+        assert _connect_from(site.netns, hub.address, a) == "OSError"
+        assert _connect_from(site.netns, hub.address, b) == "connected"
+        sites.block_port(site.netns, a, False)
+        assert _connect_from(site.netns, hub.address, a) == "connected"
+        sites.set_link(site.host_iface, False)  # the whole link: nothing gets through
+        assert _connect_from(site.netns, hub.address, b) == "TimeoutError"
+        sites.set_link(site.host_iface, True)
+        assert _connect_from(site.netns, hub.address, b) == "connected"
+        assert sites.link_mbit(site.host_iface) == 20
+        sites.set_rate(site.netns, site.host_iface, 0.2)
+        assert sites.link_mbit(site.host_iface) == 0.2 and transfer_mbit(hub.address, 50_000, sender_netns=site.netns) < 0.3
+        sites.set_rate(site.netns, site.host_iface, 20)
+        assert sites.link_mbit(site.host_iface) == 20
+        # A process is found on its site, and one outside every site is not.
+        proc = subprocess.Popen(["ip", "netns", "exec", site.netns, "sleep", "30"])
+        try:
+            from tests.polling import poll
+
+            assert poll(lambda: sites.site_of(proc.pid, hub), "the site of the process", 10) == (site.netns, site.host_iface)
+        finally:
+            proc.kill()
+        assert sites.site_of(os.getpid(), hub) is None
+    finally:
+        for s in servers:
+            s.close()
+    # A freed number goes back into use last: what peers hold of its last holder has aged.
+    second = on.add(20)
+    on.remove(site)
+    assert on.add(20).number == second.number + 1
+    on.close()
