@@ -86,12 +86,23 @@ def _session(address: str, member: Membership, timeout_s: float) -> LearnerSessi
 
 def register_model(address: str, member: Membership, manifest_json: str, timeout_s: float = 60.0) -> common_pb2.Topology:
     """Register this learner's model manifest; returns the topology with the run's
-    manifest. A model that differs from the run's raises FailedPrecondition."""
+    manifest. A model that differs from the run's raises FailedPrecondition. While the
+    coordinator is unreachable (UNAVAILABLE: restarting, or a partition just after the
+    join) it retries with backoff for ``timeout_s``, as the join does."""
 
     async def call() -> common_pb2.Topology:
+        loop = asyncio.get_running_loop()
+        deadline, backoff = loop.time() + timeout_s, 0.2
         session = _session(address, member, timeout_s)
         try:
-            return await session.register_model(manifest_json)
+            while True:
+                try:
+                    return await session.register_model(manifest_json)
+                except Unavailable:
+                    if loop.time() + backoff > deadline:
+                        raise
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
         finally:
             await session.close()
 

@@ -377,3 +377,38 @@ def test_an_export_names_the_shard_that_stops_sending(tmp_path, monkeypatch, cap
             await silent.stop(None)
 
     run(scenario())
+
+
+def test_a_learner_registers_its_model_once_its_coordinator_is_reachable_again(tmp_path):
+    """Cut off right after its join (found by the partitions soak: the learner exited with
+    an error), a learner's RegisterModel retries UNAVAILABLE with backoff, as its join does."""
+    import socket
+
+    from learner.membership import join, register_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+
+    async def scenario():
+        async with running_coordinator(tmp_path, port=port):
+            member = await asyncio.to_thread(join, address, auth.join_token(SECRET), "", "", "host:1")
+        back, done = asyncio.Event(), asyncio.Event()
+
+        async def restart_later():
+            await asyncio.sleep(1.5)
+            async with running_coordinator(tmp_path, port=port):
+                back.set()
+                await done.wait()
+
+        task = asyncio.create_task(restart_later())
+        started = time.monotonic()
+        try:
+            topology = await asyncio.to_thread(register_model, address, member, model_plan(TINY)[0].to_json(), 30.0)
+        finally:
+            done.set()
+            await task
+        assert back.is_set() and time.monotonic() - started >= 1.5
+        assert topology.manifest_json == model_plan(TINY)[0].to_json()
+    run(scenario())
