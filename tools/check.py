@@ -319,8 +319,16 @@ def check_eval(summary: dict) -> None:
 # --- the checker ---------------------------------------------------------------------------
 
 
-def check(run_dir: Path, replay_fn=None) -> Report:
-    """Every invariant over ``run_dir``; ``replay_fn`` (tests) stands in for the replay."""
+def _snapshot_dir(run_dir: Path) -> str | None:
+    """Where the run put its snapshots (``--snapshot-dir``, a directory or a URL), from its
+    ``config.json``; None: the default, in the run directory."""
+    path = run_dir / "config.json"
+    return json.loads(path.read_text()).get("snapshot_dir") if path.is_file() else None
+
+
+def check(run_dir: Path, replay_fn=None, snapshot_dir: str | None = None) -> Report:
+    """Every invariant over ``run_dir``; ``replay_fn`` (tests) stands in for the replay;
+    ``snapshot_dir``: where the snapshots are (default: where the run's config says)."""
     run_dir = Path(run_dir)
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
@@ -345,7 +353,7 @@ def check(run_dir: Path, replay_fn=None) -> Report:
     def replay_check() -> None:
         from tools.replay import replay
 
-        results = (replay_fn or replay)(run_dir)
+        results = (replay_fn or replay)(run_dir, snapshot_dir or _snapshot_dir(run_dir))
         bad = [r for r in results if r.max_abs_diff != 0]
         if bad:
             raise Violation("; ".join(f"shard {r.shard_id} differs by {r.max_abs_diff:.3g}" for r in bad))
@@ -408,8 +416,8 @@ def recovery(tapes: dict[int, list[dict]], chaos: list[dict]) -> dict:
             for k, v in sorted(waits.items())}
 
 
-def write_check(run_dir: Path) -> Report:
-    report = check(run_dir)
+def write_check(run_dir: Path, snapshot_dir: str | None = None) -> Report:
+    report = check(run_dir, snapshot_dir=snapshot_dir)
     (Path(run_dir) / "check.json").write_text(json.dumps(report.to_json(), indent=1) + "\n")
     return report
 

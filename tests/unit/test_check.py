@@ -18,7 +18,7 @@ class FakeReplay:
     max_abs_diff: float
 
 
-def exact(run_dir):
+def exact(run_dir, snapshot_dir=None):
     return [FakeReplay(0, 0.0)]
 
 
@@ -79,9 +79,19 @@ def test_a_history_that_keeps_every_invariant_passes_and_says_so(tmp_path):
 
 def test_a_replay_that_differs_fails(tmp_path):
     run = write_run(tmp_path)
-    report = check(run, replay_fn=lambda d: [FakeReplay(0, 1e-3)])
+    report = check(run, replay_fn=lambda d, snapshots: [FakeReplay(0, 1e-3)])
     assert failing(report) == {"replay": "shard 0 differs by 0.001"}
     assert report.first == "replay: shard 0 differs by 0.001" and not report.ok
+
+
+def test_the_replay_looks_for_snapshots_where_the_run_put_them(tmp_path):
+    run = write_run(tmp_path)
+    seen = []
+    check(run, replay_fn=lambda d, snapshots: seen.append(snapshots) or [FakeReplay(0, 0.0)])
+    (run / "config.json").write_text(json.dumps({"snapshot_dir": "s3://bucket/run1/snapshots"}))
+    check(run, replay_fn=lambda d, snapshots: seen.append(snapshots) or [FakeReplay(0, 0.0)])
+    check(run, replay_fn=lambda d, snapshots: seen.append(snapshots) or [FakeReplay(0, 0.0)], snapshot_dir="/elsewhere")
+    assert seen == [None, "s3://bucket/run1/snapshots", "/elsewhere"]
 
 
 def test_a_version_going_backwards_fails(tmp_path):

@@ -255,7 +255,7 @@ def _timeline(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from tools.check import describe, totals, write_check
 
-    reports = [write_check(Path(d)) for d in args.run_dir]
+    reports = [write_check(Path(d), args.snapshot_dir) for d in args.run_dir]
     for run_dir, report in zip(args.run_dir, reports):
         line = json.dumps(report.to_json()) if args.json else describe(report)
         print(f"{run_dir}: {line}" if len(reports) > 1 and not args.json else line)
@@ -401,6 +401,8 @@ def add_run_tools(commands: argparse._SubParsersAction) -> None:
                                         "improved); writes RUN_DIR/check.json; exit 1 on a violation.")
     p.add_argument("run_dir", metavar="RUN_DIR", nargs="+", help="one or more runs (several: a soak; totals at the end)")
     p.add_argument("--json", action="store_true", help="print check.json's object (one per run, then the totals)")
+    p.add_argument("--snapshot-dir", help="where the runs' snapshots are, a directory or URL (default: the run's "
+                                          "--snapshot-dir, else RUN_DIR/coordinator/snapshots)")
     p.set_defaults(func=_check)
     p = commands.add_parser("replay", help="re-run a diloco local run's rounds from its tapes; compare with its final model")
     p.add_argument("run_dir", metavar="RUN_DIR")
