@@ -235,6 +235,12 @@ def reachable(shard: int, records: list[dict], chaos: list[dict], end: float) ->
     for r in records:
         if r["kind"] == "push" and r["outcome"] != "duplicate":
             pushes[r["learner"]].append(r["t"])
+        elif r["kind"] == "membership" and r.get("event") == "snapshot":
+            # The full list a shard gets on (re)connecting: a learner that pushed before and
+            # is not in it has gone (it left while the shard was down, say).
+            members = set(r.get("live", ())) | set(r.get("draining", ()))
+            for learner in [l for l in pushes if l not in members]:
+                ends[learner] = min(ends.get(learner, r["t"]), r["t"])
     spans = []
     for learner, times in pushes.items():
         until = ends.get(learner, end)
@@ -244,9 +250,11 @@ def reachable(shard: int, records: list[dict], chaos: list[dict], end: float) ->
             blocked = blocked + [(b, after[0] if after else until)]
         spans += _minus([(times[0], until)], _union(blocked))
     # Down: from a life's last record (a SIGKILLed shard's last records die unflushed with
-    # it) to the next life's start.
+    # it) until the next life serves a model again: restored from a snapshot (which can
+    # take seconds from object storage), or given values by a learner.
     lives = _lives(records)
-    down = [(a[-1]["t"], b[0]["t"]) for a, b in zip(lives, lives[1:])]
+    down = [(a[-1]["t"], next((r["t"] for r in b if r["kind"] in ("restore", "initialize")), b[0]["t"]))
+            for a, b in zip(lives, lives[1:])]
     return _minus(_union(spans), _union(down))
 
 

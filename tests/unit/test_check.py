@@ -211,6 +211,27 @@ def test_a_gap_while_every_learner_is_cut_off_is_no_stall(tmp_path):
     assert "progress" in failing(check(write_run(tmp_path / "other", tape, chaos=cut), replay_fn=exact))
 
 
+def test_a_restarted_shard_is_down_until_it_serves_a_model_again(tmp_path):
+    """Killed at t=5, started at 5.5, restored (from object storage) at 10.5: no stall;
+    the same gap after it serves again is one."""
+    full = history(60, 0.25)
+    old = [r for r in full if r["t"] <= 5.01 and r["kind"] not in ("stop",)]
+    old.insert(5, {"kind": "marker", "t": 1.0, "snapshot": 1, "versions": {"0": 20}})
+    new = [{"kind": "start", "t": 5.5, "shard": 0},
+           {"kind": "restore", "t": 10.5, "snapshot": 1, "versions": {"0": 20}, "channel": []},
+           {"kind": "membership", "t": 10.55, "event": "snapshot", "live": ["L0", "L1"], "failed": [], "draining": []}]
+    for r in full:
+        if r["kind"] in ("push", "round") and r["t"] >= 10.5:
+            new.append(r)
+    new += [r for r in full if r["kind"] in ("membership", "stop") and r["t"] > 15]
+    summ = summary()
+    assert failing(check(write_run(tmp_path / "ok", old + new, summ), replay_fn=exact)) == {}
+    late = [dict(r, t=r["t"] + 5.0) if r["kind"] in ("restore", "membership") and 10 < r["t"] < 11 else r for r in new]
+    late[1]["t"] = 6.0  # restored at once, then no round until 10.6
+    late = sorted(late, key=lambda r: r["t"])
+    assert list(failing(check(write_run(tmp_path / "stall", old + late, summ), replay_fn=exact))) == ["progress"]
+
+
 @pytest.mark.parametrize("change, violation", [
     (lambda s, e: s["learners"][0].update(state="active"), "L0 is still active at the end"),
     (lambda s, e: s["learners"][1].update(reason=""), "L1 left with no recorded reason"),
