@@ -232,6 +232,28 @@ def test_a_restarted_shard_is_down_until_it_serves_a_model_again(tmp_path):
     assert list(failing(check(write_run(tmp_path / "stall", old + late, summ), replay_fn=exact))) == ["progress"]
 
 
+def test_a_learner_that_left_while_its_shard_was_down_no_longer_counts_as_reaching_it(tmp_path):
+    """L1 leaves while shard 0 restarts: the restarted shard's membership list lacks it.
+    Then L0, the only learner left, is cut off from 6.1 to 11 s: no round is due."""
+    old = [r for r in history(40, 0.25) if r["t"] <= 5.01 and r["kind"] != "stop"]
+    old.insert(5, {"kind": "marker", "t": 1.0, "snapshot": 1, "versions": {"0": 20}})
+    new = [{"kind": "start", "t": 5.5, "shard": 0},
+           {"kind": "restore", "t": 5.6, "snapshot": 1, "versions": {"0": 20}, "channel": []},
+           {"kind": "membership", "t": 5.7, "event": "snapshot", "live": ["L0"], "failed": [], "draining": []}]
+    version = 20
+    for t in (5.75, 6.0, 11.25, 11.5, 11.75, 12.0):
+        version += 1
+        new += [{"kind": "push", "t": t, "learner": "L0", "fragment": 0, "outcome": "accepted"},
+                {"kind": "round", "t": t + 0.01, "fragment": 0, "version": version, "participants": ["L0"],
+                 "weights": [1.0]}]
+    new += [{"kind": "membership", "t": 12.2, "learner": "L0", "event": "left"}, {"kind": "stop", "t": 12.5}]
+    cut = [{"kind": "fault", "t": 6.1, "fault": "cut", "learners": ["L0"]},
+           {"kind": "heal", "t": 11.0, "fault": "cut", "learners": ["L0"]}]
+    assert failing(check(write_run(tmp_path, old + new, chaos=cut), replay_fn=exact)) == {}
+    new[2]["live"] = ["L0", "L1"]  # still listed: L1 could have pushed, and no round came
+    assert list(failing(check(write_run(tmp_path / "listed", old + new, chaos=cut), replay_fn=exact))) == ["progress"]
+
+
 @pytest.mark.parametrize("change, violation", [
     (lambda s, e: s["learners"][0].update(state="active"), "L0 is still active at the end"),
     (lambda s, e: s["learners"][1].update(reason=""), "L1 left with no recorded reason"),
