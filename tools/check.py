@@ -241,20 +241,22 @@ def reachable(shard: int, records: list[dict], chaos: list[dict], end: float) ->
             members = set(r.get("live", ())) | set(r.get("draining", ()))
             for learner in [l for l in pushes if l not in members]:
                 ends[learner] = min(ends.get(learner, r["t"]), r["t"])
-    spans = []
-    for learner, times in pushes.items():
-        until = ends.get(learner, end)
-        blocked = _union(cuts.get(learner, []))
-        for a, b in blocked:  # after a cut, syncing again only from its next push
-            after = [t for t in times if t >= b]
-            blocked = blocked + [(b, after[0] if after else until)]
-        spans += _minus([(times[0], until)], _union(blocked))
     # Down: from a life's last record (a SIGKILLed shard's last records die unflushed with
     # it) until the next life serves a model again: restored from a snapshot (which can
     # take seconds from object storage), or given values by a learner.
     lives = _lives(records)
     down = [(a[-1]["t"], next((r["t"] for r in b if r["kind"] in ("restore", "initialize")), b[0]["t"]))
             for a, b in zip(lives, lives[1:])]
+    spans = []
+    for learner, times in pushes.items():
+        until = ends.get(learner, end)
+        # A shard down is a cut too: its learners find it back (probing with backoff) and
+        # sync again from their next push; that wait is theirs, not a stall of the shard.
+        blocked = _union(cuts.get(learner, []) + down)
+        for a, b in blocked:  # after a cut, syncing again only from its next push
+            after = [t for t in times if t >= b]
+            blocked = blocked + [(b, after[0] if after else until)]
+        spans += _minus([(times[0], until)], _union(blocked))
     return _minus(_union(spans), _union(down))
 
 
@@ -355,8 +357,9 @@ def check(run_dir: Path, replay_fn=None, snapshot_dir: str | None = None) -> Rep
             report.results[name] = None
         except Violation as v:
             report.results[name] = str(v.args[0])
-        except DilocoError as error:  # a run directory the check cannot read is a violation too
-            report.results[name] = f"cannot check: {error}"
+        except Exception as error:  # noqa: BLE001 -- what cannot be checked (no S3 credentials, a torn file) is a violation too
+            report.results[name] = f"cannot check: {type(error).__name__}: {error}" if not isinstance(error, DilocoError) \
+                else f"cannot check: {error}"
 
     def replay_check() -> None:
         from tools.replay import replay
