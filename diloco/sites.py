@@ -150,6 +150,10 @@ class HubSpec:
         """Every namespace of this hub starts with it."""
         return f"dl{self.tag}-"
 
+    def host_iface(self, number: int) -> str:
+        """The hub-side end of site ``number``'s veth."""
+        return f"dl{self.tag}h{number}"
+
 
 @dataclass
 class Sites:
@@ -171,7 +175,7 @@ class Sites:
         number = next((n for n in after if n not in self.sites), None)
         if number is None:
             raise ResourceExhausted(f"the hub {self.hub.bridge} has no address left for another site ({len(hosts)} in use)")
-        site = Site(number, f"{self.hub.prefix}{number}", str(hosts[number - 2]), f"dl{self.hub.tag}h{number}", mbit)
+        site = Site(number, f"{self.hub.prefix}{number}", str(hosts[number - 2]), self.hub.host_iface(number), mbit)
         inner = f"dl{self.hub.tag}s{number}"
         prefix_len = ipaddress.ip_network(self.hub.network).prefixlen
         _run("ip", "netns", "add", site.netns)
@@ -316,7 +320,7 @@ def site_of(pid: int, hub: HubSpec) -> tuple[str, str] | None:
     with contextlib.suppress(FailedPrecondition):
         for name in _run("ip", "netns", "identify", str(pid)).split():
             if name.startswith(hub.prefix) and name.removeprefix(hub.prefix).isdigit():
-                return name, f"dl{hub.tag}h{name.removeprefix(hub.prefix)}"
+                return name, hub.host_iface(int(name.removeprefix(hub.prefix)))
     return None
 
 

@@ -713,7 +713,7 @@ class ShardRuntime:
         self.snapshot_epoch = snapshot_id
         acks = [(meta, self.core.accept(meta, payload, wire_bytes, now)) for meta, payload, wire_bytes in pushes]
         versions = {f: s.version for f, s in self.core.fragments.items()}
-        self._record("restore", snapshot=snapshot_id, versions=versions, channel_pushes=[a.outcome for _, a in acks],
+        self._record("restore", snapshot=snapshot_id, versions=versions,
                      channel=[{"learner": m.learner_id, "fragment": m.fragment, "outcome": a.outcome,
                                "target_version": a.target_version} for m, a in acks])
         for fragment_id, version in sorted(versions.items()):

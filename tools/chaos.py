@@ -329,14 +329,15 @@ class ChaosMonkey(threading.Thread):
                     self._act("watch")
         finally:
             healer.join()
-            with self._faults_lock:  # one begun as the healer made its last pass
-                for fault in list(self.faults):
-                    self._heal(fault)
+            self._heal_all()  # one begun as the healer made its last pass
             self.watched.clear()
 
     def _heal_until_halted(self) -> None:
         while not self.halted.wait(0.1):
             self._tick_faults()
+        self._heal_all()
+
+    def _heal_all(self) -> None:
         with self._faults_lock:
             for fault in list(self.faults):
                 self._heal(fault)

@@ -94,6 +94,15 @@ def _tapes(run_dir: Path) -> dict[int, list[dict]]:
     return {int(t.stem.rsplit("S", 1)[1]): list(read_tape(t)) for t in tapes}
 
 
+def _push_times(records: list[dict]) -> dict[str, list[float]]:
+    """Learner -> when each of its pushes was accepted (duplicates aside), in tape order."""
+    times: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r["kind"] == "push" and r["outcome"] != "duplicate":
+            times[r["learner"]].append(r["t"])
+    return times
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -268,11 +277,7 @@ def check_progress(shard: int, records: list[dict], chaos: list[dict], end: floa
     # Expected period: from the typical time between a learner's pushes to this shard (a
     # round needs the quorum's pushes; with quorum 1 they come at least that often), with
     # metrics' slack and floor (a tiny model pushes every few tens of milliseconds).
-    per_learner = defaultdict(list)
-    for r in records:
-        if r["kind"] == "push" and r["outcome"] != "duplicate":
-            per_learner[r["learner"]].append(r["t"])
-    push_gaps = [b - a for times in per_learner.values() for a, b in zip(times, times[1:])]
+    push_gaps = [b - a for times in _push_times(records).values() for a, b in zip(times, times[1:])]
     cadence = statistics.median(push_gaps) if push_gaps else (statistics.median(gaps) if gaps else 0.0)
     period = expected_period(cadence)  # the project's one definition (metrics.uptime's too)
     eligible = reachable(shard, records, chaos, end)
@@ -293,8 +298,7 @@ def check_progress(shard: int, records: list[dict], chaos: list[dict], end: floa
     return stats
 
 
-def check_learners(summary: dict, endpoints: list[dict], alive=None) -> None:
-    alive = alive or _alive
+def check_learners(summary: dict, endpoints: list[dict]) -> None:
     for learner in summary.get("learners", []):
         if learner["state"] not in ("left", "failed"):
             raise Violation(f"{learner['id']} is still {learner['state']} at the end")
@@ -303,8 +307,9 @@ def check_learners(summary: dict, endpoints: list[dict], alive=None) -> None:
     if summary.get("missing"):
         raise Violation(f"launches that never joined: {summary['missing']}")
     for e in endpoints:
-        if alive(e["pid"]):
-            raise Violation(f"{e['role']} {e.get('id', '')} (pid {e['pid']}) is still running after the run".replace("  ", " "))
+        if _alive(e["pid"]):
+            who = f"{e['role']} {e['id']}" if e.get("id") else e["role"]
+            raise Violation(f"{who} (pid {e['pid']}) is still running after the run")
 
 
 def _alive(pid: int) -> bool:
@@ -405,11 +410,8 @@ def recovery(tapes: dict[int, list[dict]], chaos: list[dict]) -> dict:
     """Per fault kind that cuts pushes off (``CUTTING`` and ``cut-shard``): seconds from a
     heal to its victim's next accepted push on a shard it had been cut off (median, max,
     count); victims that never pushed again (failed, replaced) are not counted."""
-    pushes: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for shard, records in tapes.items():
-        for r in records:
-            if r["kind"] == "push" and r["outcome"] != "duplicate":
-                pushes[(shard, r["learner"])].append(r["t"])
+    pushes = {(shard, learner): times for shard, records in tapes.items()
+              for learner, times in _push_times(records).items()}
     started = {}
     waits: dict[str, list[float]] = defaultdict(list)
     for c in chaos:
@@ -418,7 +420,7 @@ def recovery(tapes: dict[int, list[dict]], chaos: list[dict]) -> dict:
         elif c["kind"] == "heal" and (c["fault"], c["learners"][0]) in started:
             shard = started.pop((c["fault"], c["learners"][0]))
             learner = c["learners"][0]
-            nexts = [next((t for t in pushes[(s, learner)] if t >= c["t"]), None)
+            nexts = [next((t for t in pushes.get((s, learner), ()) if t >= c["t"]), None)
                      for s in (tapes if shard is None else [shard])]
             nexts = [t for t in nexts if t is not None]
             if nexts:

@@ -2,8 +2,6 @@
 shards on loopback (issue "Trust nothing on the wire"): each case failed on the code before
 the fix, and each now gets a specific status and leaves the service serving."""
 
-import asyncio
-
 import grpc
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from tools.cli.main import build_parser
 from diloco.codec import EncodedTensor, TensorSpec, checksum
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.snapshots import files_of
-from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, syncer_pb2, syncer_pb2_grpc
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, syncer_pb2
 from diloco.convert import push_meta_to_proto
 from diloco.wire import PushMeta
 from tests.grpc.conftest import SECRET, client_for, run, running_shard
@@ -72,20 +70,18 @@ def test_a_push_whose_upload_outlasts_its_learners_lease_is_refused_when_it_arri
     (its upload stalled on a cut link) was accepted once it arrived, after the failure."""
     async def scenario():
         async with running_shard(tmp_path, learners=("L0",)) as (server, address):
-            header, *chunks = fp32_push(FakeLearner.of(server, "L0"), 0.001)
-            metadata = [("x-diloco-learner", "L0"), ("x-diloco-credential", auth.sign(SECRET, "L0"))]
-            async with grpc.aio.insecure_channel(address) as channel:
-                call = syncer_pb2_grpc.SyncerStub(channel).PushFragment(metadata=metadata, timeout=10)
-                await call.write(header)  # the header passes: L0 is live
-                await asyncio.sleep(0.2)
-                server.runtime.membership("failed", "L0")  # its lease ran out mid-upload
-                for chunk in chunks:
-                    await call.write(chunk)
-                await call.done_writing()
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    _ = [r async for r in call]
+            core = server.runtime.core
+            check_header = core.check_header
+
+            def header_then_failure(meta):
+                check_header(meta)  # the header passes: L0 is live
+                server.runtime.membership("failed", "L0")  # its lease runs out while the payload comes
+
+            core.check_header = header_then_failure
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_push(address, "L0", fp32_push(FakeLearner.of(server, "L0"), 0.001))
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "marked failed" in info.value.details()
-            assert server.runtime.counters.pushes == 0 and server.runtime.core.fragments[0].version == 0
+            assert server.runtime.counters.pushes == 0 and core.fragments[0].version == 0
     run(scenario())
 
 
