@@ -217,6 +217,21 @@ def parse_learner_device(text: str) -> tuple[int, str]:
     return index, device
 
 
+def fault_spans(chaos: list[dict], end: float | None = None) -> list[tuple[dict, str, float, float | None]]:
+    """From ``chaos.jsonl``'s records: (the fault's record, a victim, when it began, when it
+    healed) for each victim of each network fault; a fault never healed ends at ``end``."""
+    opened: dict[tuple[str, str], tuple[dict, float]] = {}
+    spans = []
+    for c in chaos:
+        for learner in c.get("learners", ()) if c["kind"] in ("fault", "heal") else ():
+            if c["kind"] == "fault":
+                opened[(c["fault"], learner)] = (c, c["t"])
+            elif (began := opened.pop((c["fault"], learner), None)) is not None:
+                spans.append((began[0], learner, began[1], c["t"]))
+    spans += [(fault, learner, t, end) for (_, learner), (fault, t) in opened.items()]
+    return spans
+
+
 def learner_pid(member: dict) -> int | None:
     """Learners report ``host:pid`` as their address when they join."""
     try:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from diloco.errors import DilocoError, NotFound
 from diloco.tape import read_tape
+from tools.chaos import fault_spans
 from tools.metrics import expected_period
 
 logger = logging.getLogger(__name__)
@@ -221,17 +222,9 @@ def reachable(shard: int, records: list[dict], chaos: list[dict], end: float) ->
     a learner on, until it failed, left or was killed, or a fault cut it off that shard
     (then from its next accepted push on); minus the times the shard was down."""
     cuts: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    open_faults: dict[tuple[str, str], float] = {}
-    for c in chaos:
-        if c["kind"] == "fault" and (c["fault"] in CUTTING or (c["fault"] == "cut-shard" and c.get("shard") == shard)):
-            for learner in c["learners"]:
-                open_faults[(c["fault"], learner)] = c["t"]
-        elif c["kind"] == "heal":
-            for learner in c["learners"]:
-                if (start := open_faults.pop((c["fault"], learner), None)) is not None:
-                    cuts[learner].append((start, c["t"]))
-    for (_, learner), start in open_faults.items():
-        cuts[learner].append((start, end))
+    for fault, learner, start, healed in fault_spans(chaos, end):
+        if fault["fault"] in CUTTING or (fault["fault"] == "cut-shard" and fault.get("shard") == shard):
+            cuts[learner].append((start, healed))
     ends: dict[str, float] = {}
     for life in _lives(records):
         failed, left = _departures(life)
@@ -412,19 +405,16 @@ def recovery(tapes: dict[int, list[dict]], chaos: list[dict]) -> dict:
     count); victims that never pushed again (failed, replaced) are not counted."""
     pushes = {(shard, learner): times for shard, records in tapes.items()
               for learner, times in _push_times(records).items()}
-    started = {}
     waits: dict[str, list[float]] = defaultdict(list)
-    for c in chaos:
-        if c["kind"] == "fault" and (c["fault"] in CUTTING or c["fault"] == "cut-shard"):
-            started[(c["fault"], c["learners"][0])] = c.get("shard")
-        elif c["kind"] == "heal" and (c["fault"], c["learners"][0]) in started:
-            shard = started.pop((c["fault"], c["learners"][0]))
-            learner = c["learners"][0]
-            nexts = [next((t for t in pushes.get((s, learner), ()) if t >= c["t"]), None)
-                     for s in (tapes if shard is None else [shard])]
-            nexts = [t for t in nexts if t is not None]
-            if nexts:
-                waits[c["fault"]].append(min(nexts) - c["t"])
+    for fault, learner, _, healed in fault_spans(chaos):
+        if healed is None or not (fault["fault"] in CUTTING or fault["fault"] == "cut-shard"):
+            continue
+        shard = fault.get("shard")
+        nexts = [next((t for t in pushes.get((s, learner), ()) if t >= healed), None)
+                 for s in (tapes if shard is None else [shard])]
+        nexts = [t for t in nexts if t is not None]
+        if nexts:
+            waits[fault["fault"]].append(min(nexts) - healed)
     return {k: {"median": round(statistics.median(v), 2), "max": round(max(v), 2), "n": len(v)}
             for k, v in sorted(waits.items())}
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from diloco.errors import NotFound
 from diloco.tape import read_tape
+from tools.chaos import fault_spans
 
 COLORS = {
     "starting": "#f2c14e",
@@ -84,17 +85,13 @@ def draw_timeline(run_dir: Path, out: Path | None = None) -> Path:
         label = learner + (f" ({first['slow_factor']:g}x slower)" if first.get("slow_factor", 1) > 1 else "")
         lanes[y] = label
     lane_of = {learner: y for y, learner in enumerate(order, start=len(rounds))}
-    opened: dict[tuple[str, str], float] = {}
-    for c in chaos:  # network faults: a hatched box over each victim's lane, fault to heal
-        for learner in c.get("learners", ()) if c["kind"] in ("fault", "heal") else ():
-            if c["kind"] == "fault":
-                opened[(c["fault"], learner)] = c["t"]
-            elif (start := opened.pop((c["fault"], learner), None)) is not None and learner in lane_of:
-                y = lane_of[learner]
-                ax.broken_barh([(start - t0, c["t"] - start)], (y - 0.45, 0.9), facecolor="none",
-                               edgecolor=FAULT_COLOR, hatch="///", linewidth=0.8)
-                ax.text(start - t0, y - 0.47, c["fault"], fontsize=6, color=FAULT_COLOR, va="bottom")
-                seen.add("network fault")
+    for fault, learner, start, healed in fault_spans(chaos, end):  # a hatched box over each victim's lane
+        if learner in lane_of:
+            y = lane_of[learner]
+            ax.broken_barh([(start - t0, healed - start)], (y - 0.45, 0.9), facecolor="none",
+                           edgecolor=FAULT_COLOR, hatch="///", linewidth=0.8)
+            ax.text(start - t0, y - 0.47, fault["fault"], fontsize=6, color=FAULT_COLOR, va="bottom")
+            seen.add("network fault")
     for y, (shard, times) in enumerate(rounds.items()):
         ax.vlines([t - t0 for t in times], y - 0.35, y + 0.35, color="#333333", linewidth=0.6)
         lanes[y] = f"{shard} round closes"
