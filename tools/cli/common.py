@@ -106,6 +106,20 @@ def parse_grace(value: str) -> tuple[str, float]:
     return "fixed", seconds
 
 
+_COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+
+def parse_count(value: str) -> int:
+    """A positive count, plain (``1048576``) or with a decimal or binary suffix (``4M``, ``1Mi``)."""
+    text = value.strip()
+    digits = text.rstrip("KMGi")
+    suffix = text[len(digits):]
+    if suffix not in _COUNT_SUFFIXES or not digits.isdigit() or int(digits) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive whole number, optionally with K, M, G (x1000) or Ki, Mi, Gi (x1024), got {value!r}")
+    return int(digits) * _COUNT_SUFFIXES[suffix]
+
+
 def add_grace_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, name: str,
                    help: str, taken=None) -> argparse.Action:
     """``--grace auto|off|SECONDS`` with ``cls.name``'s default (a grace mode, or a

@@ -14,7 +14,7 @@ from diloco.errors import InvalidArgument
 from learner.config import DELTA_CODECS
 from syncer.config import DOWNLINKS, MERGE_MODES, SCALE_MODES
 from tools.chaos import DEFAULT_FAULT_S, FAULT_KINDS, RESTART_SOURCES, ChaosConfig
-from tools.cli.common import add_grace_flag, add_run_config, build_run_config
+from tools.cli.common import add_grace_flag, add_run_config, build_run_config, parse_count
 from tools.cli.settings import add_config_flag, add_flag, from_flags
 from tools.local.config import LocalConfig
 
@@ -69,7 +69,8 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     codec.add_argument("--json", action="store_true", help="print one JSON object")
     codec.set_defaults(func=_bench_codec)
     sync = kinds.add_parser("syncer", help="one shard's ingress vs raw loopback TCP, merge time vs memcpy, memory")
-    sync.add_argument("--params", type=int, default=4 * 1024 * 1024, help="parameters of the shard's fragment (default 4Mi)")
+    sync.add_argument("--params", type=parse_count, default="4Mi",
+                      help="parameters of the shard's fragment, a multiple of 1024 (1048576, 1Mi, 64Mi; default 4Mi)")
     sync.add_argument("--learners", type=int, default=8, help="client processes pushing (default 8)")
     sync.add_argument("--rounds", type=int, default=30, help="rounds to measure, after one warm-up round (default 30)")
     sync.add_argument("--json", action="store_true", help="print one JSON object")
