@@ -93,8 +93,9 @@ class MergeConfig:
     R updates). condensed: one int4 update, the global values minus the learner's anchor
     as the shard mirrors it; the mirror advances by exactly what the learner adds, so the
     rounding error is sent with the next reply (error feedback) and a learner stays within
-    one int4 step of the global values. Costs the shard a float32 copy of its fragments
-    per learner. Measured in docs/results/downlink/."""
+    one int4 step of the global values. Costs the shard about a byte per parameter per
+    learner (``syncer.core.mirrors``: an int8 difference from a shared base, its drift
+    accounted). Measured in docs/results/compare-condensed/ and docs/results/scale/."""
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_MODES:

@@ -33,9 +33,10 @@ from diloco.wire import PushMeta
 from syncer import snapshot as snapshot_files
 from syncer.core import snapshot
 from syncer.core.bounds import choose_anchor
+from syncer.core.mirrors import base_of, exact
 from syncer.core.rounds import Close
 from syncer.core.shard import (
-    DUPLICATE, Ack, FragmentUpdate, Mirror, PushPayload, RoundJob, ShardCore, Segment, compute_round, condense,
+    DUPLICATE, Ack, FragmentUpdate, PushPayload, RoundJob, ShardCore, Segment, compute_round, condense,
     condense_replies,
 )
 from syncer.pushlog import PushLogWriter
@@ -479,11 +480,11 @@ class ShardRuntime:
     async def _apply_round(self, job: RoundJob) -> None:
         started = time.perf_counter()
         try:
-            def compute() -> tuple[Segment, dict]:
+            def compute() -> tuple[Segment, tuple]:
                 update = compute_round(job, self.core.cfg)
                 return update, condense_replies(job, self.core.cfg)
 
-            update, condensed = await asyncio.to_thread(compute)
+            update, (condensed, base) = await asyncio.to_thread(compute)
         except Exception as error:  # a bug or an input nothing at the door foresaw: keep serving
             logger.exception("fragment %d: round %d failed; its deltas are dropped", job.fragment.id, job.version)
             self.core.fail_round(job, f"{type(error).__name__}: {error}"[:200], self._monotonic())
@@ -491,7 +492,7 @@ class ShardRuntime:
                          participants=[p.meta.learner_id for p in job.pushes], error=f"{type(error).__name__}: {error}"[:500])
             return
         merge_s = time.perf_counter() - started
-        self.core.finish_round(job, update, self._monotonic(), condensed)
+        self.core.finish_round(job, update, self._monotonic(), condensed, base)
         self.counters.rounds += 1
         self._trace_round(job, merge_s)
         participants = [p.meta.learner_id for p in job.pushes]
@@ -591,10 +592,13 @@ class ShardRuntime:
                 initial = await asyncio.to_thread(self._initial_values, fragment_id, have)
                 if initial is not None:
                     fragment = core.state_of(fragment_id).fragment
-                    target = [np.frombuffer(t.payload, dtype="<f4") for t in full.tensors]
-                    scratch = np.empty(max(p.numel for p in fragment.pieces), dtype=np.float32)
-                    tensors = await asyncio.to_thread(condense, fragment, target, initial, scratch, core.cfg)
-                    core.set_mirror(fragment_id, learner_id, Mirror(full.version, initial))
+                    base = core.base_for(fragment_id, full)
+                    mirror = exact(base_of(0, initial, copy=False))
+                    size = max(p.numel for p in fragment.pieces)
+                    tensors = await asyncio.to_thread(condense, fragment, base.values, mirror, base, np.empty(size, np.float32),
+                                                      np.empty(size, np.float32), core.cfg)
+                    mirror.version = full.version
+                    core.set_mirror(fragment_id, learner_id, mirror)
                     return FragmentUpdate(fragment_id, 0, full.version, (Segment(full.version, "delta", tensors),))
         if learner_id is not None:
             core.mirror(fragment_id, learner_id, full)
@@ -776,7 +780,8 @@ class ShardRuntime:
                 if not waiter.future.done():
                     waiter.future.cancel()
         self._record("stop", rounds=self.counters.rounds, pushes=self.counters.pushes,
-                     bytes_received=self.counters.bytes_received, bytes_sent=self.counters.bytes_sent)
+                     bytes_received=self.counters.bytes_received, bytes_sent=self.counters.bytes_sent,
+                     drift_resets=self.core.drift_resets)
         if self.tape is not None:
             self.tape.close()
             self.tape = None  # "stop" is its last record: replies still going out are not taped

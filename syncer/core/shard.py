@@ -34,6 +34,7 @@ from diloco.wire import MAX_VERSION, PushMeta
 from syncer.config import SyncerConfig
 from syncer.core.bounds import REFERENCE_DECAY, Influence, Push, gate
 from syncer.core.merge import Contribution, merge_piece, raw_weight, token_weights
+from syncer.core.mirrors import Base, Mirror, base_of, exact, int4_rounding_sq, rebase, store
 from syncer.core.outer import outer_step_
 from syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
 
@@ -106,15 +107,6 @@ class FragmentUpdate:
 
 
 @dataclass
-class Mirror:
-    """A learner's anchor of a fragment, bit for bit as the shard sent it: ``values`` at
-    ``version``. Condensed replies are taken against it (``MergeConfig.downlink``)."""
-
-    version: int
-    values: list[np.ndarray]
-
-
-@dataclass
 class FragmentState:
     fragment: Fragment
     params: list[np.ndarray]
@@ -141,7 +133,16 @@ class FragmentState:
     """The round's fp32 merge buffer, as large as the fragment's largest piece, kept across
     rounds: a fresh one per round cost a page fault per 4 KiB, a fifth of the shard's CPU."""
     mirrors: dict[str, Mirror] = field(default_factory=dict)
-    """Each learner's anchor, for condensed replies."""
+    """Each learner's anchor, for condensed replies (``syncer.core.mirrors``)."""
+    base: Base | None = None
+    """The newest base the mirrors are stored against, and the one before (which mirrors
+    not answered since still use)."""
+    previous_base: Base | None = None
+    answers: int = 0
+    """Condensed replies stored against the newest base."""
+    scratch: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))
+    """A second float32 buffer like ``merge_buffer``: a learner's anchor while its
+    condensed reply is computed."""
     condensed: dict[str, tuple[int, Segment]] = field(default_factory=dict)
     """Condensed replies the last round made: learner -> (its base version, the update to
     ``version``)."""
@@ -181,6 +182,12 @@ class RoundJob:
     mirrors: tuple[tuple[str, int, Mirror], ...] = ()
     """(learner, its push's base version, its mirror) for each pusher whose anchor the
     shard mirrors at that base: ``condense_replies`` answers them."""
+    base: Base | None = None
+    """The base the round's mirrors are stored against; None: a fresh one of the round's
+    values (``syncer.core.mirrors``)."""
+    stale: tuple[Mirror, ...] = ()
+    """Mirrors on a base older than the two kept: ``condense_replies`` moves them."""
+    scratch: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float32))
     clip: tuple[float, ...] = ()
     """The factor each push's delta is scaled by for its norm (``syncer.core.bounds``);
     empty: all 1."""
@@ -269,39 +276,52 @@ def _gates(job: RoundJob) -> tuple[float, ...]:
     return gates
 
 
-def condense_replies(job: RoundJob, cfg: SyncerConfig) -> dict[str, tuple[int, Segment]]:
+def condense_replies(job: RoundJob, cfg: SyncerConfig) -> tuple[dict[str, tuple[int, Segment]], Base | None]:
     """After ``compute_round``, in the same worker thread: for each mirrored pusher, one
-    update from its anchor to the new global values (``condense``). Returns learner ->
-    (base version, segment)."""
+    update from its anchor to the new global values (``condense``), its mirror stored
+    against the round's base (``job.base``, or a fresh one of the new values), then the
+    stale mirrors moved onto it. Returns (learner -> (base version, segment), that base)."""
+    if not job.mirrors and not job.stale:
+        return {}, None
+    base = job.base or base_of(job.version, job.params, copy=True)
     replies = {}
-    for learner, base, mirror in job.mirrors:
-        tensors = condense(job.fragment, job.params, mirror.values, job.merge_buffer, cfg)
+    for learner, version, mirror in job.mirrors:
+        tensors = condense(job.fragment, job.params, mirror, base, job.merge_buffer, job.scratch, cfg)
         mirror.version = job.version
-        replies[learner] = (base, Segment(job.version, "delta", tensors))
-    return replies
+        replies[learner] = (version, Segment(job.version, "delta", tensors))
+    for mirror in job.stale:
+        rebase(mirror, base, job.scratch)
+    return replies, base
 
 
-def condense(fragment: Fragment, target: Sequence[np.ndarray], anchor: list[np.ndarray], scratch: np.ndarray,
-             cfg: SyncerConfig) -> tuple[EncodedTensor, ...]:
-    """One update taking a learner's ``anchor`` to the ``target`` values (int4; buffers
-    fp32), and ``anchor`` advanced in place by exactly what the learner will add
-    (``dequantize_payload`` is the learner's ``decode``; both then add in float32). What
-    int4 rounds away stays in the difference the next update sends. ``scratch``: float32,
-    as large as the largest piece."""
+def condense(fragment: Fragment, target: Sequence[np.ndarray], mirror: Mirror, base: Base, scratch: np.ndarray,
+             anchor: np.ndarray, cfg: SyncerConfig) -> tuple[EncodedTensor, ...]:
+    """One update taking a learner's anchor (as ``mirror`` holds it) to the ``target``
+    values (int4; buffers fp32), and ``mirror`` advanced by exactly what the learner will
+    add (``dequantize_payload`` is the learner's ``decode``; both add in float32), stored
+    against ``base``. What int4 rounds away stays in the difference the next update sends
+    (``mirror.residual_sq``). ``scratch``, ``anchor``: float32, as large as the largest piece."""
     m = cfg.merge
     tensors = []
+    residual_sq = rounding_sq = 0.0
     for index, piece in enumerate(fragment.pieces):
-        values = anchor[index].reshape(-1)
+        values = mirror.anchor_into(index, anchor[: piece.numel])
+        goal = np.asarray(target[index]).reshape(-1)
         update = scratch[: piece.numel]
-        np.subtract(np.asarray(target[index]).reshape(-1), values, out=update)
+        np.subtract(goal, values, out=update)
         if piece.buffer:
             encoded = encode(piece.name, update.reshape(piece.shape), encoding="fp32")
         else:
+            rounding_sq += int4_rounding_sq(update, m.block_size)
             encoded = encode(piece.name, update.reshape(piece.shape), encoding="int4", block_size=m.block_size,
                              scale_dtype=m.scale_dtype)
             dequantize_payload(encoded.payload, piece.numel, m.block_size, m.scale_dtype, out=update)
         np.add(values, update, out=values)
+        np.subtract(goal, values, out=update)
+        residual_sq += float(np.dot(update, update))
+        store(mirror, index, values, base)
         tensors.append(encoded)
+    mirror.base, mirror.residual_sq, mirror.rounding_sq = base, residual_sq, rounding_sq
     return tuple(tensors)
 
 
@@ -354,6 +374,8 @@ class ShardCore:
         self.fragments: dict[int, FragmentState] = {}
         self.pushes_received = 0
         self.rounds_closed = 0
+        self.drift_resets = 0
+        """Pushes answered with full values because their mirror had drifted."""
         if plan is not None:
             self.adopt_plan(plan, manifest_json)
             for fragment in self.owned:
@@ -594,6 +616,19 @@ class ShardCore:
                 state.departed[p.meta.learner_id] = state.version + len(members - pushed) + 1
         opened = state.opened_at if state.opened_at is not None else now
         quorum_s = (state.quorum_at - opened) if state.quorum_at is not None else now - opened
+        # A drifted mirror is not answered: its learner gets the full values (``_condensed``).
+        answerable = [(p.meta.learner_id, p.meta.base_version, mirror) for p in pushes
+                      if not p.meta.final and (mirror := state.mirrors.get(p.meta.learner_id)) is not None
+                      and mirror.version == p.meta.base_version]
+        mirrored = tuple(a for a in answerable if not a[2].drifted)
+        self.drift_resets += len(answerable) - len(mirrored)
+        # A fresh base once as many replies as there are mirrors were stored against the
+        # newest (``syncer.core.mirrors``).
+        fresh = state.base is None or state.answers >= len(state.mirrors)
+        base = None if fresh else state.base
+        kept = [state.base] if fresh else [state.base, state.previous_base]
+        if state.scratch.size < state.merge_buffer.size:
+            state.scratch = np.empty_like(state.merge_buffer)
         job = RoundJob(
             fragment=state.fragment,
             version=state.version + 1,
@@ -612,11 +647,11 @@ class ShardCore:
             clip=tuple(bounds[p.meta.learner_id].clip if p.meta.learner_id in bounds else 1.0 for p in pushes),
             agreement=tuple(bounds[p.meta.learner_id].agreement if p.meta.learner_id in bounds else None for p in pushes),
             reference=tuple(state.reference),
-            mirrors=tuple(
-                (p.meta.learner_id, p.meta.base_version, mirror) for p in pushes
-                if not p.meta.final
-                and (mirror := state.mirrors.get(p.meta.learner_id)) is not None and mirror.version == p.meta.base_version
-            ),
+            mirrors=mirrored,
+            base=base,
+            stale=tuple(m for m in state.mirrors.values() if m.base is not base and m.base not in kept
+                        and all(m is not n for _, _, n in mirrored)),
+            scratch=state.scratch,
         )
         state.applying = True
         state.open = {}
@@ -625,8 +660,9 @@ class ShardCore:
         return job
 
     def finish_round(self, job: RoundJob, update: Segment, now: float,
-                     condensed: Mapping[str, tuple[int, Segment]] | None = None) -> None:
-        """``condensed``: ``condense_replies``'s answers to the round's mirrored pushers."""
+                     condensed: Mapping[str, tuple[int, Segment]] | None = None, base: Base | None = None) -> None:
+        """``condensed``, ``base``: ``condense_replies``'s answers to the round's mirrored
+        pushers, and the base their mirrors are stored against."""
         state = self.state_of(job.fragment.id)
         if not state.applying or job.version != state.version + 1:
             raise FailedPrecondition(f"round for version {job.version} does not fit fragment at {state.version}")
@@ -635,6 +671,9 @@ class ShardCore:
         # A mirror replaced while the round ran (the learner bootstrapped again) keeps its own.
         mirrored = {learner: mirror for learner, _, mirror in job.mirrors if state.mirrors.get(learner) is mirror}
         state.condensed = {learner: reply for learner, reply in (condensed or {}).items() if learner in mirrored}
+        if base is not None:
+            self._use_base(state, base)
+            state.answers += len(mirrored)
         state.full_cache = None
         state.applying = False
         state.last_reason = job.reason
@@ -659,8 +698,9 @@ class ShardCore:
         state.version = job.version
         state.chain.clear()
         state.condensed = {}
-        for learner, _, mirror in job.mirrors:  # the worker may have advanced them: forget them
-            if state.mirrors.get(learner) is mirror:
+        touched = [mirror for _, _, mirror in job.mirrors] + list(job.stale)
+        for learner, mirror in list(state.mirrors.items()):  # the worker may have moved them: forget them
+            if any(mirror is m for m in touched):
                 del state.mirrors[learner]
         state.full_cache = state.norm_cache = None
         state.applying = False
@@ -713,8 +753,25 @@ class ShardCore:
         """The learner holds the fragment's full values ``full`` (a bootstrap, a full
         reply): mirror them, for condensed replies (``mirrors_for``)."""
         if self.mirrors_for(learner_id):
-            values = [np.frombuffer(t.payload, dtype="<f4").astype(np.float32).reshape(t.spec.shape) for t in full.tensors]
-            self.set_mirror(fragment_id, learner_id, Mirror(full.version, values))
+            self.set_mirror(fragment_id, learner_id, exact(self.base_for(fragment_id, full)))
+
+    def base_for(self, fragment_id: int, full: Segment) -> Base:
+        """The fragment's base at ``full``'s version (its values, as ``full`` holds them):
+        the newest base when it is at that version, else a new newest one, read in place
+        from ``full``."""
+        state = self.state_of(fragment_id)
+        if state.base is not None and state.base.version == full.version:
+            return state.base
+        base = base_of(full.version, [np.frombuffer(t.payload, dtype="<f4") for t in full.tensors], copy=False)
+        self._use_base(state, base)
+        return base
+
+    @staticmethod
+    def _use_base(state: FragmentState, base: Base) -> None:
+        """``base`` becomes the newest (unless a newer one came meanwhile); the mirrors on
+        the one before last move at the next round (``RoundJob.stale``)."""
+        if state.base is None or base.version > state.base.version:
+            state.previous_base, state.base, state.answers = state.base, base, 0
 
     def set_mirror(self, fragment_id: int, learner_id: str, mirror: Mirror) -> None:
         """``mirror`` is the learner's anchor of the fragment (for ``mirrors_for`` only: a

@@ -24,7 +24,7 @@ from syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, client_for, run
 from tests.grpc.test_syncer_service import FakeLearner
 from tests.seeded import gpt_run, model_plan
-from tests.checks import assert_same_tensors
+from tests.checks import assert_mirrored, assert_same_tensors
 
 MANIFEST, PLAN, STATE = model_plan(TINY)
 
@@ -89,7 +89,7 @@ def test_a_learner_joining_late_downloads_one_int4_update_from_the_seed(tmp_path
     """A learner joining a run in progress holds the seed, as every learner builds it: with
     condensed replies the shard answers its Bootstrap with one int4 update from the
     fragment's initial values (kept on disk) and mirrors the result, which the learner
-    reaches bit for bit, so its next reply is condensed too; with chains, full values."""
+    reaches (up to the drift the shard accounts), so its next reply is condensed too; with chains, full values."""
     async def scenario():
         async with empty_shard(tmp_path, learners=("L0", "L1", "L2"), merge=MergeConfig(downlink=downlink)) as (server, address):
             seed = [t.float().clone() for t in PLAN.gather(0, STATE)]
@@ -117,7 +117,7 @@ def test_a_learner_joining_late_downloads_one_int4_update_from_the_seed(tmp_path
                 assert update.wire_bytes < full_bytes / 6
                 anchor = update.apply_to(seed)
                 params = [torch.from_numpy(p.copy()) for p in core.fragments[0].params]
-                assert_same_tensors(anchor, core.fragments[0].mirrors["L2"].values)
+                assert_mirrored(anchor, core.fragments[0].mirrors["L2"])
                 moved = max(float((p - s).abs().max()) for p, s in zip(params, seed))
                 assert moved > 0.01
                 # Within one int4 step (absmax / 7 of a block) of the global values.
@@ -126,7 +126,7 @@ def test_a_learner_joining_late_downloads_one_int4_update_from_the_seed(tmp_path
                 joined.version = update.version
                 reply = (await joined.push(c2)).update
                 assert [s.kind for s in reply.segments] == ["delta"] and reply.version == 4
-                assert_same_tensors(joined.anchor, core.fragments[0].mirrors["L2"].values)
+                assert_mirrored(joined.anchor, core.fragments[0].mirrors["L2"])
         sent = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "sent" and r["what"] == "bootstrap"]
         assert [r["learner"] for r in sent] == ["L2", "L2"]
 

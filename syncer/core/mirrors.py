@@ -1,0 +1,151 @@
+"""What a shard remembers of each learner's anchor, for condensed replies
+(``MergeConfig.downlink``): a shared float32 *base* per fragment (its values at a recent
+version) and, per learner, the anchor's difference from that base in int8 blocks: 1 byte per
+parameter and a float32 scale per ``BLOCK`` (1.008 bytes per parameter in all).
+
+An exact float32 mirror cost 4 bytes per parameter per learner: at 64 learners, 20x the
+fragment. An int8 residual is not exact: each time the shard stores one it rounds, and the
+learner's real anchor (which adds exactly the int4 updates it is sent) drifts from the
+shard's belief by the sum of those roundings. The shard accounts for it: ``drift_sq`` sums
+their squared norms (the expected squared norm of that random walk), ``residual_sq`` is the
+int4 rounding the last reply left (what an exact mirror would also carry to the next one);
+a learner whose drift outgrows that rounding gets the fragment's full values next (exact:
+its drift is 0 again; ``drifted``).
+
+A base serves every mirror stored against it. A round makes a fresh one (a copy of the
+values) once the shard has answered as many condensed replies against the last as it holds
+mirrors: every round when all learners push in each, once per cycle of the learners when
+they take turns. Either way a learner's residual spans about what its reply did, so int8
+keeps its rounding near 1/18 of the reply's int4 step. The mirrors still on the base before
+last then move to the newest (``rebase``), so a fragment holds at most two bases between
+rounds (8 bytes per parameter, whatever the number of learners)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 512
+"""Parameters per int8 scale of a residual."""
+
+
+@dataclass(frozen=True, eq=False)
+class Base:
+    """A fragment's values at ``version``, flat float32 per piece; shared, never written."""
+
+    version: int
+    values: tuple[np.ndarray, ...]
+
+
+@dataclass(eq=False)
+class Mirror:
+    """A learner's anchor of a fragment at ``version``: ``base`` plus the int8 residual
+    (``codes`` x ``scales``, per piece), up to the accounted drift."""
+
+    version: int
+    base: Base
+    codes: list[np.ndarray]
+    scales: list[np.ndarray]
+    drift_sq: float = 0.0
+    residual_sq: float = 0.0
+    """What int4 rounded off the last reply (sent with the next): the squared norm."""
+    rounding_sq: float = 0.0
+    """What int4 rounding of the last reply was expected to cost (a uniform error of half a
+    step per value): the yardstick of the drift."""
+
+    @property
+    def drifted(self) -> bool:
+        """Whether the drift's expected norm exceeds what int4 rounding of one reply costs."""
+        return self.drift_sq > self.rounding_sq
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this learner's mirror holds (the base is shared)."""
+        return sum(c.nbytes + s.nbytes for c, s in zip(self.codes, self.scales))
+
+    def believed(self) -> list[np.ndarray]:
+        """The anchor as the shard believes it, flat float32 per piece (for checks)."""
+        return [self.anchor_into(i, np.empty(v.size, dtype=np.float32)) for i, v in enumerate(self.base.values)]
+
+    def anchor_into(self, index: int, out: np.ndarray) -> np.ndarray:
+        """Piece ``index`` of the anchor as the shard believes it, into ``out`` (float32, flat)."""
+        dequantize8(self.codes[index], self.scales[index], out)
+        np.add(out, self.base.values[index], out=out)
+        return out
+
+
+def base_of(version: int, values: Sequence[np.ndarray], copy: bool) -> Base:
+    """A base of ``values`` (flattened; copied when ``copy``: a fragment's own values move on)."""
+    flat = tuple(np.array(v, dtype=np.float32, copy=True).reshape(-1) if copy else np.asarray(v).reshape(-1)
+                 for v in values)
+    return Base(version, flat)
+
+
+def exact(base: Base) -> Mirror:
+    """The mirror of a learner whose anchor is ``base``'s values (a bootstrap, a full reply)."""
+    return Mirror(base.version, base,
+                  [np.zeros(v.size, dtype=np.int8) for v in base.values],
+                  [np.zeros(-(-v.size // BLOCK), dtype=np.float32) for v in base.values])
+
+
+def store(mirror: Mirror, index: int, anchor: np.ndarray, base: Base) -> None:
+    """Piece ``index`` of the learner's ``anchor`` (float32, flat; overwritten) stored
+    against ``base``; its rounding goes to the drift."""
+    np.subtract(anchor, base.values[index], out=anchor)
+    mirror.drift_sq += quantize8(anchor, mirror.codes[index], mirror.scales[index])
+
+
+def rebase(mirror: Mirror, base: Base, scratch: np.ndarray) -> None:
+    """Move ``mirror`` onto ``base`` (its old base can then be freed)."""
+    if mirror.base is base:
+        return
+    for index, values in enumerate(base.values):
+        store(mirror, index, mirror.anchor_into(index, scratch[: values.size]), base)
+    mirror.base = base
+
+
+def int4_rounding_sq(update: np.ndarray, block_size: int) -> float:
+    """The expected squared norm of int4 rounding of ``update`` (flat float32): a step of
+    absmax / 7 per block, its values off by a uniform error of at most half of it."""
+    total = 0.0
+    for view in _blocks(update, block_size):
+        step = np.abs(view).max(axis=1).astype(np.float64) / 7
+        total += float(np.dot(step, step)) * view.shape[1] / 12
+    return total
+
+
+def _blocks(x: np.ndarray, size: int = BLOCK) -> list[np.ndarray]:
+    """2-D views of flat ``x``: its whole blocks, then the rest as a block of its own."""
+    whole = x.size // size * size
+    views = [x[:whole].reshape(-1, size)] if whole else []
+    if whole < x.size:
+        views.append(x[whole:].reshape(1, -1))
+    return views
+
+
+def quantize8(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> float:
+    """``x`` (float32, flat) into int8 ``codes`` (symmetric, round to nearest) and a float32
+    scale per block; returns the squared norm of what rounding lost, as ``dequantize8``
+    decodes it."""
+    lost, first = 0.0, 0
+    for view, code in zip(_blocks(x), _blocks(codes)):
+        scale = (np.abs(view).max(axis=1) / np.float32(127)).astype(np.float32)
+        q = np.rint(view / np.where(scale > 0, scale, np.float32(1))[:, None])
+        np.clip(q, -127, 127, out=q)
+        code[...] = q
+        np.multiply(q, scale[:, None], out=q)
+        np.subtract(view, q, out=q)
+        lost += float(np.einsum("ij,ij->", q, q, dtype=np.float64))
+        scales[first : first + len(scale)] = scale
+        first += len(scale)
+    return lost
+
+
+def dequantize8(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> np.ndarray:
+    first = 0
+    for code, view in zip(_blocks(codes), _blocks(out)):
+        np.multiply(code, scales[first : first + len(code), None], out=view)
+        first += len(code)
+    return out

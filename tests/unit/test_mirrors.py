@@ -1,0 +1,125 @@
+"""A shard's memory of each learner's anchor (``syncer.core.mirrors``): the int8 residual
+codec, the drift it accounts for measured against learners that apply their replies as real
+learners do, the full reply that ends a drift, and what a shard holds per learner."""
+
+import numpy as np
+import pytest
+import torch
+
+from diloco.codec import decode
+from syncer.core.mirrors import BLOCK, dequantize8, quantize8
+from syncer.core.shard import compute_round, condense_replies
+from tests.unit.test_syncer_shard import Learner, make_shard
+
+
+@pytest.mark.parametrize("size", [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 77])
+def test_quantize8_rounds_each_value_to_half_a_step_and_reports_exactly_what_it_lost(size):
+    rng = np.random.default_rng(size)
+    x = (rng.standard_normal(size) * rng.uniform(1e-6, 10, size)).astype(np.float32)
+    if size > BLOCK:
+        x[:BLOCK] = 0  # a block of zeros comes back as zeros
+    codes, scales = np.empty(size, np.int8), np.empty(-(-size // BLOCK), np.float32)
+    lost = quantize8(x.copy(), codes, scales)
+    back = dequantize8(codes, scales, np.empty(size, np.float32))
+    assert lost == pytest.approx(float(np.sum((x.astype(np.float64) - back) ** 2)), rel=1e-5)
+    assert np.abs(codes.astype(int)).max() <= 127
+    step = np.repeat(scales, BLOCK)[:size]
+    assert np.all(np.abs(x - back) <= step / 2 * (1 + 1e-5) + 1e-30)
+    if size > BLOCK:
+        assert not back[:BLOCK].any() and scales[0] == 0
+
+
+def close_condensed(shard, fid, now):
+    """A round as the runtime runs it with condensed replies."""
+    job = shard.begin_round(fid, shard.decide(fid, now), now)
+    update = compute_round(job, shard.cfg)
+    replies, base = condense_replies(job, shard.cfg)
+    shard.finish_round(job, update, now + 0.01, replies, base)
+    return job
+
+
+def sq(values):
+    return sum(float(np.sum(np.asarray(v, dtype=np.float64) ** 2)) for v in values)
+
+
+def test_condensed_replies_keep_learners_near_the_global_values_and_the_drift_is_what_the_shard_accounts():
+    """Three learners take turns (each misses the others' rounds), for 120 rounds, and apply
+    their replies exactly as a learner does. Each time, the gap between a learner's real
+    anchor and the shard's belief of it has the squared norm the shard accounts for
+    (``drift_sq``: a sum of independent roundings, so within a factor of 2 here), and the
+    learner is as near the global values as the int4 rounding and that drift allow."""
+    shard, initial = make_shard(num_fragments=1, chain=2)
+    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
+    state = shard.fragments[0]
+    for learner in learners:
+        shard.mirror(0, learner.name, shard.full(0))
+    ratios, full_replies = [], 0
+    for rnd in range(120):
+        learner = learners[rnd % 3]
+        learner.push(0, now=rnd, scale=0.02)
+        close_condensed(shard, 0, now=rnd + 0.5)
+        update = shard.update_for(0, learner.version[0], learner.name)
+        full_replies += [s.kind for s in update.segments] == ["full"]
+        learner.apply(update)
+        mirror = state.mirrors[learner.name]
+        gap = sq(a.numpy().reshape(-1) - b for a, b in zip(learner.anchor[0], mirror.believed()))
+        if mirror.drift_sq:
+            ratios.append(gap / mirror.drift_sq)
+        else:
+            assert gap == 0  # a full reply: exact
+        off = sq(a.numpy() - p for a, p in zip(learner.anchor[0], state.params))
+        assert off <= 2 * (mirror.residual_sq + mirror.drift_sq) + 1e-12
+        if update.version - update.base_version > 1 and update.segments[0].kind == "delta":
+            assert 0 < mirror.residual_sq  # int4 rounded something away, sent with the next reply
+    assert len(ratios) > 60
+    assert 0.5 < float(np.median(ratios)) < 2 and max(ratios) < 4, ratios
+    # With the base refreshed once per three rounds, the drift stays well below the int4
+    # rounding: the full reply that would end it is rare.
+    assert full_replies <= 3
+
+
+def test_a_drifted_mirror_gets_full_values_and_is_exact_again():
+    shard, initial = make_shard(num_fragments=1)
+    learner = Learner("L0", shard, initial, seed=0)
+    shard.mirror(0, "L0", shard.full(0))
+    learner.push(0, now=0)
+    close_condensed(shard, 0, now=0.5)
+    learner.apply(update := shard.update_for(0, 0, "L0"))
+    assert [s.kind for s in update.segments] == ["delta"]
+    mirror = shard.fragments[0].mirrors["L0"]
+    mirror.drift_sq = 2 * mirror.rounding_sq  # as after many roundings
+    learner.push(0, now=1)
+    job = close_condensed(shard, 0, now=1.5)
+    assert job.mirrors == () and shard.drift_resets == 1  # not answered condensed
+    update = shard.update_for(0, 1, "L0")
+    assert [s.kind for s in update.segments] == ["full"]
+    learner.apply(update)
+    mirror = shard.fragments[0].mirrors["L0"]
+    assert mirror.drift_sq == 0 and not mirror.drifted
+    for mine, theirs in zip(learner.anchor[0], mirror.believed()):
+        assert torch.equal(mine.reshape(-1), torch.from_numpy(theirs))
+
+
+def test_a_shard_holds_about_a_byte_per_parameter_per_learner_and_at_most_two_bases():
+    """32 learners, most of whom miss many rounds: each mirror is its int8 codes and scales
+    (1 + 4/BLOCK bytes per parameter); every mirror sits on one of the two newest bases."""
+    names = [f"L{i}" for i in range(32)]
+    shard, initial = make_shard(num_fragments=1)
+    shard.set_membership(set(names), set())
+    learners = [Learner(n, shard, initial, seed=i) for i, n in enumerate(names)]
+    state = shard.fragments[0]
+    numel = sum(p.size for p in state.params)
+    for learner in learners:
+        shard.mirror(0, learner.name, shard.full(0))
+    rng = np.random.default_rng(0)
+    for rnd in range(100):
+        pushers = rng.choice(learners, size=3, replace=False)
+        for learner in pushers:
+            learner.push(0, now=rnd)
+        close_condensed(shard, 0, now=rnd + 0.5)
+        assert {id(m.base) for m in state.mirrors.values()} <= {id(state.base), id(state.previous_base)}
+        for learner in pushers:
+            learner.apply(shard.update_for(0, learner.version[0], learner.name))
+    assert len(state.mirrors) == 32
+    for mirror in state.mirrors.values():
+        assert mirror.nbytes <= numel * (1 + 4 / BLOCK) + 4 * len(state.params)
