@@ -24,6 +24,7 @@
 #include <Python.h>
 
 #include <float.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -1014,12 +1015,120 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* A shard's mirrors of learners' anchors (syncer/core/mirrors.py): an int8 difference
+ * from a shared float32 base, blocks of `block` values with a float32 scale. Each call is
+ * one pass over its arrays; the numpy fallback in mirrors.py computes the same float32
+ * operations in the same order (x = anchor - base; scale = absmax / 127; inverse =
+ * 1 / scale; q = rint(x * inverse); value = base + float(q) * scale), bit for bit. */
+
+PyDoc_STRVAR(mirror_store_doc,
+"mirror_store(anchor, base, codes, scales, n, block) -> float\n\n"
+"codes, scales <- the int8 blocks of anchor - base (float32 [n] each; codes int8 [n],\n"
+"scales float32 [ceil(n / block)]). Returns the expected squared norm of the rounding:\n"
+"sum of scale^2 * (values in the block) / 12.");
+
+static PyObject *py_mirror_store(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
+    Py_ssize_t n, block;
+    if (!PyArg_ParseTuple(args, "OOOOnn", &objs[0], &objs[1], &objs[2], &objs[3], &n, &block)) return NULL;
+    if (n < 0 || block <= 0) {
+        PyErr_SetString(PyExc_ValueError, "mirror_store needs n >= 0 and block > 0");
+        return NULL;
+    }
+    Py_ssize_t blocks = (n + block - 1) / block;
+    Py_buffer v[4] = {{0}};
+    const Py_ssize_t lens[4] = {n * 4, n * 4, n, blocks * 4};
+    const char *names[4] = {"anchor", "base", "codes", "scales"};
+    PyObject *result = NULL;
+    int got = 0;
+    for (; got < 4; got++) {
+        int flags = PyBUF_C_CONTIGUOUS | (got < 2 ? 0 : PyBUF_WRITABLE);
+        if (PyObject_GetBuffer(objs[got], &v[got], flags) < 0) goto done;
+        if (check_len(&v[got], lens[got], names[got]) < 0) {
+            got++;
+            goto done;
+        }
+    }
+    double lost = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    const float *anchor = (const float *)v[0].buf, *base = (const float *)v[1].buf;
+    int8_t *codes = (int8_t *)v[2].buf;
+    float *scales = (float *)v[3].buf;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        float absmax = 0.0f;
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            float x = fabsf(anchor[i] - base[i]);
+            if (x > absmax) absmax = x;
+        }
+        float scale = absmax / 127.0f;
+        float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        /* |q| <= 127 (the inverse of absmax / 127), so ROUND_MAGIC rounds half to even
+         * exactly as rint does, without a libm call per value. */
+        for (Py_ssize_t i = lo; i < hi; i++)
+            codes[i] = (int8_t)(int32_t)(((anchor[i] - base[i]) * inverse + ROUND_MAGIC) - ROUND_MAGIC);
+        scales[b] = scale;
+        lost += (double)scale * (double)scale * (double)(hi - lo) / 12.0;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyFloat_FromDouble(lost);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
+PyDoc_STRVAR(mirror_load_doc,
+"mirror_load(codes, scales, base, out, n, block) -> None\n\n"
+"out <- base + float(codes) * scale, block by block (float32 [n]).");
+
+static PyObject *py_mirror_load(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
+    Py_ssize_t n, block;
+    if (!PyArg_ParseTuple(args, "OOOOnn", &objs[0], &objs[1], &objs[2], &objs[3], &n, &block)) return NULL;
+    if (n < 0 || block <= 0) {
+        PyErr_SetString(PyExc_ValueError, "mirror_load needs n >= 0 and block > 0");
+        return NULL;
+    }
+    Py_ssize_t blocks = (n + block - 1) / block;
+    Py_buffer v[4] = {{0}};
+    const Py_ssize_t lens[4] = {n, blocks * 4, n * 4, n * 4};
+    const char *names[4] = {"codes", "scales", "base", "out"};
+    PyObject *result = NULL;
+    int got = 0;
+    for (; got < 4; got++) {
+        int flags = PyBUF_C_CONTIGUOUS | (got < 3 ? 0 : PyBUF_WRITABLE);
+        if (PyObject_GetBuffer(objs[got], &v[got], flags) < 0) goto done;
+        if (check_len(&v[got], lens[got], names[got]) < 0) {
+            got++;
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const int8_t *codes = (const int8_t *)v[0].buf;
+    const float *scales = (const float *)v[1].buf, *base = (const float *)v[2].buf;
+    float *out = (float *)v[3].buf;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        float scale = scales[b];
+        for (Py_ssize_t i = lo; i < hi; i++) out[i] = base[i] + (float)codes[i] * scale;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, quantize_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"axpy_many", py_axpy_many, METH_VARARGS, axpy_many_doc},
     {"outer_step", py_outer_step, METH_VARARGS, outer_doc},
     {"sumsq", py_sumsq, METH_VARARGS, sumsq_doc},
+    {"mirror_store", py_mirror_store, METH_VARARGS, mirror_store_doc},
+    {"mirror_load", py_mirror_load, METH_VARARGS, mirror_load_doc},
     {NULL, NULL, 0, NULL},
 };
 

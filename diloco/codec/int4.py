@@ -297,6 +297,12 @@ def dequantize_payload(payload: bytes | memoryview, numel: int, block_size: int,
     return out
 
 
+def int4_scales(payload: bytes | memoryview, numel: int, block_size: int, scale_dtype: str) -> np.ndarray:
+    """The scales of an int4 payload (after its nibbles): one per block, read in place."""
+    dtype = {"float16": "<f2", "float32": "<f4"}[scale_dtype]
+    return np.frombuffer(payload, dtype=dtype, count=num_blocks(numel, block_size), offset=packed_nbytes(numel))
+
+
 def quantize_to_payload(
     flat: np.ndarray,
     block_size: int,

@@ -7,10 +7,10 @@ An exact float32 mirror cost 4 bytes per parameter per learner: at 64 learners, 
 fragment. An int8 residual is not exact: each time the shard stores one it rounds, and the
 learner's real anchor (which adds exactly the int4 updates it is sent) drifts from the
 shard's belief by the sum of those roundings. The shard accounts for it: ``drift_sq`` sums
-their squared norms (the expected squared norm of that random walk), ``residual_sq`` is the
-int4 rounding the last reply left (what an exact mirror would also carry to the next one);
-a learner whose drift outgrows that rounding gets the fragment's full values next (exact:
-its drift is 0 again; ``drifted``).
+their expected squared norms (that of the random walk they make), ``rounding_sq`` the
+expected squared norm of the int4 rounding of the learner's last reply (what an exact
+mirror's learner carries too); a learner whose drift outgrows that rounding gets the
+fragment's full values next (exact: its drift is 0 again; ``drifted``).
 
 A base serves every mirror stored against it. A round makes a fresh one (a copy of the
 values) once the shard has answered as many condensed replies against the last as it holds
@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from diloco.codec.int4 import native
 
 BLOCK = 512
 """Parameters per int8 scale of a residual."""
@@ -49,8 +51,6 @@ class Mirror:
     codes: list[np.ndarray]
     scales: list[np.ndarray]
     drift_sq: float = 0.0
-    residual_sq: float = 0.0
-    """What int4 rounded off the last reply (sent with the next): the squared norm."""
     rounding_sq: float = 0.0
     """What int4 rounding of the last reply was expected to cost (a uniform error of half a
     step per value): the yardstick of the drift."""
@@ -71,6 +71,10 @@ class Mirror:
 
     def anchor_into(self, index: int, out: np.ndarray) -> np.ndarray:
         """Piece ``index`` of the anchor as the shard believes it, into ``out`` (float32, flat)."""
+        kernel = native()
+        if kernel is not None:
+            kernel.mirror_load(self.codes[index], self.scales[index], self.base.values[index], out, out.size, BLOCK)
+            return out
         dequantize8(self.codes[index], self.scales[index], out)
         np.add(out, self.base.values[index], out=out)
         return out
@@ -91,8 +95,14 @@ def exact(base: Base) -> Mirror:
 
 
 def store(mirror: Mirror, index: int, anchor: np.ndarray, base: Base) -> None:
-    """Piece ``index`` of the learner's ``anchor`` (float32, flat; overwritten) stored
-    against ``base``; its rounding goes to the drift."""
+    """Piece ``index`` of the learner's ``anchor`` (float32, flat; may be overwritten)
+    stored against ``base``; its rounding goes to the drift. One pass in the C kernel
+    (``_int4.c``: ``mirror_store``), the same float32 operations here without it."""
+    kernel = native()
+    if kernel is not None:
+        mirror.drift_sq += kernel.mirror_store(anchor, base.values[index], mirror.codes[index], mirror.scales[index],
+                                               anchor.size, BLOCK)
+        return
     np.subtract(anchor, base.values[index], out=anchor)
     mirror.drift_sq += quantize8(anchor, mirror.codes[index], mirror.scales[index])
 
@@ -106,14 +116,15 @@ def rebase(mirror: Mirror, base: Base, scratch: np.ndarray) -> None:
     mirror.base = base
 
 
-def int4_rounding_sq(update: np.ndarray, block_size: int) -> float:
-    """The expected squared norm of int4 rounding of ``update`` (flat float32): a step of
-    absmax / 7 per block, its values off by a uniform error of at most half of it."""
-    total = 0.0
-    for view in _blocks(update, block_size):
-        step = np.abs(view).max(axis=1).astype(np.float64) / 7
-        total += float(np.dot(step, step)) * view.shape[1] / 12
-    return total
+def int4_rounding_sq(scales: np.ndarray, numel: int, block_size: int) -> float:
+    """The expected squared norm of the int4 rounding of ``numel`` values quantized with
+    ``scales`` (one per block of ``block_size``): each value off by a uniform error within
+    half a step (the scale), so step**2 / 12 per value."""
+    steps = scales.astype(np.float64)
+    total = float(np.dot(steps, steps)) * block_size
+    if numel % block_size:  # the last block is short
+        total -= float(steps[-1] ** 2) * (block_size - numel % block_size)
+    return total / 12
 
 
 def _blocks(x: np.ndarray, size: int = BLOCK) -> list[np.ndarray]:
@@ -127,17 +138,18 @@ def _blocks(x: np.ndarray, size: int = BLOCK) -> list[np.ndarray]:
 
 def quantize8(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> float:
     """``x`` (float32, flat) into int8 ``codes`` (symmetric, round to nearest) and a float32
-    scale per block; returns the squared norm of what rounding lost, as ``dequantize8``
-    decodes it."""
+    scale per block; returns the expected squared norm of what rounding lost (a uniform
+    error within half a step per value: scale**2 / 12; the tests check it against the
+    real one). Five passes over ``x``: it runs for every condensed reply."""
     lost, first = 0.0, 0
     for view, code in zip(_blocks(x), _blocks(codes)):
         scale = (np.abs(view).max(axis=1) / np.float32(127)).astype(np.float32)
-        q = np.rint(view / np.where(scale > 0, scale, np.float32(1))[:, None])
-        np.clip(q, -127, 127, out=q)
+        inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+        # |x| * 127 / absmax rounds to at most 127: no clipping needed.
+        q = np.multiply(view, inverse[:, None])
+        np.rint(q, out=q)
         code[...] = q
-        np.multiply(q, scale[:, None], out=q)
-        np.subtract(view, q, out=q)
-        lost += float(np.einsum("ij,ij->", q, q, dtype=np.float64))
+        lost += float(np.dot(scale.astype(np.float64), scale)) * view.shape[1] / 12
         scales[first : first + len(scale)] = scale
         first += len(scale)
     return lost

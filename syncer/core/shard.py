@@ -26,6 +26,7 @@ from diloco.codec import (
     dequantize_payload,
     encode_quantized,
     expected_byte_length,
+    int4_scales,
     norm_of,
 )
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
@@ -300,10 +301,10 @@ def condense(fragment: Fragment, target: Sequence[np.ndarray], mirror: Mirror, b
     values (int4; buffers fp32), and ``mirror`` advanced by exactly what the learner will
     add (``dequantize_payload`` is the learner's ``decode``; both add in float32), stored
     against ``base``. What int4 rounds away stays in the difference the next update sends
-    (``mirror.residual_sq``). ``scratch``, ``anchor``: float32, as large as the largest piece."""
+    (``mirror.rounding_sq``). ``scratch``, ``anchor``: float32, as large as the largest piece."""
     m = cfg.merge
     tensors = []
-    residual_sq = rounding_sq = 0.0
+    rounding_sq = 0.0
     for index, piece in enumerate(fragment.pieces):
         values = mirror.anchor_into(index, anchor[: piece.numel])
         goal = np.asarray(target[index]).reshape(-1)
@@ -312,16 +313,15 @@ def condense(fragment: Fragment, target: Sequence[np.ndarray], mirror: Mirror, b
         if piece.buffer:
             encoded = encode(piece.name, update.reshape(piece.shape), encoding="fp32")
         else:
-            rounding_sq += int4_rounding_sq(update, m.block_size)
             encoded = encode(piece.name, update.reshape(piece.shape), encoding="int4", block_size=m.block_size,
                              scale_dtype=m.scale_dtype)
             dequantize_payload(encoded.payload, piece.numel, m.block_size, m.scale_dtype, out=update)
+            rounding_sq += int4_rounding_sq(int4_scales(encoded.payload, piece.numel, m.block_size, m.scale_dtype),
+                                            piece.numel, m.block_size)
         np.add(values, update, out=values)
-        np.subtract(goal, values, out=update)
-        residual_sq += float(np.dot(update, update))
         store(mirror, index, values, base)
         tensors.append(encoded)
-    mirror.base, mirror.residual_sq, mirror.rounding_sq = base, residual_sq, rounding_sq
+    mirror.base, mirror.rounding_sq = base, rounding_sq
     return tuple(tensors)
 
 
