@@ -781,7 +781,7 @@ class ShardRuntime:
                     waiter.future.cancel()
         self._record("stop", rounds=self.counters.rounds, pushes=self.counters.pushes,
                      bytes_received=self.counters.bytes_received, bytes_sent=self.counters.bytes_sent,
-                     drift_resets=self.core.drift_resets)
+                     drift_resets=self.core.drift_resets, drift_peak=round(self.core.drift_peak, 4))
         if self.tape is not None:
             self.tape.close()
             self.tape = None  # "stop" is its last record: replies still going out are not taped

@@ -376,6 +376,9 @@ class ShardCore:
         self.rounds_closed = 0
         self.drift_resets = 0
         """Pushes answered with full values because their mirror had drifted."""
+        self.drift_peak = 0.0
+        """The largest drift a mirror reached after a reply, over that reply's int4
+        rounding (squared norms; 1 sends the full values next)."""
         if plan is not None:
             self.adopt_plan(plan, manifest_json)
             for fragment in self.owned:
@@ -674,6 +677,9 @@ class ShardCore:
         if base is not None:
             self._use_base(state, base)
             state.answers += len(mirrored)
+        for mirror in mirrored.values():
+            if mirror.rounding_sq > 0:
+                self.drift_peak = max(self.drift_peak, mirror.drift_sq / mirror.rounding_sq)
         state.full_cache = None
         state.applying = False
         state.last_reason = job.reason

@@ -93,6 +93,8 @@ def test_condensed_replies_keep_learners_near_the_global_values_and_the_drift_is
     assert len(ratios) > 60
     assert 0.5 < float(np.median(ratios)) < 2 and max(ratios) < 4, ratios
     assert len(offs) > 60 and 0.5 < float(np.median(offs)) < 2, offs
+    drifts = [m.drift_sq / m.rounding_sq for m in state.mirrors.values() if m.rounding_sq]
+    assert 0 < max(drifts) <= shard.drift_peak < 1
     # With the base refreshed once per three rounds, the drift stays well below the int4
     # rounding: the full reply that would end it is rare.
     assert full_replies <= 3
