@@ -128,12 +128,9 @@ def check_versions(shard: int, records: list[dict]) -> None:
                 last.update({f: (epoch, v) for f, v in cut.items()})
             elif r["kind"] == "initialize" and r.get("source", "").startswith("anchor"):
                 # Back without this fragment's state (no snapshot), the shard took a learner's
-                # anchor: its versions go on from there, which may be behind the last it issued
-                # (the dead life's newer rounds are lost), never ahead of it.
-                before = last.get(r["fragment"])
-                if before is not None and (epoch, r["version"]) > before:
-                    raise Violation(f"shard {shard} fragment {r['fragment']}: took an anchor at version "
-                                    f"{r['version']}, beyond the {before[1]} it had issued, at t={r['t']:.3f}")
+                # anchor: its versions go on from there. That may be behind the last version it
+                # issued (the dead life's newer rounds are lost) or ahead of the last its tape
+                # holds (a SIGKILL loses the tape's unflushed records).
                 last[r["fragment"]] = (epoch, r["version"])
             elif r["kind"] in ("round", "round_failed"):
                 now = (epoch, r["version"])
