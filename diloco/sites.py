@@ -235,6 +235,12 @@ def create_hub() -> HubSpec:
         (STATE_DIR / f"{tag}.json").write_text(json.dumps(record))
     try:
         _run("ip", "link", "add", hub.bridge, "type", "bridge")
+        # A bridge takes the lowest MAC of its ports unless its own was set: adding or
+        # removing a site could then change the hub's MAC under every other site's ARP
+        # entry, and their traffic to the hub went nowhere until it aged (a learner lost
+        # its coordinator for 5 s when another site was removed). Setting it pins it.
+        mac = (Path("/sys/class/net") / hub.bridge / "address").read_text().strip()
+        _run("ip", "link", "set", hub.bridge, "address", mac)
         _run("ip", "addr", "add", f"{hub.address}/24", "dev", hub.bridge)
         _run("ip", "link", "set", hub.bridge, "up")
     except BaseException:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,20 @@ def test_faults_cut_a_sites_link_one_port_or_its_rate_and_heal(hub):
     on.remove(site)
     assert on.add(20).number == second.number + 1
     on.close()
+
+
+def test_the_hubs_mac_stays_put_as_sites_come_and_go(hub):
+    """A bridge would take the lowest MAC of its ports: the hub's is set at creation
+    (``addr_assign_type`` 3), so the other sites' ARP entries for it stay right when a
+    site is added or removed."""
+    device = Path("/sys/class/net") / hub.bridge
+    mac = (device / "address").read_text()
+    assert (device / "addr_assign_type").read_text().strip() == "3"
+    on = sites.Sites(hub)
+    try:
+        made = [on.add(10) for _ in range(4)]
+        assert (device / "address").read_text() == mac
+        on.remove(made[1])
+        assert (device / "address").read_text() == mac
+    finally:
+        on.close()
