@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diloco.codec.int4 import native
+from diloco.codec.int4 import native, num_blocks
 
 BLOCK = 512
 """Parameters per int8 scale of a residual."""
@@ -93,7 +93,7 @@ def exact(base: Base) -> Mirror:
     """The mirror of a learner whose anchor is ``base``'s values (a bootstrap, a full reply)."""
     return Mirror(base.version, base,
                   [np.zeros(v.size, dtype=np.int8) for v in base.values],
-                  [np.zeros(-(-v.size // BLOCK), dtype=np.float32) for v in base.values])
+                  [np.zeros(num_blocks(v.size, BLOCK), dtype=np.float32) for v in base.values])
 
 
 def store(mirror: Mirror, index: int, anchor: np.ndarray, base: Base) -> None:
