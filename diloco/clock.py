@@ -57,8 +57,16 @@ class VectorClock:
         """Merge an incoming clock and tick the receiver, as on every RPC receipt. With
         ``known`` (the ids the receiver's run issued), the result keeps only those
         processes and the receiver: names a sender made up cannot grow it."""
-        merged = self.merge(other).tick(process)
-        return merged if known is None else merged.restricted_to(known, process)
+        # One pass and one clock built (not merge, tick and restrict in turn): a coordinator
+        # of hundreds of learners does this on every heartbeat, over every learner's entry.
+        entries = dict(self.entries)
+        for k, v in other.entries.items():
+            if v > entries.get(k, 0):
+                entries[k] = v
+        entries[process] = entries.get(process, 0) + 1
+        if known is not None:
+            entries = {k: v for k, v in entries.items() if k in known or k == process}
+        return VectorClock(entries)
 
     def restricted_to(self, known: Collection[str], *also: str) -> VectorClock:
         """The entries of the processes in ``known`` (or ``also``) only."""

@@ -267,8 +267,9 @@ class Membership:
         """Fail learners whose lease ran out, stop drains that took too long and free the
         slots of launches that never joined."""
         for learner in list(self.learners.values()):
-            if not learner.live:
-                continue
+            if not learner.live or (now < lease_deadline(learner, self.cfg.lease_s, self.cfg.idle_timeout_s)
+                                    and learner.state != DRAINING):
+                continue  # the common case, without decide_lease's reason: this runs on every call
             decision = decide_lease(learner, now, self.cfg.lease_s, self.cfg.idle_timeout_s)
             if isinstance(decision, Expired):
                 self._depart(learner, FAILED, decision.reason, now)

@@ -73,8 +73,9 @@ class LearnerSession:
     """One learner's conversation with the coordinator. Keeps its vector clock (ticked
     on every send, merged on every reply) and, after Join, its credential."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
-        self.channel = rpc.channel(address, rpc.channel_options(_MAX_MESSAGE_BYTES, SERVICE))
+    def __init__(self, address: str, timeout_s: float = 10.0, channel_options=()) -> None:
+        """``channel_options``: more gRPC channel arguments (a benchmark's own connection per session)."""
+        self.channel = rpc.channel(address, [*rpc.channel_options(_MAX_MESSAGE_BYTES, SERVICE), *channel_options])
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.timeout_s = timeout_s
         self.learner_id = ""

@@ -36,6 +36,28 @@ def _bench_syncer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_load(args: argparse.Namespace) -> int:
+    import itertools
+
+    from tools.bench import load
+
+    configs = [load.LoadConfig(learners=n, params=p, shards=s, seconds=args.seconds, warmup_s=args.warmup,
+                               step_s=args.step_s, sync_every=args.sync_every, pushes_per_s=args.pushes_per_s,
+                               clients=args.clients, seed=args.seed)
+               for n, p, s in itertools.product(args.learners, args.params, args.shards)]
+    for result in load.run(configs):
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            _print_result({k: v for k, v in result.items() if k != "config"}, False)
+    return 0
+
+
+def _counts(value: str) -> list[int]:
+    """A comma-separated list of counts (``1,4,16``; ``1Mi,4Mi``)."""
+    return [parse_count(item) for item in value.split(",")]
+
+
 def _bench_learner(args: argparse.Namespace) -> int:
     from tools.bench import learner
 
@@ -75,6 +97,25 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     sync.add_argument("--rounds", type=int, default=30, help="rounds to measure, after one warm-up round (default 30)")
     sync.add_argument("--json", action="store_true", help="print one JSON object")
     sync.set_defaults(func=_bench_syncer)
+    load = kinds.add_parser(
+        "load", help="synthetic learners (no training) against a real coordinator and shards over mutual TLS: "
+                     "shard CPU per push, reply latency, memory; one configuration per combination of the lists")
+    load.add_argument("--learners", type=_counts, default=[16], help="synthetic learners, a list (1,4,16; default 16)")
+    load.add_argument("--params", type=_counts, default=[1 << 20],
+                      help="the model's parameters, one fragment per shard, a list (1Mi,4Mi; default 1Mi)")
+    load.add_argument("--shards", type=_counts, default=[1], help="shard processes, a list (1,2,4; default 1)")
+    load.add_argument("--seconds", type=float, default=30.0, help="measured window per configuration (default 30)")
+    load.add_argument("--warmup", type=float,
+                      help="seconds of pushing before the window (default: a push period and 5 s)")
+    load.add_argument("--step-s", type=float, default=0.25,
+                      help="a learner's inner step time; it pushes each fragment every --sync-every steps (default 0.25)")
+    load.add_argument("--sync-every", type=int, default=8, help="H, inner steps between a fragment's pushes (default 8)")
+    load.add_argument("--pushes-per-s", type=float,
+                      help="offer this many pushes per second in all, whatever the learner count (overrides --step-s)")
+    load.add_argument("--clients", type=int, default=2, help="client processes the learners are spread over (default 2)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the deltas and the learners' start offsets")
+    load.add_argument("--json", action="store_true", help="print one JSON object per configuration")
+    load.set_defaults(func=_bench_load)
     lrn = kinds.add_parser("learner", help="a learner's tokens/s with syncing on vs off, side by side")
     lrn.add_argument("--steps", type=int, default=120, help="inner steps per run (default 120)")
     lrn.add_argument("--overlap", type=int, default=2, help="tau, inner steps of overlap (default 2)")

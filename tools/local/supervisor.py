@@ -22,6 +22,7 @@ from diloco import auth, rpc
 from diloco.errors import AlreadyExists, Unavailable
 from diloco.files import atomic_write, atomic_write_json
 from tools.certs import make_certs
+from coordinator.config import MAX_LEARNERS, CoordinatorConfig
 from coordinator.launcher import FORK_SERVER_PID_FILE
 from diloco.pin import PIN_FILE, ModelPin
 from diloco.sites import HubSpec
@@ -146,7 +147,8 @@ class Cluster:
             "port": int(self.coordinator.rsplit(":", 1)[1]), "data_dir": str(self.dir / "coordinator"),
             "shards": ",".join(self.shards), "learner_command": learner_cmd, "pools": f"default,{SCAVENGED_POOL}",
             "snapshot_dir": self.snapshot_dir, "snapshot_every_s": self.cfg.snapshot_every_s,
-            "snapshot_keep": self.cfg.snapshot_keep, "fork_server": self.cfg.fork_server, **self.common,
+            "snapshot_keep": self.cfg.snapshot_keep, "fork_server": self.cfg.fork_server,
+            "max_learners": min(max(CoordinatorConfig.max_learners, 2 * self.cfg.learners), MAX_LEARNERS), **self.common,
             **({"site_hub": str(self.hub)} if self.hub is not None else {}),
             **({"link_mbit": self.cfg.link_mbit} if self.cfg.link_mbit is not None else {}),
         })
