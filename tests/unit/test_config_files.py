@@ -30,6 +30,25 @@ def test_a_file_sets_the_defaults_and_the_command_line_wins(tmp_path):
     assert (args.steps, args.precision, args.task_option) == (7, "bf16", ["a=1", "b=2"])
 
 
+def test_a_file_turns_off_a_flag_that_has_a_no_form(tmp_path):
+    """``--x/--no-x`` flags: ``x = false`` in a file is off (it was read as the string
+    "false", which is true: ``diloco local --no-fork-server`` and ``--no-error-feedback``
+    reached their processes on)."""
+    js = tmp_path / "coordinator.json"
+    js.write_text('{"fork_server": false}')
+    assert _parse(["coordinator", "--config", str(js)], js).fork_server is False
+    js.write_text('{"fork_server": true}')
+    assert _parse(["coordinator", "--config", str(js)], js).fork_server is True
+    js.write_text('{"no_fork_server": true}')
+    assert _parse(["coordinator", "--config", str(js)], js).fork_server is False
+    js.write_text('{"error_feedback": false}')
+    assert _parse(["learner", "--config", str(js)], js).error_feedback is False
+    assert _parse(["learner", "--config", str(js), "--error-feedback"], js).error_feedback is True
+    js.write_text('{"fork_server": "false"}')
+    with pytest.raises(InvalidArgument, match="fork_server takes true or false"):
+        _parse(["coordinator", "--config", str(js)], js)
+
+
 @pytest.mark.parametrize(("text", "why"), [
     ("nope = 1\n", "no setting 'nope' for this command"),
     ("quorum = 2.5\n", "quorum = 2.5"),

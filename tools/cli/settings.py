@@ -110,10 +110,14 @@ def apply_config(parser: argparse.ArgumentParser, table: dict, path: str) -> Non
         action = actions.get(str(key).replace("-", "_"))
         if action is None or action.dest in ("help", "config"):
             raise InvalidArgument(f"--config {path}: no setting {key!r} for this command (its flags: --help)")
-        if isinstance(action, argparse._StoreConstAction):  # store_true / store_false
+        if isinstance(action, (argparse._StoreConstAction, argparse.BooleanOptionalAction)):
             if not isinstance(value, bool):
                 raise InvalidArgument(f"--config {path}: {key} takes true or false, got {value!r}")
-            defaults[action.dest] = value == action.const
+            if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: "no_x = true" is x = false
+                negative = f"--{str(key).replace('_', '-')}" not in action.option_strings[:1]
+                defaults[action.dest] = value != negative
+            else:  # store_true / store_false
+                defaults[action.dest] = value == action.const
         elif isinstance(action, argparse._AppendAction):
             values = value if isinstance(value, list) else [value]
             defaults[action.dest] = [_checked(action, v, key, path) for v in values]
