@@ -2,6 +2,7 @@
 answers waiting pushes, flushes the tape and exits 0."""
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -63,3 +64,29 @@ def test_sigterm_answers_waiting_pushes_flushes_tape_and_exits_0(tmp_path):
     kinds = [r["kind"] for r in read_tape(tmp_path / "tape-S0.jsonl")]
     assert kinds[0] == "start" and kinds[-1] == "stop" and kinds.count("push") == 1 and kinds.count("round") == 1
     assert kinds.count("initialize") == 1
+
+
+def test_every_diloco_process_runs_numpy_blas_on_one_thread():
+    """A BLAS worker thread spins after every call (two thirds of a shard's CPU at 4
+    learners): ``diloco``'s main sets one thread before numpy loads (its parser loads it),
+    whatever the machine's core count; an operator's own setting wins."""
+    code = (
+        "import ctypes\n"
+        "from tools.cli.main import main\n"
+        "try:\n"
+        "    main(['syncer', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import sys\n"
+        "assert 'numpy' in sys.modules\n"
+        "lib = next(l.split()[-1] for l in open('/proc/self/maps') if 'openblas' in l.lower())\n"
+        "print(ctypes.CDLL(lib).scipy_openblas_get_num_threads64_())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**env, "OPENBLAS_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "2"
