@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -145,7 +146,9 @@ def _client(index: int, names: list[int], cfg: LoadConfig, coordinator: str, tls
     from diloco import rpc
 
     rpc.use_tls(rpc.Tls.from_dir(tls_dir))
-    results.put((index, asyncio.run(_client_main(names, cfg, coordinator, token, ready))))
+    out = asyncio.run(_client_main(names, cfg, coordinator, token, ready))
+    out["rss"] = _peak_rss_bytes(os.getpid())
+    results.put((index, out))
 
 
 async def _client_main(names: list[int], cfg: LoadConfig, coordinator: str, token: str, ready) -> dict:
@@ -417,6 +420,7 @@ def _report(cfg: LoadConfig, outs: list[dict], t0: float, shard_cpu_s: float, co
         "rss_bytes": rss,
         "rss_bytes_per_param": round(rss / cfg.params, 2),
         "rss_now_bytes": rss_now,
+        "client_rss_bytes": sum(o["rss"] for o in outs),
         "joined": sum(len(o["join_s"]) for o in outs),
         "p99_join_s": round(_percentile([s for o in outs for s in o["join_s"]], 0.99), 2),
         "late": sum(o["late"] for o in outs),
@@ -427,10 +431,39 @@ def _report(cfg: LoadConfig, outs: list[dict], t0: float, shard_cpu_s: float, co
     }
 
 
+CLIENT_BYTES = 400e6
+"""What a client process holds besides its learners' share of the model (Python, torch,
+gRPC; 250-440 MB measured with 1 to 128 learners each)."""
+
+
+def memory_needed(cfg: LoadConfig) -> float:
+    """Bytes a configuration needs: the shards as the capacity model predicts them, the
+    client processes, and per client a pre-encoded delta set and two decoded replies."""
+    from tools.simulate.capacity import COSTS, predict
+
+    shards = cfg.shards * predict(COSTS, cfg.params / cfg.shards, cfg.learners)["rss_bytes"]
+    clients = min(cfg.clients, cfg.learners)
+    return shards + clients * (CLIENT_BYTES + cfg.params * (4 * 0.53 + 2 * 4))
+
+
+def available_bytes() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return float("inf")
+
+
 def run(configs: list[LoadConfig], say=lambda line: print(line, file=sys.stderr)):
-    """Each configuration's result, as soon as it is measured (all are checked first)."""
+    """Each configuration's result, as soon as it is measured. All are checked first,
+    their memory too: one this machine cannot hold is refused before anything starts."""
+    available = available_bytes()
     for c in configs:
         c.check()
+        if (needed := memory_needed(c)) > 0.9 * available:
+            raise InvalidArgument(
+                f"{c.learners} learners on {c.params} parameters over {c.shards} shard(s) need about "
+                f"{needed / 1e9:.1f} GB (the capacity model's shards and the client processes); "
+                f"this machine has {available / 1e9:.1f} GB available")
     for i, c in enumerate(configs, 1):
         say(f"[{i}/{len(configs)}] {c.learners} learners, {c.params} parameters, {c.shards} shard(s)")
         yield run_one(c, say)
