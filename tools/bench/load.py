@@ -158,20 +158,29 @@ async def _client_main(names: list[int], cfg: LoadConfig, coordinator: str, toke
 
     m = manifest(cfg)
     plan = m.plan(cfg.shards)
-    have = {f.id: values_digest([encode(p.name, t, encoding="fp32") for p, t in zip(f.pieces, _initial(plan, f.id))])
-            for f in plan.fragments}
-    g = torch.Generator().manual_seed(cfg.seed)
-    deltas = {}  # fragment -> a few pre-encoded deltas and their framed chunks
-    for f in plan.fragments:
-        for k in range(4):
-            encoded = [encode(p.name, torch.randn(p.shape, generator=g) * 1e-3) for p in f.pieces]
-            deltas.setdefault(f.id, []).append((encoded, list(frame([e.payload for e in encoded]))))
+
+    def prepare():  # (before any learner joins: nothing waits on this process's event loop yet)
+        initial = {f.id: [encode(p.name, t, encoding="fp32") for p, t in zip(f.pieces, _initial(plan, f.id))]
+                   for f in plan.fragments}
+        g = torch.Generator().manual_seed(cfg.seed)
+        deltas = {}  # fragment -> a few pre-encoded deltas and their framed chunks
+        for f in plan.fragments:
+            for k in range(4):
+                encoded = [encode(p.name, torch.randn(p.shape, generator=g) * 1e-3) for p in f.pieces]
+                deltas.setdefault(f.id, []).append((encoded, list(frame([e.payload for e in encoded]))))
+        return initial, deltas
+
+    initial, deltas = await asyncio.to_thread(prepare)
+    shared = _Shared(initial, {f: values_digest(e) for f, e in initial.items()}, deltas, asyncio.Lock())
     out = {"records": [], "errors": collections.Counter(), "late": 0, "full_replies": 0, "join_s": [],
            "examples": {}}
     stop = asyncio.Event()
-    learners = [_Learner(n, cfg, coordinator, token, plan, have, deltas, out, stop) for n in names]
+    learners = [_Learner(n, cfg, coordinator, token, plan, shared, out, stop) for n in names]
     setup = await asyncio.gather(*(lrn.setup() for lrn in learners), return_exceptions=True)
     live = [lrn for lrn, ok in zip(learners, setup) if ok is True]
+    for lrn, ok in zip(learners, setup):
+        if isinstance(ok, BaseException):  # (setup counts the failures it expects itself)
+            lrn._error("setup", ok)
     await asyncio.to_thread(ready.wait)
     t0 = time.monotonic()
     end = t0 + cfg.warmup + cfg.seconds
@@ -183,10 +192,22 @@ async def _client_main(names: list[int], cfg: LoadConfig, coordinator: str, toke
     return out
 
 
+@dataclass
+class _Shared:
+    """What a client process's learners share: each fragment's initial values (fp32, as
+    Initialize takes them) and their digests, the pre-encoded deltas, and a lock so that
+    one learner at a time offers initial values."""
+
+    initial: dict
+    have: dict
+    deltas: dict
+    offering: asyncio.Lock
+
+
 class _Learner:
-    def __init__(self, number, cfg, coordinator, token, plan, have, deltas, out, stop) -> None:
+    def __init__(self, number, cfg, coordinator, token, plan, shared, out, stop) -> None:
         self.number, self.cfg, self.coordinator, self.token = number, cfg, coordinator, token
-        self.plan, self.have, self.deltas, self.out, self.stop = plan, have, deltas, out, stop
+        self.plan, self.shared, self.out, self.stop = plan, shared, out, stop
         self.session = None
         self.channels: dict[str, object] = {}
         self.clients: dict[int, object] = {}
@@ -228,7 +249,7 @@ class _Learner:
             self.clients[f.id] = SyncerClient(self.channels[address], credential, timeout_s=120)
             try:
                 await self._ensure_values(f)
-                [update] = await self.clients[f.id].bootstrap([f.id], have={f.id: self.have[f.id]})
+                [update] = await self.clients[f.id].bootstrap([f.id], have={f.id: self.shared.have[f.id]})
             except Exception as error:  # noqa: BLE001 - every failure is counted by kind
                 self._error("bootstrap", error)
                 return False
@@ -239,13 +260,12 @@ class _Learner:
     async def _ensure_values(self, fragment) -> None:
         """Offer the initial values of a fragment its shard has none of yet, as the first
         learner of a run does (the shard takes them only if they are the pinned ones)."""
-        from diloco.codec import encode
-
         client = self.clients[fragment.id]
-        status = await client.status()
-        if fragment.id not in {f.fragment for f in status.fragments}:
-            encoded = [encode(p.name, t, encoding="fp32") for p, t in zip(fragment.pieces, _initial(self.plan, fragment.id))]
-            await client.initialize(fragment.id, manifest(self.cfg).to_json(), self.plan.plan_hash, encoded)
+        async with self.shared.offering:
+            status = await client.status()
+            if fragment.id not in {f.fragment for f in status.fragments}:
+                await client.initialize(fragment.id, manifest(self.cfg).to_json(), self.plan.plan_hash,
+                                        self.shared.initial[fragment.id])
 
     async def _heartbeats(self) -> None:
         from diloco.errors import DilocoError
@@ -275,7 +295,7 @@ class _Learner:
         rng = random.Random(self.number * 31 + fragment)
         while due < end:
             await asyncio.sleep(max(due - time.monotonic(), 0))
-            encoded, chunks = rng.choice(self.deltas[fragment])
+            encoded, chunks = rng.choice(self.shared.deltas[fragment])
             self.clock = self.clock.tick(name)
             meta = PushMeta(name, fragment, self.versions[fragment], 4096 * self.cfg.sync_every,
                             self.cfg.sync_every, self.cfg.step_s, self.clock, tuple(e.spec for e in encoded))
@@ -436,14 +456,19 @@ CLIENT_BYTES = 400e6
 gRPC; 250-440 MB measured with 1 to 128 learners each)."""
 
 
+CLIENT_BYTES_PER_PARAM = 26
+"""And per parameter of the model: its initial values (4 bytes), four pre-encoded deltas
+(2.1), and the decoded replies of the pushes in flight (4 each)."""
+
+
 def memory_needed(cfg: LoadConfig) -> float:
-    """Bytes a configuration needs: the shards as the capacity model predicts them, the
-    client processes, and per client a pre-encoded delta set and two decoded replies."""
+    """Bytes a configuration needs: the shards as the capacity model predicts them and the
+    client processes."""
     from tools.simulate.capacity import COSTS, predict
 
     shards = cfg.shards * predict(COSTS, cfg.params / cfg.shards, cfg.learners)["rss_bytes"]
     clients = min(cfg.clients, cfg.learners)
-    return shards + clients * (CLIENT_BYTES + cfg.params * (4 * 0.53 + 2 * 4))
+    return shards + clients * (CLIENT_BYTES + cfg.params * CLIENT_BYTES_PER_PARAM)
 
 
 def available_bytes() -> float:
