@@ -142,16 +142,19 @@ def _pin(cfg: LoadConfig):
 
 
 def _client(index: int, names: list[int], cfg: LoadConfig, coordinator: str, tls_dir: str, token: str,
-            ready, results) -> None:
+            ready, sampled, results) -> None:
     from diloco import rpc
 
     rpc.use_tls(rpc.Tls.from_dir(tls_dir))
-    out = asyncio.run(_client_main(names, cfg, coordinator, token, ready))
+    out = asyncio.run(_client_main(names, cfg, coordinator, token, ready, sampled))
     out["rss"] = _peak_rss_bytes(os.getpid())
     results.put((index, out))
 
 
-async def _client_main(names: list[int], cfg: LoadConfig, coordinator: str, token: str, ready) -> dict:
+async def _client_main(names: list[int], cfg: LoadConfig, coordinator: str, token: str, ready, sampled) -> dict:
+    """``ready``: a barrier every client and the parent pass once all learners joined;
+    ``sampled``: set by the parent once it has read the shards at the window's end (the
+    learners stay members until then: a learner that leaves takes its mirrors with it)."""
     import torch
 
     from diloco.codec import encode, frame, values_digest
@@ -187,6 +190,7 @@ async def _client_main(names: list[int], cfg: LoadConfig, coordinator: str, toke
     rng = random.Random(cfg.seed * 7919 + (names[0] if names else 0))
     tasks = [asyncio.create_task(lrn.run(t0 + rng.uniform(0, cfg.period_s), end)) for lrn in live]
     await asyncio.gather(*tasks)
+    await asyncio.to_thread(sampled.wait, 600)
     stop.set()
     await asyncio.gather(*(lrn.close() for lrn in learners))
     return out
@@ -379,14 +383,16 @@ def run_one(cfg: LoadConfig, say=lambda line: None) -> dict:
         atomic_write(run_dir / "run.json", run.to_json())
         local = LocalConfig(run=run, learners=cfg.learners, shards=cfg.shards, fork_server=False)  # no learner is launched
         cluster = Cluster(local, run_dir, learner_steps=1, pin=_pin(cfg))
+        sampled = None
         try:
             cluster.start()
             token = (run_dir / "coordinator" / "join-token").read_text().strip()
             ctx = mp.get_context("spawn")
             clients = min(cfg.clients, cfg.learners)
-            ready, results = ctx.Barrier(clients + 1), ctx.Queue()
+            ready, sampled, results = ctx.Barrier(clients + 1), ctx.Event(), ctx.Queue()
             procs = [ctx.Process(target=_client, args=(i, list(range(i, cfg.learners, clients)), cfg, cluster.coordinator,
-                                                       str(run_dir / "tls"), token, ready, results))
+                                                       str(run_dir / "tls"), token, ready, sampled, results),
+                                 daemon=True)  # (ended with this process, whatever happens to it)
                      for i in range(clients)]
             for p in procs:
                 p.start()
@@ -400,10 +406,13 @@ def run_one(cfg: LoadConfig, say=lambda line: None) -> dict:
             time.sleep(max(t0 + cfg.warmup + cfg.seconds - time.monotonic(), 0))
             cpu1, coord1, versions1 = sum(map(_cpu_seconds, pids)), _cpu_seconds(coordinator_pid), _versions(cluster)
             rss, rss_now = sum(map(_peak_rss_bytes, pids)), sum(map(_rss_bytes, pids))
+            sampled.set()
             outs = [results.get(timeout=300) for _ in procs]
             for p in procs:
                 p.join(timeout=30)
         finally:
+            if sampled is not None:
+                sampled.set()
             cluster.stop()
     return _report(cfg, [o for _, o in outs], t0, cpu1 - cpu0, coord1 - coord0, versions1 - versions0, rss, rss_now)
 
