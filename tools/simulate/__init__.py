@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from tools.simulate import report
 from tools.simulate.engine import RECOVERY_KINDS, RecoveryDist, SimOptions, Table, simulate_table, validate_sweep
@@ -25,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHIPS = "150000,300000,600000,1200000,2400000"
 DEFAULT_LEARNERS = "2,4,8,16"
+DEFAULT_CAPACITY_LEARNERS = "8,64,256"
 
-_SUFFIX = {"k": 1_000, "m": 1_000_000}
+_SUFFIX = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag(sim, "--horizon-days", "DAYS", d.horizon_days, "simulated wall-clock days per trial")
     flag(sim, "--trials", "N", d.trials, "independent trials averaged per cell")
     flag(sim, "--seed", "N", d.seed, "random seed; same seed, same output")
+    cap = parser.add_argument_group(
+        "capacity", "with --capacity: the shards a deployment needs and each one's RAM, cores and bandwidth, from "
+                    "this implementation's measured costs (docs/results/scale/); --learners gives the learner counts "
+                    f"to size for (default {DEFAULT_CAPACITY_LEARNERS})")
+    cap.add_argument("--capacity", action="store_true", help="size the shards instead of simulating failures")
+    flag(cap, "--params", "N", "1G", "the model's parameters; k/M/G suffixes allowed")
+    flag(cap, "--sync-every", "H", RunConfig.sync_every_steps, "inner steps between two pushes of a fragment")
+    flag(cap, "--step-s", "SECONDS", 1.0, "a learner's inner step time")
+    flag(cap, "--link-mbit", "MBIT", 10000.0, "each shard's link, Mbit/s each way")
+    flag(cap, "--utilization", "U", 0.5, "the share of a core and of a link each shard may use")
+    cap.add_argument("--fit", metavar="JSONL", nargs="+",
+                     help="size with costs fitted to these `diloco bench load --json` outputs (your machine's) "
+                          "instead of the built-in ones, and print the fitted costs")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true",
                      help="print one JSON object {goodput, uptime} (percent) and nothing else on stdout")
@@ -75,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate the table, print it (rich, or JSON with --json), write files with --out."""
+    if args.capacity:
+        return _capacity(args)
     chips = parse_counts(args.chips, "--chips")
     learners = parse_counts(args.learners, "--learners")
     options = options_from_args(args)
@@ -112,6 +129,52 @@ def run(args: argparse.Namespace) -> int:
         write_outputs(out_dir, table, options, elapsed_s)
         err.print(f"wrote {out_dir / 'simulate.json'}, simulate.md, simulate.png")
     return 0
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    from tools.simulate import capacity
+
+    learners = parse_counts(DEFAULT_CAPACITY_LEARNERS if args.learners == DEFAULT_LEARNERS else args.learners,
+                            "--learners")
+    params = parse_counts(args.params, "--params")
+    if len(params) != 1:
+        raise InvalidArgument(f"--params: one parameter count, got {args.params!r}")
+    params = params[0]
+    costs = capacity.COSTS if not args.fit else capacity.fit(capacity.fit_rows(_bench_rows(args.fit)))
+    rows = [capacity.plan(params, n, _integer(args.sync_every, "--sync-every"), _number(args.step_s, "--step-s"),
+                          _number(args.link_mbit, "--link-mbit"), _number(args.utilization, "--utilization"), costs)
+            for n in learners]
+    if args.json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    console.print(report.capacity_table(rows))
+    if args.fit:
+        console.print("costs fitted to " + ", ".join(args.fit) + ": " + json.dumps(asdict(costs)))
+    return 0
+
+
+def _bench_rows(paths: list[str]) -> list[dict]:
+    """The configurations in ``diloco bench load --json`` outputs (one JSON object a line)."""
+    rows = []
+    for path in paths:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as error:
+            raise InvalidArgument(f"--fit {path}: {error.strerror}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise InvalidArgument(f"--fit {path}:{number}: not a JSON object (expected bench load --json output)") from None
+            if not isinstance(row, dict) or not {"learners", "params", "shards", "rss_bytes"} <= row.keys():
+                raise InvalidArgument(f"--fit {path}:{number}: not a bench load configuration")
+            rows.append(row)
+    return rows
 
 
 def write_outputs(out_dir: Path, table: Table, options: SimOptions, elapsed_s: float) -> None:

@@ -161,3 +161,29 @@ def plot(table: Table, path: Path, show_paper: bool = True) -> None:
     ax_u.set_title("uptime")
     ax_u.legend(loc="lower left", fontsize=8)
     fig.savefig(path, dpi=120)
+
+
+def _si(value: float) -> str:
+    """1234567 -> 1.23M (a column that fits a terminal)."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:g}"
+
+
+def capacity_table(rows: list[dict]):
+    """``diloco simulate --capacity``'s rows as a rich table, one per learner count."""
+    from rich.table import Table
+
+    first = rows[0]
+    table = Table(title=f"shards for {_si(first['params'])} parameters, a push every {first['sync_every']} x "
+                        f"{first['step_s']:g} s, {first['link_mbit']:g} Mbit/s links, each shard at "
+                        f"{first['utilization']:.0%} of a core and a link", header_style="bold")
+    for name in ("learners", "shards", "params /shard", "RAM /shard", "cores /shard", "Mbit/s /shard", "learner Mbit/s up",
+                 "coordinator cores"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        up = f"{r['learner_mbit_up']:g}" + ("" if r["learner_link_ok"] else " (> link)")
+        table.add_row(str(r["learners"]), str(r["shards"]), _si(r["params_per_shard"]), f"{r['shard_rss_gb']:g} GB",
+                      f"{r['shard_cores']:g}", f"{r['shard_mbit_in']:g}", up, f"{r['coordinator_cores']:g}")
+    return table
