@@ -28,9 +28,9 @@ def test_bench_load_runs_learners_through_a_real_coordinator_and_shards():
                 "mb_out_per_s", "coordinator_cpu_s_per_s"):
         assert result[key] > 0 and math.isfinite(result[key]), key
     assert result["p50_reply_ms"] <= result["p99_reply_ms"]
-    # int4 pushes: about half a byte per parameter and push, both ways.
+    # int4 pushes: about half a byte per parameter and push (0.44 framed at 1 Mi: zstd takes some).
     per_push = result["mb_in_per_s"] * 1e6 / result["pushes_per_s"] / (cfg.params / cfg.shards)
-    assert 0.4 < per_push < 0.7
+    assert 0.3 < per_push < 0.7
     # Two shard processes without torch, each well under 200 MB.
     assert 2 * 40e6 < result["rss_bytes"] < 2 * 200e6
 
