@@ -55,9 +55,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diloco.clock import VectorClock
+from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from diloco.manifest import Entry, Manifest
-from tools.bench.syncer import _cpu_seconds, _peak_rss_bytes
 
 _ROW = 1024
 MAX_LEARNERS = 1024
@@ -77,7 +77,7 @@ class LoadConfig:
     """Pushing before the window; None: one push period and 5 s, so every learner has
     pushed each fragment before it."""
     step_s: float = 0.25
-    sync_every: int = 8
+    sync_every: int = RunConfig.sync_every_steps
     pushes_per_s: float | None = None
     """The pushes all learners offer per second, all fragments together: each learner's
     period is then ``learners x shards / pushes_per_s`` (``step_s`` is ignored), so
@@ -144,6 +144,7 @@ def _pin(cfg: LoadConfig):
 def _client(index: int, names: list[int], cfg: LoadConfig, coordinator: str, tls_dir: str, token: str,
             ready, sampled, results) -> None:
     from diloco import rpc
+    from tools.bench.syncer import _peak_rss_bytes
 
     rpc.use_tls(rpc.Tls.from_dir(tls_dir))
     out = asyncio.run(_client_main(names, cfg, coordinator, token, ready, sampled))
@@ -370,8 +371,8 @@ def _versions(cluster) -> int:
 
 def run_one(cfg: LoadConfig, say=lambda line: None) -> dict:
     from diloco import auth
-    from diloco.config import RunConfig
     from diloco.files import atomic_write
+    from tools.bench.syncer import _cpu_seconds, _peak_rss_bytes
     from tools.local.config import LocalConfig
     from tools.local.supervisor import Cluster
 

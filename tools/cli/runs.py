@@ -100,20 +100,26 @@ def add_bench(commands: argparse._SubParsersAction) -> None:
     load = kinds.add_parser(
         "load", help="synthetic learners (no training) against a real coordinator and shards over mutual TLS: "
                      "shard CPU per push, reply latency, memory; one configuration per combination of the lists")
-    load.add_argument("--learners", type=_counts, default=[16], help="synthetic learners, a list (1,4,16; default 16)")
-    load.add_argument("--params", type=_counts, default=[1 << 20],
-                      help="the model's parameters, one fragment per shard, a list (1Mi,4Mi; default 1Mi)")
-    load.add_argument("--shards", type=_counts, default=[1], help="shard processes, a list (1,2,4; default 1)")
-    load.add_argument("--seconds", type=float, default=30.0, help="measured window per configuration (default 30)")
-    load.add_argument("--warmup", type=float,
+    from tools.bench.load import LoadConfig
+
+    d = LoadConfig()
+    load.add_argument("--learners", type=_counts, default=[d.learners],
+                      help=f"synthetic learners, a list (1,4,16; default {d.learners})")
+    load.add_argument("--params", type=_counts, default=[d.params],
+                      help=f"the model's parameters, one fragment per shard, a list (1Mi,4Mi; default {d.params})")
+    load.add_argument("--shards", type=_counts, default=[d.shards], help=f"shard processes, a list (1,2,4; default {d.shards})")
+    load.add_argument("--seconds", type=float, default=d.seconds, help=f"measured window per configuration (default {d.seconds:g})")
+    load.add_argument("--warmup", type=float, default=d.warmup_s,
                       help="seconds of pushing before the window (default: a push period and 5 s)")
-    load.add_argument("--step-s", type=float, default=0.25,
-                      help="a learner's inner step time; it pushes each fragment every --sync-every steps (default 0.25)")
-    load.add_argument("--sync-every", type=int, default=8, help="H, inner steps between a fragment's pushes (default 8)")
-    load.add_argument("--pushes-per-s", type=float,
+    load.add_argument("--step-s", type=float, default=d.step_s,
+                      help=f"a learner's inner step time; it pushes each fragment every --sync-every steps (default {d.step_s:g})")
+    load.add_argument("--sync-every", type=int, default=d.sync_every,
+                      help=f"H, inner steps between a fragment's pushes (default {d.sync_every}, the run's)")
+    load.add_argument("--pushes-per-s", type=float, default=d.pushes_per_s,
                       help="offer this many pushes per second in all, whatever the learner count (overrides --step-s)")
-    load.add_argument("--clients", type=int, default=2, help="client processes the learners are spread over (default 2)")
-    load.add_argument("--seed", type=int, default=0, help="seed of the deltas and the learners' start offsets")
+    load.add_argument("--clients", type=int, default=d.clients,
+                      help=f"client processes the learners are spread over (default {d.clients})")
+    load.add_argument("--seed", type=int, default=d.seed, help="seed of the deltas and the learners' start offsets")
     load.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     load.set_defaults(func=_bench_load)
     lrn = kinds.add_parser("learner", help="a learner's tokens/s with syncing on vs off, side by side")
