@@ -79,9 +79,12 @@ def test_a_run_where_every_learner_fails_says_so_in_strict_json(tmp_path):
 
 def test_ctrl_c_stops_learners_first_keeps_their_summaries_and_is_quick(tmp_path):
     out = tmp_path / "run"
+    # Ctrl-C's own disposition, whatever the test runner inherited: a shell without job
+    # control starts background commands with SIGINT ignored, and the run would inherit that.
     run = subprocess.Popen([sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2",
                             "--steps", "100000", "--out", str(out), *TINY],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         poll(lambda: sum(1 for p in (out / "learners").glob("*.events.jsonl")
                          if '"computing"' in p.read_text()) == 2, "both learners to train", 180)

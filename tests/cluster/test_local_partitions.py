@@ -26,9 +26,11 @@ def test_a_short_soak_with_every_fault_kind_keeps_every_invariant(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         # A fault every 2 s on average, each kind once per 8: every kind within about 30 s;
-        # the learners' 1500 steps take more than 60 s here (a run that ends by itself: a
-        # time limit stops learners that a fault just kept from their drain).
-        [sys.executable, "-m", "tools.cli", "local", "--learners", "3", "--shards", "2", "--steps", "1500",
+        # the learners' 3000 steps take more than 60 s here (1500 took 46 s once numpy no
+        # longer spun a BLAS thread in every process, and the run ended before the eighth
+        # kind; a run that ends by itself: a time limit stops learners that a fault just
+        # kept from their drain).
+        [sys.executable, "-m", "tools.cli", "local", "--learners", "3", "--shards", "2", "--steps", "3000",
          "--batch-size", "8", "--link-mbit", "50", "--chaos", EVERY_KIND, "--chaos-every", "2",
          "--chaos-seed", "5", "--out", str(out), *TINY], capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
