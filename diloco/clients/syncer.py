@@ -73,8 +73,9 @@ class PushResult:
     decode_s: float = 0.0
 
 
-def open_channel(address: str, max_message_bytes: int = 8 * 1024 * 1024) -> grpc.aio.Channel:
-    return rpc.channel(address, rpc.channel_options(max_message_bytes, "diloco.v1.Syncer"))
+def open_channel(address: str, max_message_bytes: int = 8 * 1024 * 1024, channel_options=()) -> grpc.aio.Channel:
+    """``channel_options``: more gRPC channel arguments (a benchmark's own connection per learner)."""
+    return rpc.channel(address, [*rpc.channel_options(max_message_bytes, "diloco.v1.Syncer"), *channel_options])
 
 
 async def write_all(call, requests) -> None:

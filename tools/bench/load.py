@@ -47,9 +47,9 @@ import collections
 import multiprocessing as mp
 import os
 import random
-import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,12 +58,15 @@ from diloco.clock import VectorClock
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from diloco.manifest import Entry, Manifest
+from tools.bench.proc import cpu_seconds, peak_rss_bytes, rss_bytes
 
 _ROW = 1024
 MAX_LEARNERS = 1024
 MAX_PARAMS = 1 << 30
 MAX_SHARDS = 16
 _OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+TOKENS_PER_STEP = 4096
+"""What a synthetic learner reports per inner step (its pushes' and heartbeats' counts)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,12 @@ class LoadConfig:
         if self.pushes_per_s is not None:
             return self.learners * self.shards / self.pushes_per_s
         return self.step_s * self.sync_every
+
+    @property
+    def step_time_s(self) -> float:
+        """The inner step time a learner's cadence stands for (``step_s``, or what
+        ``pushes_per_s`` makes of it): what its pushes and heartbeats report."""
+        return self.period_s / self.sync_every
 
     @property
     def warmup(self) -> float:
@@ -144,11 +153,10 @@ def _pin(cfg: LoadConfig):
 def _client(index: int, names: list[int], cfg: LoadConfig, coordinator: str, tls_dir: str, token: str,
             ready, sampled, results) -> None:
     from diloco import rpc
-    from tools.bench.syncer import _peak_rss_bytes
 
     rpc.use_tls(rpc.Tls.from_dir(tls_dir))
     out = asyncio.run(_client_main(names, cfg, coordinator, token, ready, sampled))
-    out["rss"] = _peak_rss_bytes(os.getpid())
+    out["rss"] = peak_rss_bytes(os.getpid())
     results.put((index, out))
 
 
@@ -175,7 +183,7 @@ async def _client_main(names: list[int], cfg: LoadConfig, coordinator: str, toke
         return initial, deltas
 
     initial, deltas = await asyncio.to_thread(prepare)
-    shared = _Shared(initial, {f: values_digest(e) for f, e in initial.items()}, deltas, asyncio.Lock())
+    shared = _Shared(m.to_json(), initial, {f: values_digest(e) for f, e in initial.items()}, deltas, asyncio.Lock())
     out = {"records": [], "errors": collections.Counter(), "late": 0, "full_replies": 0, "join_s": [],
            "examples": {}}
     stop = asyncio.Event()
@@ -199,10 +207,11 @@ async def _client_main(names: list[int], cfg: LoadConfig, coordinator: str, toke
 
 @dataclass
 class _Shared:
-    """What a client process's learners share: each fragment's initial values (fp32, as
-    Initialize takes them) and their digests, the pre-encoded deltas, and a lock so that
-    one learner at a time offers initial values."""
+    """What a client process's learners share: the model's manifest (JSON), each
+    fragment's initial values (fp32, as Initialize takes them) and their digests, the
+    pre-encoded deltas, and a lock so that one learner at a time offers initial values."""
 
+    manifest_json: str
     initial: dict
     have: dict
     deltas: dict
@@ -229,16 +238,16 @@ class _Learner:
         self.out["examples"].setdefault(key, str(getattr(error, "details", lambda: error)()))
 
     async def setup(self) -> bool:
-        from diloco import auth, rpc
+        from diloco import auth
         from diloco.clients.coordinator import LearnerSession
-        from diloco.clients.syncer import SyncerClient
+        from diloco.clients.syncer import SyncerClient, open_channel
         from diloco.errors import DilocoError
 
         started = time.monotonic()
         self.session = LearnerSession(self.coordinator, timeout_s=30, channel_options=[_OWN_CONNECTION])
         try:
             reply = await self.session.join(self.token, address=f"bench:{self.number}")
-            topology = await self.session.register_model(manifest(self.cfg).to_json())
+            topology = await self.session.register_model(self.shared.manifest_json)
         except DilocoError as error:
             self._error("join", error)
             return False
@@ -249,8 +258,7 @@ class _Learner:
         for f in self.plan.fragments:
             address = shards[f.owner(len(shards))]
             if address not in self.channels:
-                options = [*rpc.channel_options(64 << 20, "diloco.v1.Syncer"), _OWN_CONNECTION]
-                self.channels[address] = rpc.channel(address, options)
+                self.channels[address] = open_channel(address, channel_options=[_OWN_CONNECTION])
             self.clients[f.id] = SyncerClient(self.channels[address], credential, timeout_s=120)
             try:
                 await self._ensure_values(f)
@@ -269,7 +277,7 @@ class _Learner:
         async with self.shared.offering:
             status = await client.status()
             if fragment.id not in {f.fragment for f in status.fragments}:
-                await client.initialize(fragment.id, manifest(self.cfg).to_json(), self.plan.plan_hash,
+                await client.initialize(fragment.id, self.shared.manifest_json, self.plan.plan_hash,
                                         self.shared.initial[fragment.id])
 
     async def _heartbeats(self) -> None:
@@ -277,8 +285,8 @@ class _Learner:
 
         while not self.stop.is_set():
             try:
-                reply = await self.session.heartbeat(tokens=self.steps * 4096, inner_steps=self.steps,
-                                                     tokens_per_s=4096 / self.cfg.step_s)
+                reply = await self.session.heartbeat(tokens=self.steps * TOKENS_PER_STEP, inner_steps=self.steps,
+                                                     tokens_per_s=TOKENS_PER_STEP / self.cfg.step_time_s)
                 self.credential.renew(reply.credential)
             except DilocoError as error:
                 self._error("heartbeat", error)
@@ -302,8 +310,8 @@ class _Learner:
             await asyncio.sleep(max(due - time.monotonic(), 0))
             encoded, chunks = rng.choice(self.shared.deltas[fragment])
             self.clock = self.clock.tick(name)
-            meta = PushMeta(name, fragment, self.versions[fragment], 4096 * self.cfg.sync_every,
-                            self.cfg.sync_every, self.cfg.step_s, self.clock, tuple(e.spec for e in encoded))
+            meta = PushMeta(name, fragment, self.versions[fragment], TOKENS_PER_STEP * self.cfg.sync_every,
+                            self.cfg.sync_every, self.cfg.step_time_s, self.clock, tuple(e.spec for e in encoded))
             acked: list[float] = []
             started = time.monotonic()
             try:
@@ -343,14 +351,6 @@ class _Learner:
 # --- one configuration --------------------------------------------------------------------
 
 
-def _rss_bytes(pid: int) -> int:
-    """A process's resident memory now (VmRSS): what it holds, where VmHWM is its peak."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -372,7 +372,6 @@ def _versions(cluster) -> int:
 def run_one(cfg: LoadConfig, say=lambda line: None) -> dict:
     from diloco import auth
     from diloco.files import atomic_write
-    from tools.bench.syncer import _cpu_seconds, _peak_rss_bytes
     from tools.local.config import LocalConfig
     from tools.local.supervisor import Cluster
 
@@ -397,16 +396,20 @@ def run_one(cfg: LoadConfig, say=lambda line: None) -> dict:
                      for i in range(clients)]
             for p in procs:
                 p.start()
-            ready.wait(timeout=120 + cfg.learners)
+            try:
+                ready.wait(timeout=120 + cfg.learners)
+            except threading.BrokenBarrierError:
+                raise InvalidArgument(f"the client processes did not get their learners joined within "
+                                      f"{120 + cfg.learners} s; see {run_dir / 'logs'}") from None
             t0 = time.monotonic()
             say(f"{cfg.learners} learners joined; warm-up {cfg.warmup:g} s, then {cfg.seconds:g} s measured")
             pids = [p.pid for p in cluster.shard_procs]
             coordinator_pid = next(p.pid for role, p in cluster.procs if role == "coordinator")
             time.sleep(max(t0 + cfg.warmup - time.monotonic(), 0))
-            cpu0, coord0, versions0 = sum(map(_cpu_seconds, pids)), _cpu_seconds(coordinator_pid), _versions(cluster)
+            cpu0, coord0, versions0 = sum(map(cpu_seconds, pids)), cpu_seconds(coordinator_pid), _versions(cluster)
             time.sleep(max(t0 + cfg.warmup + cfg.seconds - time.monotonic(), 0))
-            cpu1, coord1, versions1 = sum(map(_cpu_seconds, pids)), _cpu_seconds(coordinator_pid), _versions(cluster)
-            rss, rss_now = sum(map(_peak_rss_bytes, pids)), sum(map(_rss_bytes, pids))
+            cpu1, coord1, versions1 = sum(map(cpu_seconds, pids)), cpu_seconds(coordinator_pid), _versions(cluster)
+            rss, rss_now = sum(map(peak_rss_bytes, pids)), sum(map(rss_bytes, pids))
             sampled.set()
             outs = [results.get(timeout=300) for _ in procs]
             for p in procs:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import os
 import socket
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ import torch
 
 from diloco.errors import InvalidArgument
 from diloco.manifest import Entry, Manifest
+from tools.bench.proc import cpu_seconds, peak_rss_bytes
 
 _TCP_TOTAL = 1 << 30
 _TCP_WRITE = 4 << 20
@@ -203,24 +203,6 @@ def grpc_noop_mbps(params: int, learners: int, rounds: int) -> float:
     return _median_round_mbps(timings, rounds, end=1, size=2)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process's live threads, in nanoseconds of resolution (the clock
-    ticks of /proc/PID/stat are 10 ms: a short measurement could read 0); the ticks where
-    the kernel keeps no schedstat."""
-    try:
-        return sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
-    except (OSError, ValueError, IndexError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _peak_rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _merge_and_memcpy_ms(params: int, learners: int) -> tuple[float, float]:
     from diloco.clock import VectorClock
     from diloco.codec import encode
@@ -320,10 +302,10 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> d
             cpu: list[float] = []
             timings = _run_clients(
                 mp.get_context("spawn"), _client, (address, secret, params, rounds), learners,
-                warmed=lambda: cpu.append(_cpu_seconds(shard.pid)),
+                warmed=lambda: cpu.append(cpu_seconds(shard.pid)),
             )
-            shard_cpu_s = _cpu_seconds(shard.pid) - cpu[0]
-            peak_rss = _peak_rss_bytes(shard.pid)
+            shard_cpu_s = cpu_seconds(shard.pid) - cpu[0]
+            peak_rss = peak_rss_bytes(shard.pid)
         finally:
             shard.terminate()
             shard.wait(timeout=30)

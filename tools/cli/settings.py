@@ -114,8 +114,8 @@ def apply_config(parser: argparse.ArgumentParser, table: dict, path: str) -> Non
             if not isinstance(value, bool):
                 raise InvalidArgument(f"--config {path}: {key} takes true or false, got {value!r}")
             if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: "no_x = true" is x = false
-                negative = f"--{str(key).replace('_', '-')}" not in action.option_strings[:1]
-                defaults[action.dest] = value != negative
+                positive = f"--{str(key).replace('_', '-')}" == action.option_strings[0]
+                defaults[action.dest] = value if positive else not value
             else:  # store_true / store_false
                 defaults[action.dest] = value == action.const
         elif isinstance(action, argparse._AppendAction):
