@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from coordinator.core.membership import (
@@ -56,6 +57,9 @@ def learner_to_proto(learner: Learner) -> common_pb2.LearnerInfo:
         joined_unix_ms=_ms(learner.joined_s),
         launch_id=learner.launch_id,
         reason=learner.reason,
+        train_loss=learner.train_loss,
+        eval_loss=learner.eval_loss,
+        tokens_per_s=learner.tokens_per_s,
     )
 
 
@@ -82,7 +86,18 @@ def change_to_proto(change: Change, clock: VectorClock) -> coordinator_pb2.Membe
 
 
 def stats_from_proto(msg: coordinator_pb2.HeartbeatRequest) -> HeartbeatStats:
-    return HeartbeatStats(msg.tokens, msg.inner_steps, msg.version_lag, msg.tokens_per_s)
+    """A heartbeat's counts; a rate or loss that is not a finite number (>= 0 for the rate)
+    is refused: the status page and the metrics show them as they come."""
+    if not (math.isfinite(msg.tokens_per_s) and msg.tokens_per_s >= 0):
+        raise InvalidArgument(f"tokens_per_s must be a finite number >= 0, got {msg.tokens_per_s}")
+    losses = {}
+    for name in ("train_loss", "eval_loss"):
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            if not math.isfinite(value):
+                raise InvalidArgument(f"{name} must be a finite number, got {value}")
+            losses[name] = value
+    return HeartbeatStats(msg.tokens, msg.inner_steps, msg.version_lag, msg.tokens_per_s, **losses)
 
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")

@@ -271,7 +271,8 @@ class Learner:
     def _stats(self) -> dict:
         s = self.summary
         return {"tokens": s.tokens, "inner_steps": s.inner_steps,
-                "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0, "version_lag": self.version_lag}
+                "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0, "version_lag": self.version_lag,
+                "train_loss": s.train_loss, "eval_loss": s.eval_loss_final}
 
     def _drain(self, reason: str) -> None:
         logger.warning("%s: leaving: %s", self.learner_id, reason)

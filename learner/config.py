@@ -31,6 +31,10 @@ class LearnerConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_every_steps: int = 50
+    train_loss_every_steps: int = 10
+    """The training loss is recorded as its mean over each this many inner steps: a
+    ``train`` event (the run's curves), the heartbeat's value (the status page) and the
+    ``diloco.learner.train_loss`` gauge. On XLA the loss is read once per window (a host sync)."""
     skip_start_eval: bool = False
     """No evaluation before the first inner step (it would delay the first step). A learner
     joining a model others have trained never evaluates there; ``diloco local`` skips it
@@ -71,7 +75,7 @@ class LearnerConfig:
             raise InvalidArgument(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.delta_codec not in DELTA_CODECS:
             raise InvalidArgument(f"delta codec must be one of {DELTA_CODECS}, got {self.delta_codec!r}")
-        for name in ("steps", "eval_every_steps", "max_inflight_pushes"):
+        for name in ("steps", "eval_every_steps", "train_loss_every_steps", "max_inflight_pushes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         for name in ("lr", "push_timeout_s", "heartbeat_interval_s", "coordinator_loss_timeout_s", "slice_timeout_s"):

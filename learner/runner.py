@@ -67,6 +67,41 @@ def inner_step(spec: str, task: Task, batch, optimizer: torch.optim.Optimizer, s
     return loss
 
 
+class TrainLoss:
+    """The training loss over windows of ``every`` inner steps: each window's mean is
+    recorded (``train`` event, the summary's ``train_loss`` the heartbeat carries, the
+    gauge) once its last step is done. Off XLA each step's loss is read at once (a
+    non-finite one stops the learner there); on XLA, where a read is a host sync, the
+    losses stay on the device until the window ends."""
+
+    def __init__(self, spec: str, learner, every: int) -> None:
+        self.spec, self.learner, self.every = spec, learner, every
+        self.host = learner.device.kind != "xla"
+        self.losses: list = []
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        loss = loss.detach()
+        if self.host:
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise TaskError(f"task {self.spec!r}: the loss is {loss} at inner step {step}")
+        self.losses.append(loss)
+
+    def maybe_record(self, step: int) -> None:
+        """After ``learner.step``: the window's mean, if ``step`` ends one."""
+        if len(self.losses) < self.every:
+            return
+        mean = sum(self.losses) / len(self.losses) if self.host else float(torch.stack(self.losses).mean())
+        self.losses = []
+        if not math.isfinite(mean):
+            raise TaskError(f"task {self.spec!r}: the mean loss of inner steps {step + 1 - self.every}..{step} is {mean}")
+        s = self.learner.summary
+        s.train_loss = mean
+        self.learner.telemetry.train_loss(mean)
+        self.learner.event("train", step=step + 1, tokens=s.tokens, loss=round(mean, 5),
+                           tokens_per_s=round(s.tokens / s.wall_s, 1) if s.wall_s else 0.0)
+
+
 class TaskRunner:
     """Trains ``task`` for ``cfg.steps`` inner steps (or until the learner is asked to
     stop), syncing through ``learner``."""
@@ -84,6 +119,7 @@ class TaskRunner:
             self._evaluate(0)
         learner.begin_training()
         batches = iter(task.batches)
+        window = TrainLoss(self.spec, learner, cfg.train_loss_every_steps)
         for step in range(cfg.steps):
             if learner.should_stop:
                 logger.info("%s: stopping at inner step %d", learner.learner_id, step)
@@ -96,16 +132,13 @@ class TaskRunner:
                     f"task {self.spec!r}: its batches ended after {step} batches; this learner trains {cfg.steps} inner steps"
                 ) from None
             loss = inner_step(self.spec, task, batch, self.optimizer, self.schedule, cfg.grad_clip, device=learner.device)
-            if learner.device.kind != "xla":  # reading the loss is a host sync point on XLA
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise TaskError(f"task {self.spec!r}: the loss is {value} at inner step {step}")
-                learner.telemetry.train_loss(value)
+            window.add(loss, step)
             # Simulated slow accelerator (chaos, benchmarks), not synchronisation.
             delay = cfg.step_delay_s + (cfg.slow_factor - 1.0) * (time.perf_counter() - started)
             if delay > 0:
                 time.sleep(delay)
             learner.step(checked_tokens(self.spec, task.tokens(batch)))
+            window.maybe_record(step)
             if (step + 1) % cfg.eval_every_steps == 0:
                 self._evaluate(step + 1)
         return self.summary

@@ -21,6 +21,9 @@ class Summary:
     eval_loss_start: float | None = None
     """The task's eval loss (in ``eval_unit``) before the first inner step."""
     eval_loss_final: float | None = None
+    train_loss: float | None = None
+    """The task's training loss, the mean over the last ``LearnerConfig.train_loss_every_steps``
+    inner steps (None before the first such window ends)."""
     eval_history: list[tuple[int, int, float]] = field(default_factory=list)
     """(inner step, tokens, eval loss)."""
     pushes_sent: int = 0

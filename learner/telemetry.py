@@ -130,7 +130,8 @@ class LearnerTelemetry:
             "versions the global fragment moved past a push's base, besides its own round, when its update was merged",
         )
 
-        self._train_loss = meter.create_gauge("diloco.learner.train_loss", "1", "the task's loss on the last training batch")
+        self._train_loss = meter.create_gauge(
+            "diloco.learner.train_loss", "1", "the task's training loss, the mean over the last --train-loss-every inner steps")
         self._eval_loss = meter.create_gauge(
             "diloco.learner.eval_loss", "1", "the task's mean loss over its eval batches (in its eval unit, e.g. bits/byte)"
         )

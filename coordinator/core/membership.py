@@ -45,6 +45,9 @@ class Learner:
     inner_steps: int = 0
     version_lag: int = 0
     tokens_per_s: float = 0.0
+    train_loss: float | None = None
+    """Its last heartbeat's training loss (the mean over its last few steps); None before one."""
+    eval_loss: float | None = None
     reason: str = ""
     """Why the learner is draining, failed or left."""
     drain_deadline_s: float | None = None
@@ -109,6 +112,8 @@ class HeartbeatStats:
     inner_steps: int = 0
     version_lag: int = 0
     tokens_per_s: float = 0.0
+    train_loss: float | None = None
+    eval_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,10 @@ class Membership:
         learner.heartbeat_s = now
         learner.inner_steps = max(learner.inner_steps, stats.inner_steps)
         learner.version_lag, learner.tokens_per_s = stats.version_lag, stats.tokens_per_s
+        if stats.train_loss is not None:
+            learner.train_loss = stats.train_loss
+        if stats.eval_loss is not None:
+            learner.eval_loss = stats.eval_loss
         if learner.state == JOINING:
             learner.state = ACTIVE
             self._emit("active", learner, "first heartbeat")

@@ -53,6 +53,9 @@ def learner_dict(info: common_pb2.LearnerInfo) -> dict:
         "tokens": info.tokens,
         "inner_steps": info.inner_steps,
         "version_lag": info.version_lag,
+        "tokens_per_s": info.tokens_per_s,
+        "train_loss": info.train_loss if info.HasField("train_loss") else None,
+        "eval_loss": info.eval_loss if info.HasField("eval_loss") else None,
     }
 
 
@@ -109,10 +112,11 @@ class LearnerSession:
         self._received(reply.clock)
         return reply
 
-    async def heartbeat(self, tokens: int = 0, inner_steps: int = 0, version_lag: int = 0, tokens_per_s: float = 0.0):
+    async def heartbeat(self, tokens: int = 0, inner_steps: int = 0, version_lag: int = 0, tokens_per_s: float = 0.0,
+                        train_loss: float | None = None, eval_loss: float | None = None):
         request = coordinator_pb2.HeartbeatRequest(
             learner_id=self.learner_id, tokens=tokens, inner_steps=inner_steps, version_lag=version_lag,
-            tokens_per_s=tokens_per_s, clock=self._send(),
+            tokens_per_s=tokens_per_s, train_loss=train_loss, eval_loss=eval_loss, clock=self._send(),
         )
         reply = await self._call("Heartbeat", self.stub.Heartbeat, request, self.metadata)
         self.credential = reply.credential or self.credential  # renewed: credentials expire

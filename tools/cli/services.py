@@ -206,6 +206,8 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
              "peak inner AdamW learning rate (a task's own optimizer keeps its lr, scaled by the schedule)", type=float)
     add_flag(t, "--warmup-steps", LearnerConfig, "warmup_steps", "linear warmup steps", type=int)
     add_flag(t, "--eval-every", LearnerConfig, "eval_every_steps", "inner steps between evaluations", type=int)
+    add_flag(t, "--train-loss-every", LearnerConfig, "train_loss_every_steps",
+             "inner steps the recorded training loss is averaged over (curves, status page, metrics)", type=int)
     add_flag(t, "--skip-start-eval", LearnerConfig, "skip_start_eval",
              "no evaluation before the first inner step (one joining a trained model never has one)", action="store_true")
     add_flag(t, "--delta-codec", LearnerConfig, "delta_codec", "delta encoding", choices=DELTA_CODECS)
