@@ -147,6 +147,13 @@ class CoordinatorConfig:
     health_port: int | None = None
     """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
     TLS); None: only on the main port."""
+    status_port: int | None = None
+    """Serve the status page (``coordinator.status``: members, shards, snapshots, loss
+    curves, recent events) over HTTP on this port (0: any free one; the URL is written to
+    data_dir/status-url); None: no page."""
+    status_host: str = "127.0.0.1"
+    """Where the status page listens. On a loopback address anyone on the host may read
+    it (it is read-only); on any other it requires the admin token."""
     reflection: bool = False
     """Serve gRPC reflection (off: it lists every method to anyone who connects)."""
     advertise_address: str = ""
@@ -199,6 +206,8 @@ class CoordinatorConfig:
                 raise InvalidArgument("pin the model either by building it (pin_model) or by its manifest's SHA-256, not both")
         if not 0 <= self.port < 65536:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
+        if self.status_port is not None and not 0 <= self.status_port < 65536:
+            raise InvalidArgument(f"status port must be in [0, 65535], got {self.status_port}")
 
     @property
     def default_pool(self) -> str:

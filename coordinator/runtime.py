@@ -18,6 +18,7 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core.membership import DRAINING, Change, FailedLaunch, HeartbeatStats, Launch, Learner, Membership
+from coordinator.core.progress import LossCurves, RecentEvents
 from coordinator.core.snapshots import COMPLETE, Snapshot, SnapshotFile, Snapshots, manifest_of
 from coordinator.launcher import Launcher, LaunchResult, override_args
 from diloco import auth
@@ -149,6 +150,9 @@ class CoordinatorRuntime:
         self.topology_epoch = 1
         self.restored_from: int | None = None
         self.membership = Membership(cfg, run.plan_hash)
+        self.curves = LossCurves()
+        self.recent = RecentEvents()
+        """What the status page shows of the run's history (``coordinator.core.progress``)."""
         self.snapshots = Snapshots(cfg.snapshot_timeout_s, str(cfg.snapshots_path))
         self._watchers: set[asyncio.Queue] = set()
         self.incarnations: dict[str, str] = {}
@@ -286,6 +290,8 @@ class CoordinatorRuntime:
         self._schedule()
 
     def _announce(self, change: Change, now: float) -> None:
+        self.recent.add(now, change.kind, f"{change.learner.id} {change.kind}: {change.reason}"
+                        if change.learner is not None else change.reason)
         if change.learner is not None:
             logger.info("learner %s %s: %s", change.learner.id, change.kind, change.reason)
             for queue in list(self._watchers):
@@ -304,6 +310,7 @@ class CoordinatorRuntime:
     def _finished(self, snapshot: Snapshot) -> None:
         if snapshot.state != COMPLETE:
             logger.warning("snapshot %d failed: %s", snapshot.id, snapshot.detail)
+            self.recent.add(self._now(), "snapshot", f"snapshot {snapshot.id} failed: {snapshot.detail}")
             return
         path = join(snapshot.directory, MANIFEST)
         run = {"plan_hash": self.run.plan_hash, "shards": list(self.cfg.shards), "run_config": self.run.run_config_json,
@@ -317,6 +324,7 @@ class CoordinatorRuntime:
             return
         self.snapshots.completed(snapshot.id, path)
         logger.info("snapshot %d complete: %s", snapshot.id, path)
+        self.recent.add(self._now(), "snapshot", f"snapshot {snapshot.id} complete")
         if self.cfg.snapshot_keep:
             task = self._spawn(self._retain(snapshot.id))
             self._retentions.add(task)
@@ -427,10 +435,13 @@ class CoordinatorRuntime:
             raise FailedPrecondition(f"{learner_id}'s model differs from the run's: {difference}")
 
     def heartbeat(self, learner_id: str, stats: HeartbeatStats) -> tuple[Learner, list[Directive]]:
+        now = self._now()
         try:
-            learner = self.membership.heartbeat(learner_id, stats, self._now())
+            learner = self.membership.heartbeat(learner_id, stats, now)
         finally:
             self._settle()
+        if stats.train_loss is not None:
+            self.curves.add(learner_id, now, self.membership.tokens_total, stats.train_loss)
         directives = []
         if learner.state == DRAINING:
             directives.append(Directive("drain", learner.reason))
@@ -465,11 +476,21 @@ class CoordinatorRuntime:
             return
         previous = self.incarnations.get(watcher)
         self.incarnations[watcher] = incarnation
-        if previous is not None and previous != incarnation:
+        if previous is None:
+            self.recent.add(self._now(), "shard", f"shard {watcher[1:]} follows the membership")
+        elif previous != incarnation:
             logger.warning("%s restarted (a new process follows the membership)", watcher)
+            self.recent.add(self._now(), "shard", f"shard {watcher[1:]} restarted (a new process follows the membership)")
             self._retired.setdefault(watcher, set()).add(previous)
             self.snapshots.participant_restarted(watcher, incarnation, self._now())
             self._settle(save=True)
+
+    def now(self) -> float:
+        return self._now()
+
+    def restarts(self, watcher: str) -> int:
+        """How many times the shard ``watcher`` (``S<m>``) was seen restarted."""
+        return len(self._retired.get(watcher, ()))
 
     def watch(self) -> tuple[asyncio.Queue, list[Learner]]:
         """A queue of every change from now on, and the full membership to send first.

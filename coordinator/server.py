@@ -23,6 +23,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.launcher import Launcher, LocalProcessLauncher
 from coordinator.runtime import CoordinatorRuntime, RunInfo
 from coordinator.service import CoordinatorServicer
+from coordinator.status import StatusPage
 from diloco import auth, rpc
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
@@ -148,7 +149,9 @@ class CoordinatorServer:
         )
         self.health = rpc.add_standard_services(self.server, [SERVICE_NAME], cfg.reflection)
         self._launcher_factory = launcher_factory
+        self._admin_token = admin_token
         self._probes: grpc.aio.Server | None = None
+        self.status_page: StatusPage | None = None
         self.port = 0
         self._stopped = False
 
@@ -157,6 +160,9 @@ class CoordinatorServer:
         return f"{self.cfg.host}:{self.port}"
 
     async def start(self) -> int:
+        if self.cfg.status_port is not None:  # first: a port taken fails the start before anything runs
+            self.status_page = StatusPage(self.runtime, self.shard_calls, self.cfg.status_host, self.cfg.status_port,
+                                          self._admin_token, self.cfg.data_dir)
         self.port = rpc.bind(self.server, f"{self.cfg.host}:{self.cfg.port}")
         write_secret_file(self.cfg.data_dir / JOIN_TOKEN_FILE, auth.join_token(self._secret))
         self.runtime.launcher = self._launcher_factory(self, self.cfg.advertise_address or self.address)
@@ -164,6 +170,8 @@ class CoordinatorServer:
         if self.cfg.health_port is not None:
             self._probes, _ = await rpc.health_server(self.health, f"{self.cfg.host}:{self.cfg.health_port}")
         await rpc.mark_serving(self.health, [SERVICE_NAME])
+        if self.status_page is not None:
+            self.status_page.start()
         self.runtime.start()
         logger.info("coordinator listening on %s (%d shards)", self.address, len(self.cfg.shards))
         return self.port
@@ -173,6 +181,8 @@ class CoordinatorServer:
             return
         self._stopped = True
         await rpc.mark_serving(self.health, [SERVICE_NAME], serving=False)
+        if self.status_page is not None:
+            await asyncio.to_thread(self.status_page.stop)  # its requests wait on this loop
         await self.runtime.close()
         await self.server.stop(self.cfg.shutdown_grace_s)
         if self._probes is not None:

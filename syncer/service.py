@@ -322,6 +322,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                     version=state.version,
                     open_round_pushes=len(state.open),
                     round_state=decision.reason,
+                    last_round_age_s=None if state.last_round_at is None else self.runtime.now() - state.last_round_at,
+                    last_round_participants=state.last_participants,
                 )
             )
         return syncer_pb2.StatusReply(

@@ -158,6 +158,8 @@ class Membership:
         self.launches: dict[str, Launch] = {}
         self.failed_launches: dict[str, FailedLaunch] = {}
         self._changes: list[Change] = []
+        self.tokens_total = 0
+        """The tokens credited to every learner the run has had (gone ones too, pruned or not)."""
 
     # --- reading ---------------------------------------------------------------------
 
@@ -256,6 +258,7 @@ class Membership:
         report is taken as it is, provisionally: once there is a reference, whatever exceeds
         the bound is taken back. Counts credited under a reference never go down."""
         learner.claimed = max(learner.claimed, reported)
+        credited = learner.tokens
         age = max(now - learner.joined_s, 0.0)
         others = [other for other in self.learners.values() if other is not learner and other.token_rate > 0]
         if others:
@@ -267,6 +270,7 @@ class Membership:
             learner.tokens = learner.vouched
         else:
             learner.tokens = learner.claimed
+        self.tokens_total += learner.tokens - credited
         if age > 0:
             learner.token_rate = learner.tokens / age
 
@@ -404,6 +408,7 @@ class Membership:
     def to_state(self) -> dict:
         return {
             "next_learner": self.next_number,
+            "tokens_total": self.tokens_total,
             "learners": [dataclasses.asdict(l) for l in self._ordered()],
             "launches": [dataclasses.asdict(x) for x in self.launches.values()],
         }
@@ -421,6 +426,8 @@ class Membership:
             for raw in state.get("launches", []):
                 launch = Launch(**raw)
                 membership.launches[launch.launch_id] = launch
+            # (a state file from before the total was kept: what its learners hold)
+            membership.tokens_total = int(state.get("tokens_total", sum(l.tokens for l in membership.learners.values())))
         except (TypeError, ValueError) as error:
             raise InvalidArgument(f"corrupt coordinator state: {error}") from None
         return membership

@@ -221,16 +221,20 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment", "version", "open_round_pushes", "round_state")
+    __slots__ = ("fragment", "version", "open_round_pushes", "round_state", "last_round_age_s", "last_round_participants")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROUND_PUSHES_FIELD_NUMBER: _ClassVar[int]
     ROUND_STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     open_round_pushes: int
     round_state: str
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., open_round_pushes: _Optional[int] = ..., round_state: _Optional[str] = ...) -> None: ...
+    last_round_age_s: float
+    last_round_participants: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., open_round_pushes: _Optional[int] = ..., round_state: _Optional[str] = ..., last_round_age_s: _Optional[float] = ..., last_round_participants: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("shard_id", "fragments", "live_learners", "rounds_closed", "pushes_received", "bytes_received", "bytes_sent", "clock", "plan_hash", "model_state", "anchors_only", "initializing")

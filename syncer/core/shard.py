@@ -125,6 +125,8 @@ class FragmentState:
     timings: Timings = field(default_factory=Timings)
     last_reason: str = ""
     last_participants: int = 0
+    last_round_at: float | None = None
+    """When its last round was merged (the runtime's clock)."""
     full_cache: Segment | None = None
     digest_cache: tuple[int, bytes] | None = None
     """(version, ``values_digest`` of the fragment at it)."""
@@ -684,6 +686,7 @@ class ShardCore:
         state.applying = False
         state.last_reason = job.reason
         state.last_participants = len(job.pushes)
+        state.last_round_at = now
         for push, (cos, _) in zip(job.pushes, job.measured):
             state.influence.agreed(push.meta.learner_id, cos)
         state.timings.observe("sync_time_s", now - job.closed_at, self.cfg.rounds.ema_factor)

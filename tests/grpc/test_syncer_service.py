@@ -63,6 +63,8 @@ def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path)
     async def scenario():
         async with running_shard(tmp_path, quorum=2, grace_mode="fixed", grace_fixed_s=5.0, merge=MergeConfig(downlink="chain")) as (server, address):
             learners = [FakeLearner.of(server, f"L{i}", seed=i) for i in range(3)]
+            async with client_for(address, "L0") as client:  # no round yet: no age
+                assert not (await client.status()).fragments[0].HasField("last_round_age_s")
             for round_index in range(3):
                 async def one(learner):
                     async with client_for(address, learner.name) as client:
@@ -77,6 +79,9 @@ def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path)
             for learner in learners:
                 assert_same_tensors(learner.anchor, shard_params)
             async with client_for(address, "L0") as client:
+                status = (await client.status()).fragments[0]  # what the status page shows of a round
+                assert (status.version, status.last_round_participants) == (3, 3)
+                assert 0 <= status.last_round_age_s < 5
                 await client.bootstrap()
             sent = server.runtime.counters.bytes_sent
         tape = list(read_tape(tmp_path / "tape-S0.jsonl"))

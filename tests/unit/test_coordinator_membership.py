@@ -231,6 +231,28 @@ def test_reported_tokens_are_credited_at_most_three_times_as_fast_as_the_others(
     assert m.learner("L4").tokens == 3 * 1200 * 3.5  # at most as long as L3 (3.5 s), the longest reporter
     m.heartbeat("L0", HeartbeatStats(tokens=10, inner_steps=1), now=7.0)  # counts never go down
     assert m.learner("L0").tokens == 3000
+    # The run's total follows every credit, the one taken back included.
+    assert m.tokens_total == sum(l.tokens for l in m.learners.values())
+
+
+def test_the_run_s_token_total_outlives_pruned_learners_and_restarts(monkeypatch):
+    import coordinator.core.membership as core
+
+    monkeypatch.setattr(core, "MAX_GONE_KEPT", 1)
+    m = membership()
+    for i in range(3):
+        m.join("", "host", "", PLAN, now=0.0)
+        m.heartbeat(f"L{i}", HeartbeatStats(tokens=100 * (i + 1), inner_steps=1), now=1.0)
+    m.leave("L0", "done", now=2.0, final=(150, 2))
+    m.leave("L1", "done", now=2.0)
+    m.take_changes()
+    m.join("", "host", "", PLAN, now=3.0)  # a join prunes the gone beyond the one kept
+    assert "L0" not in m.learners and m.tokens_total == 150 + 200 + 300
+    back = Membership.from_state(m.cfg, PLAN, m.to_state())
+    assert back.tokens_total == 650
+    old = m.to_state()
+    del old["tokens_total"]  # a state file from before the total: what its learners hold
+    assert Membership.from_state(m.cfg, PLAN, old).tokens_total == 500
 
 
 def test_a_learner_that_leaves_because_it_failed_is_failed_with_its_reason():

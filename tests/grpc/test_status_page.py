@@ -1,0 +1,137 @@
+"""The coordinator's status page over real HTTP: its document follows the heartbeats, it
+refuses a heartbeat whose loss is not finite, and off loopback it needs the admin token."""
+
+import asyncio
+import functools
+import json
+import math
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+
+from coordinator.status import STATUS_URL_FILE
+from diloco.errors import InvalidArgument, Unavailable
+from tests.grpc.coordinator_fixtures import ADMIN, joined, running_coordinator
+
+
+
+def sync(test):
+    """An async test run to its end on a loop of its own."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+    return run
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _get(url: str, headers: dict | None = None) -> tuple[int, str, bytes]:
+    """GET off the event loop (the page gathers its document on this loop)."""
+    def get():
+        request = urllib.request.Request(url, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status, reply.headers["Content-Type"], reply.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers["Content-Type"], error.read()
+    return await asyncio.to_thread(get)
+
+
+@sync
+async def test_document_follows_heartbeats(tmp_path):
+    dead_shard = f"127.0.0.1:{_closed_port()}"
+    async with running_coordinator(tmp_path, status_port=0, shards=(dead_shard,)) as server:
+        url = (tmp_path / "coordinator" / STATUS_URL_FILE).read_text().strip()
+        assert url == server.status_page.url and url.startswith("http://127.0.0.1:")
+        a, b = await joined(server.address), await joined(server.address)
+        await a.heartbeat(tokens=1000, inner_steps=10, tokens_per_s=500.0, train_loss=5.5)
+        await b.heartbeat(tokens=800, inner_steps=8, tokens_per_s=400.0, train_loss=5.7, eval_loss=5.9)
+        await a.heartbeat(tokens=2000, inner_steps=20, tokens_per_s=510.0, train_loss=4.25)
+        await a.heartbeat(tokens=2000, inner_steps=20, tokens_per_s=510.0, train_loss=4.25)  # nothing new: no point
+        status, kind, body = await _get(url + "status.json")
+        assert (status, kind) == (200, "application/json")
+        doc = json.loads(body)
+        members = {m["id"]: m for m in doc["members"]}
+        assert members[a.learner_id] | {"heartbeat_age_s": 0} == {
+            "id": a.learner_id, "state": "active", "pool": "default", "tokens": 2000, "tokens_per_s": 510.0,
+            "inner_steps": 20, "staleness": 0, "train_loss": 4.25, "eval_loss": None, "heartbeat_age_s": 0, "reason": ""}
+        assert members[b.learner_id]["eval_loss"] == 5.9 and members[b.learner_id]["train_loss"] == 5.7
+        assert 0 <= members[a.learner_id]["heartbeat_age_s"] < 10
+        # The x of each point is the run's tokens (every learner's) when it was reported.
+        assert doc["curves"] == {a.learner_id: [[1000, 5.5], [2800, 4.25]], b.learner_id: [[1800, 5.7]]}
+        assert doc["run"]["tokens"] == 2800 and doc["run"]["shards"] == 1
+        (shard,) = doc["shards"]
+        assert shard["address"] == dead_shard and shard["error"] and "fragments" not in shard
+        texts = [e["text"] for e in doc["events"]]
+        assert texts[:2] == [f"{b.learner_id} active: first heartbeat", f"{a.learner_id} active: first heartbeat"]
+        assert any(t.startswith(f"{a.learner_id} joined") for t in texts)
+
+        await b.leave("done", tokens=900, inner_steps=9)
+        doc = json.loads((await _get(url + "status.json"))[2])
+        assert {m["id"]: m["state"] for m in doc["members"]}[b.learner_id] == "left"
+        assert doc["events"][0]["text"] == f"{b.learner_id} left: done" and doc["run"]["tokens"] == 2900
+        for session in (a, b):
+            await session.close()
+
+
+@sync
+async def test_page_and_unknown_paths(tmp_path):
+    async with running_coordinator(tmp_path, status_port=0) as server:
+        status, kind, body = await _get(server.status_page.url)
+        assert status == 200 and kind.startswith("text/html")
+        assert b"status.json" in body and b"<script" in body and b"src=" not in body  # self-contained
+        status, _, body = await _get(server.status_page.url + "metrics")
+        assert status == 404 and b"/status.json" in body
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf])
+@sync
+async def test_non_finite_loss_is_refused(tmp_path, loss):
+    async with running_coordinator(tmp_path, status_port=0) as server:
+        session = await joined(server.address)
+        with pytest.raises(InvalidArgument, match="train_loss must be a finite number"):
+            await session.heartbeat(tokens=10, train_loss=loss)
+        with pytest.raises(InvalidArgument, match="eval_loss must be a finite number"):
+            await session.heartbeat(tokens=10, eval_loss=loss)
+        with pytest.raises(InvalidArgument, match="tokens_per_s"):
+            await session.heartbeat(tokens=10, tokens_per_s=loss)
+        await session.heartbeat(tokens=10, train_loss=3.0)  # the learner itself is not harmed
+        doc = json.loads((await _get(server.status_page.url + "status.json"))[2])
+        assert doc["curves"] == {session.learner_id: [[10, 3.0]]}
+        await session.close()
+
+
+@sync
+async def test_off_loopback_needs_the_admin_token(tmp_path):
+    # Bound to every interface; the test still talks only to 127.0.0.1.
+    async with running_coordinator(tmp_path, status_port=0, status_host="0.0.0.0") as server:
+        url = f"http://127.0.0.1:{server.status_page.url.rsplit(':', 1)[1]}"
+        for path, headers in (("", {}), ("status.json", {}), ("status.json?token=wrong", {}),
+                              ("status.json", {"Authorization": "Bearer wrong"})):
+            status, _, body = await _get(url + path, headers)
+            assert status == 401 and b"admin token" in body, path
+        assert (await _get(url + "status.json", {"Authorization": f"Bearer {ADMIN}"}))[0] == 200
+        assert (await _get(url + f"status.json?token={ADMIN}"))[0] == 200
+        assert (await _get(url + f"?token={ADMIN}"))[0] == 200
+
+
+@sync
+async def test_a_taken_port_is_a_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(Unavailable, match=r"the status page cannot listen on 127\.0\.0\.1:\d+: "):
+            async with running_coordinator(tmp_path, status_port=taken.getsockname()[1]):
+                pass
+
+
+@sync
+async def test_no_page_unless_asked(tmp_path):
+    async with running_coordinator(tmp_path) as server:
+        assert server.status_page is None and not (tmp_path / "coordinator" / STATUS_URL_FILE).exists()
