@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
-from coordinator.core.membership import DRAINING, Change, FailedLaunch, HeartbeatStats, Launch, Learner, Membership
+from coordinator.core.membership import (
+    DRAINING, STATES, Change, FailedLaunch, HeartbeatStats, Launch, Learner, Membership,
+)
 from coordinator.core.progress import LossCurves, RecentEvents
 from coordinator.core.snapshots import COMPLETE, Snapshot, SnapshotFile, Snapshots, manifest_of
 from coordinator.launcher import Launcher, LaunchResult, override_args
@@ -168,7 +170,12 @@ class CoordinatorRuntime:
         self._closed = False
         self._examining = asyncio.Semaphore(1)
         """Learners' manifests are examined one at a time (each in a worker thread)."""
+        self.member_counts: dict[tuple[str, str], int] = {}
+        """Learners by (state, pool), every state and pool included (a zero is a series too),
+        gone ones as far as they are kept (``MAX_GONE_KEPT``). The metrics thread reads it
+        (``CoordinatorTelemetry``): it is replaced whole after a change, never changed in place."""
         self._load()
+        self._count_members()
 
     # --- the state file --------------------------------------------------------------
 
@@ -280,6 +287,8 @@ class CoordinatorRuntime:
         changes = self.membership.take_changes()
         for change in changes:
             self._announce(change, now)
+        if changes:
+            self._count_members()
         finished = self.snapshots.take_finished()
         for snapshot in finished:
             self._finished(snapshot)
@@ -288,6 +297,12 @@ class CoordinatorRuntime:
         if self.launcher is not None and not self.membership.launches:
             self.launcher.settled()
         self._schedule()
+
+    def _count_members(self) -> None:
+        counts = {(state, pool): 0 for state in STATES for pool in self.cfg.pools}
+        for learner in self.membership.learners.values():
+            counts[learner.state, learner.pool] = counts.get((learner.state, learner.pool), 0) + 1
+        self.member_counts = counts
 
     def _announce(self, change: Change, now: float) -> None:
         self.recent.add(now, change.kind, f"{change.learner.id} {change.kind}: {change.reason}"

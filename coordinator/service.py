@@ -59,7 +59,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._admin_token = admin_token
         self._shards = shards
         self._topology: tuple[tuple, common_pb2.Topology] | None = None
-        self._telemetry = CoordinatorTelemetry()
+        self._telemetry = CoordinatorTelemetry(members=lambda: runtime.member_counts)
 
     def _caller(self, context, claimed: str | None = None, field: str = "learner_id") -> str:
         """The credential's id; when the request names an id (``claimed``), it must be it."""

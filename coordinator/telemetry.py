@@ -4,21 +4,33 @@ interceptor in ``diloco.rpc``).
 
 Per learner, from its heartbeats: ``diloco.coordinator.learner.version_lag`` and
 ``diloco.coordinator.learner.tokens_per_second``; membership changes:
-``diloco.coordinator.membership`` (event: joined, left).
+``diloco.coordinator.membership`` (event: joined, left); the members now:
+``diloco.coordinator.members`` (by state and pool).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
 
 from opentelemetry import metrics
 
 from diloco.telemetry import LEARNER_ID, POOL
 
 SCOPE = "diloco.coordinator"
+STATE = "diloco.state"
 
 
 class CoordinatorTelemetry:
-    def __init__(self, meter: metrics.Meter | None = None) -> None:
+    def __init__(self, meter: metrics.Meter | None = None,
+                 members: Callable[[], Mapping[tuple[str, str], int]] = dict) -> None:
+        """``members``: the learners by (state, pool) now; called on the exporter's thread
+        at each collection, so it must only read a value the event loop replaces whole."""
         meter = meter or metrics.get_meter(SCOPE)
+        meter.create_observable_gauge(
+            "diloco.coordinator.members", [lambda options: [
+                metrics.Observation(count, {STATE: state, POOL: pool}) for (state, pool), count in members().items()]],
+            "{learner}", "learners by state (joining, active, draining, failed, left) and pool",
+        )
         self._version_lag = meter.create_gauge(
             "diloco.coordinator.learner.version_lag", "{version}", "a learner's version lag, from its heartbeats"
         )

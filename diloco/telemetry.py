@@ -18,13 +18,18 @@ This is a service-side module of the kernel, like ``rpc``: core code never impor
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import socket
 import threading
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from diloco.errors import InvalidArgument
+from diloco.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,10 @@ SERVICE_NAMES = {"learner": "diloco-learner", "syncer": "diloco-syncer", "coordi
 LEARNER_ID = "diloco.learner.id"
 SHARD_ID = "diloco.shard.id"
 POOL = "diloco.pool"
+PROMETHEUS_LABELS = (LEARNER_ID, SHARD_ID, POOL)
+"""Resource attributes the Prometheus endpoint also puts on every series (as
+``diloco_learner_id``, ``diloco_shard_id``, ``diloco_pool``): a scraper that knows the pod,
+not the learner, can still tell the learners apart. The whole resource is on ``target_info``."""
 
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Histogram boundaries for durations: the SDK's default buckets are meant for milliseconds."""
@@ -170,14 +179,43 @@ def require_prometheus() -> None:
         raise InvalidArgument(f"a Prometheus endpoint needs the Prometheus exporter: {_PROMETHEUS_HINT}") from None
 
 
+_TARGET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def prometheus_target(role: str, host: str, port: int, learner_id: str | None = None,
+                      shard_id: int | None = None) -> tuple[str, list[dict]]:
+    """This process's Prometheus target, as a ``file_sd_configs`` file: its name (the
+    process's name in a local run's endpoints.json: ``coordinator``, ``shard<m>``, the
+    learner's id) and its one target group, the /metrics address labelled ``role``
+    (coordinator, shard, learner) and ``learner`` or ``shard``. An endpoint on every
+    interface is given under this host's name."""
+    if role not in SERVICE_NAMES:
+        raise InvalidArgument(f"unknown role {role!r}: one of {', '.join(SERVICE_NAMES)}")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    labels = {"role": "shard" if role == "syncer" else role}
+    if learner_id is not None:
+        labels["learner"] = learner_id
+    if shard_id is not None:
+        labels["shard"] = str(shard_id)
+    name = learner_id if learner_id is not None else f"shard{shard_id}" if shard_id is not None else role
+    if not _TARGET_NAME.match(name):
+        raise InvalidArgument(f"learner id {name!r} cannot name a Prometheus target file")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{name}.json", [{"targets": [address], "labels": labels}]
+
+
 class Telemetry:
     """The providers ``start`` installed (None where nothing was), shut down at exit."""
 
-    def __init__(self, plan: ExportPlan, tracer_provider=None, meter_provider=None, prometheus_server=None) -> None:
+    def __init__(self, plan: ExportPlan, tracer_provider=None, meter_provider=None, prometheus_server=None,
+                 target_file: Path | None = None) -> None:
         self.plan = plan
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self._prometheus_server = prometheus_server
+        self.target_file = target_file
+        """The Prometheus target file this process wrote (``prometheus_target``), removed at shutdown."""
         self._closed = False
 
     @property
@@ -190,6 +228,8 @@ class Telemetry:
         if self._closed:
             return
         self._closed = True
+        if self.target_file is not None:
+            self.target_file.unlink(missing_ok=True)
         if self._prometheus_server is not None:
             self._prometheus_server.shutdown()
             self._prometheus_server.server_close()
@@ -219,16 +259,21 @@ def start(
     shard_id: int | None = None,
     pool: str | None = None,
     prometheus: tuple[str, int] | None = None,
+    prometheus_targets_dir: Path | None = None,
     install: bool = True,
 ) -> Telemetry:
     """Install the global tracer and meter providers the environment asks for (and a
     Prometheus endpoint at ``prometheus``); with nothing asked, install nothing.
+    ``prometheus_targets_dir``: write the endpoint's ``prometheus_target`` file there
+    once it serves (with port 0, the port the OS chose).
     ``install=False`` builds the providers without making them global (tests)."""
     plan = export_plan(env)
     if prometheus is not None and "prometheus" not in plan.metrics:
         plan = ExportPlan(plan.traces, (*plan.metrics, "prometheus"), plan.reason + "; --prometheus given")
     if "prometheus" in plan.metrics:
         require_prometheus()
+    elif prometheus_targets_dir is not None:
+        raise InvalidArgument("--prometheus-targets-dir lists a Prometheus endpoint: add --prometheus [HOST:]PORT")
     if not plan.traces and not plan.metrics:
         logger.debug("telemetry off (%s)", plan.reason)
         return Telemetry(plan)
@@ -237,7 +282,7 @@ def start(
     from opentelemetry.sdk.resources import Resource
 
     resource = Resource(resource_attributes(role, env, learner_id, shard_id, pool))
-    tracer_provider = meter_provider = server = None
+    tracer_provider = meter_provider = server = target_file = None
     if plan.traces:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -268,12 +313,16 @@ def start(
                 host, port = prometheus or prometheus_address(
                     f"{env.get('OTEL_EXPORTER_PROMETHEUS_HOST', 'localhost')}:{env.get('OTEL_EXPORTER_PROMETHEUS_PORT', '9464')}"
                 )
-                readers.append(PrometheusMetricReader())
+                readers.append(PrometheusMetricReader(resource_attribute_filter=PROMETHEUS_LABELS.__contains__))
                 try:
                     server, _ = start_http_server(port, addr=host)
                 except OSError as error:
                     raise InvalidArgument(f"cannot serve Prometheus metrics on {host}:{port}: {error.strerror}") from None
                 logger.info("Prometheus metrics on http://%s:%d/metrics", host, server.server_port)
+                if prometheus_targets_dir is not None:
+                    name, groups = prometheus_target(role, host, server.server_port, learner_id, shard_id)
+                    target_file = Path(prometheus_targets_dir) / name
+                    atomic_write(target_file, json.dumps(groups))
             else:
                 readers.append(
                     PeriodicExportingMetricReader(
@@ -287,7 +336,7 @@ def start(
             metrics.set_meter_provider(meter_provider)
     logger.info("telemetry on as %s: traces %s, metrics %s", resource.attributes["service.name"],
                 ",".join(plan.traces) or "off", ",".join(plan.metrics) or "off")
-    return Telemetry(plan, tracer_provider, meter_provider, server)
+    return Telemetry(plan, tracer_provider, meter_provider, server, target_file)
 
 
 def _span_exporter(kind: str, env: Mapping[str, str]):

@@ -6,7 +6,7 @@ learner's ``sync fragment``) and ``round`` (one per closed round, linked to ever
 it merged), and ``fragment values`` (one each time a fragment gets its values: a
 learner's initial values, a learner's anchor after a restart without state, or a
 snapshot; attribute ``diloco.source``). Metrics: ``diloco.push.received``, ``diloco.wire.bytes``,
-``diloco.round.participants``, ``diloco.round.quorum_wait``, ``diloco.round.grace``,
+``diloco.round.closed``, ``diloco.round.participants``, ``diloco.round.quorum_wait``, ``diloco.round.grace``,
 ``diloco.round.merge``, ``diloco.round.merged_steps``.
 """
 
@@ -43,6 +43,7 @@ class ShardTelemetry:
         self._bytes = meter.create_counter(
             "diloco.wire.bytes", "By", "push payload bytes on the wire (direction: up = to the shard, down = updates)"
         )
+        self._rounds = meter.create_counter("diloco.round.closed", "{round}", "rounds closed, by fragment")
         self._participants = meter.create_histogram(
             "diloco.round.participants", "{learner}", "learners merged per round",
             explicit_bucket_boundaries_advisory=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128),
@@ -109,6 +110,7 @@ class ShardTelemetry:
         )
         span.end(end_time=finished_ns)
         attributes = {"diloco.fragment": job.fragment.id}
+        self._rounds.add(1, attributes)
         self._participants.record(len(participants), attributes)
         self._quorum.record(job.quorum_s, attributes)
         self._grace.record(job.grace_s, attributes)

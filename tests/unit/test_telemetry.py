@@ -1,8 +1,12 @@
 """OpenTelemetry configuration from the OTEL_* environment: what is exported when, the
 resource, the Prometheus flag (and its message when the extra is missing)."""
 
+import json
+import socket
 import sys
 import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from opentelemetry import metrics, trace
@@ -110,3 +114,67 @@ def test_prometheus_flag_without_the_extra_fails_with_a_message_not_a_traceback(
     assert code == 2
     err = capsys.readouterr().err
     assert "diloco[metrics]" in err and "Traceback" not in err
+
+
+def test_prometheus_target_names_the_process_as_endpoints_json_does_and_labels_it():
+    assert telemetry.prometheus_target("learner", "127.0.0.1", 9100, learner_id="L3") == (
+        "L3.json", [{"targets": ["127.0.0.1:9100"], "labels": {"role": "learner", "learner": "L3"}}])
+    assert telemetry.prometheus_target("syncer", "::1", 9101, shard_id=1) == (
+        "shard1.json", [{"targets": ["[::1]:9101"], "labels": {"role": "shard", "shard": "1"}}])
+    name, [group] = telemetry.prometheus_target("coordinator", "0.0.0.0", 9102)
+    assert name == "coordinator.json" and group["labels"] == {"role": "coordinator"}
+    assert group["targets"] == [f"{socket.getfqdn()}:9102"]  # every interface: this host's name, not 0.0.0.0
+    with pytest.raises(InvalidArgument, match="cannot name a Prometheus target file"):
+        telemetry.prometheus_target("learner", "127.0.0.1", 9100, learner_id="../L0")
+
+
+def test_the_endpoint_lists_itself_with_the_port_it_got_and_unlists_itself_at_shutdown(tmp_path):
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    handle = telemetry.start("learner", {}, learner_id="L2", pool="spot", prometheus=("127.0.0.1", 0),
+                             prometheus_targets_dir=tmp_path / "targets", install=False)
+    try:
+        assert json.loads((tmp_path / "targets" / "L2.json").read_text()) == [
+            {"targets": [f"127.0.0.1:{handle.prometheus_port}"], "labels": {"role": "learner", "learner": "L2"}}]
+        from learner.telemetry import LearnerTelemetry
+
+        LearnerTelemetry("L2", meter=handle.meter_provider.get_meter("test")).train_loss(2.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{handle.prometheus_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        handle.shutdown()
+    # The learner's ids are on its series, not only on target_info: a scraper that knows only the pod tells learners apart.
+    (loss,) = [line for line in text.splitlines() if line.startswith("diloco_learner_train_loss{")]
+    assert 'diloco_learner_id="L2"' in loss and 'diloco_pool="spot"' in loss and loss.endswith(" 2.5")
+    assert not (tmp_path / "targets" / "L2.json").exists()
+
+
+def test_a_targets_dir_without_an_endpoint_is_refused():
+    with pytest.raises(InvalidArgument, match="add --prometheus"):
+        telemetry.start("syncer", {}, shard_id=0, prometheus_targets_dir=Path("/nonexistent"), install=False)
+
+
+def test_the_shard_counts_rounds_and_the_coordinator_reports_its_members_by_state_and_pool():
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from coordinator.telemetry import CoordinatorTelemetry
+    from syncer.telemetry import ShardTelemetry
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    counts = {("active", "default"): 2, ("left", "spot"): 1}
+    CoordinatorTelemetry(meter=meter, members=lambda: counts)
+    shard = ShardTelemetry(0, meter=meter)
+    for fragment in (0, 2, 2):
+        job = SimpleNamespace(fragment=SimpleNamespace(id=fragment), pushes=[], weights=[], version=1, quorum_s=0.0,
+                              grace_s=0.0, reason="quorum")
+        shard.round_closed(job, 0.01, [], 0, 1)
+
+    def points(name: str) -> dict:
+        (metric,) = [m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                     for m in sm.metrics if m.name == name]
+        return {tuple(sorted(p.attributes.items())): p.value for p in metric.data.data_points}
+
+    assert points("diloco.coordinator.members") == {
+        (("diloco.pool", "default"), ("diloco.state", "active")): 2, (("diloco.pool", "spot"), ("diloco.state", "left")): 1}
+    assert points("diloco.round.closed") == {(("diloco.fragment", 0),): 1, (("diloco.fragment", 2),): 2}

@@ -144,8 +144,14 @@ def add_telemetry(parser: argparse.ArgumentParser) -> None:
     "Tracing and metrics"); only the Prometheus endpoint has a flag."""
     parser.add_argument(
         "--prometheus", type=_prometheus, metavar="[HOST:]PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST default 0.0.0.0; needs the diloco[metrics] "
-             "extra). Traces and OTLP export follow the OTEL_* environment variables",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST default 0.0.0.0; PORT 0: one the OS "
+             "chooses; needs the diloco[metrics] extra). Traces and OTLP export follow the OTEL_* environment variables",
+    )
+    parser.add_argument(
+        "--prometheus-targets-dir", metavar="DIR",
+        help="with --prometheus: once serving, write DIR/<name>.json (coordinator, shard<m>, the learner's id), this "
+             "process's target for a Prometheus file_sd_configs: its address with the port it got, labels role and "
+             "learner or shard; removed at a clean exit",
     )
 
 
@@ -153,6 +159,7 @@ def start_telemetry(args: argparse.Namespace, role: str, **ids):
     """OpenTelemetry from this process's environment (nothing unless OTEL_* says so)."""
     from diloco import telemetry
 
-    return telemetry.start(role, os.environ, prometheus=args.prometheus, **ids)
+    targets = Path(args.prometheus_targets_dir) if args.prometheus_targets_dir else None
+    return telemetry.start(role, os.environ, prometheus=args.prometheus, prometheus_targets_dir=targets, **ids)
 
 
