@@ -1,6 +1,8 @@
 """The pure parts of diloco local: chaos flag parsing, goodput's slot time, uptime, and
 the timeline's state spans."""
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +12,10 @@ import pytest
 
 from tools.chaos import DEFAULT_FAULT_S, ChaosConfig, FaultSpec, learner_pid, parse_chaos, parse_learner_device, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
-from tools.local.config import LocalConfig
+from diloco.files import atomic_write
+from diloco.telemetry import prometheus_target
+from tools.local.config import PROMETHEUS_TARGETS, LocalConfig
+from tools.local.supervisor import Cluster
 from tools.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, curve_marks, curve_path, expected_period,
                            goodput, slot_seconds, start_s, tape_stats, uptime, wire_bytes)
 from diloco.tape import TapeWriter
@@ -306,3 +311,27 @@ def test_the_eval_curve_evaluates_every_saved_model_in_token_order_with_one_task
     assert curve == [[0, 8.5], [1000, pytest.approx(evaluate(run.task, supervisor_task(run, 1)), abs=1e-4)],
                      [2000, pytest.approx(evaluate(run.task, task), abs=1e-4)], [3000, 1.25]]
     assert curve[1][1] != curve[2][1]
+
+
+
+def test_the_prometheus_targets_file_lists_the_live_processes_as_they_listed_themselves(tmp_path):
+    with pytest.raises(InvalidArgument, match="--prometheus with emulated sites"):
+        LocalConfig(prometheus=True, link_mbit=10)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    cluster = Cluster(LocalConfig(prometheus=True), tmp_path, learner_steps=1)
+    members = [{"id": "L0", "address": f"127.0.0.1:{os.getpid()}"},  # serving
+               {"id": "L1", "address": f"127.0.0.1:{ended.pid}"},  # listed itself, then ended (killed)
+               {"id": "L2", "address": f"127.0.0.1:{os.getpid()}"}]  # alive, not serving yet
+
+    def serve(learner_id: str, port: int) -> list[dict]:
+        name, groups = prometheus_target("learner", "127.0.0.1", port, learner_id=learner_id)
+        atomic_write(tmp_path / "prometheus" / name, json.dumps(groups))
+        return groups
+
+    l0, _ = serve("L0", 9100), serve("L1", 9101)
+    cluster.note_learners(members)
+    assert json.loads((tmp_path / PROMETHEUS_TARGETS).read_text()) == l0
+    l2 = serve("L2", 9102)
+    cluster.note_learners(members)
+    assert json.loads((tmp_path / PROMETHEUS_TARGETS).read_text()) == l0 + l2

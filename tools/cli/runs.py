@@ -229,6 +229,10 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                    help="print the run's summary (summary.json) on stdout as it ends; exit code 1 if a learner failed "
                         "before training or no token was trained, 130 if interrupted")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
+    add_flag(p, "--prometheus", LocalConfig, "prometheus",
+             "every process serves Prometheus metrics on 127.0.0.1 at a port of its own; RUN_DIR/prometheus-targets.json "
+             "lists the live ones (labels role, learner, shard) for a Prometheus file_sd_configs (needs the "
+             "diloco[metrics] extra)", action="store_true")
     p.add_argument("--learner-device", action="append", metavar="ID:DEVICE",
                    help="the ID-th learner launched (0-based; L0 reads as 0) trains on DEVICE: cpu, cuda or xla "
                         "(repeatable; default: every learner on the CPU). xla uses every device PJRT_DEVICE gives "

@@ -20,6 +20,8 @@ from syncer.config import MergeConfig, RoundConfig
 
 TOKEN_BUDGET_SLACK = 1.5
 """On a token budget, learners are launched for this many times their share of it."""
+PROMETHEUS_TARGETS = "prometheus-targets.json"
+"""With ``--prometheus``: the run's live processes as Prometheus file_sd target groups, in RUN_DIR."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,10 @@ class LocalConfig:
     time_limit_s: float | None = None
     """Stop the learners this long after the start, the budget trained or not (the summary
     says ``time_limited``); ``diloco compare --bandwidth-sweep`` bounds its cells so."""
+    prometheus: bool = False
+    """Every process (coordinator, shards, learners, replacements too) serves Prometheus
+    metrics on the run's host at a port the OS chooses; RUN_DIR/prometheus-targets.json lists
+    the live ones for a Prometheus ``file_sd_configs`` (``PROMETHEUS_TARGETS``)."""
     resume: bool = False
     """Continue the stopped run in ``out`` from its newest complete snapshot (``resume_config``)."""
 
@@ -121,6 +127,9 @@ class LocalConfig:
                 if index >= self.learners:
                     raise InvalidArgument(f"{flag} L{index}: there are only {self.learners} learners (L0..L{self.learners - 1})")
         self.chaos.check_targets(self.learners, self.shards)
+        if self.prometheus and self.sites:
+            raise InvalidArgument("--prometheus with emulated sites: each learner's endpoint would be inside its own "
+                                  "network namespace, out of a scraper's reach; drop --link-mbit/--link or --prometheus")
         if self.chaos.network and not self.sites:
             kinds = ", ".join(sorted({f.kind for f in self.chaos.faults if f.network}))
             raise InvalidArgument(f"--chaos {kinds}: network faults act on emulated sites: add --link-mbit R")

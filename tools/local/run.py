@@ -39,6 +39,7 @@ from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, Invali
 from diloco.files import PRIVATE_DIR, atomic_write, private_dir
 from diloco.pin import pin_of
 from diloco.snapshots import snapshot_ids
+from diloco.telemetry import require_prometheus
 from coordinator.launcher import LINK_OVERRIDE, SITES_FILE
 from learner.config import LearnerConfig
 from tools.chaos import SCAVENGED_POOL, ChaosMonkey, ChaosNetwork
@@ -360,6 +361,8 @@ def run_local(cfg: LocalConfig) -> dict:
     _check_devices(cfg)
     if cfg.sites:
         sites.check()  # root, namespaces and tc: before anything is written
+    if cfg.prometheus:
+        require_prometheus()  # the optional extra, likewise
     task = supervisor_task(cfg.run, cfg.learners)
     pin = pin_of(task.model, cfg.run.fragments)  # the run's model, pinned at the coordinator (before any evaluation)
     unit = task.eval_unit

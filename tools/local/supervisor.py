@@ -20,14 +20,14 @@ from pathlib import Path
 
 from diloco import auth, rpc
 from diloco.errors import AlreadyExists, Unavailable
-from diloco.files import atomic_write, atomic_write_json
+from diloco.files import atomic_write, atomic_write_json, private_dir
 from tools.certs import make_certs
 from coordinator.config import MAX_LEARNERS, CoordinatorConfig
 from coordinator.launcher import FORK_SERVER_PID_FILE
 from diloco.pin import PIN_FILE, ModelPin
 from diloco.sites import HubSpec
 from tools.chaos import SCAVENGED_POOL, learner_pid
-from tools.local.config import LocalConfig
+from tools.local.config import PROMETHEUS_TARGETS, LocalConfig
 
 
 LEARNER_EXIT_WAIT_S = 5.0
@@ -59,6 +59,8 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._plain: rpc.Tls | None = None
         self.endpoints: list[dict] = []
+        self._targets = ""
+        """What RUN_DIR/prometheus-targets.json holds (``--prometheus``)."""
         self.coordinator = f"{self.host}:{_free_port(self.host)}"
         self.shards = [f"{self.host}:{_free_port(self.host)}" for _ in range(cfg.shards)]
 
@@ -79,6 +81,24 @@ class Cluster:
             return
         self.endpoints = [e for e in self.endpoints if (e["role"], e.get("id")) != key] + [entry]
         atomic_write(self.dir / "endpoints.json", json.dumps(self.endpoints, indent=1))
+        self._list_targets()
+
+    def _list_targets(self) -> None:
+        """With ``--prometheus``: RUN_DIR/prometheus-targets.json, the target groups of the
+        run's live processes, each as the process wrote it (RUN_DIR/prometheus/<name>.json,
+        with the port it got) under its name in endpoints.json; rewritten when that changes.
+        (A learner that exits cleanly removes its own; a killed one's is left behind.)"""
+        if not self.cfg.prometheus:
+            return
+        groups = []
+        for entry in self.endpoints:
+            with contextlib.suppress(FileNotFoundError):
+                if _alive(entry["pid"]):
+                    groups += json.loads((self.dir / "prometheus" / f"{entry.get('id') or entry['role']}.json").read_text())
+        text = json.dumps(groups, indent=1)
+        if text != self._targets:
+            atomic_write(self.dir / PROMETHEUS_TARGETS, text)
+            self._targets = text
 
     def note_learners(self, members: list[dict]) -> None:
         """List the learners (their ``host:pid`` addresses) and the coordinator's fork server
@@ -89,6 +109,7 @@ class Cluster:
         for member in members:
             if (pid := learner_pid(member)) is not None:
                 self._endpoint("learner", member["address"], pid, id=member["id"])
+        self._list_targets()  # learners that ended, and target files written since
 
     def _shard_args(self, m: int) -> list[str]:
         """``diloco syncer --config`` with the shard's settings as one JSON document
@@ -117,7 +138,10 @@ class Cluster:
         """Start the coordinator and the shards (``restore``: from that snapshot, as
         ``--restore`` takes it), wait until they serve."""
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.common = {"secret_file": str(self.dir / "secret"), "run_config": str(self.dir / "run.json")}
+        # With --prometheus every process serves /metrics at a port of its own and lists it in RUN_DIR/prometheus.
+        metrics = {"prometheus": f"{self.host}:0", "prometheus_targets_dir": str(private_dir(self.dir / "prometheus"))} \
+            if self.cfg.prometheus else {}
+        self.common = {"secret_file": str(self.dir / "secret"), "run_config": str(self.dir / "run.json"), **metrics}
         self.restore = ["--restore", restore] if restore else []
         if self.cfg.tls:
             # A resumed run keeps its certificates; on emulated sites it gets new ones, for its new hub's address.
@@ -137,6 +161,7 @@ class Cluster:
             "summary_dir": str(self.dir / "learners"), "events_dir": str(self.dir / "learners"),
             "lr": self.cfg.lr, "delta_codec": self.cfg.delta_codec, "error_feedback": self.cfg.error_feedback,
             "block_size": self.cfg.block_size, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
+            **metrics,
         })
         learner_cmd = f"{sys.executable} -m tools.cli --exit-with-parent --log-level INFO {tls}learner --config {shlex.quote(str(learner_config))}"
         coordinator_config = self.dir / "coordinator" / "coordinator.json"
@@ -210,6 +235,7 @@ class Cluster:
         self._wait_learners_gone(LEARNER_EXIT_WAIT_S, say)
         self._stop([(r, p) for r, p in self.procs if r != "coordinator"], say)
         self._stop([(r, p) for r, p in self.procs if r == "coordinator"], say)
+        self._list_targets()  # none: the run is over
 
     def _wait_learners_gone(self, timeout_s: float, say: Callable[[str], None]) -> None:
         """Learners that left exit by themselves (a second or so of interpreter teardown
