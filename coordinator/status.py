@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from coordinator.core.membership import LIVE, FailedLaunch
 from diloco.errors import Unavailable
+from diloco.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class StatusPage:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread.start()
-        (self._data_dir / STATUS_URL_FILE).write_text(self.url + "\n")
+        atomic_write(self._data_dir / STATUS_URL_FILE, self.url + "\n")
         logger.info("status page on %s%s", self.url, "" if self._open else " (admin token required)")
 
     def stop(self) -> None:

@@ -245,6 +245,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--curve-points", LocalConfig, "curve_points",
              "export the global model as the learners pass each of N equal shares of the budget and give its eval "
              "against tokens in summary.json's curve (0: only the start and the final model)", type=int, metavar="N")
+    add_flag(p, "--status-page", LocalConfig, "status_page",
+             "the coordinator serves a live status page (members, shards, snapshots, loss curves, events) on "
+             "127.0.0.1; the run prints its URL", action=argparse.BooleanOptionalAction)
     add_flag(p, "--fork-server", LocalConfig, "fork_server",
              "the coordinator forks learners from a process that loaded their code once, so no launch (start, "
              "replacement, scavenged learner) pays the load; --no-fork-server: each launch starts a process",

@@ -83,6 +83,9 @@ class LocalConfig:
     """Export the global model as the learners pass each of this many equal shares of the
     budget, for the eval curve in ``summary.json`` (``tools.metrics.eval_curve``; 0 or 1:
     only the start and the final model)."""
+    status_page: bool = True
+    """The coordinator serves its status page on 127.0.0.1 (a free port; the run prints the
+    URL and lists it in endpoints.json)."""
     fork_server: bool = LocalLauncherConfig.fork_server
     """The coordinator forks learners from a fork server that loaded their code once."""
     tls: bool = True

@@ -404,6 +404,8 @@ def run_local(cfg: LocalConfig) -> dict:
     previous_sigterm = _sigterm_interrupts()
     try:
         cluster.start(restore=None if resumed_from is None else str(resumed_from))
+        if cluster.status_url:
+            console.print(f"status page: {cluster.status_url}", soft_wrap=True, markup=False)
         token = (run_dir / "admin-token").read_text().strip()
         admin = AdminClient(cluster.coordinator, token, timeout_s=10)
         before = {m["id"] for m in admin.members(include_gone=True)}  # a resumed run's earlier learners

@@ -24,6 +24,7 @@ from diloco.files import atomic_write, atomic_write_json, private_dir
 from tools.certs import make_certs
 from coordinator.config import MAX_LEARNERS, CoordinatorConfig
 from coordinator.launcher import FORK_SERVER_PID_FILE
+from coordinator.status import STATUS_URL_FILE
 from diloco.pin import PIN_FILE, ModelPin
 from diloco.sites import HubSpec
 from tools.chaos import SCAVENGED_POOL, learner_pid
@@ -62,6 +63,8 @@ class Cluster:
         self._targets = ""
         """What RUN_DIR/prometheus-targets.json holds (``--prometheus``)."""
         self.coordinator = f"{self.host}:{_free_port(self.host)}"
+        self.status_url: str | None = None
+        """The coordinator's status page, once it serves (``LocalConfig.status_page``)."""
         self.shards = [f"{self.host}:{_free_port(self.host)}" for _ in range(cfg.shards)]
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
@@ -175,8 +178,11 @@ class Cluster:
             "snapshot_keep": self.cfg.snapshot_keep, "fork_server": self.cfg.fork_server,
             "max_learners": min(max(CoordinatorConfig.max_learners, 2 * self.cfg.learners), MAX_LEARNERS), **self.common,
             **({"site_hub": str(self.hub)} if self.hub is not None else {}),
+            **({"status_port": 0} if self.cfg.status_page else {}),
             **({"link_mbit": self.cfg.link_mbit} if self.cfg.link_mbit is not None else {}),
         })
+        status_file = self.dir / "coordinator" / STATUS_URL_FILE
+        status_file.unlink(missing_ok=True)  # a resumed run's: its coordinator writes its own
         coord = self._spawn("coordinator", ["coordinator", "--config", str(coordinator_config), *self.restore])
         # Every shard starts at once; then each is waited for.
         self.shard_procs = [self._spawn(f"shard{m}", [*self._shard_args(m), *self.restore]) for m in range(len(self.shards))]
@@ -188,6 +194,10 @@ class Cluster:
         token_file = self.dir / "coordinator" / "admin-token"
         wait_until(lambda: token_file.exists(), self.cfg.startup_timeout_s, "the admin token")
         atomic_write(self.dir / "admin-token", token_file.read_text())
+        if self.cfg.status_page:
+            wait_until(lambda: status_file.exists(), self.cfg.startup_timeout_s, "the status page")
+            self.status_url = status_file.read_text().strip()
+            self._endpoint("status-page", self.status_url, coord.pid)
 
     def restart_shard(self, m: int, admin, log) -> None:
         """SIGKILL shard ``m`` and start it again: from a snapshot taken just before
