@@ -1,25 +1,21 @@
 """What the emulated-site tests share: they need root (network namespaces, veth pairs,
 tc). Where ``diloco.sites.check`` refuses they skip with its reason, except under
 ``DILOCO_REQUIRE_SITES=1`` (``.ci/run``, which runs as root), where that is a failure:
-no silent loss of coverage."""
+no silent loss of coverage (``tests/required.py``)."""
 
-import os
 import subprocess
 import sys
 
-import pytest
-
 from diloco import sites
 from diloco.errors import FailedPrecondition
+from tests.required import SITES, skip_or_fail
 
 
 def require_sites() -> None:
     try:
         sites.check()
     except FailedPrecondition as error:
-        if os.environ.get("DILOCO_REQUIRE_SITES") == "1":
-            pytest.fail(f"DILOCO_REQUIRE_SITES=1 but {error}")
-        pytest.skip(str(error))
+        skip_or_fail(str(error), SITES)
 
 
 def namespaces() -> set[str]:
