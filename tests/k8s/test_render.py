@@ -6,7 +6,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 
-from tests.k8s.chart import CHART, CRD_KINDS, EXISTING_SECRET, MULTIHOST_PRESETS, PRESETS, merge, preset
+from tests.k8s.chart import CHART, CRD_KINDS, EXISTING_SECRET, MULTIHOST_PRESETS, PRESETS, container, merge, preset
 from tests.k8s.conftest import DIGEST, VARIANTS
 
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
@@ -123,6 +123,18 @@ def test_notes_say_how_to_add_scavenged_learners_and_where_traces_go(presets, va
     assert "set otel.endpoint" in notes
     assert "exports OTLP/gRPC to http://otel-collector.observability.svc:4317" in variants["observability"].notes
     assert "add-learners is refused" in variants["static-only"].notes
+
+
+def test_the_status_page_is_on_loopback_and_notes_say_how_to_reach_it(presets, variants):
+    rendered = presets["values-tpu-v5e.yaml"]
+    deployment = rendered.one("Deployment", "coordinator")
+    coordinator_args = container(deployment["spec"]["template"], "coordinator")["args"]
+    at = coordinator_args.index("--status-port")
+    assert coordinator_args[at + 1] == "8080" and "--status-host" not in coordinator_args  # its default: 127.0.0.1
+    assert f"port-forward deploy/{deployment['metadata']['name']} 8080:8080" in rendered.notes
+    assert "open http://127.0.0.1:8080/" in rendered.notes
+    for service in rendered.all("Service"):  # no Service exposes it
+        assert 8080 not in [p.get("targetPort", p["port"]) for p in service["spec"]["ports"]], service["metadata"]["name"]
 
 
 def test_monitoring_objects_only_behind_the_flag(presets, variants):

@@ -6,6 +6,7 @@ line; outer lr/momentum 0.7/0.9 in the library, the chart and `diloco syncer`, 1
 
 import argparse
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -205,7 +206,9 @@ def test_the_charts_schema_and_the_fields_checks_agree(key, chart):
         assert set(schema.get("enum", ())) == choices, chart.path
         return
     kind = schema.get("type")
-    assert kind == {int: "integer", float: "number", str: "string"}[type(default)], chart.path
+    hint = typing.get_type_hints(cls)[name]  # an optional field (None: off) by its value's type
+    value_type = type(default) if default is not None else next(t for t in typing.get_args(hint) if t is not type(None))
+    assert kind == {int: "integer", float: "number", str: "string"}[value_type], chart.path
     step = 1 if kind == "integer" else 1e-9
     cast = int if kind == "integer" else float
     if "minimum" in schema:

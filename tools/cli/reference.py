@@ -66,6 +66,10 @@ CHART_VALUES: dict[tuple[type, str], ChartValue] = {
     (CoordinatorConfig, "snapshot_keep"): ChartValue("snapshots.keep"),
     (CoordinatorConfig, "port"): ChartValue("coordinator.port", own_default="a Service needs a fixed port",
                                             narrower="0 (any free port) cannot be a Service's port"),
+    (CoordinatorConfig, "status_port"): ChartValue(
+        "coordinator.statusPage.port", own_default="the chart serves the status page (coordinator.statusPage.enabled) "
+        "at a fixed port, for the port-forward its NOTES give", narrower="0 (any free port) cannot be port-forwarded "
+        "by a recipe"),
     (LearnerConfig, "steps"): ChartValue("learners.steps", own_default="a deployment trains longer than a local try"),
     (LearnerConfig, "lr"): ChartValue("learners.lr"),
     (LearnerConfig, "warmup_steps"): ChartValue("learners.warmupSteps"),
