@@ -48,16 +48,18 @@ def run_dir(tmp_path: Path, address: str, token: str = ADMIN) -> Path:
 def test_members_and_snapshots_as_json_and_tables(tmp_path):
     async def scenario():
         async with running_coordinator(tmp_path, pools=("default", "spot")) as server:
-            await joined(server.address)
+            await (await joined(server.address)).heartbeat(tokens=4096, tokens_per_s=1234.0, train_loss=2.71828)
             await (await joined(server.address, pool="spot")).leave("done")
             directory = run_dir(tmp_path, server.address)
             code, out = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "members", "--json")
             assert code == 0
-            assert [(l["id"], l["state"], l["pool"]) for l in json.loads(out)] == [("L0", "joining", "default")]
+            assert [(l["id"], l["state"], l["pool"], l["tokens_per_s"], l["train_loss"], l["eval_loss"])
+                    for l in json.loads(out)] == [("L0", "active", "default", 1234.0, 2.71828, None)]
             _, out = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "members", "--all", "--json")
-            assert [(l["id"], l["state"], l["pool"]) for l in json.loads(out)] == [("L0", "joining", "default"), ("L1", "left", "spot")]
+            assert [(l["id"], l["state"], l["pool"]) for l in json.loads(out)] == [("L0", "active", "default"), ("L1", "left", "spot")]
             _, table = await asyncio.to_thread(diloco, "admin", "--run-dir", directory, "members")
-            assert "L0" in table and "joining" in table and "1 learners" in table
+            assert "L0" in table and "active" in table and "1 learners" in table
+            assert "1,234" in table and "2.718" in table and "train loss" in table
 
             token_file = directory / "admin-token"
             code, out = await asyncio.to_thread(

@@ -282,7 +282,10 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
         table.add_column(column)
     for row in rows:
         table.add_row(*row)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: no table squeezed into 80 columns
+        console.width = 160
+    console.print(table)
 
 
 def _members(args: argparse.Namespace) -> int:
@@ -292,12 +295,15 @@ def _members(args: argparse.Namespace) -> int:
         print(json.dumps(learners))
         return 0
     now = time.time()
+    loss = lambda value: "" if value is None else f"{value:.3f}"  # noqa: E731
     rows = [
         [l["id"], l["state"], l["pool"], l["address"], _ago(l["last_heartbeat_unix_ms"], now),
-         str(l["tokens"]), str(l["inner_steps"]), str(l["version_lag"])]
+         str(l["tokens"]), f"{l['tokens_per_s']:,.0f}", str(l["inner_steps"]), str(l["version_lag"]),
+         loss(l["train_loss"]), loss(l["eval_loss"])]
         for l in learners
     ]
-    _table(f"{len(learners)} learners", ["id", "state", "pool", "address", "heartbeat", "tokens", "steps", "lag"], rows)
+    _table(f"{len(learners)} learners", ["id", "state", "pool", "address", "heartbeat", "tokens", "tokens/s", "steps", "lag",
+                                         "train loss", "eval loss"], rows)
     if launches:
         _table("launches not joined", ["launch id", "state", "pool", "since", "detail"],
                [[x["launch_id"], x["state"], x["pool"], _ago(x["since_unix_ms"], now), x["detail"]] for x in launches])
@@ -485,7 +491,8 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     admin.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call (default 10 s)")
     verbs = admin.add_subparsers(dest="admin", required=True, metavar="VERB")
 
-    members = verbs.add_parser("members", help="list learners (id, state, pool, address, heartbeat, tokens, lag)")
+    members = verbs.add_parser("members", help="list learners (id, state, pool, address, heartbeat, tokens, tokens/s, steps, lag, "
+                                                   "train and eval loss)")
     members.add_argument("--all", action="store_true", help="include failed and departed learners")
     members.add_argument("--json", action="store_true", help="print a JSON list")
     members.set_defaults(func=_members)
