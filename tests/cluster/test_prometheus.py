@@ -5,9 +5,9 @@ its HTTP query API must show every target up, each learner's training loss falli
 shards' rounds, pushes and bytes growing (never past what their tapes recorded), and the
 coordinator's member counts as the run had them.
 
-``METRICS`` are the names checked here, as the OpenTelemetry exporter writes them; the
-Grafana dashboard (k8s/grafana/diloco-dashboard.json) uses exactly these
-(tests/k8s/test_dashboard.py)."""
+``METRICS`` and ``LABELS`` are the names checked here, as the OpenTelemetry exporter writes
+them; the Grafana dashboard (k8s/grafana/diloco-dashboard.json) uses exactly these
+(tests/k8s/test_dashboard.py), and each of its queries must find data here."""
 
 import collections
 import json
@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,9 @@ METRICS = (
     "diloco_wire_bytes_total",
     "diloco_coordinator_members",
 )
+LABELS = ("diloco_learner_id", "diloco_shard_id", "diloco_state", "diloco_push_outcome", "diloco_direction")
+"""The labels of those series the dashboard groups and filters by (besides ``le``)."""
+DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana" / "diloco-dashboard.json"
 LEARNERS, SHARDS = 3, 2
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--fragments", "4", "--sync-every", "8"]
 WHOLE_RUN = "[10m]"  # a range selector over the whole run: its raw samples
@@ -89,6 +93,9 @@ class Prometheus:
 
     def names(self) -> set[str]:
         return set(self._get("/api/v1/label/__name__/values"))
+
+    def labels(self) -> set[str]:
+        return set(self._get("/api/v1/labels"))
 
     def close(self) -> None:
         self.proc.terminate()
@@ -142,6 +149,7 @@ def test_a_real_prometheus_scrapes_every_process_of_a_local_run(tmp_path):
         assert json.loads((out / PROMETHEUS_TARGETS).read_text()) == []
 
         assert set(METRICS) <= prometheus.names(), sorted(set(METRICS) - prometheus.names())
+        assert set(LABELS) <= prometheus.labels(), sorted(set(LABELS) - prometheus.labels())
         learners = {f"L{n}" for n in range(LEARNERS)}
         assert {record["id"] for record in summary["learners"]} == learners
 
@@ -176,6 +184,13 @@ def test_a_real_prometheus_scrapes_every_process_of_a_local_run(tmp_path):
         at = {target(s["metric"]): float(s["value"][1]) for s in prometheus.query("up", at=all_active[-1])}
         assert at == dict.fromkeys(expected, 1.0), at
 
+        # Each query of the dashboard finds data then (Grafana's rate interval: 10 scrapes).
+        for panel in json.loads(DASHBOARD.read_text())["panels"]:
+            for query in panel["targets"]:
+                result = prometheus.query(query["expr"].replace("$__rate_interval", "10s"), at=all_active[-1])
+                values = [float(s["value"][1]) for s in result]
+                assert values and all(math.isfinite(v) for v in values), (panel["title"], query["expr"], result)
+
         # Each learner's training loss: its own series (the target's learner and the
         # process's resource agree), finite, in a sane range, falling over the run.
         losses = prometheus.query(f"diloco_learner_train_loss{WHOLE_RUN}")
@@ -203,6 +218,7 @@ def test_a_real_prometheus_scrapes_every_process_of_a_local_run(tmp_path):
         for series in rounds:
             values = [v for _, v in samples(series)]
             assert values == sorted(values), series["metric"]
+            assert series["metric"]["diloco_shard_id"] == series["metric"]["shard"], series["metric"]
             shard, fragment = int(series["metric"]["shard"]), series["metric"]["diloco_fragment"]
             assert 0 < values[-1] <= tapes[shard]["rounds"][fragment], (series["metric"], values, tapes[shard])
         assert {(int(s["metric"]["shard"]), s["metric"]["diloco_fragment"]) for s in rounds} == \

@@ -157,3 +157,46 @@ def test_monitoring_objects_only_behind_the_flag(presets, variants):
             continue
         ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
         assert ports["metrics"] == 9464
+
+
+SCRAPE = {"prometheus.io/scrape": "true", "prometheus.io/port": "9464", "prometheus.io/path": "/metrics"}
+
+
+def scrape_annotations(rendered) -> dict[str, dict]:
+    """Each pod's prometheus.io annotations, by workload (the launcher's templates as template/<pool>)."""
+    pods = {**rendered.workload_pods(), **{f"template/{p}": t for p, t in rendered.pod_templates().items()}}
+    return {name: {k: v for k, v in (pod["metadata"].get("annotations") or {}).items() if k.startswith("prometheus.io/")}
+            for name, pod in pods.items()}
+
+
+def test_scrape_annotations_name_the_metrics_port_of_every_pod_that_serves_one(chart, presets, variants):
+    for rendered in presets.values():  # metrics off
+        assert not any(scrape_annotations(rendered).values())
+    annotated = scrape_annotations(variants["observability"])
+    assert {name.split("/")[0] for name, a in annotated.items() if a} == {"Deployment", "StatefulSet", "Job", "template"}
+    for name, annotations in annotated.items():
+        assert annotations == ({} if name.startswith("Pod/") else SCRAPE), name  # the helm test serves nothing
+    # They follow the port; off with scrapeAnnotations false, the port still served.
+    moved = chart.render(merge(EXISTING_SECRET, {"metrics": {"enabled": True, "port": 9100}}))
+    assert {a["prometheus.io/port"] for a in scrape_annotations(moved).values() if a} == {"9100"}
+    quiet = chart.render(merge(EXISTING_SECRET, {"metrics": {"enabled": True, "scrapeAnnotations": False}}))
+    assert not any(scrape_annotations(quiet).values())
+    assert "(annotated prometheus.io/scrape)" in variants["observability"].notes and "annotated" not in quiet.notes
+    ports = [p for pod in quiet.workload_pods().values() for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+    assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in ports
+
+
+def test_the_service_monitor_is_rendered_only_when_asked_and_selects_the_metrics_service(chart):
+    metrics_on = chart.render(merge(EXISTING_SECRET, {"metrics": {"enabled": True}}))
+    assert not {o["kind"] for o in metrics_on.objects} & CRD_KINDS and metrics_on.named("Service", "diloco-metrics") is None
+    labelled = chart.render(merge(EXISTING_SECRET, {"metrics": {"enabled": True, "interval": "15s", "serviceMonitor": {
+        "enabled": True, "labels": {"release": "kube-prometheus-stack"}}}}))
+    monitor, service = labelled.one("ServiceMonitor"), labelled.one("Service", "-metrics")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"  # what the operator selects monitors by
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "15s"}]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["ports"][0]["targetPort"] == "metrics"
+    # The headless Service selects every process of the release, the launched learners' templates included.
+    pods = [*labelled.workload_pods().values(), *labelled.pod_templates().values()]
+    selected = [p for p in pods if service["spec"]["selector"].items() <= p["metadata"]["labels"].items()]
+    assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in selected} >= {"coordinator", "syncer", "learner"}

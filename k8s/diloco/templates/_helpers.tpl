@@ -255,6 +255,15 @@ Kubernetes expands $(VAR) from variables defined earlier in the list.
 {{- end -}}
 {{- end -}}
 
+{{/* Prometheus's scrape annotations, on every pod that serves metrics (metrics.scrapeAnnotations). */}}
+{{- define "diloco.scrapeAnnotations" -}}
+{{- if and .Values.metrics.enabled .Values.metrics.scrapeAnnotations -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .Values.metrics.port | quote }}
+prometheus.io/path: /metrics
+{{- end -}}
+{{- end -}}
+
 {{/* A writable /tmp on a read-only root filesystem (torch, XLA and libtpu write there). */}}
 {{- define "diloco.tmpVolume" -}}
 - name: tmp
@@ -294,6 +303,9 @@ metadata:
     {{- /* A new run config (another task, other options) is a new run: the learner Job's
     (or JobSets') name hashes this pod, so its learners are replaced, not left on the old task. */}}
     checksum/run-config: {{ include "diloco.runConfig" $root | sha256sum }}
+    {{- with (include "diloco.scrapeAnnotations" $root) }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
