@@ -15,12 +15,12 @@ def test_a_curve_is_thinned_not_cut():
     assert [p[0] for p in points[:3]] == [0, 20, 40]
 
 
-def test_a_repeated_report_adds_no_point():
+def test_only_a_new_window_adds_a_point():
     curves = LossCurves()
     curves.add("L0", 1.0, 100, 2.0)
-    curves.add("L0", 2.0, 100, 2.0)
-    curves.add("L0", 3.0, 100, 1.5)  # same tokens, a new window's loss: a point
-    assert curves.to_json() == {"L0": [[100, 2.0], [100, 1.5]]}
+    curves.add("L0", 2.0, 300, 2.0)  # the same window's mean, the run's tokens moved on: no step drawn
+    curves.add("L0", 3.0, 400, 1.5)
+    assert curves.to_json() == {"L0": [[100, 2.0], [400, 1.5]]}
 
 
 def test_the_curve_extended_longest_ago_makes_room():
