@@ -8,7 +8,6 @@ rm -rf "$runs/default" "$runs/chaos"
 
 # The README's first command: the defaults, no faults.
 diloco local --out "$runs/default" --json > "$runs.default.json"
-cp "$runs/default/eval_loss.png" docs/eval_loss.png
 cp "$runs/default/timeline.png" docs/timeline.png
 
 # Chaos: a slow learner, two kills (replaced), two scavenged learners, a shard restart.

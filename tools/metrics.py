@@ -20,16 +20,21 @@ system turns its own records into the inputs below, and these functions make the
 - **eval curve**: the eval loss against the tokens trained (``eval_curve``): each system
   saves its global model under ``RUN_DIR/curve/`` as training passes each of
   ``curve_points`` equal shares of its budget (DP: rank 0's model after the step; torchft:
-  replica 0's global copies; Decoupled: the shards' export, labelled with the tokens the
-  learners had trained by then), and the same code evaluates them after the run.
+  replica 0's global copies; Decoupled: the shards' export, placed at the run's tokens at
+  the moment of the export, ``run_tokens``), and ``eval_task`` evaluates them after the run
+  (DP and torchft through ``eval_curve``, Decoupled through ``tools.local.curves``, which
+  also keeps each export's time and fragment versions).
+- **run tokens**: the tokens every learner of a run had trained at a moment, from their
+  own event tapes (``run_tokens``): the one x-axis of a run's loss curves.
 
 Also here: the eval loss of a model, and the tokens of one inner step."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,6 +83,37 @@ def learner_events(run_dir: Path) -> dict[str, list[dict]]:
     for path in sorted((run_dir / "learners").glob("*.events.jsonl")):
         events[path.name.removesuffix(".events.jsonl")] = list(read_tape(path))
     return events
+
+
+def run_tokens(events: Mapping[str, list[dict]]) -> Callable[[float], int]:
+    """The whole run's tokens at a wall-clock time, from the learners' event tapes
+    (``learner_events``; a resumed run's earlier learners too): the sum over the learners
+    of each one's own count then. A learner counts 0 until its first event, 0 at its
+    first ``computing`` state, each ``tokens`` its events carry at their times, linearly
+    in between, and its last count after its last event (it left, or was killed: what it
+    trained stays trained). Linear because a learner trains at a steady rate between two
+    events (at most ``--train-loss-every`` inner steps apart), so every series of a run,
+    each learner's and the global model's, lands on one x-axis that a resumed run
+    continues. Returns the function of time (each learner's points are sorted once)."""
+    learners = []
+    for records in events.values():
+        started = [e["t"] for e in records if e["kind"] == "state" and e.get("state") == "computing"][:1]
+        points = sorted([(t, 0) for t in started] + [(e["t"], e["tokens"]) for e in records if "tokens" in e])
+        if points:
+            learners.append(([t for t, _ in points], [n for _, n in points]))
+
+    def at(t: float) -> int:
+        total = 0.0
+        for times, counts in learners:
+            i = bisect.bisect_right(times, t)
+            if i == len(times):
+                total += counts[-1]
+            elif i > 0:  # times[i - 1] <= t < times[i]
+                share = (t - times[i - 1]) / (times[i] - times[i - 1])
+                total += counts[i - 1] + share * (counts[i] - counts[i - 1])
+        return round(total)
+
+    return at
 
 
 def supervisor_task(run: RunConfig, learners: int) -> Task:

@@ -47,7 +47,7 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 0.5
     assert summary["learners_joined"] == 2 and summary["learners_failed"] == 0
     assert 0 < summary["goodput"] <= 1 and summary["rounds"] > 0
-    assert (out / "model.safetensors").exists() and (out / "eval_loss.png").exists()
+    assert (out / "model.safetensors").exists() and (out / "loss.png").exists() and (out / "curves.jsonl").exists()
     # The run's state and secrets are its owner's alone. Readable: what a person reads (logs,
     # plots, the summary), certificates, and the lock (a pid).
     for directory in (out, out / "coordinator", out / "shard0", out / "shard1"):

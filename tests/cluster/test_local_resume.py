@@ -1,7 +1,8 @@
 """A stopped `diloco local` run continues with --resume: SIGTERM mid-run takes a snapshot,
 --resume restarts the coordinator and shards from it and trains the steps left with the
-stored config; the whole run replays bit for bit. A live run directory,
-a changed config and a finished run are refused, each with its reason."""
+stored config; the whole run replays bit for bit, and its curves (and TensorBoard's) go on
+on one axis. A live run directory, a changed config and a finished run are refused, each
+with its reason."""
 
 import json
 import signal
@@ -12,6 +13,7 @@ import pytest
 
 from tests.cluster.tables import assert_final_table_agrees
 from tests.polling import poll
+from tests.unit.test_curves import scalars
 
 pytestmark = pytest.mark.cluster
 
@@ -51,10 +53,10 @@ def trained(out) -> int:
 def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, capsys):
     from tools.cli import main as cli
 
-    out = tmp_path / "run"
+    out, board = tmp_path / "run", tmp_path / "board"
     first = subprocess.Popen(
         [sys.executable, "-m", "tools.cli", "local", "--insecure", "--learners", "2", "--shards", "2",
-         "--steps", str(STEPS), "--out", str(out), "--json", *TINY],
+         "--steps", str(STEPS), "--out", str(out), "--tensorboard", str(board), "--json", *TINY],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -82,7 +84,7 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     assert changed.returncode == 2 and "shards 1 (the run has 2)" in changed.stderr and "width" in changed.stderr
     assert not (out / "resumes.jsonl").exists()  # refused before anything was touched
 
-    resumed = diloco("local", "--resume", str(out), "--json", timeout=400)
+    resumed = diloco("local", "--resume", str(out), "--tensorboard", str(board), "--json", timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout)
     assert_final_table_agrees(resumed.stderr, summary)
@@ -107,6 +109,21 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     assert all(summary["final_versions"][f] > v for f, v in stopped["final_versions"].items())
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 2
     assert 0 < summary["goodput"] <= 1
+    # The curves of both parts on one axis of the run's tokens: the resume where the stopped
+    # run ended, the resumed learners' points past it, a final model for each part.
+    records = [json.loads(line) for line in (out / "curves.jsonl").read_text().splitlines()]
+    [mark] = [r for r in records if r["series"] == "resume"]
+    assert mark["tokens"] == stopped["tokens"] and mark["snapshot"] == stopped["snapshot_at_stop"]
+    train = [r for r in records if r["series"] == "train"]
+    assert {r["learner"] for r in train} == {"L0", "L1", "L2", "L3"}
+    assert all(r["tokens"] > stopped["tokens"] for r in train if r["learner"] in ("L2", "L3"))
+    glob = [r for r in records if r["series"] == "global_eval"]
+    assert [r["tokens"] for r in glob if r["model"] == "final"] == [stopped["tokens"], summary["tokens"]]
+    assert glob[0]["model"] == "seed" and summary["curve"] == [[r["tokens"], r["loss"]] for r in glob]
+    # Each part wrote its own points to the same TensorBoard directory: every point once.
+    tensorboard = scalars(board)
+    assert tensorboard["global/eval_loss"] == [(r["tokens"], pytest.approx(r["loss"], rel=1e-6)) for r in glob]
+    assert [step for step, _ in tensorboard["train/loss/L2"]] == [r["tokens"] for r in train if r["learner"] == "L2"]
 
     replay = diloco("replay", str(out), "--check")
     assert replay.returncode == 0 and "max absolute difference from the run's final global parameters: 0" in replay.stdout, \

@@ -243,8 +243,13 @@ def add_local(commands: argparse._SubParsersAction) -> None:
              "final model either way)", type=int, metavar="N")
     add_flag(p, "--lr", LocalConfig, "lr", "the learners' peak inner learning rate", type=float)
     add_flag(p, "--curve-points", LocalConfig, "curve_points",
-             "export the global model as the learners pass each of N equal shares of the budget and give its eval "
-             "against tokens in summary.json's curve (0: only the start and the final model)", type=int, metavar="N")
+             "export the global model as the learners pass each of N equal shares of the budget and evaluate it after "
+             "the run: the global model's eval in RUN_DIR/curves.jsonl, loss.png and summary.json's curve (0: only the "
+             "seed and the final model)", type=int, metavar="N")
+    add_flag(p, "--tensorboard", LocalConfig, "tensorboard",
+             "also write the run's loss curves (RUN_DIR/curves.jsonl: training loss, evals, the global model's eval "
+             "against the run's tokens) as TensorBoard event files in DIR as the run ends; a resumed run given the same "
+             "DIR adds its part (needs the diloco[tensorboard] extra)", type=Path, metavar="DIR")
     add_flag(p, "--status-page", LocalConfig, "status_page",
              "the coordinator serves a live status page (members, shards, snapshots, loss curves, events) on "
              "127.0.0.1; the run prints its URL", action=argparse.BooleanOptionalAction)

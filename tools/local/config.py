@@ -79,10 +79,14 @@ class LocalConfig:
     """Evaluations each learner makes while it trains (for the live table and the eval
     plot); 0: none, only the supervisor's of the seed and the final model (``diloco
     compare``: the baselines evaluate nothing while they train either)."""
-    curve_points: int = 0
+    curve_points: int = 8
     """Export the global model as the learners pass each of this many equal shares of the
-    budget, for the eval curve in ``summary.json`` (``tools.metrics.eval_curve``; 0 or 1:
-    only the start and the final model)."""
+    budget and evaluate it after the run: the global model's eval in ``curves.jsonl``,
+    ``loss.png`` and ``summary.json``'s ``curve`` (``tools.local.curves``; 0 or 1: only the
+    seed and the final model)."""
+    tensorboard: Path | None = None
+    """Also write the run's curves (``curves.jsonl``) as TensorBoard event files in this
+    directory as the run ends (the ``tensorboard`` extra)."""
     status_page: bool = True
     """The coordinator serves its status page on 127.0.0.1 (a free port; the run prints the
     URL and lists it in endpoints.json)."""

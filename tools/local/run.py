@@ -7,12 +7,15 @@ Run directory: ``config.json``, ``endpoints.json`` (role, address, pid of every 
 written as they come up), ``admin-token`` (0600; ``diloco admin --run-dir DIR`` drives
 the running cluster), ``logs/``, ``shard<m>/tape-S<m>.jsonl``, ``learners/<id>.json``,
 ``model.safetensors`` (the final global model under the keys of the task model's
-``state_dict()``, fetched with the coordinator's ExportModel), ``summary.json`` and
-``eval_loss.png``.
+``state_dict()``, fetched with the coordinator's ExportModel), ``curve/`` (the global
+model exported at each curve point, and ``evals.jsonl``, the evaluations of the global
+model), ``curves.jsonl`` (every loss series against the run's tokens), ``loss.png``,
+``timeline.png`` and ``summary.json``; with ``--tensorboard DIR``, the curves as
+TensorBoard event files in DIR.
 
 This module is the run's driver (launch, watch, stop, summarise); the processes are
-``supervisor``'s, the tables ``progress``'s, the plot ``plots``'s and every measure
-``tools.metrics``'s.
+``supervisor``'s, the tables ``progress``'s, the curves ``curves``'s, the plot ``plots``'s
+and every measure ``tools.metrics``'s.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ from tools.chaos import SCAVENGED_POOL, ChaosMonkey, ChaosNetwork
 from tools.check import describe, write_check
 from tools.export import export_model
 from tools.local.config import LocalConfig
-from tools.local.plots import plot_eval
+from tools.local.curves import check_tensorboard, record_global_evals, write_curves, write_tensorboard
+from tools.local.plots import plot_loss
 from tools.local.progress import Failures, closing_lines, final_table, progress_line, progress_table
 from tools.local.supervisor import Cluster, shard_status, take_snapshot
-from tools.metrics import (curve_marks, curve_path, eval_curve, eval_task, expected_period, goodput, learner_events, link_bytes,
-                           slot_seconds, start_s, supervisor_task, tape_stats, tokens_per_step, uptime, wire_bytes)
+from tools.metrics import (curve_marks, curve_path, eval_task, expected_period, goodput, learner_events, link_bytes, slot_seconds,
+                           start_s, supervisor_task, tape_stats, tokens_per_step, uptime, wire_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +356,7 @@ def run_local(cfg: LocalConfig) -> dict:
     from tools.timeline import draw_timeline
 
     # The directory and the task first: a bad one fails before anything is written or started.
+    part_started = time.time()  # this part of the run (a resumed run has several)
     run_dir = cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     snapshot_dir = cfg.snapshot_dir or str(run_dir / "coordinator" / "snapshots")
     lock = _lock(run_dir) if cfg.resume else None
@@ -359,6 +364,8 @@ def run_local(cfg: LocalConfig) -> dict:
     if not cfg.resume:
         _check_new_run_dir(run_dir)
     _check_devices(cfg)
+    if cfg.tensorboard is not None:
+        check_tensorboard(cfg.tensorboard)
     if cfg.sites:
         sites.check()  # root, namespaces and tc: before anything is written
     if cfg.prometheus:
@@ -385,6 +392,9 @@ def run_local(cfg: LocalConfig) -> dict:
         atomic_write(run_dir / "run.json", cfg.run.to_json())
         resolved = {**asdict(cfg), "out": str(run_dir), "run": json.loads(cfg.run.to_json()), "learner_steps": learner_steps}
         atomic_write(run_dir / "config.json", json.dumps(resolved, indent=1, default=str))
+        if math.isfinite(eval_start):  # the seed is every fragment's version 0
+            record_global_evals(run_dir, [("seed", time.time(), dict.fromkeys(range(cfg.run.fragments), 0), eval_start)],
+                                unit)
     budget = f"{cfg.tokens:,} tokens" if cfg.tokens else f"{learner_steps} inner steps each"
     console.print(f"[bold]diloco local[/]: task {cfg.run.task}, {cfg.learners} learners, {cfg.shards} shards, {budget}, "
                   f"run directory {run_dir}")
@@ -398,6 +408,7 @@ def run_local(cfg: LocalConfig) -> dict:
     started_wall, started = time.time(), time.monotonic()
     admin = monkey = None
     before: set[str] = set()
+    exports: list[tuple[float, dict[int, int], Path]] = []  # the curve points: (unix time, versions, file)
     interrupted = time_limited = False
     draining: set[str] = set()
     drained_at = None
@@ -444,8 +455,10 @@ def run_local(cfg: LocalConfig) -> dict:
                 rate = pace.add(time.monotonic(), trained)
                 if marks and trained >= marks[0]:  # a point of the eval curve: the global model now
                     marks = [m for m in marks if m > trained]
+                    asked = time.time()
                     try:
-                        export_model(admin, curve_path(run_dir, trained), timeout_s=60)
+                        exported = export_model(admin, curve_path(run_dir, trained), timeout_s=60)
+                        exports.append((asked, exported.versions, curve_path(run_dir, trained)))
                     except DilocoError as error:  # a shard restarting: the curve lacks this point
                         logger.warning("could not export the model for the eval curve at %d tokens: %s", trained, error)
                 # A drain takes effect about a heartbeat interval after it is sent (the counts
@@ -507,6 +520,7 @@ def run_local(cfg: LocalConfig) -> dict:
             stop_snapshot = _snapshot_for_resume(admin, run_dir, say)
         state, versions = None, {}
         export_error = None
+        exported_at = time.time()
         if admin is not None:
             console.print("exporting the trained model from the shards")
             for attempt in range(1, EXPORT_ATTEMPTS + 1):
@@ -554,8 +568,14 @@ def run_local(cfg: LocalConfig) -> dict:
     steps.update({i: s["inner_steps"] for i, s in summaries.items()})
     tokens = sum(s["tokens"] for s in summaries.values()) + sum(
         m["tokens"] for m in members if m["id"] not in summaries)
-    curve = eval_curve(cfg.run, task, run_dir, _figure(eval_start, 4), (tokens, _figure(eval_final, 4))) \
-        if state is not None and task.eval_batches else []
+    if task.eval_batches:  # the global model's eval at each curve point and at the end (tools.local.curves)
+        from safetensors.torch import load_file
+
+        evals = [("curve", t, v, eval_task(cfg.run, task, load_file(str(path)))) for t, v, path in exports]
+        record_global_evals(run_dir, evals + ([("final", exported_at, versions, eval_final)] if state is not None else []),
+                            unit)
+    curves = write_curves(run_dir, task.eval_scale, unit)
+    curve = [[r["tokens"], r["loss"]] for r in curves if r["series"] == "global_eval"] if state is not None else []
     # Goodput and uptime are this part's (a resumed run's earlier parts had theirs); tokens,
     # rounds and bytes are the whole run's.
     part = {i: r for i, r in events.items() if i not in before}
@@ -626,8 +646,10 @@ def run_local(cfg: LocalConfig) -> dict:
     summary = strict(summary, missing)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     console.print(final_table(summary, events))  # the same records as summary.json, however the run ended
-    if events and state is not None and summary["eval_loss_start"] is not None:
-        plot_eval(run_dir, events, eval_start, eval_final, tokens, unit)
+    if curves:
+        plot_loss(run_dir, curves, unit)
+    if cfg.tensorboard is not None:
+        write_tensorboard(curves, cfg.tensorboard, part_started)
     if events:
         draw_timeline(run_dir)
     if cfg.chaos.active and not interrupted:  # the checker over what the run recorded: check.json
