@@ -57,8 +57,13 @@ def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
         if path.is_file() and not public:
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     endpoints = json.loads((out / "endpoints.json").read_text())
-    # Every process of the run: the services, the coordinator's fork server, each learner.
-    assert sorted(e["role"] for e in endpoints) == ["coordinator", "fork-server", "learner", "learner", "shard0", "shard1"]
+    # Every process of the run: the services, the coordinator's fork server, each learner;
+    # and the coordinator's status page, which the run printed.
+    assert sorted(e["role"] for e in endpoints) == ["coordinator", "fork-server", "learner", "learner", "shard0", "shard1",
+                                                     "status-page"]
+    (page,) = [e for e in endpoints if e["role"] == "status-page"]
+    assert f"status page: {page['address']}" in lines and page["address"].startswith("http://127.0.0.1:")
+    assert page["pid"] == next(e["pid"] for e in endpoints if e["role"] == "coordinator")
     assert sorted(e["id"] for e in endpoints if e["role"] == "learner") == ["L0", "L1"]
     for learner in summary["learners"]:  # logs by learner id, each saying which launch it is
         log = (out / "logs" / f"{learner['id']}.log").read_text()
