@@ -119,7 +119,7 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     assert all(r["tokens"] > stopped["tokens"] for r in train if r["learner"] in ("L2", "L3"))
     glob = [r for r in records if r["series"] == "global_eval"]
     assert [r["tokens"] for r in glob if r["model"] == "final"] == [stopped["tokens"], summary["tokens"]]
-    assert glob[0]["model"] == "seed" and summary["curve"] == [[r["tokens"], r["loss"]] for r in glob]
+    assert glob[0]["model"] == "seed" and summary["curve"] == [[r["tokens"], round(r["loss"], 4)] for r in glob]
     # Each part wrote its own points to the same TensorBoard directory: every point once.
     tensorboard = scalars(board)
     assert tensorboard["global/eval_loss"] == [(r["tokens"], pytest.approx(r["loss"], rel=1e-6)) for r in glob]

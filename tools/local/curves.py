@@ -18,8 +18,10 @@ learner holds its own model (the last reply plus its steps since), not the globa
 Not the coordinator: it holds no task, model code or data, and stays small. Not the
 shards: each holds only its fragments. After the run rather than as each export arrives,
 so the evaluations take no core from the learners while they train; they cost the end of
-the run a fraction of a second each on the default model. The evaluations land in
-``RUN_DIR/curve/evals.jsonl`` (a tape: a resumed run keeps its earlier parts')."""
+the run a fraction of a second each on the default model. A mark the supervisor saw pass
+only once training was over adds no point: the final model is that point. The
+evaluations land in ``RUN_DIR/curve/evals.jsonl`` (a tape: a resumed run keeps its
+earlier parts')."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def record_global_evals(run_dir: Path, evals: list[tuple[str, float, Mapping[int
     tape = TapeWriter(run_dir / CURVE_DIR / GLOBAL_EVALS)
     try:
         for model, t, versions, loss in evals:
-            tape.append("global_eval", t, model=model, loss=round(loss, 5), unit=unit,
+            tape.append("global_eval", t, model=model, loss=loss, unit=unit,
                         versions={str(f): v for f, v in sorted(versions.items())})
     finally:
         tape.close()

@@ -53,8 +53,8 @@ from tools.local.curves import check_tensorboard, record_global_evals, write_cur
 from tools.local.plots import plot_loss
 from tools.local.progress import Failures, closing_lines, final_table, progress_line, progress_table
 from tools.local.supervisor import Cluster, shard_status, take_snapshot
-from tools.metrics import (curve_marks, curve_path, eval_task, expected_period, goodput, learner_events, link_bytes, slot_seconds,
-                           start_s, supervisor_task, tape_stats, tokens_per_step, uptime, wire_bytes)
+from tools.metrics import (curve_marks, curve_path, eval_task, expected_period, goodput, learner_events, link_bytes, run_tokens,
+                           slot_seconds, start_s, supervisor_task, tape_stats, tokens_per_step, uptime, wire_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -571,11 +571,14 @@ def run_local(cfg: LocalConfig) -> dict:
     if task.eval_batches:  # the global model's eval at each curve point and at the end (tools.local.curves)
         from safetensors.torch import load_file
 
+        if state is not None:  # a mark the supervisor saw pass once training was over: the final model is that point
+            tokens_at = run_tokens(events)
+            exports = [e for e in exports if tokens_at(e[0]) < tokens_at(exported_at)]
         evals = [("curve", t, v, eval_task(cfg.run, task, load_file(str(path)))) for t, v, path in exports]
         record_global_evals(run_dir, evals + ([("final", exported_at, versions, eval_final)] if state is not None else []),
                             unit)
     curves = write_curves(run_dir, task.eval_scale, unit)
-    curve = [[r["tokens"], r["loss"]] for r in curves if r["series"] == "global_eval"] if state is not None else []
+    curve = [[r["tokens"], round(r["loss"], 4)] for r in curves if r["series"] == "global_eval"] if state is not None else []
     # Goodput and uptime are this part's (a resumed run's earlier parts had theirs); tokens,
     # rounds and bytes are the whole run's.
     part = {i: r for i, r in events.items() if i not in before}
