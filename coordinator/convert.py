@@ -60,6 +60,7 @@ def learner_to_proto(learner: Learner) -> common_pb2.LearnerInfo:
         train_loss=learner.train_loss,
         eval_loss=learner.eval_loss,
         tokens_per_s=learner.tokens_per_s,
+        loss_unit=learner.loss_unit,
     )
 
 
@@ -85,6 +86,9 @@ def change_to_proto(change: Change, clock: VectorClock) -> coordinator_pb2.Membe
     )
 
 
+MAX_UNIT_CHARS = 32
+
+
 def stats_from_proto(msg: coordinator_pb2.HeartbeatRequest) -> HeartbeatStats:
     """A heartbeat's counts; a rate or loss that is not a finite number (>= 0 for the rate)
     is refused: the status page and the metrics show them as they come."""
@@ -97,7 +101,10 @@ def stats_from_proto(msg: coordinator_pb2.HeartbeatRequest) -> HeartbeatStats:
             if not math.isfinite(value):
                 raise InvalidArgument(f"{name} must be a finite number, got {value}")
             losses[name] = value
-    return HeartbeatStats(msg.tokens, msg.inner_steps, msg.version_lag, msg.tokens_per_s, **losses)
+    if len(msg.loss_unit) > MAX_UNIT_CHARS or not msg.loss_unit.isprintable():
+        raise InvalidArgument(f"loss_unit must be at most {MAX_UNIT_CHARS} printable characters, got {msg.loss_unit[:40]!r}")
+    return HeartbeatStats(msg.tokens, msg.inner_steps, msg.version_lag, msg.tokens_per_s, **losses,
+                          loss_unit=msg.loss_unit)
 
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")

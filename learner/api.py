@@ -272,7 +272,7 @@ class Learner:
         s = self.summary
         return {"tokens": s.tokens, "inner_steps": s.inner_steps,
                 "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0, "version_lag": self.version_lag,
-                "train_loss": s.train_loss, "eval_loss": s.eval_loss_final}
+                "train_loss": s.train_loss, "eval_loss": s.eval_loss_final, "loss_unit": s.eval_unit}
 
     def _drain(self, reason: str) -> None:
         logger.warning("%s: leaving: %s", self.learner_id, reason)

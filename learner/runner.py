@@ -68,14 +68,16 @@ def inner_step(spec: str, task: Task, batch, optimizer: torch.optim.Optimizer, s
 
 
 class TrainLoss:
-    """The training loss over windows of ``every`` inner steps: each window's mean is
-    recorded (``train`` event, the summary's ``train_loss`` the heartbeat carries, the
-    gauge) once its last step is done. Off XLA each step's loss is read at once (a
+    """The training loss over windows of ``every`` inner steps: each window's mean, times
+    the task's ``eval_scale`` (in its ``eval_unit``, as its evals: bits/byte for the byte
+    GPT), is recorded (``train`` event, the summary's ``train_loss`` the heartbeat carries,
+    the gauge) once its last step is done. Off XLA each step's loss is read at once (a
     non-finite one stops the learner there); on XLA, where a read is a host sync, the
     losses stay on the device until the window ends."""
 
-    def __init__(self, spec: str, learner, every: int) -> None:
+    def __init__(self, spec: str, learner, every: int, task: Task) -> None:
         self.spec, self.learner, self.every = spec, learner, every
+        self.scale, self.unit = task.eval_scale, task.eval_unit
         self.host = learner.device.kind != "xla"
         self.losses: list = []
 
@@ -96,9 +98,9 @@ class TrainLoss:
         if not math.isfinite(mean):
             raise TaskError(f"task {self.spec!r}: the mean loss of inner steps {step + 1 - self.every}..{step} is {mean}")
         s = self.learner.summary
-        s.train_loss = mean
-        self.learner.telemetry.train_loss(mean)
-        self.learner.event("train", step=step + 1, tokens=s.tokens, loss=round(mean, 5),
+        s.train_loss = mean * self.scale  # in the unit of the task's evals, to be read beside them
+        self.learner.telemetry.train_loss(s.train_loss, self.unit)
+        self.learner.event("train", step=step + 1, tokens=s.tokens, loss=round(s.train_loss, 5), unit=self.unit,
                            tokens_per_s=round(s.tokens / s.wall_s, 1) if s.wall_s else 0.0)
 
 
@@ -119,7 +121,7 @@ class TaskRunner:
             self._evaluate(0)
         learner.begin_training()
         batches = iter(task.batches)
-        window = TrainLoss(self.spec, learner, cfg.train_loss_every_steps)
+        window = TrainLoss(self.spec, learner, cfg.train_loss_every_steps, task)
         for step in range(cfg.steps):
             if learner.should_stop:
                 logger.info("%s: stopping at inner step %d", learner.learner_id, step)

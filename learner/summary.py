@@ -23,7 +23,8 @@ class Summary:
     eval_loss_final: float | None = None
     train_loss: float | None = None
     """The task's training loss, the mean over the last ``LearnerConfig.train_loss_every_steps``
-    inner steps (None before the first such window ends)."""
+    inner steps, in ``eval_unit`` (times the task's ``eval_scale``); None before the first
+    such window ends."""
     eval_history: list[tuple[int, int, float]] = field(default_factory=list)
     """(inner step, tokens, eval loss)."""
     pushes_sent: int = 0

@@ -136,8 +136,8 @@ class LearnerTelemetry:
             "diloco.learner.eval_loss", "1", "the task's mean loss over its eval batches (in its eval unit, e.g. bits/byte)"
         )
 
-    def train_loss(self, value: float) -> None:
-        self._train_loss.set(value)
+    def train_loss(self, value: float, unit: str) -> None:
+        self._train_loss.set(value, {"diloco.eval_unit": unit})
 
     def eval_loss(self, value: float, unit: str) -> None:
         self._eval_loss.set(value, {"diloco.eval_unit": unit})

@@ -48,6 +48,8 @@ class Learner:
     train_loss: float | None = None
     """Its last heartbeat's training loss (the mean over its last few steps); None before one."""
     eval_loss: float | None = None
+    loss_unit: str = ""
+    """The unit of both losses (the task's eval unit, e.g. bits/byte)."""
     reason: str = ""
     """Why the learner is draining, failed or left."""
     drain_deadline_s: float | None = None
@@ -114,6 +116,7 @@ class HeartbeatStats:
     tokens_per_s: float = 0.0
     train_loss: float | None = None
     eval_loss: float | None = None
+    loss_unit: str = ""
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,8 @@ class Membership:
             learner.train_loss = stats.train_loss
         if stats.eval_loss is not None:
             learner.eval_loss = stats.eval_loss
+        if stats.loss_unit:
+            learner.loss_unit = stats.loss_unit
         if learner.state == JOINING:
             learner.state = ACTIVE
             self._emit("active", learner, "first heartbeat")

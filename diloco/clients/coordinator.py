@@ -56,6 +56,7 @@ def learner_dict(info: common_pb2.LearnerInfo) -> dict:
         "tokens_per_s": info.tokens_per_s,
         "train_loss": info.train_loss if info.HasField("train_loss") else None,
         "eval_loss": info.eval_loss if info.HasField("eval_loss") else None,
+        "loss_unit": info.loss_unit,
     }
 
 
@@ -113,10 +114,11 @@ class LearnerSession:
         return reply
 
     async def heartbeat(self, tokens: int = 0, inner_steps: int = 0, version_lag: int = 0, tokens_per_s: float = 0.0,
-                        train_loss: float | None = None, eval_loss: float | None = None):
+                        train_loss: float | None = None, eval_loss: float | None = None, loss_unit: str = ""):
         request = coordinator_pb2.HeartbeatRequest(
             learner_id=self.learner_id, tokens=tokens, inner_steps=inner_steps, version_lag=version_lag,
-            tokens_per_s=tokens_per_s, train_loss=train_loss, eval_loss=eval_loss, clock=self._send(),
+            tokens_per_s=tokens_per_s, train_loss=train_loss, eval_loss=eval_loss, loss_unit=loss_unit,
+            clock=self._send(),
         )
         reply = await self._call("Heartbeat", self.stub.Heartbeat, request, self.metadata)
         self.credential = reply.credential or self.credential  # renewed: credentials expire

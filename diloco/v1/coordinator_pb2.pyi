@@ -64,7 +64,7 @@ class JoinReply(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., credential: _Optional[str] = ..., topology: _Optional[_Union[_common_pb2.Topology, _Mapping]] = ..., lease_s: _Optional[float] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "tokens", "inner_steps", "version_lag", "tokens_per_s", "clock", "train_loss", "eval_loss")
+    __slots__ = ("learner_id", "tokens", "inner_steps", "version_lag", "tokens_per_s", "clock", "train_loss", "eval_loss", "loss_unit")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class HeartbeatRequest(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_UNIT_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     tokens: int
     inner_steps: int
@@ -81,7 +82,8 @@ class HeartbeatRequest(_message.Message):
     clock: _common_pb2.VectorClock
     train_loss: float
     eval_loss: float
-    def __init__(self, learner_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., version_lag: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ...) -> None: ...
+    loss_unit: str
+    def __init__(self, learner_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., version_lag: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., loss_unit: _Optional[str] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("drain", "snapshot")

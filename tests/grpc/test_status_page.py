@@ -50,7 +50,7 @@ async def test_document_follows_heartbeats(tmp_path):
         url = (tmp_path / "coordinator" / STATUS_URL_FILE).read_text().strip()
         assert url == server.status_page.url and url.startswith("http://127.0.0.1:")
         a, b = await joined(server.address), await joined(server.address)
-        await a.heartbeat(tokens=1000, inner_steps=10, tokens_per_s=500.0, train_loss=5.5)
+        await a.heartbeat(tokens=1000, inner_steps=10, tokens_per_s=500.0, train_loss=5.5, loss_unit="bits/byte")
         await b.heartbeat(tokens=800, inner_steps=8, tokens_per_s=400.0, train_loss=5.7, eval_loss=5.9)
         await a.heartbeat(tokens=2000, inner_steps=20, tokens_per_s=510.0, train_loss=4.25)
         await a.heartbeat(tokens=2000, inner_steps=20, tokens_per_s=510.0, train_loss=4.25)  # nothing new: no point
@@ -60,7 +60,8 @@ async def test_document_follows_heartbeats(tmp_path):
         members = {m["id"]: m for m in doc["members"]}
         assert members[a.learner_id] | {"heartbeat_age_s": 0} == {
             "id": a.learner_id, "state": "active", "pool": "default", "tokens": 2000, "tokens_per_s": 510.0,
-            "inner_steps": 20, "staleness": 0, "train_loss": 4.25, "eval_loss": None, "heartbeat_age_s": 0, "reason": ""}
+            "inner_steps": 20, "staleness": 0, "train_loss": 4.25, "eval_loss": None, "loss_unit": "bits/byte", "heartbeat_age_s": 0,
+            "reason": ""}
         assert members[b.learner_id]["eval_loss"] == 5.9 and members[b.learner_id]["train_loss"] == 5.7
         assert 0 <= members[a.learner_id]["heartbeat_age_s"] < 10
         # The x of each point is the run's tokens (every learner's) when it was reported.
@@ -101,6 +102,10 @@ async def test_non_finite_loss_is_refused(tmp_path, loss):
             await session.heartbeat(tokens=10, eval_loss=loss)
         with pytest.raises(InvalidArgument, match="tokens_per_s"):
             await session.heartbeat(tokens=10, tokens_per_s=loss)
+        with pytest.raises(InvalidArgument, match="loss_unit must be at most 32 printable characters"):
+            await session.heartbeat(tokens=10, loss_unit="x" * 33)
+        with pytest.raises(InvalidArgument, match="loss_unit must be at most 32 printable characters"):
+            await session.heartbeat(tokens=10, loss_unit="bits\x1b[31m")
         await session.heartbeat(tokens=10, train_loss=3.0)  # the learner itself is not harmed
         doc = json.loads((await _get(server.status_page.url + "status.json"))[2])
         assert doc["curves"] == {session.learner_id: [[10, 3.0]]}

@@ -25,8 +25,8 @@ def learner(t0: float, steps: int, tokens_per_step: int = 100, step_s: float = 1
     tape = [{"kind": "state", "t": t0 - 2, "state": "starting"}, {"kind": "state", "t": t0, "state": "computing", "step": 0}]
     for step in range(every, steps + 1, every):
         t, tokens = t0 + step * step_s, step * tokens_per_step
-        tape.append({"kind": "train", "t": t, "step": step, "tokens": tokens, "loss": 5.0 / (1 + step / 50),
-                     "tokens_per_s": tokens_per_step / step_s})
+        tape.append({"kind": "train", "t": t, "step": step, "tokens": tokens, "loss": round(5.0 / (1 + step / 50) * SCALE, 5),
+                     "unit": "bits/byte", "tokens_per_s": tokens_per_step / step_s})
         if step % 20 == 0 or step == steps:
             tape.append({"kind": "eval", "t": t + 0.1, "step": step, "tokens": tokens, "loss": 7.0 / (1 + step / 50),
                          "unit": "bits/byte"})
@@ -74,7 +74,7 @@ def resumed_run(tmp_path, learners: int = 2):
 
 def test_curves_jsonl_puts_every_series_of_every_part_on_the_run_s_tokens(tmp_path):
     run_dir = resumed_run(tmp_path)
-    records = write_curves(run_dir, SCALE, "bits/byte")
+    records = write_curves(run_dir)
     assert [json.loads(line) for line in (run_dir / "curves.jsonl").read_text().splitlines()] == records
     assert [r["t"] for r in records] == sorted(r["t"] for r in records)
     train = [r for r in records if r["series"] == "train"]
@@ -100,13 +100,13 @@ def test_curves_jsonl_puts_every_series_of_every_part_on_the_run_s_tokens(tmp_pa
 def test_loss_png_is_drawn_for_one_learner_and_for_sixteen_and_a_resumed_run(tmp_path):
     for learners in (1, 16):
         run_dir = resumed_run(tmp_path / str(learners), learners)
-        path = plot_loss(run_dir, write_curves(run_dir, SCALE, "bits/byte"), "bits/byte")
+        path = plot_loss(run_dir, write_curves(run_dir), "bits/byte")
         assert path == run_dir / "loss.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 20_000  # lines, markers and text, not an empty frame
     # A run whose task has no eval batches: the training loss alone.
     run_dir = resumed_run(tmp_path / "train-only")
     (run_dir / "curve" / "evals.jsonl").unlink()
-    records = [r for r in write_curves(run_dir, 1.0, "loss") if r["series"] != "eval"]
+    records = [r for r in write_curves(run_dir) if r["series"] != "eval"]
     assert plot_loss(run_dir, records, "loss").stat().st_size > 20_000
 
 
@@ -120,7 +120,7 @@ def scalars(directory) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_holds_the_curves_and_a_resumed_part_adds_only_its_own(tmp_path):
     run_dir = resumed_run(tmp_path)
-    records = write_curves(run_dir, SCALE, "bits/byte")
+    records = write_curves(run_dir)
     board = tmp_path / "board"
     write_tensorboard(records, board, since=0)  # the first part ...
     first = scalars(board)

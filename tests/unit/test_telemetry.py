@@ -137,7 +137,7 @@ def test_the_endpoint_lists_itself_with_the_port_it_got_and_unlists_itself_at_sh
             {"targets": [f"127.0.0.1:{handle.prometheus_port}"], "labels": {"role": "learner", "learner": "L2"}}]
         from learner.telemetry import LearnerTelemetry
 
-        LearnerTelemetry("L2", meter=handle.meter_provider.get_meter("test")).train_loss(2.5)
+        LearnerTelemetry("L2", meter=handle.meter_provider.get_meter("test")).train_loss(2.5, "bits/byte")
         with urllib.request.urlopen(f"http://127.0.0.1:{handle.prometheus_port}/metrics", timeout=10) as response:
             text = response.read().decode()
     finally:
@@ -145,6 +145,7 @@ def test_the_endpoint_lists_itself_with_the_port_it_got_and_unlists_itself_at_sh
     # The learner's ids are on its series, not only on target_info: a scraper that knows only the pod tells learners apart.
     (loss,) = [line for line in text.splitlines() if line.startswith("diloco_learner_train_loss{")]
     assert 'diloco_learner_id="L2"' in loss and 'diloco_pool="spot"' in loss and loss.endswith(" 2.5")
+    assert 'diloco_eval_unit="bits/byte"' in loss
     assert not (tmp_path / "targets" / "L2.json").exists()
 
 

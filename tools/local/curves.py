@@ -7,8 +7,8 @@ inner steps, from its ``train`` events), ``eval`` (each learner's own evaluation
 model), ``global_eval`` (the global model: the seed, each curve point, each part's final
 model) and ``resume`` (where a resumed run continued). ``tokens`` is the whole run's at
 the record's time (``tools.metrics.run_tokens``); ``loss`` is in the task's eval unit
-(a training loss times the task's ``eval_scale``, as its evals are), so the series
-compare on one axis.
+(the learners record their training loss times the task's ``eval_scale``, as its
+evals), so the series compare on one axis.
 
 Where the global model is evaluated: by the supervisor. At each curve mark it exports
 the model through the coordinator's ExportModel (the shards answer as they answer a
@@ -53,8 +53,7 @@ def record_global_evals(run_dir: Path, evals: list[tuple[str, float, Mapping[int
         tape.close()
 
 
-def curve_records(events: Mapping[str, list[dict]], global_evals: list[dict], resumes: list[dict],
-                  eval_scale: float, unit: str) -> list[dict]:
+def curve_records(events: Mapping[str, list[dict]], global_evals: list[dict], resumes: list[dict]) -> list[dict]:
     """Every point of every series (module docstring), in time order. ``events``: the
     learners' event tapes; ``global_evals``: ``record_global_evals``' tape; ``resumes``:
     RUN_DIR/resumes.jsonl's lines."""
@@ -64,8 +63,8 @@ def curve_records(events: Mapping[str, list[dict]], global_evals: list[dict], re
         for e in tape:
             if e["kind"] == "train":
                 records.append({"series": "train", "learner": learner, "tokens": tokens_at(e["t"]),
-                                "learner_tokens": e["tokens"], "step": e["step"], "loss": round(e["loss"] * eval_scale, 5),
-                                "unit": unit, "tokens_per_s": e["tokens_per_s"], "t": e["t"]})
+                                "learner_tokens": e["tokens"], "step": e["step"], "loss": e["loss"],
+                                "unit": e["unit"], "tokens_per_s": e["tokens_per_s"], "t": e["t"]})
             elif e["kind"] == "eval":
                 records.append({"series": "eval", "learner": learner, "tokens": tokens_at(e["t"]),
                                 "learner_tokens": e["tokens"], "step": e["step"], "loss": e["loss"], "unit": e["unit"],
@@ -78,13 +77,12 @@ def curve_records(events: Mapping[str, list[dict]], global_evals: list[dict], re
     return sorted(records, key=lambda r: r["t"])
 
 
-def write_curves(run_dir: Path, eval_scale: float, unit: str) -> list[dict]:
+def write_curves(run_dir: Path) -> list[dict]:
     """RUN_DIR/curves.jsonl from what the run recorded, all its parts; returns its records."""
     evals = run_dir / CURVE_DIR / GLOBAL_EVALS
     resumes = run_dir / RESUMES_FILE
     records = curve_records(learner_events(run_dir), list(read_tape(evals)) if evals.exists() else [],
-                            [json.loads(line) for line in resumes.read_text().splitlines()] if resumes.exists() else [],
-                            eval_scale, unit)
+                            [json.loads(line) for line in resumes.read_text().splitlines()] if resumes.exists() else [])
     atomic_write(run_dir / CURVES_FILE, "".join(json.dumps(r) + "\n" for r in records))
     return records
 
