@@ -52,7 +52,8 @@ def closing_lines(summary: dict, run_dir: Path) -> list[str]:
     lines = [f"eval {loss('eval_loss_start')} → {loss('eval_loss_final')} {unit} · {summary['tokens']:,} tokens in "
              f"{summary['wall_s']:.0f} s · goodput {_number(summary['goodput'], 2)}",
              f"model: {model}" if model.exists() else "model: none exported",
-             f"run directory: {run_dir} (summary.json, logs/; diloco local --json prints the summary)"]
+             f"run directory: {run_dir} (summary.json, loss.png, curves.jsonl, logs/; diloco local --json prints the "
+             "summary)"]
     if links := summary.get("links"):
         rates = sorted({s["mbit"] for s in links["sites"]})
         lines.append(f"links: {len(links['sites'])} sites at {'/'.join(f'{r:g}' for r in rates)} Mbit/s · the kernel "
