@@ -57,15 +57,22 @@ def train(args: argparse.Namespace) -> None:
         data = torch.Generator().manual_seed(1000 + learner.index)  # this learner's share of the data
         start = evaluate(model)  # the run's global model: the learner starts from the shards' values
         print(f"{name}: eval loss {start:.4f} at step 0", flush=True)
+        losses = []
         for step in range(1, args.steps + 1):
             x, y = samples(args.batch_size, data)
-            loss_fn(model, x, y).backward()
+            loss = loss_fn(model, x, y)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             learner.step(tokens=len(x))  # sends the fragments due, applies the replies due
+            losses.append(loss.item())
+            if step % 10 == 0:  # the status page's curve and the run's curves.jsonl
+                learner.report_loss(train=sum(losses) / len(losses))
+                losses = []
             if step % args.eval_every == 0:
-                print(f"{name}: eval loss {evaluate(model):.4f} at step {step} (version lag {learner.version_lag})",
-                      flush=True)
+                value = evaluate(model)
+                learner.report_loss(eval=value)
+                print(f"{name}: eval loss {value:.4f} at step {step} (version lag {learner.version_lag})", flush=True)
             if learner.should_stop:  # the coordinator drained this learner
                 break
     s = learner.summary

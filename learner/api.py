@@ -48,7 +48,7 @@ from learner.core.sync import FragmentSync, Reply, SyncBook, Write, encode_push,
 from learner.device import Device
 from learner.membership import Heartbeats, Membership, join, register_model
 from learner.slice import SliceLink, SliceStep, host_state
-from learner.summary import Summary
+from learner.summary import LossReports, Summary
 from learner.streamer import PushJob, Streamer
 from learner.telemetry import LearnerTelemetry, SyncTrace
 
@@ -63,7 +63,7 @@ def learner_number(learner_id: str) -> int:
     return int(digits) if digits else 0
 
 
-class Learner:
+class Learner(LossReports):
     """One learner of a run, around a model the caller trains. Use ``Learner.join`` to
     join a coordinator; the constructor takes a membership already obtained (a static
     topology in tests and benchmarks, or ``learner.membership.join``)."""

@@ -97,11 +97,8 @@ class TrainLoss:
         self.losses = []
         if not math.isfinite(mean):
             raise TaskError(f"task {self.spec!r}: the mean loss of inner steps {step + 1 - self.every}..{step} is {mean}")
-        s = self.learner.summary
-        s.train_loss = mean * self.scale  # in the unit of the task's evals, to be read beside them
-        self.learner.telemetry.train_loss(s.train_loss, self.unit)
-        self.learner.event("train", step=step + 1, tokens=s.tokens, loss=round(s.train_loss, 5), unit=self.unit,
-                           tokens_per_s=round(s.tokens / s.wall_s, 1) if s.wall_s else 0.0)
+        # In the unit of the task's evals, to be read beside them.
+        self.learner.report_loss(train=mean * self.scale, unit=self.unit, step=step + 1)
 
 
 class TaskRunner:
@@ -156,12 +153,7 @@ class TaskRunner:
         if value is None:
             return None
         s = self.summary
-        if s.eval_loss_start is None:
-            s.eval_loss_start = value
-        s.eval_loss_final = value
-        s.eval_history.append((step, s.tokens, round(value, 5)))
-        self.learner.telemetry.eval_loss(value, self.task.eval_unit)
-        self.learner.event("eval", step=step, tokens=s.tokens, loss=round(value, 5), unit=self.task.eval_unit)
+        self.learner.report_loss(eval=value, unit=self.task.eval_unit, step=step)
         logger.info("%s step %d tokens %d eval %.4f %s", self.learner.learner_id, step, s.tokens, value, self.task.eval_unit)
         return value
 

@@ -35,7 +35,7 @@ from learner.config import LearnerConfig
 from learner.core.schedule import fragments_due, send_offsets
 from learner.core.sync import Write, write_into
 from learner.device import Device
-from learner.summary import Summary
+from learner.summary import LossReports, Summary
 from learner.telemetry import LearnerTelemetry
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def host_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     return model_state, on_host
 
 
-class SliceFollower:
+class SliceFollower(LossReports):
     """A follower host: the ``Learner`` interface the task runner drives, repeating the
     leader's writes instead of syncing."""
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import io
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from torch import nn
 import diloco
 from diloco import auth
 from diloco.config import RunConfig
-from diloco.errors import FailedPrecondition
+from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.task import TaskError
 from learner.membership import Membership
 from learner.runner import run_task
@@ -190,10 +191,22 @@ def test_join_a_coordinator_train_leave_and_a_different_model_is_refused(tmp_pat
                             optimizer.step()
                             optimizer.zero_grad()
                             learner.step(tokens=x.numel())
+                        # Its losses, for the status page: they ride the heartbeats.
+                        learner.report_loss(train=1.25, eval=1.5, unit="nats")
+                        with pytest.raises(InvalidArgument, match="report_loss: train must be a finite number"):
+                            learner.report_loss(train=float("nan"))
+                        deadline = time.monotonic() + 10
+                        while coordinator.runtime.membership.learner(learner.learner_id).train_loss is None:
+                            assert time.monotonic() < deadline, "no heartbeat carried the loss"
+                            time.sleep(0.05)
                     return learner
 
                 learner = await asyncio.to_thread(own_loop_joined)
                 assert learner.learner_id == "L0" and learner.summary.replies_applied > 0
+                reported = coordinator.runtime.membership.learner("L0")
+                assert (reported.train_loss, reported.eval_loss, reported.loss_unit) == (1.25, 1.5, "nats")
+                assert (learner.summary.train_loss, learner.summary.eval_loss_final) == (1.25, 1.5)
+                assert coordinator.runtime.curves.to_json()["L0"][-1][1] == 1.25
                 assert coordinator.runtime.run.plan_hash == learner.plan.plan_hash
                 with pytest.raises(FailedPrecondition, match="model differs from the run's: .*embed.weight"):
                     await asyncio.to_thread(diloco.Learner.join, nn.Embedding(3, 3), coordinator.address,
