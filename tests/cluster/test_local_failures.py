@@ -110,7 +110,8 @@ def test_ctrl_c_stops_learners_first_keeps_their_summaries_and_is_quick(tmp_path
     assert "SIGKILL" not in coordinator_log and "ignored SIGTERM" not in stderr
     # Every process of the run is listed, and gone.
     endpoints = json.loads((out / "endpoints.json").read_text())
-    assert sorted(e["role"] for e in endpoints) == ["coordinator", "fork-server", "learner", "learner", "shard0", "shard1"]
+    assert sorted(e["role"] for e in endpoints) == ["coordinator", "fork-server", "learner", "learner", "shard0", "shard1",
+                                                     "status-page"]  # (the coordinator's pid)
     for entry in endpoints:
         with pytest.raises(ProcessLookupError):
             os.kill(entry["pid"], 0)
