@@ -153,7 +153,8 @@ class CoordinatorConfig:
     data_dir/status-url); None: no page."""
     status_host: str = "127.0.0.1"
     """Where the status page listens. On a loopback address anyone on the host may read
-    it (it is read-only); on any other it requires the admin token."""
+    it (it is read-only); on any other it requires the admin token, over HTTPS with the
+    run's certificate where the process speaks TLS."""
     reflection: bool = False
     """Serve gRPC reflection (off: it lists every method to anyone who connects)."""
     advertise_address: str = ""

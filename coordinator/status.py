@@ -9,7 +9,11 @@ runtime lives, so it reads one consistent state.
 
 It is read-only. On a loopback address it answers anyone on the host, as ``diloco local``
 uses it; on any other address every request needs the admin token, as ``Authorization:
-Bearer TOKEN`` or ``?token=TOKEN`` (the page passes its own on to ``status.json``).
+Bearer TOKEN`` or ``?token=TOKEN`` (the page passes its own on to ``status.json``), and
+where the process speaks TLS (``diloco.rpc.use_tls``) the page is HTTPS with the run's
+certificate, so the token never crosses the network in clear (a client trusts the run's
+CA; the certificate names ``diloco`` and the hosts it was made for). Plain HTTP off
+loopback only in a run that is plaintext anyway (``--insecure``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
+import ssl
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +33,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from coordinator.core.membership import LIVE, FailedLaunch
+from diloco import rpc
 from diloco.errors import Unavailable
 from diloco.files import atomic_write
 
@@ -79,6 +86,28 @@ async def status_document(runtime, shard_calls) -> dict:
     }
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A connection that failed (a plain HTTP client at the HTTPS page, a reset): one
+        debug line, not the standard library's traceback on stderr."""
+        logger.debug("status page: a connection from %s failed", client_address[0], exc_info=True)
+
+
+def _server_context(tls: rpc.Tls) -> ssl.SSLContext:
+    """A TLS server context with the run's certificate and key, loaded from memory (ssl
+    takes only paths: an anonymous in-memory file's), never written to disk."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    fd = os.memfd_create("diloco-status-tls")
+    try:
+        os.write(fd, tls.cert + b"\n" + tls.key)
+        context.load_cert_chain(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+    return context
+
+
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -99,16 +128,20 @@ class StatusPage:
         self._html = resources.files("coordinator").joinpath("status.html").read_bytes()
         self._loop: asyncio.AbstractEventLoop | None = None
         try:
-            self._server = ThreadingHTTPServer((host, port), self._handler())
+            self._server = _Server((host, port), self._handler())
         except OSError as error:
             raise Unavailable(f"the status page cannot listen on {host}:{port}: {error.strerror or error}") from None
-        self._server.daemon_threads = True
+        self._https = not self._open and rpc.tls_enabled()
+        if self._https:
+            # The handshake on each connection's thread, not in the accepting one.
+            self._server.socket = _server_context(rpc.current_tls()).wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False)
         self._thread = threading.Thread(target=self._server.serve_forever, name="diloco-status-page", daemon=True)
 
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+        return f"{'https' if self._https else 'http'}://{f'[{host}]' if ':' in host else host}:{port}/"
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -161,6 +161,11 @@ def tls_enabled() -> bool:
     return _tls is not None
 
 
+def current_tls() -> Tls | None:
+    """What ``use_tls`` set (None: plaintext)."""
+    return _tls
+
+
 TLS_DIR_VARIABLE = "DILOCO_TLS_DIR"
 INSECURE_VARIABLE = "DILOCO_INSECURE"
 

@@ -3,17 +3,21 @@ refuses a heartbeat whose loss is not finite, and off loopback it needs the admi
 
 import asyncio
 import functools
+import http.client
 import json
 import math
 import socket
+import ssl
 import urllib.error
 import urllib.request
 
 import pytest
 
 from coordinator.status import STATUS_URL_FILE
+from diloco import rpc
 from diloco.errors import InvalidArgument, Unavailable
 from tests.grpc.coordinator_fixtures import ADMIN, joined, running_coordinator
+from tools.certs import make_certs
 
 
 
@@ -124,6 +128,38 @@ async def test_off_loopback_needs_the_admin_token(tmp_path):
         assert (await _get(url + "status.json", {"Authorization": f"Bearer {ADMIN}"}))[0] == 200
         assert (await _get(url + f"status.json?token={ADMIN}"))[0] == 200
         assert (await _get(url + f"?token={ADMIN}"))[0] == 200
+
+
+@sync
+async def test_off_loopback_in_a_tls_run_the_page_is_https_with_the_run_s_certificate(tmp_path):
+    make_certs(tmp_path / "tls", ["127.0.0.1"])
+    previous = rpc.use_tls(rpc.Tls.from_dir(tmp_path / "tls"))
+    try:
+        async with running_coordinator(tmp_path, status_port=0, status_host="0.0.0.0") as server:
+            port = server.status_page.url.rsplit(":", 1)[1].rstrip("/")
+            assert server.status_page.url.startswith("https://")
+            trusting = ssl.create_default_context(cafile=str(tmp_path / "tls" / "ca.crt"))
+
+            def get(url, context=None, token=ADMIN):
+                request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+                try:
+                    with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+                        return reply.status, reply.read()
+                except urllib.error.HTTPError as error:
+                    return error.code, error.read()
+
+            status, body = await asyncio.to_thread(get, f"https://127.0.0.1:{port}/status.json", trusting)
+            assert status == 200 and json.loads(body)["run"]["shards"] == 0
+            assert (await asyncio.to_thread(get, f"https://127.0.0.1:{port}/status.json", trusting, "wrong"))[0] == 401
+            # Plain HTTP gets no answer, and a client that does not trust the run's CA no page.
+            for url, context in ((f"http://127.0.0.1:{port}/status.json", None),
+                                 (f"https://127.0.0.1:{port}/status.json", ssl.create_default_context())):
+                with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+                    await asyncio.to_thread(get, url, context)
+            # The page still serves the run's own clients afterwards.
+            assert (await asyncio.to_thread(get, f"https://127.0.0.1:{port}/", trusting))[0] == 200
+    finally:
+        rpc.use_tls(previous)
 
 
 @sync

@@ -126,7 +126,8 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
              "serve the status page (members, shards, snapshots, loss curves, events) over HTTP on PORT "
              "(0: any free port; the URL goes to DATA_DIR/status-url)", type=int)
     add_flag(p, "--status-host", CoordinatorConfig, "status_host",
-             "address the status page binds; on any but a loopback address it requires the admin token")
+             "address the status page binds; on any but a loopback address it requires the admin token, and "
+             "under TLS it is HTTPS with the run's certificate")
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--advertise-address", metavar="HOST:PORT", help="address launched learners use (default: the bound one)")
     p.add_argument("--data-dir", default="coordinator", help="state, tokens, learner logs, snapshots (default ./coordinator)")
