@@ -44,6 +44,9 @@ STATUS_URL_FILE = "status-url"
 GATHER_TIMEOUT_S = 5.0
 """A request whose document is not gathered in this long (shards not answering) fails with 503."""
 SHARD_TIMEOUT_S = 2.0
+REQUEST_TIMEOUT_S = 10.0
+"""A connection that sends nothing (or no complete request) for this long is closed: an
+idle or slow client cannot hold a thread."""
 
 
 async def status_document(runtime, shard_calls) -> dict:
@@ -168,6 +171,7 @@ class StatusPage:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "diloco-status"
+            timeout = REQUEST_TIMEOUT_S
 
             def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
                 url = urlsplit(self.path)

@@ -176,3 +176,19 @@ async def test_a_taken_port_is_a_clear_error(tmp_path):
 async def test_no_page_unless_asked(tmp_path):
     async with running_coordinator(tmp_path) as server:
         assert server.status_page is None and not (tmp_path / "coordinator" / STATUS_URL_FILE).exists()
+
+
+@sync
+async def test_an_idle_connection_is_closed(tmp_path, monkeypatch):
+    import coordinator.status as status
+
+    monkeypatch.setattr(status, "REQUEST_TIMEOUT_S", 0.5)
+    async with running_coordinator(tmp_path, status_port=0) as server:
+        port = int(server.status_page.url.rsplit(":", 1)[1].rstrip("/"))
+
+        def idle() -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+                idle.sendall(b"GET /status.json HTTP/1.1\r\n")  # and never the rest
+                return idle.recv(1024)  # b"" once the server gives up on it
+
+        assert await asyncio.to_thread(idle) == b""
