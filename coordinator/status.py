@@ -85,6 +85,7 @@ async def status_document(runtime, shard_calls) -> dict:
                        "reported": len(s.reports), "participants": len(s.participants) + len(s.dropped)}
                       for s in runtime.list_snapshots()[-10:]],
         "curves": runtime.curves.to_json(),
+        "curves_kept": len(runtime.curves.curves),
         "events": runtime.recent.to_json()[:50],
     }
 

@@ -14,6 +14,11 @@ curve keeps its shape over the whole run at half the resolution)."""
 MAX_CURVES = 256
 """Learners with a curve; a new one drops the curve that was extended longest ago."""
 MAX_EVENTS = 200
+SHOWN_CURVES = 64
+SHOWN_POINTS = 160
+"""What the page is sent of them: the curves extended most recently, each thinned evenly
+to at most this many points (its first and last kept): a page refreshed every 2 s stays
+well under a megabyte, where every point of every curve would be ~4 MB."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,17 @@ class LossCurves:
             curve[:] = curve[:-1:2] + curve[-1:]
 
     def to_json(self) -> dict[str, list[list]]:
-        """``{learner: [[tokens, loss], ...]}``."""
-        return {i: [[p.tokens, p.loss] for p in curve] for i, curve in self.curves.items()}
+        """``{learner: [[tokens, loss], ...]}``: the ``SHOWN_CURVES`` extended most recently,
+        each at most ``SHOWN_POINTS`` points."""
+        shown = sorted(self.curves, key=lambda i: self.curves[i][-1].t)[-SHOWN_CURVES:]
+        return {i: [[p.tokens, p.loss] for p in _thinned(self.curves[i])] for i in shown}
+
+
+def _thinned(curve: list[Point]) -> list[Point]:
+    if len(curve) <= SHOWN_POINTS:
+        return curve
+    step = (len(curve) - 1) / (SHOWN_POINTS - 1)
+    return [curve[round(k * step)] for k in range(SHOWN_POINTS)]
 
 
 class RecentEvents:

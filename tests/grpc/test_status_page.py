@@ -70,6 +70,7 @@ async def test_document_follows_heartbeats(tmp_path):
         assert 0 <= members[a.learner_id]["heartbeat_age_s"] < 10
         # The x of each point is the run's tokens (every learner's) when it was reported.
         assert doc["curves"] == {a.learner_id: [[1000, 5.5], [2800, 4.25]], b.learner_id: [[1800, 5.7]]}
+        assert doc["curves_kept"] == 2
         assert doc["run"]["tokens"] == 2800 and doc["run"]["shards"] == 1
         (shard,) = doc["shards"]
         assert shard["address"] == dead_shard and shard["error"] and "fragments" not in shard
