@@ -63,6 +63,43 @@ DRAIN_LEAD_S = LearnerConfig.heartbeat_interval_s
 """How long before the budget is reached (at the current token rate) the drain is sent."""
 
 
+class CurveExports:
+    """The global model's exports at the curve points, one at a time on a thread of their
+    own: the supervisor's loop, which sends the budget's drain, never waits on one (an
+    export takes 0.04-0.16 s on the default model, seconds on a loaded machine). A mark
+    that passes while the previous export still runs is skipped: the curve has a point
+    fewer, and the run says so in its log."""
+
+    def __init__(self, admin, run_dir: Path) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.admin, self.run_dir = admin, run_dir
+        self.done: list[tuple[float, dict[int, int], Path]] = []
+        """(unix time asked, each fragment's version, the file) of each export that landed."""
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="diloco-curve-export")
+        self._pending = None
+
+    def mark(self, tokens: int) -> None:
+        if self._pending is not None and not self._pending.done():
+            logger.info("the eval curve skips the point at %d tokens: the previous export still runs", tokens)
+            return
+        self._pending = self._pool.submit(self._export, tokens)
+
+    def _export(self, tokens: int) -> None:
+        asked, path = time.time(), curve_path(self.run_dir, tokens)
+        try:
+            exported = export_model(self.admin, path, timeout_s=60)
+        except DilocoError as error:  # a shard restarting: the curve lacks this point
+            logger.warning("could not export the model for the eval curve at %d tokens: %s", tokens, error)
+            return
+        self.done.append((asked, exported.versions, path))
+
+    def close(self) -> None:
+        """Wait for the export in flight (before the cluster stops), then let go."""
+        self._pool.shutdown(wait=True)
+        self.admin.close()
+
+
 class Pace:
     """Tokens per second over the last few seconds of the learners' (heartbeat) counts."""
 
@@ -406,9 +443,8 @@ def run_local(cfg: LocalConfig) -> dict:
             sites.remove_hub(hub)
         raise
     started_wall, started = time.time(), time.monotonic()
-    admin = monkey = None
+    admin = monkey = curve_exports = None
     before: set[str] = set()
-    exports: list[tuple[float, dict[int, int], Path]] = []  # the curve points: (unix time, versions, file)
     interrupted = time_limited = False
     draining: set[str] = set()
     drained_at = None
@@ -421,6 +457,7 @@ def run_local(cfg: LocalConfig) -> dict:
         admin = AdminClient(cluster.coordinator, token, timeout_s=10)
         before = {m["id"] for m in admin.members(include_gone=True)}  # a resumed run's earlier learners
         _launch(admin, cfg)
+        curve_exports = CurveExports(AdminClient(cluster.coordinator, token, timeout_s=60), run_dir)
         if cfg.chaos.active:  # its clock starts now that the learners are launched
             chaos_admin = AdminClient(cluster.coordinator, token, timeout_s=10)
             network = ChaosNetwork(hub, cluster.coordinator, tuple(cluster.shards)) if hub is not None else None
@@ -455,12 +492,7 @@ def run_local(cfg: LocalConfig) -> dict:
                 rate = pace.add(time.monotonic(), trained)
                 if marks and trained >= marks[0]:  # a point of the eval curve: the global model now
                     marks = [m for m in marks if m > trained]
-                    asked = time.time()
-                    try:
-                        exported = export_model(admin, curve_path(run_dir, trained), timeout_s=60)
-                        exports.append((asked, exported.versions, curve_path(run_dir, trained)))
-                    except DilocoError as error:  # a shard restarting: the curve lacks this point
-                        logger.warning("could not export the model for the eval curve at %d tokens: %s", trained, error)
+                    curve_exports.mark(trained)
                 # A drain takes effect about a heartbeat interval after it is sent (the counts
                 # are half an interval old, the directive rides the next heartbeat): sent that
                 # early, the learners stop at the budget on average instead of past it.
@@ -509,6 +541,8 @@ def run_local(cfg: LocalConfig) -> dict:
                       "shards and the coordinator stop")
     finally:
         say = lambda line: console.print(line, soft_wrap=True, markup=False)  # noqa: E731
+        if curve_exports is not None:
+            curve_exports.close()
         if monkey is not None:
             monkey.halt()
             monkey.join(timeout=60)
@@ -571,6 +605,7 @@ def run_local(cfg: LocalConfig) -> dict:
     if task.eval_batches:  # the global model's eval at each curve point and at the end (tools.local.curves)
         from safetensors.torch import load_file
 
+        exports = curve_exports.done if curve_exports is not None else []
         if state is not None:  # a mark the supervisor saw pass once training was over: the final model is that point
             tokens_at = run_tokens(events)
             exports = [e for e in exports if tokens_at(e[0]) < tokens_at(exported_at)]
