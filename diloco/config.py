@@ -31,8 +31,10 @@ class RunConfig:
     seed: int = 0
     """The run's seed (TaskContext.seed): model initialisation and data order."""
     init: str = ""
-    """A ``.safetensors`` file (e.g. an export) the model starts from instead of its own
-    initialisation; every learner reads it, the first to reach a shard gives it its values."""
+    """A ``.safetensors`` file (e.g. an export), or a checkpoint directory in Hugging Face's
+    layout (``diloco admin export --format hf``, ``save_pretrained``), the model starts from
+    instead of its own initialisation; every learner reads it, the first to reach a shard
+    gives it its values."""
     fragments: int = 4
     """P: fragments the model is cut into."""
     sync_every_steps: int = 8

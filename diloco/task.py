@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import importlib
 import importlib.util
+import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -106,7 +107,10 @@ class Task:
     ``tokens(batch)`` is what the batch counts toward the token budget and goodput.
     ``eval_batches``: the fixed held-out batches whose mean ``loss`` is the run's eval loss
     (reported times ``eval_scale`` in ``eval_unit``, e.g. bits/byte). ``optimizer``: builds
-    the inner optimizer from the parameters (default: the run's AdamW)."""
+    the inner optimizer from the parameters (default: the run's AdamW). ``save_pretrained``:
+    writes the model, with the values it holds, and what goes with it (a tokenizer) to a
+    directory in its own ecosystem's layout (a Hugging Face task: ``from_pretrained`` loads
+    it); ``diloco admin export --format hf`` and ``diloco local`` use it."""
 
     model: torch.nn.Module
     batches: Iterable
@@ -116,6 +120,7 @@ class Task:
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
     eval_unit: str = "loss"
     eval_scale: float = 1.0
+    save_pretrained: Callable[[Path], None] | None = None
 
 
 def load_task(spec: str) -> Callable[[TaskContext], Task]:
@@ -174,6 +179,8 @@ def build_task(spec: str, ctx: TaskContext, init: str = "") -> Task:
             raise TaskError(f"task {spec!r}: {name} is not callable")
     if task.optimizer is not None and not callable(task.optimizer):
         raise TaskError(f"task {spec!r}: optimizer must be a function of the parameters")
+    if task.save_pretrained is not None and not callable(task.save_pretrained):
+        raise TaskError(f"task {spec!r}: save_pretrained must be a function of a directory")
     if not any(p.requires_grad for p in task.model.parameters()):
         raise TaskError(f"task {spec!r}: the model has no trainable parameters")
     if not (isinstance(task.eval_scale, (int, float)) and math.isfinite(task.eval_scale) and task.eval_scale > 0):
@@ -184,16 +191,36 @@ def build_task(spec: str, ctx: TaskContext, init: str = "") -> Task:
 
 
 def load_init(spec: str, model, path: str) -> None:
-    """Start ``model`` from the tensors of a safetensors file, every key and shape checked."""
+    """Start ``model`` from the tensors of a safetensors file, every key and shape checked;
+    or of a checkpoint directory in Hugging Face's layout (``model.safetensors``, or the
+    shards its ``model.safetensors.index.json`` lists), where a tied weight is stored once:
+    a key the directory lacks is taken only if the model ties it to one it has."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    directory = Path(path) if Path(path).is_dir() else None
     try:
-        state = load_file(path)
-    except (OSError, SafetensorError) as error:
+        if directory is None:
+            files = [Path(path)]
+        elif (directory / "model.safetensors").is_file():
+            files = [directory / "model.safetensors"]
+        elif (directory / "model.safetensors.index.json").is_file():
+            index = json.loads((directory / "model.safetensors.index.json").read_text())
+            files = [directory / name for name in sorted(set(index["weight_map"].values()))]
+        else:
+            raise TaskError(f"--init {path}: a directory without model.safetensors or model.safetensors.index.json")
+        state = {key: value for file in files for key, value in load_file(file).items()}
+    except (OSError, SafetensorError, ValueError, KeyError) as error:
         raise TaskError(f"--init {path}: cannot read it: {error}") from None
     try:
-        model.load_state_dict(state)
+        if directory is None:
+            model.load_state_dict(state)
+            return
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        given = {tensor.data_ptr() for key, tensor in model.state_dict().items() if key in state}
+        untied = [key for key in missing if model.state_dict()[key].data_ptr() not in given]
+        if untied or unexpected:
+            raise RuntimeError(f"missing keys {untied[:5]}, unexpected keys {unexpected[:5]}")
     except RuntimeError as error:
         first = str(error).strip().splitlines()
         raise TaskError(f"--init {path} does not fit the model of task {spec!r}: {' '.join(first[:3])[:300]}") from None

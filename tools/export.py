@@ -103,3 +103,43 @@ def export_model(admin, path: Path, timeout_s: float = 600.0) -> Exported:
     exported = assemble(admin.export_model(timeout_s))
     save(exported, path)
     return exported
+
+
+def check_new_dir(out: Path) -> None:
+    """An export directory is new (or empty): never written over."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FailedPrecondition(f"{out} exists: give a new directory for the export")
+
+
+def save_pretrained(run, state: dict[str, torch.Tensor], out: Path) -> None:
+    """Write ``state`` into directory ``out`` as the run's task saves its model
+    (``write_pretrained``), the task built here, on the CPU, to hold the values."""
+    from diloco.task import TaskContext, build_task
+
+    check_new_dir(out)
+    task = build_task(run.task, TaskContext(0, 1, run.seed, torch.device("cpu"), dict(run.task_options)))
+    write_pretrained(run.task, task, state, out)
+
+
+def write_pretrained(spec: str, task, state: dict[str, torch.Tensor], out: Path) -> None:
+    """``task``'s model holding ``state``, written to directory ``out`` by the task
+    (``Task.save_pretrained``: a Hugging Face task writes what ``from_pretrained`` loads,
+    with its tokenizer). ``out`` appears whole or not at all; an existing one is refused."""
+    import shutil
+    import tempfile
+
+    check_new_dir(out)
+    if task.save_pretrained is None:
+        raise FailedPrecondition(f"task {spec!r} writes no checkpoint directory (no save_pretrained): the hf format "
+                                 "is for Hugging Face tasks such as diloco.tasks.hf_causal_lm:build")
+    task.model.load_state_dict(state)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        task.save_pretrained(staging)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

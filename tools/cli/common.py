@@ -25,8 +25,9 @@ def add_run_config(parser: argparse.ArgumentParser) -> None:
                        help="an option for the task (TaskContext.options; repeatable)")
     add_flag(group, "--seed", RunConfig, "seed", "the run's seed: model initialisation, data order", type=int)
     add_flag(group, "--init", RunConfig, "init",
-             "start the model from these weights (an export: diloco admin export, or a run's model.safetensors)",
-             metavar="FILE.safetensors")
+             "start the model from these weights: a safetensors file (an export: diloco admin export, or a run's "
+             "model.safetensors) or a Hugging Face checkpoint directory (--format hf, save_pretrained)",
+             metavar="FILE.safetensors|DIR")
     add_flag(group, "--fragments", RunConfig, "fragments", "P: fragments the model is cut into", type=int)
     add_flag(group, "--max-model-bytes", RunConfig, "max_model_bytes",
              "largest model the run takes (elements x bytes per element, over every tensor): the coordinator and the "

@@ -228,6 +228,22 @@ def _coordinator_address(args: argparse.Namespace) -> str:
     raise NotFound(f"{path} lists no coordinator")
 
 
+def _run_config(args: argparse.Namespace):
+    """The run's config for an export that builds the task: --run-config, else the run
+    directory's run.json."""
+    from diloco.config import RunConfig
+
+    run_dir = admin_run_dir(args)
+    path = Path(args.run_config) if args.run_config else run_dir / "run.json" if run_dir is not None else None
+    if path is None:
+        raise InvalidArgument("--format hf builds the run's task: pass --run-config FILE (the run's run.json) or "
+                              "--run-dir DIR")
+    try:
+        return RunConfig.from_json(path.read_text())
+    except OSError as error:
+        raise NotFound(f"cannot read the run config {path}: {error.strerror}") from None
+
+
 def _token(args: argparse.Namespace) -> str:
     if args.token_file:
         return _read_token(Path(args.token_file), "admin token file")
@@ -443,10 +459,17 @@ def _accept_initial_values(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tools.export import export_model
+    from tools.export import assemble, check_new_dir, export_model, save_pretrained
 
-    with _client(args) as client:
-        exported = export_model(client, Path(args.out), timeout_s=args.deadline_s)
+    if args.format == "hf":
+        run = _run_config(args)  # before the fetch
+        check_new_dir(Path(args.out))
+        with _client(args) as client:
+            exported = assemble(client.export_model(args.deadline_s))
+        save_pretrained(run, exported.state, Path(args.out))
+    else:
+        with _client(args) as client:
+            exported = export_model(client, Path(args.out), timeout_s=args.deadline_s)
     info = {
         "path": str(args.out),
         "tensors": len(exported.state),
@@ -549,11 +572,19 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     cleanup.set_defaults(func=_cleanup)
 
     export = verbs.add_parser(
-        "export", help="write the global model as model.safetensors (the keys of the task model's state_dict)",
+        "export", help="write the global model as model.safetensors (the keys of the task model's state_dict), or "
+                       "as a Hugging Face checkpoint directory (--format hf)",
         description="Fetch the global model from the shards (through the coordinator) and write it as a "
-                    "safetensors file that load_state_dict takes on a fresh instance of the task's model.",
+                    "safetensors file that load_state_dict takes on a fresh instance of the task's model, or "
+                    "(--format hf, a Hugging Face task) as a directory that from_pretrained loads, tokenizer included.",
     )
-    export.add_argument("--out", required=True, metavar="PATH", help="file to write, e.g. model.safetensors")
+    export.add_argument("--out", required=True, metavar="PATH",
+                        help="file to write, e.g. model.safetensors; with --format hf a new directory")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors: one file of the state_dict; hf: config.json, model.safetensors and the "
+                             "tokenizer, written by the task (default safetensors)")
+    export.add_argument("--run-config", metavar="FILE",
+                        help="with --format hf: the run's run.json, to build its task (default: the run directory's)")
     export.add_argument("--deadline-s", type=float, default=600.0, help="deadline of the whole export (default 600 s)")
     export.add_argument("--json", action="store_true", help="print {path, tensors, parameters, versions} as JSON")
     export.set_defaults(func=_export)

@@ -52,6 +52,8 @@ def closing_lines(summary: dict, run_dir: Path) -> list[str]:
     lines = [f"eval {loss('eval_loss_start')} → {loss('eval_loss_final')} {unit} · {summary['tokens']:,} tokens in "
              f"{summary['wall_s']:.0f} s · goodput {_number(summary['goodput'], 2)}",
              f"model: {model}" if model.exists() else "model: none exported",
+             *([f"hugging face checkpoint: {run_dir / 'hf'} (from_pretrained loads it, tokenizer included)"]
+               if (run_dir / "hf").is_dir() else []),
              f"run directory: {run_dir} (summary.json, loss.png, curves.jsonl, logs/; diloco local --json prints the "
              "summary)"]
     if links := summary.get("links"):

@@ -11,7 +11,8 @@ the running cluster), ``logs/``, ``shard<m>/tape-S<m>.jsonl``, ``learners/<id>.j
 model exported at each curve point, and ``evals.jsonl``, the evaluations of the global
 model), ``curves.jsonl`` (every loss series against the run's tokens), ``loss.png``,
 ``timeline.png`` and ``summary.json``; with ``--tensorboard DIR``, the curves as
-TensorBoard event files in DIR.
+TensorBoard event files in DIR; with a Hugging Face task (``Task.save_pretrained``),
+``hf/``, the final model as ``from_pretrained`` loads it.
 
 This module is the run's driver (launch, watch, stop, summarise); the processes are
 ``supervisor``'s, the tables ``progress``'s, the curves ``curves``'s, the plot ``plots``'s
@@ -27,6 +28,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -47,7 +49,7 @@ from coordinator.launcher import LINK_OVERRIDE, SITES_FILE
 from learner.config import LearnerConfig
 from tools.chaos import SCAVENGED_POOL, ChaosMonkey, ChaosNetwork
 from tools.check import describe, write_check
-from tools.export import export_model
+from tools.export import export_model, write_pretrained
 from tools.local.config import LocalConfig
 from tools.local.curves import check_tensorboard, record_global_evals, write_curves, write_tensorboard
 from tools.local.plots import plot_loss
@@ -591,6 +593,11 @@ def run_local(cfg: LocalConfig) -> dict:
     summaries = {s["learner_id"]: s for s in (json.loads(p.read_text()) for p in sorted((run_dir / "learners").glob("*.json")))}
     events = learner_events(run_dir)
     eval_final = eval_task(cfg.run, task, state) if state is not None else float("nan")
+    if state is not None and task.save_pretrained is not None:  # a Hugging Face task: RUN_DIR/hf, from_pretrained's
+        pretrained = run_dir / "hf"
+        if cfg.resume and pretrained.exists():  # a resumed run's final model replaces its earlier part's
+            shutil.rmtree(pretrained)
+        write_pretrained(cfg.run.task, task, state, pretrained)
     missing = {}  # figures that do not exist, and why
     if not task.eval_batches:
         missing["eval_loss_start"] = missing["eval_loss_final"] = "the task has no eval batches"
