@@ -58,9 +58,10 @@ class LossReports:
         """Losses for the run's curves (``curves.jsonl``), the status page and the metrics:
         ``train``, the loop's training loss (the ``--task`` runner gives the mean over each
         ``train_loss_every_steps`` inner steps), and ``eval``, an evaluation of the model; in
-        ``unit`` (kept as the summary's ``eval_unit``; default: the one it has). Each is kept in the summary, set on
-        its gauge, recorded as an event (``train``, ``eval``) at ``step`` (default: the inner
-        steps so far) and sent with the next heartbeat. Not a finite number: InvalidArgument."""
+        ``unit`` (kept as the summary's ``eval_unit``; default: the one it has). Each is kept
+        in the summary, set on its gauge, recorded as an event (``train``, ``eval``) at
+        ``step`` (default: the inner steps so far) and sent with the next heartbeat. Not a
+        finite number: InvalidArgument."""
         s = self.summary
         unit = s.eval_unit = unit or s.eval_unit  # what the heartbeats say they are in
         step = s.inner_steps if step is None else step

@@ -13,7 +13,7 @@ from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.tape import TapeWriter
 from tools.local.curves import check_tensorboard, record_global_evals, write_curves, write_tensorboard
 from tools.local.plots import plot_loss
-from tools.metrics import run_tokens
+from tools.metrics import learner_events, run_tokens
 
 T0 = 1_800_000_000.0
 SCALE = 1 / math.log(2)  # the byte GPT's: nats per byte to bits per byte
@@ -74,7 +74,7 @@ def resumed_run(tmp_path, learners: int = 2):
 
 def test_curves_jsonl_puts_every_series_of_every_part_on_the_run_s_tokens(tmp_path):
     run_dir = resumed_run(tmp_path)
-    records = write_curves(run_dir)
+    records = write_curves(run_dir, learner_events(run_dir))
     assert [json.loads(line) for line in (run_dir / "curves.jsonl").read_text().splitlines()] == records
     assert [r["t"] for r in records] == sorted(r["t"] for r in records)
     train = [r for r in records if r["series"] == "train"]
@@ -100,13 +100,13 @@ def test_curves_jsonl_puts_every_series_of_every_part_on_the_run_s_tokens(tmp_pa
 def test_loss_png_is_drawn_for_one_learner_and_for_sixteen_and_a_resumed_run(tmp_path):
     for learners in (1, 16):
         run_dir = resumed_run(tmp_path / str(learners), learners)
-        path = plot_loss(run_dir, write_curves(run_dir), "bits/byte")
+        path = plot_loss(run_dir, write_curves(run_dir, learner_events(run_dir)), "bits/byte")
         assert path == run_dir / "loss.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 20_000  # lines, markers and text, not an empty frame
     # A run whose task has no eval batches: the training loss alone.
     run_dir = resumed_run(tmp_path / "train-only")
     (run_dir / "curve" / "evals.jsonl").unlink()
-    records = [r for r in write_curves(run_dir) if r["series"] != "eval"]
+    records = [r for r in write_curves(run_dir, learner_events(run_dir)) if r["series"] != "eval"]
     assert plot_loss(run_dir, records, "loss").stat().st_size > 20_000
 
 
@@ -120,7 +120,7 @@ def scalars(directory) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_holds_the_curves_and_a_resumed_part_adds_only_its_own(tmp_path):
     run_dir = resumed_run(tmp_path)
-    records = write_curves(run_dir)
+    records = write_curves(run_dir, learner_events(run_dir))
     board = tmp_path / "board"
     write_tensorboard(records, board, since=0)  # the first part ...
     first = scalars(board)

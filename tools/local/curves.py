@@ -33,7 +33,7 @@ from pathlib import Path
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.files import atomic_write
 from diloco.tape import TapeWriter, read_tape
-from tools.metrics import CURVE_DIR, learner_events, run_tokens
+from tools.metrics import CURVE_DIR, run_tokens
 
 CURVES_FILE = "curves.jsonl"
 GLOBAL_EVALS = "evals.jsonl"
@@ -77,11 +77,12 @@ def curve_records(events: Mapping[str, list[dict]], global_evals: list[dict], re
     return sorted(records, key=lambda r: r["t"])
 
 
-def write_curves(run_dir: Path) -> list[dict]:
-    """RUN_DIR/curves.jsonl from what the run recorded, all its parts; returns its records."""
+def write_curves(run_dir: Path, events: Mapping[str, list[dict]]) -> list[dict]:
+    """RUN_DIR/curves.jsonl from what the run recorded, all its parts (``events``: the
+    learners' tapes, ``learner_events``); returns its records."""
     evals = run_dir / CURVE_DIR / GLOBAL_EVALS
     resumes = run_dir / RESUMES_FILE
-    records = curve_records(learner_events(run_dir), list(read_tape(evals)) if evals.exists() else [],
+    records = curve_records(events, list(read_tape(evals)) if evals.exists() else [],
                             [json.loads(line) for line in resumes.read_text().splitlines()] if resumes.exists() else [])
     atomic_write(run_dir / CURVES_FILE, "".join(json.dumps(r) + "\n" for r in records))
     return records

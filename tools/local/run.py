@@ -619,7 +619,7 @@ def run_local(cfg: LocalConfig) -> dict:
         evals = [("curve", t, v, eval_task(cfg.run, task, load_file(str(path)))) for t, v, path in exports]
         record_global_evals(run_dir, evals + ([("final", exported_at, versions, eval_final)] if state is not None else []),
                             unit)
-    curves = write_curves(run_dir)
+    curves = write_curves(run_dir, events)
     curve = [[r["tokens"], round(r["loss"], 4)] for r in curves if r["series"] == "global_eval"] if state is not None else []
     # Goodput and uptime are this part's (a resumed run's earlier parts had theirs); tokens,
     # rounds and bytes are the whole run's.
