@@ -78,7 +78,7 @@ def verify(secret: str, learner_id: str, credential: str | None, now: float | No
 class Credential:
     """A process's id and its current credential, which every channel of the process reads
     per call: a learner's is renewed in place from heartbeat replies (``renew``); one made
-    from the run secret (shards, the coordinator, static learners, tools) signs itself
+    from the run secret (shards, the coordinator, static learners, the command line) signs itself
     again when half its lifetime is gone."""
 
     def __init__(self, learner_id: str, value: str = "", secret: str | None = None,

@@ -4,7 +4,7 @@ topology; shards get it on their command line.
 
 The model itself is the task's (``diloco.task``): shards never build it; the fragment plan
 comes from the run's model manifest, which a coordinator started with ``--pin-model``
-builds from this config (``diloco.pin``), else the first learner registers."""
+builds from this config (``diloco.coordinator.pin``), else the first learner registers."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class RunConfig:
     """P: fragments the model is cut into."""
     sync_every_steps: int = 8
     """H: inner steps between two sends of the same fragment (with the shards' default
-    outer step, syncer.config.MergeConfig: with outer Nesterov 0.7 / 0.9 take H >= 16).
+    outer step, diloco.syncer.config.MergeConfig: with outer Nesterov 0.7 / 0.9 take H >= 16).
     8 from a seeded sweep (docs/results/compare-condensed/): against H = 4, half the
     bytes with the no-fault eval inside its spread; H = 16 fell below 0.9 goodput under
     kills."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "results"
-PACKAGES = ("diloco/codec", "diloco/clock.py", "diloco/fragments.py", "syncer/core", "coordinator/core", "learner/core")
+PACKAGES = ("diloco/codec", "diloco/clock.py", "diloco/fragments.py", "diloco/syncer/core", "diloco/coordinator/core", "diloco/learner/core")
 KILLED = {"killed", "timeout"}
 CHECK_TIMEOUT_S = 120
 

@@ -16,9 +16,9 @@ for seed in $seeds; do
   cmd=(diloco local --out "$work/seed$seed" --learners 3 --shards 2 --steps 4000 --time-limit-s "$seconds"
        --link-mbit 20 --chaos "$kinds" --chaos-every 8 --chaos-seed "$seed")
   echo "\$ ${cmd[*]}" > "$out/output-seed$seed.txt"
-  python -m tools.cli "${cmd[@]:1}" >> "$out/output-seed$seed.txt" 2>&1 || true  # the check below says why
+  python -m diloco "${cmd[@]:1}" >> "$out/output-seed$seed.txt" 2>&1 || true  # the check below says why
   for f in chaos.jsonl check.json summary.json; do cp "$work/seed$seed/$f" "$out/${f%%.*}-seed$seed.${f#*.}"; done
   runs+=("$work/seed$seed")
 done
 echo "\$ diloco check ${runs[*]}" > "$out/check.txt"
-python -m tools.cli check "${runs[@]}" >> "$out/check.txt"
+python -m diloco check "${runs[@]}" >> "$out/check.txt"

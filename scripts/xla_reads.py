@@ -13,7 +13,7 @@ import torch
 
 from diloco.manifest import manifest_of, synced_tensors
 from diloco.task import DEFAULT_TASK, TaskContext, build_task
-from learner.device import Device
+from diloco.learner.device import Device
 
 
 def main() -> None:

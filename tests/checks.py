@@ -19,7 +19,7 @@ def assert_same_tensors(actual, expected, what: str = "tensors") -> None:
 
 def assert_mirrored(anchor, mirror) -> None:
     """A learner's ``anchor`` (tensors of a fragment) is what the shard's ``mirror`` of it
-    believes, to within the drift the shard accounts (``syncer.core.mirrors``): exactly when
+    believes, to within the drift the shard accounts (``diloco.syncer.core.mirrors``): exactly when
     none; else the gap's squared norm within 4x the accounted one (a sum of independent
     roundings: its expectation)."""
     anchor = [_array(a).reshape(-1) for a in anchor]

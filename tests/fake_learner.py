@@ -16,7 +16,7 @@ from pathlib import Path
 # Python put tests/ first on the path, where tests/grpc would shadow the grpc package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from diloco import forks  # noqa: E402
+from diloco.coordinator import forks  # noqa: E402
 from diloco.clients.coordinator import LearnerSession  # noqa: E402
 from diloco.errors import DilocoError  # noqa: E402
 

@@ -1,12 +1,12 @@
 """What the emulated-site tests share: they need root (network namespaces, veth pairs,
-tc). Where ``diloco.sites.check`` refuses they skip with its reason, except under
+tc). Where ``diloco.coordinator.sites.check`` refuses they skip with its reason, except under
 ``DILOCO_REQUIRE_SITES=1`` (``.ci/run``, which runs as root), where that is a failure:
 no silent loss of coverage (``tests/required.py``)."""
 
 import subprocess
 import sys
 
-from diloco import sites
+from diloco.coordinator import sites
 from diloco.errors import FailedPrecondition
 from tests.required import SITES, skip_or_fail
 

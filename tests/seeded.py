@@ -29,7 +29,7 @@ def model_plan(run: RunConfig) -> tuple[Manifest, FragmentPlan, dict[str, torch.
 
 
 def seeded_core(run: RunConfig, cfg):
-    from syncer.core.shard import ShardCore
+    from diloco.syncer.core.shard import ShardCore
 
     manifest, plan, state = model_plan(run)
     initial = {f.id: plan.gather(f.id, state) for f in plan.owned_by(cfg.shard_id, cfg.num_shards)}

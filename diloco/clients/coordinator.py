@@ -233,7 +233,7 @@ class AdminClient:
         return {"shard_id": shard_id, "fragments": list(reply.shard.fragments), "model_state": reply.shard.model_state}
 
     def export_model(self, timeout_s: float = 600.0) -> list[coordinator_pb2.ExportModelReply]:
-        """The global model as relayed from the shards (``tools.export`` assembles it)."""
+        """The global model as relayed from the shards (``diloco.cli.export`` assembles it)."""
         try:
             return list(self.stub.ExportModel(coordinator_pb2.ExportModelRequest(), metadata=self.metadata, timeout=timeout_s))
         except grpc.RpcError as error:

@@ -1016,7 +1016,7 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------- */
-/* A shard's mirrors of learners' anchors (syncer/core/mirrors.py): an int8 difference
+/* A shard's mirrors of learners' anchors (diloco/syncer/core/mirrors.py): an int8 difference
  * from a shared float32 base, blocks of `block` values with a float32 scale. Each call is
  * one pass over its arrays; the numpy fallback in mirrors.py computes the same float32
  * operations in the same order (x = anchor - base; scale = absmax / 127; inverse =

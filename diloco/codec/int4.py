@@ -73,7 +73,7 @@ def _warn_fallback() -> None:
 
 def native():
     """The C kernel (``_int4.c``) for a caller outside the codec that runs its own fused
-    pass over int4 blocks (the shard's outer step, ``syncer.core.outer``), or None when it
+    pass over int4 blocks (the shard's outer step, ``diloco.syncer.core.outer``), or None when it
     is unavailable: the caller then runs the same math in torch ops."""
     return _kernel if _use_kernel() else None
 

@@ -1,7 +1,7 @@
 """The built-in task: a small decoder-only transformer over bytes (vocabulary 256) trained
 on the Python standard library's own source files (or ``--task-option data=PATH``), in
 plain PyTorch. It is the default task (``diloco.tasks.byte_gpt:build``) and an example of
-the task contract: nothing in learner/, syncer/ or coordinator/ knows it.
+the task contract: nothing in diloco.learner, diloco.syncer or diloco.coordinator knows it.
 
 Options (``--task-option KEY=VALUE``; ``diloco local`` and ``diloco learner`` also take
 ``--width/--depth/--heads/--context/--batch-size/--data`` for it): width, depth, heads,

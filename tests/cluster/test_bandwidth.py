@@ -19,7 +19,7 @@ def test_a_short_bandwidth_sweep_shows_dp_held_back_by_a_scarce_link_and_decoupl
     before = namespaces(), bridges()
     out = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "compare", "--bandwidth-sweep", "100,1", "--systems", "decoupled,dp",
+        [sys.executable, "-m", "diloco", "compare", "--bandwidth-sweep", "100,1", "--systems", "decoupled,dp",
          "--workers", "2", "--steps", "24", "--seeds", "1", "--time-limit-s", "60", "--out", str(out),
          "--batch-size", "8", *TINY],
         capture_output=True, text=True, timeout=560)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.baseline.common import SUMMARY_KEYS
+from diloco.lab.baseline.common import SUMMARY_KEYS
 from diloco.tasks.byte_gpt import GPT, ModelConfig
 
 pytestmark = pytest.mark.cluster
@@ -20,7 +20,7 @@ WORKERS, STEPS, BATCH, CONTEXT = 2, 24, 16, 32
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", "baseline", *args, "--json"],
+    return subprocess.run([sys.executable, "-m", "diloco", "baseline", *args, "--json"],
                           capture_output=True, text=True, timeout=timeout)
 
 

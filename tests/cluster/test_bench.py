@@ -8,13 +8,13 @@ import sys
 import pytest
 
 from diloco.config import RunConfig
-from tools.metrics import supervisor_task
+from diloco.cli.metrics import supervisor_task
 
 pytestmark = pytest.mark.cluster
 
 
 def bench(*args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "--insecure", "bench", *args, "--json"],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "--insecure", "bench", *args, "--json"],
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -33,7 +33,7 @@ def test_bench_codec_ratios_are_their_parts():
 
 
 def test_bench_codec_refuses_a_bad_size():
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "codec", "--size-mib", "0"],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "codec", "--size-mib", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "must be positive" in proc.stderr and "Traceback" not in proc.stderr
 

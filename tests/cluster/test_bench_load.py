@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from diloco.errors import InvalidArgument
-from tools.bench.load import LoadConfig, run_one
+from diloco.lab.bench.load import LoadConfig, run_one
 
 pytestmark = pytest.mark.cluster
 
@@ -48,11 +48,11 @@ def test_bench_load_refuses_bad_sizes(change, message):
 
 
 def test_bench_load_cli_refuses_bad_input_in_one_line_before_starting():
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "load", "--learners", "4,0"],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "load", "--learners", "4,0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "argument --learners: expected a positive whole number" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "load", "--learners", "2000", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "load", "--learners", "2000", "--json"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "learners must be in [1, 1024], got 2000" in proc.stderr and proc.stdout == ""

@@ -3,7 +3,7 @@ processes, the do-nothing gRPC server; every figure it reports is measured."""
 
 import pytest
 
-from tools.bench import syncer as bench
+from diloco.lab.bench import syncer as bench
 from diloco.errors import InvalidArgument
 
 pytestmark = pytest.mark.cluster

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tools.baseline.common import ring_allreduce_bytes
+from diloco.lab.baseline.common import ring_allreduce_bytes
 from diloco.tape import read_tape
 from diloco.tasks.byte_gpt import GPT, ModelConfig
 
@@ -21,7 +21,7 @@ WORKERS, STEPS, TOKENS_PER_STEP = 2, 16, 8 * 32
 
 def compare(out):
     return subprocess.run(
-        [sys.executable, "-m", "tools.cli", "--insecure", "compare", "--scenario", "nofault", "--systems", "decoupled,dp",
+        [sys.executable, "-m", "diloco", "--insecure", "compare", "--scenario", "nofault", "--systems", "decoupled,dp",
          "--workers", str(WORKERS), "--steps", str(STEPS), "--seeds", "2", "--json", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=300,
     )
@@ -117,7 +117,7 @@ def test_sigterm_stops_the_sweep_writes_the_cells_done_and_says_so(tmp_path):
     out = tmp_path / "compare"
     log = open(tmp_path / "stderr", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "--insecure", "compare", "--scenario", "nofault", "--systems",
+        [sys.executable, "-m", "diloco", "--insecure", "compare", "--scenario", "nofault", "--systems",
          "dp,decoupled,torchft", "--workers", "2", "--steps", "4", "--seeds", "1", "--out", str(out), *TINY],
         stdout=subprocess.DEVNULL, stderr=log)
     try:

@@ -69,7 +69,7 @@ class Run:
 
     def spawn(self, name, args):
         log = open(self.tmp / f"{name}.log", "a")
-        return subprocess.Popen([sys.executable, "-m", "tools.cli", "--insecure", "--log-level", "INFO", *args], stdout=log, stderr=log)
+        return subprocess.Popen([sys.executable, "-m", "diloco", "--insecure", "--log-level", "INFO", *args], stdout=log, stderr=log)
 
     def start_coordinator(self) -> AdminClient:
         self.coordinator = self.spawn("coordinator", [

@@ -33,7 +33,7 @@ def start(tmp_path):
     port_file = tmp_path / "port"
     port_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "--insecure", "coordinator", "--data-dir", str(tmp_path / "data"),
+        [sys.executable, "-m", "diloco", "--insecure", "coordinator", "--data-dir", str(tmp_path / "data"),
          "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret"), "--lease-s", "3",
          "--learner-command", f"{sys.executable} {TESTS / 'fake_learner.py'} --heartbeat-s 0.1", *TINY_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -78,13 +78,13 @@ def test_a_tls_coordinator_launches_learners_that_speak_its_tls(tmp_path):
     learner joins over mutual TLS (a plaintext one would never join), then exits for want
     of shards, which the coordinator records as its end."""
     from diloco import rpc
-    from tools.certs import make_certs
+    from diloco.cli.certs import make_certs
 
     (tmp_path / "secret").write_text(SECRET)
     make_certs(tmp_path / "tls", ["localhost"])
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "--tls-dir", str(tmp_path / "tls"), "--log-level", "INFO", "coordinator",
+        [sys.executable, "-m", "diloco", "--tls-dir", str(tmp_path / "tls"), "--log-level", "INFO", "coordinator",
          "--data-dir", str(tmp_path / "data"), "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret"),
          *TINY_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -112,13 +112,13 @@ def test_add_learners_says_which_launches_joined_and_why_the_others_failed(tmp_p
     """A learner command that dies before joining: add-learners waits, names the failure
     with the exit status and the learner's last log line, exits 1; members lists it. A
     bad --set value is refused before anything is launched. A learner that joins: exit 0."""
-    from tools.cli import main as cli
+    from diloco import command as cli
 
     (tmp_path / "secret").write_text(SECRET)
     port_file = tmp_path / "port"
     dies = f"{sys.executable} -c \"import sys; sys.exit('diloco: error: cannot build the task (no such file)')\""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "--insecure", "coordinator", "--data-dir", str(tmp_path / "data"),
+        [sys.executable, "-m", "diloco", "--insecure", "coordinator", "--data-dir", str(tmp_path / "data"),
          "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret"), "--pools", "default,good",
          "--learner-command", dies, *TINY_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -147,7 +147,7 @@ def test_add_learners_says_which_launches_joined_and_why_the_others_failed(tmp_p
 
 
 def test_add_learners_reports_the_learner_each_launch_joined_as(tmp_path, capsys):
-    from tools.cli import main as cli
+    from diloco import command as cli
 
     (tmp_path / "secret").write_text(SECRET)
     proc, client = start(tmp_path)

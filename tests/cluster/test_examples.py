@@ -25,7 +25,7 @@ GPT = ["--task-option", "width=32", "--task-option", "depth=1", "--task-option",
 
 def local(out: Path, task: str, *extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "local", "--task", task, *RUN, "--out", str(out), *extra],
+        [sys.executable, "-m", "diloco", "local", "--task", task, *RUN, "--out", str(out), *extra],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,7 +55,7 @@ def test_an_example_trains_and_its_export_reproduces_the_eval_loss(tmp_path, exa
         assert state["batches_seen"].dtype == torch.int64
     if example == "cnn_bn":
         assert not torch.allclose(state["features.1.running_var"], torch.ones(8))
-    replay = subprocess.run([sys.executable, "-m", "tools.cli", "replay", str(tmp_path / "run"), "--check"],
+    replay = subprocess.run([sys.executable, "-m", "diloco", "replay", str(tmp_path / "run"), "--check"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert replay.returncode == 0 and "difference from the run's final global parameters: 0" in replay.stdout, replay.stdout
 

@@ -1,4 +1,4 @@
-"""``diloco.forks`` as launchers use it, with a small server script (no torch): answers
+"""``diloco.coordinator.forks`` as launchers use it, with a small server script (no torch): answers
 stay clean JSON whatever the server prints, each request forks a child with its own
 session and log, and every child's end comes back with its exit code."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from diloco import forks
+from diloco.coordinator import forks
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(not forks.available(), reason="needs os.pidfd_open (Linux)")]
 
 SERVER = """
 import os, sys, time
-from diloco import forks
+from diloco.coordinator import forks
 answers = forks.claim_stdout()
 print("noise while loading")  # must not reach the answers
 given = forks.serve(answers)

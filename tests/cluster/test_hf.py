@@ -40,7 +40,7 @@ with torch.no_grad():
     generated = model.generate(prompt, max_new_tokens=12, do_sample=False)
 print(json.dumps({"bits_per_byte": sum(losses) / len(losses) / math.log(2), "prompt": prompt.shape[1],
                   "generated": generated.shape[1], "text": tokenizer.decode(generated[0]),
-                  "imported_diloco": any(name.split(".")[0] in ("diloco", "learner", "syncer", "coordinator", "tools")
+                  "imported_diloco": any(name.split(".")[0] == "diloco"
                                          for name in sys.modules)}))
 """
 
@@ -60,7 +60,7 @@ def write_corpus(directory):
 
 def local(tmp_path, out, *extra, steps=40, background=False):
     options = [arg for key, value in OPTIONS.items() for arg in ("--task-option", f"{key}={value}")]
-    command = [sys.executable, "-m", "tools.cli", "local", "--task", SPEC, *options, "--task-option",
+    command = [sys.executable, "-m", "diloco", "local", "--task", SPEC, *options, "--task-option",
                f"data={tmp_path / 'corpus'}", "--learners", "2", "--shards", "1", "--fragments", "2",
                "--steps", str(steps), "--out", str(out), *extra]
     if background:
@@ -91,11 +91,11 @@ def test_train_export_reload_generate_and_fine_tune(tmp_path):
                 not any("train" in line for line in (run / "learners" / "L0.events.jsonl").read_text().splitlines()):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.5)
-        live = subprocess.run([sys.executable, "-m", "tools.cli", "admin", "--run-dir", str(run), "export", "--format",
+        live = subprocess.run([sys.executable, "-m", "diloco", "admin", "--run-dir", str(run), "export", "--format",
                                "hf", "--out", str(tmp_path / "live"), "--json"], capture_output=True, text=True, timeout=300)
         assert live.returncode == 0, live.stderr[-3000:]
         assert json.loads(live.stdout)["path"] == str(tmp_path / "live")
-        again = subprocess.run([sys.executable, "-m", "tools.cli", "admin", "--run-dir", str(run), "export", "--format",
+        again = subprocess.run([sys.executable, "-m", "diloco", "admin", "--run-dir", str(run), "export", "--format",
                                 "hf", "--out", str(tmp_path / "live")], capture_output=True, text=True, timeout=120)
         assert again.returncode != 0 and "exists: give a new directory" in again.stderr and "Traceback" not in again.stderr
     finally:

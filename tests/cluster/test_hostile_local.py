@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tools.bench.hostile import CLAIMED_TOKENS_PER_STEP, one_run
+from diloco.lab.bench.hostile import CLAIMED_TOKENS_PER_STEP, one_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(480)]
 
@@ -49,7 +49,7 @@ def test_its_claimed_tokens_count_as_a_few_learners_worth(runs):
 
 
 def test_the_attacked_run_replays_bit_for_bit(runs):
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "replay", str(runs["grow"]["dir"]), "--json", "--check"],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "replay", str(runs["grow"]["dir"]), "--json", "--check"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco import auth, forks
+from diloco import auth
+from diloco.coordinator import forks
 from diloco.clients.syncer import SyncerClient, open_channel
 from tests.polling import poll
 
@@ -58,7 +59,7 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path, forked):
     (tmp_path / "secret").write_text("s")
     common = ["--secret-file", str(tmp_path / "secret"), *TINY]
     shard = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "--insecure", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
+        [sys.executable, "-m", "diloco", "--insecure", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
          "--port-file", str(tmp_path / "port"), *common],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -67,7 +68,7 @@ def test_learner_trains_and_exits_cleanly_on_sigterm(tmp_path, forked):
         poll(lambda: (tmp_path / "port").exists(), "the shard", timeout_s=60)
         flags = ["--shards", (tmp_path / "port").read_text().strip(), "--learner-id", "L0", "--steps", "100000",
                  "--batch-size", "4", "--summary", str(tmp_path / "summary.json"), *common]
-        command = [sys.executable, "-m", "tools.cli", "--insecure", "--log-level", "INFO", "learner"]
+        command = [sys.executable, "-m", "diloco", "--insecure", "--log-level", "INFO", "learner"]
         server, pid, exit_code = _start_learner(tmp_path, command, flags, forked)
         address = (tmp_path / "port").read_text().strip()
         poll(lambda: not _alive(pid) or shard_pushes(address) >= 2, "the first pushes", timeout_s=90)
@@ -102,7 +103,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_fork_server_answers_a_bad_request_and_exits_when_its_launcher_goes(tmp_path):
-    command = [sys.executable, "-m", "tools.cli", "--insecure", "learner", forks.FLAG]
+    command = [sys.executable, "-m", "diloco", "--insecure", "learner", forks.FLAG]
     requests = b'{"steps": 3}\n' + forks.request(["--steps", "1"], str(tmp_path / "no-such-dir" / "log"))
     served = subprocess.run(command, input=requests, capture_output=True, timeout=120)
     assert served.returncode == 0, served.stderr

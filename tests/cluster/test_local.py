@@ -21,7 +21,7 @@ TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--f
 def test_local_run_trains_and_leaves_nothing_behind(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "48",
+        [sys.executable, "-m", "diloco", "local", "--learners", "2", "--shards", "2", "--steps", "48",
          "--batch-size", "8", "--out", str(out), "--json", *TINY],
         capture_output=True, text=True, timeout=300,
     )
@@ -98,7 +98,7 @@ def test_a_task_option_the_task_never_reads_stops_the_run_before_anything_starts
         "learner": ["--insecure", "learner", "--task-option", "d_modle=64", "--shards", "127.0.0.1:1", "--learner-id", "L0",
                     "--secret-file", str(tmp_path / "secret")],
     }
-    procs = {name: subprocess.Popen([sys.executable, "-m", "tools.cli", *argv], stdout=subprocess.PIPE,
+    procs = {name: subprocess.Popen([sys.executable, "-m", "diloco", *argv], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True) for name, argv in commands.items()}
     try:
         for name, proc in procs.items():

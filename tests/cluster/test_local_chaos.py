@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from diloco.tape import read_tape
-from learner.config import LearnerConfig
+from diloco.learner.config import LearnerConfig
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(480)]
 
@@ -19,7 +19,7 @@ TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--f
 
 
 def diloco(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ STEPS = 600  # a few seconds of training: the supervisor, which looks every seco
 def test_local_writes_its_curves_and_the_same_values_to_tensorboard(tmp_path):
     out, board = tmp_path / "run", tmp_path / "board"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "local", "--insecure", "--learners", "2", "--shards", "2", "--steps",
+        [sys.executable, "-m", "diloco", "local", "--insecure", "--learners", "2", "--shards", "2", "--steps",
          str(STEPS), "--batch-size", "8", "--curve-points", "4", "--tensorboard", str(board), "--out", str(out),
          "--json", *TINY],
         capture_output=True, text=True, timeout=300,

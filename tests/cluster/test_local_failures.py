@@ -25,7 +25,7 @@ TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--b
 
 
 def local(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "1", *args],
+    return subprocess.run([sys.executable, "-m", "diloco", "local", "--learners", "2", "--shards", "1", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -81,7 +81,7 @@ def test_ctrl_c_stops_learners_first_keeps_their_summaries_and_is_quick(tmp_path
     out = tmp_path / "run"
     # Ctrl-C's own disposition, whatever the test runner inherited: a shell without job
     # control starts background commands with SIGINT ignored, and the run would inherit that.
-    run = subprocess.Popen([sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2",
+    run = subprocess.Popen([sys.executable, "-m", "diloco", "local", "--learners", "2", "--shards", "2",
                             "--steps", "100000", "--out", str(out), *TINY],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

@@ -40,7 +40,7 @@ def learner_pids(out: Path) -> list[int]:
 def test_every_process_stops_with_the_supervisor(tmp_path, sig):
     out = tmp_path / "run"
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "local", "--insecure", "--learners", "2", "--shards", "2", "--steps", "100000",
+        [sys.executable, "-m", "diloco", "local", "--insecure", "--learners", "2", "--shards", "2", "--steps", "100000",
          "--batch-size", "4", "--out", str(out), *TINY],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )

@@ -12,7 +12,7 @@ import pytest
 
 from tests.cluster.test_local import TINY
 from tests.netsites import bridges, namespaces, require_sites
-from tools.chaos import FAULT_KINDS
+from diloco.cli.chaos import FAULT_KINDS
 
 pytestmark = pytest.mark.cluster
 
@@ -30,7 +30,7 @@ def test_a_short_soak_with_every_fault_kind_keeps_every_invariant(tmp_path):
         # longer spun a BLAS thread in every process, and the run ended before the eighth
         # kind; a run that ends by itself: a time limit stops learners that a fault just
         # kept from their drain).
-        [sys.executable, "-m", "tools.cli", "local", "--learners", "3", "--shards", "2", "--steps", "3000",
+        [sys.executable, "-m", "diloco", "local", "--learners", "3", "--shards", "2", "--steps", "3000",
          "--batch-size", "8", "--link-mbit", "50", "--chaos", EVERY_KIND, "--chaos-every", "2",
          "--chaos-seed", "5", "--out", str(out), *TINY], capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -55,7 +55,7 @@ def test_a_short_soak_with_every_fault_kind_keeps_every_invariant(tmp_path):
     lines = tape.read_text().splitlines(keepends=True)
     first_round = next(i for i, line in enumerate(lines) if json.loads(line)["kind"] == "round")
     tape.write_text("".join(lines[:first_round + 1] + [lines[first_round]] + lines[first_round + 1:]))
-    result = subprocess.run([sys.executable, "-m", "tools.cli", "check", str(broken), "--json"],
+    result = subprocess.run([sys.executable, "-m", "diloco", "check", str(broken), "--json"],
                             capture_output=True, text=True, timeout=120)
     verdict = {i["name"]: i["ok"] for i in json.loads(result.stdout)["invariants"]}
     assert result.returncode == 1 and not verdict["merged_once"] and not verdict["versions"], result.stdout
@@ -67,6 +67,6 @@ def test_a_short_soak_with_every_fault_kind_keeps_every_invariant(tmp_path):
     name = sorted(state)[0]
     state[name] = state[name] + 1e-3
     save_file(state, str(model))
-    result = subprocess.run([sys.executable, "-m", "tools.cli", "check", str(broken)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "diloco", "check", str(broken)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 1 and result.stdout.startswith("check: VIOLATION replay: shard"), result.stdout

@@ -31,7 +31,7 @@ def test_a_shard_killed_without_a_snapshot_recovers_from_the_learners_anchors(tm
     # that, the shard stayed recovering and the run ended with no model to export).
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "local", "--learners", "3", "--shards", "2", "--steps", "1500",
+        [sys.executable, "-m", "diloco", "local", "--learners", "3", "--shards", "2", "--steps", "1500",
          "--batch-size", "8", "--restart-shard-at", "8", "--restart-from", "learners", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=400,
     )
@@ -48,6 +48,6 @@ def test_a_shard_killed_without_a_snapshot_recovers_from_the_learners_anchors(tm
     assert set(recovered) == set(before)
     for fragment, r in recovered.items():
         assert r["source"] == f"anchor at version {r['version']}" and r["version"] >= 1  # never an initial model
-    replay = subprocess.run([sys.executable, "-m", "tools.cli", "replay", str(out), "--check"],
+    replay = subprocess.run([sys.executable, "-m", "diloco", "replay", str(out), "--check"],
                             capture_output=True, text=True, timeout=120)
     assert replay.returncode == 0, replay.stdout + replay.stderr

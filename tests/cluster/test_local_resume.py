@@ -23,7 +23,7 @@ STEPS = 3000
 
 
 def diloco(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout)
 
 
 
@@ -51,11 +51,11 @@ def trained(out) -> int:
 
 
 def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, capsys):
-    from tools.cli import main as cli
+    from diloco import command as cli
 
     out, board = tmp_path / "run", tmp_path / "board"
     first = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "local", "--insecure", "--learners", "2", "--shards", "2",
+        [sys.executable, "-m", "diloco", "local", "--insecure", "--learners", "2", "--shards", "2",
          "--steps", str(STEPS), "--out", str(out), "--tensorboard", str(board), "--json", *TINY],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

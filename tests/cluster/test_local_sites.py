@@ -22,7 +22,7 @@ def test_local_on_20_mbit_sites_trains_and_its_links_really_limit(tmp_path):
     out, log = tmp_path / "run", tmp_path / "local.log"
     with open(log, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "150",
+            [sys.executable, "-m", "diloco", "local", "--learners", "2", "--shards", "2", "--steps", "150",
              "--batch-size", "8", "--link-mbit", "20", "--out", str(out), *TINY], stderr=stderr, stdout=subprocess.DEVNULL)
     try:
         hub = poll(lambda: re.search(r"hub (dl\w+)br at (198\.1[89]\.\d+\.1)", log.read_text()), "the hub", 60,
@@ -54,7 +54,7 @@ def test_a_sigkilled_runs_sites_are_removed_by_admin_cleanup_and_nothing_else(tm
     """SIGKILL reaches no handler: the coordinator (which watches its parent) removes its
     learners' sites as it stops, and the hub (bridge and record) stays until the next start
     or `diloco admin cleanup` removes it; a live run's hub is not touched."""
-    from diloco import sites
+    from diloco.coordinator import sites
 
     require_sites()
     before = namespaces(), bridges()
@@ -63,7 +63,7 @@ def test_a_sigkilled_runs_sites_are_removed_by_admin_cleanup_and_nothing_else(tm
         log = tmp_path / "local.log"
         with open(log, "w") as stderr:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--steps", "2000", "--batch-size", "8",
+                [sys.executable, "-m", "diloco", "local", "--learners", "2", "--steps", "2000", "--batch-size", "8",
                  "--link-mbit", "50", "--out", str(tmp_path / "run"), *TINY], stderr=stderr, stdout=subprocess.DEVNULL)
         try:
             prefix = poll(lambda: re.search(r"hub (dl\w+)br at", log.read_text()), "the hub", 60,
@@ -75,7 +75,7 @@ def test_a_sigkilled_runs_sites_are_removed_by_admin_cleanup_and_nothing_else(tm
             proc.wait()
         poll(lambda: not any(n.startswith(prefix + "-") for n in namespaces()), "the coordinator removing the sites", 60)
         assert prefix + "br" in bridges()
-        cleanup = subprocess.run([sys.executable, "-m", "tools.cli", "admin", "cleanup", "--json"],
+        cleanup = subprocess.run([sys.executable, "-m", "diloco", "admin", "cleanup", "--json"],
                                  capture_output=True, text=True, timeout=60)
         assert cleanup.returncode == 0, cleanup.stderr
         assert json.loads(cleanup.stdout) == [prefix + "br"]
@@ -93,7 +93,7 @@ def test_replacements_and_scavenged_learners_land_on_sites_of_their_own(tmp_path
     before = namespaces(), bridges()
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--steps", "400", "--batch-size", "8",
+        [sys.executable, "-m", "diloco", "local", "--learners", "2", "--steps", "400", "--batch-size", "8",
          "--link-mbit", "50", "--link", "L1:10", "--kill-learner-every", "4", "--max-kills", "1", "--scavenge", "1@3",
          "--chaos-seed", "1", "--out", str(out), *TINY], capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,7 @@ DELAY_MS = 200
 def test_a_slow_learner_on_a_slow_wire_still_contributes(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "--insecure", "local", "--learners", "2", "--shards", "1", "--steps", "120",
+        [sys.executable, "-m", "diloco", "--insecure", "local", "--learners", "2", "--shards", "1", "--steps", "120",
          "--batch-size", "8", "--slow-learner", "1:3", "--delay-ms", str(DELAY_MS), "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=300,
     )

@@ -17,7 +17,7 @@ from tests.cluster.test_snapshot_restore import TINY
 def test_a_local_run_over_mutual_tls(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "300",
+        [sys.executable, "-m", "diloco", "local", "--learners", "2", "--shards", "2", "--steps", "300",
          "--batch-size", "8", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=300,
     )
@@ -25,7 +25,7 @@ def test_a_local_run_over_mutual_tls(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_loss_final"] < summary["eval_loss_start"] - 1.0 and summary["rounds"] > 10
     assert sorted(p.name for p in (out / "tls").iterdir()) == ["ca.crt", "ca.key", "tls.crt", "tls.key"]
-    replay = subprocess.run([sys.executable, "-m", "tools.cli", "replay", str(out), "--check"],
+    replay = subprocess.run([sys.executable, "-m", "diloco", "replay", str(out), "--check"],
                             capture_output=True, text=True, timeout=120)
     assert replay.returncode == 0, replay.stdout + replay.stderr
 
@@ -33,13 +33,13 @@ def test_a_local_run_over_mutual_tls(tmp_path):
 def test_a_tls_run_refuses_plaintext_and_admin_uses_the_run_s_certificates(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "local", "--learners", "1", "--shards", "1", "--steps", "100000",
+        [sys.executable, "-m", "diloco", "local", "--learners", "1", "--shards", "1", "--steps", "100000",
          "--out", str(out), *TINY],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
         def admin(*args):
-            return subprocess.run([sys.executable, "-m", "tools.cli", "admin", "--run-dir", str(out), *args],
+            return subprocess.run([sys.executable, "-m", "diloco", "admin", "--run-dir", str(out), *args],
                                   capture_output=True, text=True, timeout=60)
 
         deadline = time.monotonic() + 120

@@ -78,7 +78,7 @@ def s3_run(s3, tmp_path_factory):
     out = tmp_path_factory.mktemp("s3run") / "run"
     url = f"s3://{BUCKET}/run1/snapshots"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "3000",
+        [sys.executable, "-m", "diloco", "local", "--learners", "2", "--shards", "2", "--steps", "3000",
          "--batch-size", "8", "--snapshot-dir", url, "--snapshot-every-s", "2", "--snapshot-keep", "2",
          "--restart-shard-at", "8", "--out", str(out), *TINY],
         capture_output=True, text=True, timeout=400, env=env,
@@ -125,7 +125,7 @@ def test_a_shard_restored_from_s3_mid_run_replays_bit_for_bit(s3_run, s3):
     assert restart["snapshot"] >= 1
     shard_log = (out / "logs" / "shard0.log").read_text()
     assert f"restoring shard 0 from snapshot {restart['snapshot']} ({url}/{restart['snapshot']:06d}/manifest.json)" in shard_log
-    replay = subprocess.run([sys.executable, "-m", "tools.cli", "replay", str(out), "--snapshot-dir", url, "--check"],
+    replay = subprocess.run([sys.executable, "-m", "diloco", "replay", str(out), "--snapshot-dir", url, "--check"],
                             capture_output=True, text=True, timeout=120, env=env)
     assert replay.returncode == 0, replay.stdout + replay.stderr
     # Shard 0 was replayed from the snapshot it came back from, and rounds were replayed
@@ -138,7 +138,7 @@ def test_a_shard_restored_from_s3_mid_run_replays_bit_for_bit(s3_run, s3):
 def _restore(out, url, env, spec="latest"):
     """A shard process asked to --restore from the bucket; it exits at once when refused."""
     return subprocess.run(
-        [sys.executable, "-m", "tools.cli", "--tls-dir", str(out / "tls"), "syncer", "--shard-id", "0", "--shards", "2", "--port", "0",
+        [sys.executable, "-m", "diloco", "--tls-dir", str(out / "tls"), "syncer", "--shard-id", "0", "--shards", "2", "--port", "0",
          "--secret-file", str(out / "secret"), "--run-config", str(out / "run.json"),
          "--snapshot-dir", url, "--restore", spec],
         capture_output=True, text=True, timeout=60, env=env,
@@ -148,7 +148,7 @@ def _restore(out, url, env, spec="latest"):
 def test_a_tampered_snapshot_in_s3_is_refused_with_its_reason(s3_run, s3):
     out, url, fs = s3_run
     _, env = s3
-    from syncer.snapshot import load_for_restore
+    from diloco.syncer.snapshot import load_for_restore
 
     secret = (out / "secret").read_text().strip()
     latest = max(i for i, done in snapshots.snapshot_ids(url).items() if done)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from diloco.clients.coordinator import AdminClient
-from tools.bench.otlp import OtlpReceiver
+from diloco.lab.bench.otlp import OtlpReceiver
 from tests.grpc.conftest import SECRET
 from tests.polling import poll
 
@@ -34,7 +34,7 @@ def test_every_process_exports_and_a_sync_and_its_push_share_a_trace(tmp_path):
 
         def spawn(name, args):
             log = open(tmp_path / f"{name}.log", "w")
-            proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "--insecure", "--log-level", "INFO", *args],
+            proc = subprocess.Popen([sys.executable, "-m", "diloco", "--insecure", "--log-level", "INFO", *args],
                                     stdout=log, stderr=subprocess.STDOUT, env=env)
             procs.append((name, proc))
             return proc
@@ -43,7 +43,7 @@ def test_every_process_exports_and_a_sync_and_its_push_share_a_trace(tmp_path):
             spawn("shard", ["syncer", "--learners", "L0", "--port-file", str(tmp_path / "shard-port"), *common])
             shard = poll(lambda: (tmp_path / "shard-port").exists() and (tmp_path / "shard-port").read_text().strip(),
                          "the shard", procs=procs)
-            learner = f"{sys.executable} -m tools.cli --insecure --log-level INFO learner --steps 16 --eval-every 8 --heartbeat-s 0.2"
+            learner = f"{sys.executable} -m diloco --insecure --log-level INFO learner --steps 16 --eval-every 8 --heartbeat-s 0.2"
             spawn("coordinator", ["coordinator", "--data-dir", str(tmp_path / "coordinator"), "--shards", shard,
                                   "--port-file", str(tmp_path / "coordinator-port"), "--learner-command", learner, *common])
             address = poll(lambda: (tmp_path / "coordinator-port").exists()

@@ -26,7 +26,7 @@ import pytest
 from diloco.tape import read_tape
 from tests.polling import poll
 from tests.required import require_binary
-from tools.local.config import PROMETHEUS_TARGETS
+from diloco.cli.local.config import PROMETHEUS_TARGETS
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -139,7 +139,7 @@ def test_a_real_prometheus_scrapes_every_process_of_a_local_run(tmp_path):
     prometheus = Prometheus(binary, tmp_path / "prometheus", out / PROMETHEUS_TARGETS)
     try:
         run = subprocess.run(
-            [sys.executable, "-m", "tools.cli", "local", "--prometheus", "--learners", str(LEARNERS), "--shards",
+            [sys.executable, "-m", "diloco", "local", "--prometheus", "--learners", str(LEARNERS), "--shards",
              str(SHARDS), "--steps", "1200", "--batch-size", "8", "--out", str(out), "--json", *TINY],
             capture_output=True, text=True, timeout=240,
         )

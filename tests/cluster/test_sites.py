@@ -1,4 +1,4 @@
-"""Emulated sites (``diloco.sites``) for real: namespaces, veth pairs and tc token
+"""Emulated sites (``diloco.coordinator.sites``) for real: namespaces, veth pairs and tc token
 buckets made by the kernel, traffic timed across them, and nothing left behind."""
 
 import ipaddress
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco import sites
+from diloco.coordinator import sites
 from tests.netsites import bridges, namespaces, require_sites, transfer_mbit
 
 pytestmark = pytest.mark.cluster
@@ -64,7 +64,7 @@ def test_sites_of_a_killed_run_are_removed_and_a_live_runs_are_not(hub):
     live = sites.Sites(hub)
     live_site = live.add(50)
     owner = subprocess.Popen([sys.executable, "-c", (
-        "import time; from diloco import sites\n"
+        "import time; from diloco.coordinator import sites\n"
         "hub = sites.create_hub(); site = sites.Sites(hub).add(10)\n"
         "print(hub, site.netns, flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True)
     line = owner.stdout.readline().split()
@@ -95,7 +95,7 @@ def _connect_from(netns: str, address: str, port: int) -> str:
 
 
 def test_faults_cut_a_sites_link_one_port_or_its_rate_and_heal(hub):
-    """The primitives chaos uses (tools/chaos.py): each fault takes effect, leaves the rest
+    """The primitives chaos uses (diloco/cli/chaos.py): each fault takes effect, leaves the rest
     of the link alone, and heals."""
     import socket
 

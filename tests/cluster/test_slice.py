@@ -1,4 +1,4 @@
-"""A learner that is a multi-host slice (``learner.slice``): two host processes, a leader
+"""A learner that is a multi-host slice (``diloco.learner.slice``): two host processes, a leader
 that syncs with a real shard process and a follower that repeats the leader's writes over
 the slice link. On the CPU each host holds the whole model (on a TPU slice the hosts
 share one SPMD mesh), so the test can check what the protocol promises: the follower
@@ -33,12 +33,12 @@ def _free_port() -> int:
 def _host(index: int, leader: str, shard: str, secret: str, out: str, steps: int, stop_after_s: float | None,
           device: str) -> None:
     """One host of the slice, as `diloco learner --slice-*` runs it, saving its final model."""
-    from tools.cli.common import build_run_config
-    from tools.cli.main import build_parser
-    from learner.config import LearnerConfig
-    from learner.runner import follow_slice, run_task
-    from learner.server import static_membership
-    from learner.slice import SliceLink
+    from diloco.cli.common import build_run_config
+    from diloco.command import build_parser
+    from diloco.learner.config import LearnerConfig
+    from diloco.learner.runner import follow_slice, run_task
+    from diloco.learner.server import static_membership
+    from diloco.learner.slice import SliceLink
 
     torch.set_num_threads(1)
     cfg = LearnerConfig(device=device, steps=steps, eval_every_steps=25, slice_timeout_s=60)
@@ -60,7 +60,7 @@ def shard(tmp_path):
     """A real shard process for learner L0, with the TINY model's run config."""
     (tmp_path / "secret").write_text("s")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "--insecure", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
+        [sys.executable, "-m", "diloco", "--insecure", "syncer", "--learners", "L0", "--data-dir", str(tmp_path),
          "--port-file", str(tmp_path / "port"), "--secret-file", str(tmp_path / "secret"), *TINY],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -113,7 +113,7 @@ def test_a_follower_whose_leader_dies_fails(tmp_path, shard):
     """The slice is all or nothing: a follower left alone exits non-zero (its JobSet then
     restarts the slice), long before its link timeout."""
     leader = f"127.0.0.1:{_free_port()}"
-    common = [sys.executable, "-m", "tools.cli", "--insecure", "--log-level", "INFO", "learner", "--shards", shard, "--learner-id", "L0",
+    common = [sys.executable, "-m", "diloco", "--insecure", "--log-level", "INFO", "learner", "--shards", shard, "--learner-id", "L0",
               "--secret-file", str(tmp_path / "secret"), "--steps", "100000", "--slice-hosts", "2",
               "--slice-leader", leader, "--slice-timeout-s", "120", *TINY]
     procs = [subprocess.Popen([*common, "--slice-index", str(i), "--summary", str(tmp_path / f"s{i}.json")],
@@ -135,7 +135,7 @@ def test_slice_flags_are_checked_before_anything_starts(tmp_path):
     for flags, why in ((["--slice-hosts", "2"], "needs --slice-leader HOST:PORT"),
                        (["--slice-hosts", "2", "--slice-index", "2", "--slice-leader", "127.0.0.1:1"], "host indices 0..1"),
                        (["--slice-hosts", "2", "--slice-leader", "nowhere"], "--slice-leader takes HOST:PORT")):
-        proc = subprocess.run([sys.executable, "-m", "tools.cli", "--insecure", "learner", "--learner-id", "L0",
+        proc = subprocess.run([sys.executable, "-m", "diloco", "--insecure", "learner", "--learner-id", "L0",
                                "--shards", "x:1",
                                *flags], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, (flags, proc.stderr)

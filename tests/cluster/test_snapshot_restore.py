@@ -20,7 +20,7 @@ from diloco.errors import Unavailable
 from diloco.clients.coordinator import AdminClient
 from diloco.tasks.byte_gpt import GPT, ModelConfig
 from diloco.snapshots import find_manifest, read_manifest
-from syncer import snapshot as snapshot_files
+from diloco.syncer import snapshot as snapshot_files
 from diloco.clients.syncer import SyncerClient, open_channel
 from tests.polling import poll
 
@@ -59,7 +59,7 @@ class Cluster:
 
     def spawn(self, name, args):
         log = open(self.tmp / f"{name}.log", "a")
-        proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "--insecure", *args], stdout=log, stderr=log)
+        proc = subprocess.Popen([sys.executable, "-m", "diloco", "--insecure", *args], stdout=log, stderr=log)
         self.procs.append(proc)
         return proc
 
@@ -69,7 +69,7 @@ class Cluster:
         self.spawn("coordinator", [
             "coordinator", "--port", str(self.coordinator_port), "--data-dir", str(self.tmp / "coord"),
             "--shards", ",".join(self.shards), *restore_flags,
-            "--learner-command", f"{sys.executable} -m tools.cli --insecure learner --steps 100000 --heartbeat-s 0.3",
+            "--learner-command", f"{sys.executable} -m diloco --insecure learner --steps 100000 --heartbeat-s 0.3",
             *common,
         ])
         for m, port in enumerate(self.shard_ports):
@@ -132,7 +132,7 @@ def test_snapshot_kill_everything_restore_and_continue(tmp_path):
                           and m["inner_steps"] > 0]) == 3, "the 3 new learners to report steps")
         # The operator exports the live global model; it loads into a fresh byte GPT.
         export = subprocess.run(
-            [sys.executable, "-m", "tools.cli", "--insecure", "admin", "--coordinator", cluster.coordinator, "--token-file",
+            [sys.executable, "-m", "diloco", "--insecure", "admin", "--coordinator", cluster.coordinator, "--token-file",
              str(tmp_path / "coord" / "admin-token"), "export", "--out", str(tmp_path / "model.safetensors"), "--json"],
             capture_output=True, text=True, timeout=120,
         )

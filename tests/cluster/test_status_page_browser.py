@@ -41,7 +41,7 @@ def test_the_page_shows_members_and_curves_updating(tmp_path):
     log = tmp_path / "local.log"
     with open(log, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.cli", "local", "--learners", "2", "--shards", "2", "--steps", "100000",
+            [sys.executable, "-m", "diloco", "local", "--learners", "2", "--shards", "2", "--steps", "100000",
              "--batch-size", "8", "--time-limit-s", "120", "--out", str(tmp_path / "run"), *TINY],
             stderr=stderr, stdout=subprocess.DEVNULL,
         )

@@ -24,7 +24,7 @@ def test_sigterm_answers_waiting_pushes_flushes_tape_and_exits_0(tmp_path):
     (tmp_path / "secret").write_text(SECRET)
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "--insecure", "syncer", "--width", "16", "--depth", "1", "--heads", "2",
+        [sys.executable, "-m", "diloco", "--insecure", "syncer", "--width", "16", "--depth", "1", "--heads", "2",
          "--context", "16", "--fragments", "2", "--learners", "L0,L1", "--quorum", "2", "--grace", "off",
          "--data-dir", str(tmp_path), "--port-file", str(port_file), "--secret-file", str(tmp_path / "secret")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -72,7 +72,7 @@ def test_every_diloco_process_runs_numpy_blas_on_one_thread():
     whatever the machine's core count; an operator's own setting wins."""
     code = (
         "import ctypes\n"
-        "from tools.cli.main import main\n"
+        "from diloco.command import main\n"
         "try:\n"
         "    main(['syncer', '--help'])\n"
         "except SystemExit:\n"

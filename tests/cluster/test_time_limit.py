@@ -20,7 +20,7 @@ def test_dp_on_a_scarce_link_stops_at_its_time_limit_with_the_tokens_it_reached(
     before = namespaces(), bridges()
     out = tmp_path / "dp"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "baseline", "dp", "--workers", "2", "--steps", "5000", "--batch-size", "8",
+        [sys.executable, "-m", "diloco", "baseline", "dp", "--workers", "2", "--steps", "5000", "--batch-size", "8",
          "--link-mbit", "1", "--time-limit-s", "20", "--out", str(out), "--json", *TINY],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,7 +38,7 @@ def test_dp_on_a_scarce_link_stops_at_its_time_limit_with_the_tokens_it_reached(
 def test_local_stops_its_learners_at_the_time_limit_and_still_exports_the_model(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "--insecure", "local", "--learners", "2", "--steps", "100000",
+        [sys.executable, "-m", "diloco", "--insecure", "local", "--learners", "2", "--steps", "100000",
          "--batch-size", "8", "--time-limit-s", "12", "--out", str(out), "--json", *TINY],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,8 +5,8 @@ import pytest
 
 from diloco import auth
 from diloco.clients.syncer import SyncerClient, open_channel
-from syncer.config import MergeConfig, RoundConfig, SyncerConfig
-from syncer.server import ShardServer, ShardServerConfig
+from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
+from diloco.syncer.server import ShardServer, ShardServerConfig
 from tests.seeded import gpt_run, seeded_core
 
 SECRET = "test-secret"

@@ -6,8 +6,8 @@ import contextlib
 import grpc
 
 from diloco.clients.coordinator import LearnerSession
-from coordinator.config import CoordinatorConfig
-from coordinator.server import CoordinatorServer, default_launcher
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.server import CoordinatorServer, default_launcher
 from diloco import auth
 from diloco.v1 import coordinator_pb2_grpc
 from tests.grpc.conftest import SECRET, TINY

@@ -1,5 +1,5 @@
 """``diloco admin`` and ``diloco coordinator`` parsers, driven through a parser built
-here (as ``tools.cli.main.build_parser`` will build it) against a real coordinator."""
+here (as ``diloco.command.build_parser`` will build it) against a real coordinator."""
 
 import argparse
 import asyncio
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli.coordinator import add_admin_parser, add_coordinator_parser
+from diloco.cli.coordinator import add_admin_parser, add_coordinator_parser
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from tests.grpc.conftest import run
 from tests.grpc.coordinator_fixtures import ADMIN, joined, running_coordinator
@@ -143,7 +143,7 @@ def test_what_an_operator_gets_wrong_is_said_plainly(tmp_path, capsys):
     line naming the problem and what to check, exit code 2, the usage of the command given."""
     import socket
 
-    from tools.cli import main as cli
+    from diloco import command as cli
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,7 +172,7 @@ def test_diloco_local_never_writes_into_another_run_s_directory(tmp_path, capsys
     import subprocess
     import sys
 
-    from tools.cli import main as cli
+    from diloco import command as cli
 
     finished, stopped, live, other = (tmp_path / name for name in ("finished", "stopped", "live", "other"))
     for directory in (finished, stopped, live, other):
@@ -201,7 +201,7 @@ def test_diloco_local_never_writes_into_another_run_s_directory(tmp_path, capsys
 def test_admin_on_a_run_directory_whose_coordinator_is_gone_says_what_became_of_the_run(tmp_path, capsys):
     import socket
 
-    from tools.cli import main as cli
+    from diloco import command as cli
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -228,8 +228,8 @@ def test_admin_inside_a_tls_run_s_directory_is_admin_with_run_dir_dot(tmp_path, 
     """`cd RUN_DIR && diloco admin members` was refused as plaintext although the run's
     certificates were right there: it now follows the directory as `--run-dir .` does."""
     from diloco import rpc
-    from tools.certs import make_certs
-    from tools.cli import main as cli
+    from diloco.cli.certs import make_certs
+    from diloco import command as cli
 
     for name in ("DILOCO_TLS_DIR", "DILOCO_INSECURE", "DILOCO_ADMIN_TOKEN", "DILOCO_COORDINATOR"):
         monkeypatch.delenv(name, raising=False)

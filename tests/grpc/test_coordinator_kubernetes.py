@@ -18,9 +18,9 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 from kubernetes import client  # noqa: E402
 
-from coordinator.config import KubernetesLauncherConfig  # noqa: E402
-from coordinator.core.membership import FailedLaunch, Launch  # noqa: E402
-from coordinator.kubernetes import KubernetesLauncher, load_template  # noqa: E402
+from diloco.coordinator.config import KubernetesLauncherConfig  # noqa: E402
+from diloco.coordinator.core.membership import FailedLaunch, Launch  # noqa: E402
+from diloco.coordinator.kubernetes import KubernetesLauncher, load_template  # noqa: E402
 from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted  # noqa: E402
 from diloco.v1 import coordinator_pb2  # noqa: E402
 from tests.grpc.conftest import run  # noqa: E402

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.config import LocalLauncherConfig
-from diloco import forks
+from diloco.coordinator.config import LocalLauncherConfig
+from diloco.coordinator import forks
 from diloco.v1 import coordinator_pb2
 from tests.grpc.conftest import run
 from tests.grpc.coordinator_fixtures import admin_stub, running_coordinator, wait_for

@@ -3,7 +3,7 @@
 pool a series (zeros too), each learner counted once, in its state, from its join to its
 leave, and again after a restart from the state file."""
 
-from coordinator.core.membership import STATES
+from diloco.coordinator.core.membership import STATES
 from tests.grpc.conftest import run
 from tests.grpc.coordinator_fixtures import joined, running_coordinator
 

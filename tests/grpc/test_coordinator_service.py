@@ -13,8 +13,8 @@ from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from syncer.config import SyncerConfig
-from syncer.server import ShardServer, ShardServerConfig
+from diloco.syncer.config import SyncerConfig
+from diloco.syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, run
 from tests.grpc.coordinator_fixtures import admin_stub, joined, reconnect, running_coordinator, wait_for
 from tests.seeded import gpt_run, model_plan
@@ -342,7 +342,7 @@ def test_an_export_names_the_shard_that_stops_sending(tmp_path, monkeypatch, cap
     """A shard that accepts the export's Bootstrap and then sends nothing fails the export
     within the idle bound, UNAVAILABLE and naming it, instead of holding it for the whole
     deadline; the coordinator logs whether the shard still answers Status."""
-    from coordinator import service
+    from diloco.coordinator import service
     from diloco.v1 import syncer_pb2, syncer_pb2_grpc
 
     class Silent(syncer_pb2_grpc.SyncerServicer):
@@ -384,7 +384,7 @@ def test_a_learner_registers_its_model_once_its_coordinator_is_reachable_again(t
     an error), a learner's RegisterModel retries UNAVAILABLE with backoff, as its join does."""
     import socket
 
-    from learner.membership import join, register_model
+    from diloco.learner.membership import join, register_model
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,8 +12,8 @@ import json
 
 from diloco.tape import read_tape
 from diloco.v1 import coordinator_pb2
-from syncer.config import RoundConfig, SyncerConfig
-from syncer.server import ShardServer, ShardServerConfig
+from diloco.syncer.config import RoundConfig, SyncerConfig
+from diloco.syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, client_for, run
 from tests.seeded import model_plan, seeded_core
 from tests.grpc.coordinator_fixtures import admin_stub, joined, running_coordinator, wait_for

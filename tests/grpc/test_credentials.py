@@ -14,7 +14,7 @@ from diloco.clients.coordinator import LearnerSession
 from diloco import auth
 from diloco.errors import InvalidArgument, Unauthenticated
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from learner.membership import Heartbeats, Membership
+from diloco.learner.membership import Heartbeats, Membership
 from diloco.clients.syncer import SyncerClient, open_channel
 from tests.grpc.conftest import SECRET, TINY, running_shard
 from tests.grpc.coordinator_fixtures import running_coordinator
@@ -50,7 +50,7 @@ def test_a_credential_made_from_the_secret_signs_itself_again_before_it_expires(
 
 
 def test_the_lifetime_must_cover_two_leases(tmp_path):
-    from coordinator.config import CoordinatorConfig
+    from diloco.coordinator.config import CoordinatorConfig
 
     with pytest.raises(InvalidArgument, match="credential lifetime must be at least two leases"):
         CoordinatorConfig(data_dir=tmp_path, lease_s=5, credential_lifetime_s=9)

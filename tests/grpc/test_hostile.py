@@ -6,9 +6,9 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.launcher import override_args
+from diloco.coordinator.launcher import override_args
 from diloco import auth, rpc
-from tools.cli.main import build_parser
+from diloco.command import build_parser
 from diloco.codec import EncodedTensor, TensorSpec, checksum
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.snapshots import files_of
@@ -104,9 +104,9 @@ def test_a_huge_delta_is_refused_and_the_fragment_keeps_serving(tmp_path, fill):
 def test_a_round_that_fails_releases_its_fragment(tmp_path, monkeypatch):
     """Whatever makes a round's computation fail, its pushers get an answer (the shard's
     values, in full) and the fragment keeps closing rounds."""
-    import syncer.runtime
+    from diloco.syncer import runtime as syncer_runtime
 
-    real = syncer.runtime.compute_round
+    real = syncer_runtime.compute_round
     calls = {"n": 0}
 
     def flaky(job, cfg):
@@ -115,7 +115,7 @@ def test_a_round_that_fails_releases_its_fragment(tmp_path, monkeypatch):
             raise FloatingPointError("boom")
         return real(job, cfg)
 
-    monkeypatch.setattr(syncer.runtime, "compute_round", flaky)
+    monkeypatch.setattr(syncer_runtime, "compute_round", flaky)
 
     async def scenario():
         async with running_shard(tmp_path, learners=("L0",)) as (server, address):
@@ -180,7 +180,7 @@ def test_launch_overrides_are_an_allow_list_and_no_prefix_reaches_a_reserved_fla
     with pytest.raises(SystemExit):
         build_parser().parse_args(["learner", "--coord", "evil:1"])
     # Every allowed setting is a real `diloco learner` flag.
-    from coordinator.launcher import LEARNER_SETTINGS
+    from diloco.coordinator.launcher import LEARNER_SETTINGS
 
     parser = build_parser()
     for flag in LEARNER_SETTINGS:
@@ -293,7 +293,7 @@ def test_launch_override_values_are_checked_as_the_learner_would_before_anything
     while AddLearners said ok. Each setting's check agrees with the learner's own flag: a
     value it takes parses there to the same value, a value it refuses for its type is
     refused there too."""
-    from coordinator.launcher import LEARNER_SETTINGS
+    from diloco.coordinator.launcher import LEARNER_SETTINGS
 
     parser = build_parser()
     for flag, check in LEARNER_SETTINGS.items():

@@ -10,15 +10,15 @@ import pytest
 
 from diloco import auth
 from diloco.codec import decode
-from learner.api import Learner
-from learner.config import LearnerConfig
-from learner.membership import Membership
-from learner.runner import run_task
+from diloco.learner.api import Learner
+from diloco.learner.config import LearnerConfig
+from diloco.learner.membership import Membership
+from diloco.learner.runner import run_task
 from diloco.tape import read_tape
-from syncer import snapshot
-from syncer.config import MergeConfig, RoundConfig, SyncerConfig
-from syncer.runtime import initial_name
-from syncer.server import ShardServer, ShardServerConfig
+from diloco.syncer import snapshot
+from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
+from diloco.syncer.runtime import initial_name
+from diloco.syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, run
 from tests.seeded import gpt_run, model_plan
 from tests.checks import assert_mirrored, assert_same_tensors

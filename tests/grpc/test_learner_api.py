@@ -20,10 +20,10 @@ from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.task import TaskError
-from learner.membership import Membership
-from learner.runner import run_task
-from syncer.config import RoundConfig, SyncerConfig
-from syncer.server import ShardServer, ShardServerConfig
+from diloco.learner.membership import Membership
+from diloco.learner.runner import run_task
+from diloco.syncer.config import RoundConfig, SyncerConfig
+from diloco.syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, run
 
 FAULTY = str(Path(__file__).resolve().parents[1] / "tasks" / "faulty.py") + ":build"

@@ -18,7 +18,7 @@ from diloco.errors import InvalidArgument, Unavailable
 from tests.grpc.conftest import SECRET, run
 from tests.grpc.coordinator_fixtures import running_coordinator
 from tests.grpc.test_learner_api import Net, shards
-from tools.certs import make_certs
+from diloco.cli.certs import make_certs
 
 TOKEN = auth.join_token(SECRET)
 

@@ -13,11 +13,11 @@ import urllib.request
 
 import pytest
 
-from coordinator.status import STATUS_URL_FILE
+from diloco.coordinator.status import STATUS_URL_FILE
 from diloco import rpc
 from diloco.errors import InvalidArgument, Unavailable
 from tests.grpc.coordinator_fixtures import ADMIN, joined, running_coordinator
-from tools.certs import make_certs
+from diloco.cli.certs import make_certs
 
 
 
@@ -181,7 +181,7 @@ async def test_no_page_unless_asked(tmp_path):
 
 @sync
 async def test_an_idle_connection_is_closed(tmp_path, monkeypatch):
-    import coordinator.status as status
+    import diloco.coordinator.status as status
 
     monkeypatch.setattr(status, "REQUEST_TIMEOUT_S", 0.5)
     async with running_coordinator(tmp_path, status_port=0) as server:

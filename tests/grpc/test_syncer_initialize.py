@@ -16,11 +16,11 @@ from diloco.errors import DilocoError
 from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
-from syncer import snapshot
-from syncer.core.bounds import Push
-from syncer.config import MergeConfig, SyncerConfig
-from syncer.runtime import MANIFEST_FILE, initial_name
-from syncer.server import ShardServer, ShardServerConfig
+from diloco.syncer import snapshot
+from diloco.syncer.core.bounds import Push
+from diloco.syncer.config import MergeConfig, SyncerConfig
+from diloco.syncer.runtime import MANIFEST_FILE, initial_name
+from diloco.syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, client_for, run
 from tests.grpc.test_syncer_service import FakeLearner
 from tests.seeded import gpt_run, model_plan
@@ -323,7 +323,7 @@ def test_an_operator_lets_a_shard_without_anchors_take_fresh_initial_values(tmp_
 
 
 def test_accept_initial_values_needs_a_confirmation(capsys):
-    from tools.cli import main as cli
+    from diloco import command as cli
 
     assert cli.main(["--insecure", "admin", "--coordinator", "127.0.0.1:1", "--token-file", "/dev/null", "accept-initial-values", "0"]) == 2
     err = capsys.readouterr().err

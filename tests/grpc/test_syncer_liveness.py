@@ -10,7 +10,7 @@ import pytest
 
 from diloco import auth
 from diloco.errors import Cancelled, DeadlineExceeded
-from learner.streamer import Streamer
+from diloco.learner.streamer import Streamer
 from tests.grpc.conftest import client_for, run, running_shard
 from tests.grpc.test_syncer_service import FakeLearner
 
@@ -40,16 +40,16 @@ def test_a_round_that_fails_while_being_applied_releases_its_fragment(tmp_path, 
 
 
 def test_a_read_that_waits_too_long_for_a_round_gets_deadline_exceeded(tmp_path, monkeypatch):
-    import syncer.runtime
+    from diloco.syncer import runtime as syncer_runtime
 
     release = threading.Event()
-    real = syncer.runtime.compute_round
+    real = syncer_runtime.compute_round
 
     def stuck(job, cfg):
         release.wait(30)
         return real(job, cfg)
 
-    monkeypatch.setattr(syncer.runtime, "compute_round", stuck)
+    monkeypatch.setattr(syncer_runtime, "compute_round", stuck)
 
     async def scenario():
         async with running_shard(tmp_path, learners=("L0",)) as (server, address):

@@ -6,8 +6,8 @@ import asyncio
 import grpc
 
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from syncer.config import RoundConfig, SyncerConfig
-from syncer.server import ShardServer, ShardServerConfig
+from diloco.syncer.config import RoundConfig, SyncerConfig
+from diloco.syncer.server import ShardServer, ShardServerConfig
 from tests.grpc.conftest import SECRET, TINY, client_for, run
 from tests.seeded import seeded_core
 from tests.grpc.test_syncer_service import FakeLearner

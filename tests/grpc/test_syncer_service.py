@@ -14,7 +14,7 @@ from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
 from diloco.clients.syncer import write_all
-from syncer.config import MergeConfig
+from diloco.syncer.config import MergeConfig
 from diloco.convert import push_meta_to_proto
 from diloco.wire import PushMeta
 from tests.grpc.conftest import client_for, run, running_shard
@@ -99,17 +99,17 @@ def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path)
 
 
 def test_a_rounds_update_is_framed_once_for_every_waiter_and_dropped_with_the_chain(tmp_path, monkeypatch):
-    import syncer.service
+    from diloco.syncer import service as syncer_service
 
     framed = []
 
-    real_frame = syncer.service.frame
+    real_frame = syncer_service.frame
 
     def counting_frame(payloads, **kw):
         framed.append(1)
         return real_frame(payloads, **kw)
 
-    monkeypatch.setattr(syncer.service, "frame", counting_frame)
+    monkeypatch.setattr(syncer_service, "frame", counting_frame)
 
     async def scenario():
         names = tuple(f"L{i}" for i in range(4))

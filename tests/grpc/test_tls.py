@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from diloco import auth, rpc
-from tools.certs import make_certs
-from tools.cli.main import main
+from diloco.cli.certs import make_certs
+from diloco.command import main
 from diloco.errors import AlreadyExists, InvalidArgument
 from diloco.v1 import syncer_pb2, syncer_pb2_grpc
 from tests.grpc.conftest import SECRET, running_shard
@@ -79,8 +79,8 @@ def test_a_tls_shard_answers_plaintext_health_probes_on_its_health_port(tmp_path
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from syncer.config import SyncerConfig
-    from syncer.server import SERVICE_NAME, ShardServer, ShardServerConfig
+    from diloco.syncer.config import SyncerConfig
+    from diloco.syncer.server import SERVICE_NAME, ShardServer, ShardServerConfig
     from tests.grpc.conftest import SECRET, TINY
     from tests.seeded import seeded_core
 

@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from diloco import auth
-from learner.streamer import PushJob, Streamer
-from learner.telemetry import LearnerTelemetry
+from diloco.learner.streamer import PushJob, Streamer
+from diloco.learner.telemetry import LearnerTelemetry
 from tests.grpc.conftest import SECRET, client_for, run, running_shard
 from tests.grpc.test_syncer_service import FakeLearner
 

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.config import KubernetesLauncherConfig
-from coordinator.kubernetes import KubernetesLauncher
-from tools.cli.main import build_parser
+from diloco.coordinator.config import KubernetesLauncherConfig
+from diloco.coordinator.kubernetes import KubernetesLauncher
+from diloco.command import build_parser
 from tests.k8s.chart import (
     EXISTING_SECRET,
     INLINE_SECRET,

@@ -14,11 +14,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from coordinator.server import SERVICE_NAME as COORDINATOR_SERVICE
+from diloco.coordinator.server import SERVICE_NAME as COORDINATOR_SERVICE
 from diloco import telemetry
-from tools.cli.main import build_parser
+from diloco.command import build_parser
 from diloco.config import RunConfig
-from syncer.server import SERVICE_NAME as SYNCER_SERVICE
+from diloco.syncer.server import SERVICE_NAME as SYNCER_SERVICE
 from tests.k8s.chart import (
     CLUSTER_DOMAIN,
     NAMESPACE,
@@ -426,7 +426,7 @@ def test_the_chart_s_generated_certificates_carry_mutual_tls(variants, tmp_path)
     import base64
 
     from diloco import rpc
-    from tools.certs import make_certs
+    from diloco.cli.certs import make_certs
     from tests.grpc.conftest import running_shard
     from tests.grpc.test_tls import status_with
 
@@ -614,7 +614,7 @@ def test_helm_test_script_speaks_mutual_tls_with_the_run_s_certificates(variants
     import threading
 
     from diloco import rpc
-    from tools.certs import make_certs
+    from diloco.cli.certs import make_certs
     from tests.grpc.conftest import running_shard
 
     c = container(variants["tls"].one("Pod", "-test-health"), "health")

@@ -101,7 +101,7 @@ def test_copies_every_package_of_the_project(name):
     for word, args in build:
         if word == "COPY" and not args.startswith("--from"):
             copied.update(p.rstrip("/") for p in args.split()[:-1])
-    top_level = {p.split(".")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]}
+    top_level = {p.split(".")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert top_level | {"pyproject.toml", "README.md"} <= copied
     ignore = (IMAGES / f"{name}.dockerignore").read_text().splitlines()
     assert "*" in ignore and {f"!{p}/" for p in top_level} <= set(ignore), "the build context must carry them"

@@ -16,7 +16,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from tools.cli.main import build_parser
+from diloco.command import build_parser
 from tests.k8s.chart import (
     CLUSTER_DOMAIN,
     EXISTING_SECRET,

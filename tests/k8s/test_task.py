@@ -14,8 +14,8 @@ from argparse import Namespace
 import pytest
 import yaml
 
-from tools.cli.common import build_run_config
-from tools.cli.main import build_parser
+from diloco.cli.common import build_run_config
+from diloco.command import build_parser
 from diloco.config import RunConfig
 from diloco.task import DEFAULT_TASK, TaskContext
 from diloco.tasks.byte_gpt import ModelConfig, Options

@@ -4,7 +4,7 @@ to, the targets read from the cells, and the table."""
 import pytest
 
 from diloco.errors import InvalidArgument
-from tools.bandwidth import lowest_kept_rate, parse_rates, table, targets
+from diloco.lab.bandwidth import lowest_kept_rate, parse_rates, table, targets
 
 
 def test_rates_are_checked_and_fastest_first():

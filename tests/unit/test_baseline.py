@@ -7,18 +7,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tools.cli import main as cli
-from tools.baseline import torchft_peer
-from tools.baseline.common import (
+from diloco import command as cli
+from diloco.lab.baseline import torchft_peer
+from diloco.lab.baseline.common import (
     SUMMARY_KEYS, TASK_ERROR_PREFIX, KillPlan, advance_schedule, parse_slow_workers, ring_allreduce_bytes,
     skip_batches, summary, task_error, worker_task,
 )
-from tools.baseline.dp import Attempt, DPConfig, dp_metrics
-from tools.baseline.torchft_peer import TorchftConfig, ft_metrics
+from diloco.lab.baseline.dp import Attempt, DPConfig, dp_metrics
+from diloco.lab.baseline.torchft_peer import TorchftConfig, ft_metrics
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from diloco.task import TaskError
-from learner.runner import inner_optimizer
+from diloco.learner.runner import inner_optimizer
 from tests.checks import assert_same_tensors
 
 
@@ -215,14 +215,14 @@ def test_a_restarted_worker_resumes_the_batches_and_the_schedule_where_it_was():
 
 def test_a_task_error_a_worker_logged_becomes_the_supervisors_message(tmp_path):
     log = tmp_path / "worker1.log"
-    log.write_text(f"2025 INFO x: training\n2025 ERROR tools.baseline.dp_worker: {TASK_ERROR_PREFIX}task 'a.py:b': "
+    log.write_text(f"2025 INFO x: training\n2025 ERROR diloco.lab.baseline.dp_worker: {TASK_ERROR_PREFIX}task 'a.py:b': "
                    "the loss is nan at step 3\n")
     assert task_error(log) == f"task 'a.py:b': the loss is nan at step 3 (see {log})"
     assert "see" in task_error(tmp_path / "missing.log")
 
 
 def test_compare_counts_the_tasks_tokens_and_unit():
-    from tools.compare import CompareConfig
+    from diloco.lab.compare import CompareConfig
 
     cfg = CompareConfig(run=RunConfig(task_options=TINY_GPT), workers=2, steps=10)
     assert (cfg.tokens_per_step, cfg.eval_unit, cfg.tokens) == (4 * 16, "bits/byte", 2 * 10 * 4 * 16)
@@ -239,7 +239,7 @@ def test_a_broken_task_is_a_clear_error_before_any_run_directory(tmp_path, capsy
 
 
 def test_a_cell_over_seeds_is_the_mean_with_its_spread_and_its_runs():
-    from tools.compare import over_seeds
+    from diloco.lab.compare import over_seeds
 
     runs = [{"eval_loss_final": 3.0, "goodput": 0.9, "eval_unit": "bits/byte", "run_dir": "a", "restarts": None},
             {"eval_loss_final": 3.2, "goodput": 0.7, "eval_unit": "bits/byte", "run_dir": "b", "restarts": None},
@@ -257,7 +257,7 @@ def test_a_cell_over_seeds_is_the_mean_with_its_spread_and_its_runs():
 
 
 def test_compare_runs_each_cell_with_its_own_seeds():
-    from tools.compare import CompareConfig
+    from diloco.lab.compare import CompareConfig
 
     cfg = CompareConfig(seed=3, seeds=3)
     assert [(cfg.seeded(i).run.seed, cfg.seeded(i).seed) for i in range(3)] == [(0, 3), (1, 4), (2, 5)]
@@ -266,7 +266,7 @@ def test_compare_runs_each_cell_with_its_own_seeds():
 
 
 def test_compare_judges_each_target_from_the_cells_it_names():
-    from tools.compare import targets
+    from diloco.lab.compare import targets
 
     def cell(**values):
         return {**values, "eval_unit": "bits/byte"}
@@ -298,8 +298,8 @@ def test_compare_judges_each_target_from_the_cells_it_names():
 def test_ablations_run_the_chosen_variants_and_reuse_the_scenario_for_the_default(tmp_path, monkeypatch):
     """``compare --ablation H=8`` runs H=8 (its run config's H) for every seed; the default
     variant is the scenario's own Decoupled cell, not run again."""
-    from tools import compare
-    from tools.local import run as local_run
+    from diloco.lab import compare
+    from diloco.cli.local import run as local_run
 
     launched = []
 
@@ -324,8 +324,8 @@ def test_ablations_run_the_chosen_variants_and_reuse_the_scenario_for_the_defaul
 def test_an_ablation_of_mtbf30_runs_the_scenarios_faults_with_the_changed_setting(tmp_path, monkeypatch):
     """An ablation runs its scenario exactly as the scenario's own Decoupled cell does
     (mtbf30: the same kill schedule per seed), with one setting changed."""
-    from tools import compare
-    from tools.local import run as local_run
+    from diloco.lab import compare
+    from diloco.cli.local import run as local_run
 
     launched = []
 
@@ -347,7 +347,7 @@ def test_an_ablation_of_mtbf30_runs_the_scenarios_faults_with_the_changed_settin
 
 
 def test_a_cell_s_curve_is_the_mean_of_its_runs_point_by_point_with_their_range(tmp_path):
-    from tools import compare
+    from diloco.lab import compare
 
     runs = [{"curve": [[0, 8.0], [1000, 4.0], [2010, 3.0]]}, {"curve": [[0, 8.2], [1000, 5.0], [1990, 2.0]]}]
     assert compare.mean_curve({"seeds": runs}) == [(0, 8.1, 8.0, 8.2), (1000, 4.5, 4.0, 5.0), (2000, 2.5, 2.0, 3.0)]
@@ -362,7 +362,7 @@ def test_a_cell_s_curve_is_the_mean_of_its_runs_point_by_point_with_their_range(
 
 
 def test_a_workload_names_the_steps_and_the_lr_is_checked_before_any_run(tmp_path):
-    from tools import compare
+    from diloco.lab import compare
 
     assert compare.WORKLOADS == {"standard": 120, "long": 480, "longer": 960}
     assert compare.CompareConfig().steps == compare.WORKLOADS["standard"]

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from syncer.core.bounds import (ANCHOR_VERSION_SLACK, FALLBACK_PERIOD_S, FALLBACK_RATIO, LEARNERS_REMEMBERED, Influence,
+from diloco.syncer.core.bounds import (ANCHOR_VERSION_SLACK, FALLBACK_PERIOD_S, FALLBACK_RATIO, LEARNERS_REMEMBERED, Influence,
                                  Push, choose_anchor, gate)
 
 

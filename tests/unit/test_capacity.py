@@ -13,7 +13,7 @@ import pytest
 
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
-from tools.simulate import capacity
+from diloco.lab.simulate import capacity
 
 SCALE = Path(__file__).resolve().parents[2] / "docs" / "results" / "scale"
 FITTED = ("learners.jsonl", "params.jsonl", "params-64Mi.jsonl", "memory.jsonl")
@@ -119,12 +119,12 @@ def test_plan_refuses_what_cannot_be_sized(kwargs, message):
 
 
 def test_the_cli_prints_the_worked_example_and_refuses_bad_input():
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "simulate", "--capacity", "--params", "1G",
+    proc = subprocess.run([sys.executable, "-m", "diloco", "simulate", "--capacity", "--params", "1G",
                            "--learners", "64", "--json"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     [row] = json.loads(proc.stdout)
     assert row == capacity.plan(10**9, 64, RunConfig.sync_every_steps, 1.0, 10_000.0)
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "simulate", "--capacity", "--params", "0"],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "simulate", "--capacity", "--params", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "--params: '0' must be a positive whole number" in proc.stderr

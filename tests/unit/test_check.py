@@ -1,4 +1,4 @@
-"""The chaos checker (tools/check.py) cannot pass vacuously: a recorded history that keeps
+"""The chaos checker (diloco/cli/check.py) cannot pass vacuously: a recorded history that keeps
 every invariant passes, and the same history with one violation put in fails on exactly
 that invariant, with the violation named."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tools.check import INVARIANTS, check, describe, write_check
+from diloco.cli.check import INVARIANTS, check, describe, write_check
 
 
 @dataclass
@@ -303,7 +303,7 @@ def test_write_check_stores_the_verdict_and_the_cli_exits_1_on_a_violation(tmp_p
     summ = summary()
     summ["eval_loss_final"] = 9.0
     run = write_run(tmp_path, summ=summ)
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "check", str(run)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "diloco", "check", str(run)], capture_output=True, text=True)
     # No run.json or model: the replay cannot run, which is a violation too, named.
     assert proc.returncode == 1 and proc.stdout.startswith("check: VIOLATION replay: cannot check:")
     stored = json.loads((run / "check.json").read_text())

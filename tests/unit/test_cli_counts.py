@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tools.cli.common import parse_count
+from diloco.cli.common import parse_count
 
 
 @pytest.mark.parametrize("text,value", [("1048576", 1048576), ("1Mi", 2**20), ("64Mi", 64 * 2**20), ("4M", 4_000_000),
@@ -23,7 +23,7 @@ def test_parse_count_refuses_what_is_not_a_positive_count(text):
 
 
 def test_bench_syncer_refuses_a_bad_params_in_one_line_before_starting():
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "syncer", "--params", "1Mx"],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "bench", "syncer", "--params", "1Mx"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "argument --params: expected a positive whole number" in proc.stderr

@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from tools.cli.main import _deepest_parser, build_parser
+from diloco.cli.main import _deepest_parser
+from diloco.command import build_parser
 from diloco.errors import InvalidArgument, NotFound
-from tools.cli.settings import apply_config, read_config
+from diloco.cli.settings import apply_config, read_config
 
 
 def _parse(argv, path):
@@ -69,6 +70,6 @@ def test_the_command_says_what_is_wrong_without_a_traceback(tmp_path):
         read_config(str(tmp_path / "missing.toml"))
     path = tmp_path / "bad.toml"
     path.write_text("nope = 1\n")
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "--insecure", "syncer", "--config", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "--insecure", "syncer", "--config", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no setting 'nope'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config import CoordinatorConfig
-from coordinator.core.membership import (
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.core.membership import (
     FAILED_LAUNCHES_KEPT,
     MAX_GONE_KEPT,
     MAX_REASON_CHARS,
@@ -236,7 +236,7 @@ def test_reported_tokens_are_credited_at_most_three_times_as_fast_as_the_others(
 
 
 def test_the_run_s_token_total_outlives_pruned_learners_and_restarts(monkeypatch):
-    import coordinator.core.membership as core
+    import diloco.coordinator.core.membership as core
 
     monkeypatch.setattr(core, "MAX_GONE_KEPT", 1)
     m = membership()
@@ -549,7 +549,7 @@ def test_a_member_that_heartbeats_but_trains_nothing_fails_after_the_idle_timeou
 def test_the_learner_cap_keeps_the_coordinators_clock_under_the_wire_limit():
     """Every learner the coordinator lists (live, and the gone it keeps), every shard and
     itself fit in one clock on the wire; a cap above that is refused by name."""
-    from coordinator.config import MAX_LEARNERS, MAX_SHARDS
+    from diloco.coordinator.config import MAX_LEARNERS, MAX_SHARDS
     from diloco.convert import MAX_CLOCK_ENTRIES
 
     assert MAX_LEARNERS + MAX_GONE_KEPT + MAX_SHARDS + 1 <= MAX_CLOCK_ENTRIES
@@ -563,7 +563,7 @@ def test_the_learner_cap_keeps_the_coordinators_clock_under_the_wire_limit():
 def test_the_chart_caps_learners_as_the_coordinator_does():
     import json
 
-    from coordinator.config import MAX_LEARNERS
+    from diloco.coordinator.config import MAX_LEARNERS
 
     schema = json.loads((Path(__file__).resolve().parents[2] / "k8s" / "diloco" / "values.schema.json").read_text())
     assert schema["properties"]["coordinator"]["properties"]["maxLearners"]["maximum"] == MAX_LEARNERS

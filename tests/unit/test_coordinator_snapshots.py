@@ -3,7 +3,7 @@ timeouts, and what the manifest records."""
 
 import pytest
 
-from coordinator.core.snapshots import (
+from diloco.coordinator.core.snapshots import (
     COMPLETE,
     FAILED,
     MAX_KEPT,

@@ -11,9 +11,9 @@ import pytest
 
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.tape import TapeWriter
-from tools.local.curves import check_tensorboard, record_global_evals, write_curves, write_tensorboard
-from tools.local.plots import plot_loss
-from tools.metrics import learner_events, run_tokens
+from diloco.cli.local.curves import check_tensorboard, record_global_evals, write_curves, write_tensorboard
+from diloco.cli.local.plots import plot_loss
+from diloco.cli.metrics import learner_events, run_tokens
 
 T0 = 1_800_000_000.0
 SCALE = 1 / math.log(2)  # the byte GPT's: nats per byte to bits per byte
@@ -158,7 +158,7 @@ def test_tensorboard_dir_is_checked_before_anything_starts(tmp_path, monkeypatch
 def test_local_with_tensorboard_at_a_file_says_so_in_one_line_before_anything_starts(tmp_path):
     (tmp_path / "file").write_text("")
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "local", "--tensorboard", str(tmp_path / "file"),
+    proc = subprocess.run([sys.executable, "-m", "diloco", "local", "--tensorboard", str(tmp_path / "file"),
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == f"diloco: error: --tensorboard {tmp_path / 'file'} is a file, " \
                                                    "not a directory\n", proc.stderr

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.config import CoordinatorConfig
-from tools.baseline.torchft_peer import TorchftConfig
-from tools.cli.main import build_parser
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.lab.baseline.torchft_peer import TorchftConfig
+from diloco.command import build_parser
 from diloco.config import RunConfig
 from diloco.errors import DilocoError
-from tools.local.config import LocalConfig
-from tools.cli.reference import CHART_VALUES, COMMANDS, DOC, command_parser, render
-from tools.cli.settings import add_flag, default_of, from_flags
-from learner.config import LearnerConfig
-from syncer.config import GRACE_MODES, MergeConfig, RoundConfig, SyncerConfig
+from diloco.cli.local.config import LocalConfig
+from diloco.lab.reference import CHART_VALUES, COMMANDS, DOC, command_parser, render
+from diloco.cli.settings import add_flag, default_of, from_flags
+from diloco.learner.config import LearnerConfig
+from diloco.syncer.config import GRACE_MODES, MergeConfig, RoundConfig, SyncerConfig
 
 VALUES = yaml.safe_load((Path(__file__).parents[2] / "k8s" / "diloco" / "values.yaml").read_text())
 
@@ -153,10 +153,10 @@ def test_a_flag_shows_the_default_it_takes():
 
 
 def test_the_settings_reference_is_fresh():
-    """docs/SETTINGS.md is what the parser says (python -m tools.cli.reference rewrites it)."""
+    """docs/SETTINGS.md is what the parser says (python -m diloco.lab.reference rewrites it)."""
     text = render(build_parser())
     assert "| `--quorum` | `1` | `RoundConfig.quorum` | `syncer.quorum` |" in text
-    assert DOC.read_text() == text, "docs/SETTINGS.md is stale: run python -m tools.cli.reference"
+    assert DOC.read_text() == text, "docs/SETTINGS.md is stale: run python -m diloco.lab.reference"
 
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "k8s" / "diloco" / "values.schema.json").read_text())
@@ -244,7 +244,7 @@ def test_from_flags_puts_each_flag_back_into_its_field():
 
 
 def test_local_takes_every_flag_it_is_given():
-    from tools.cli.runs import _local_config
+    from diloco.cli.runs import _local_config
 
     args = build_parser().parse_args(["local", "--grace", "0.5", "--insecure", "--delay-ms", "3", "--chaos-seed", "7",
                                       "--restart-from", "learners", "--outer-lr", "0.5", "--learners", "5"])

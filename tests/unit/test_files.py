@@ -7,7 +7,7 @@ import pytest
 
 from diloco.files import atomic_write, atomic_write_json, private_dir, replacing
 from diloco.tape import TapeWriter
-from syncer.pushlog import PushLogWriter
+from diloco.syncer.pushlog import PushLogWriter
 
 
 def test_a_file_is_the_new_one_with_its_mode_and_no_temporary_left(tmp_path):

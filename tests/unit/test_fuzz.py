@@ -19,10 +19,10 @@ from diloco.fragments import plan_fragments
 from diloco.manifest import Manifest
 from diloco.snapshots import files_of
 from diloco.v1 import common_pb2
-from syncer.config import RoundConfig, SyncerConfig
+from diloco.syncer.config import RoundConfig, SyncerConfig
 from diloco.convert import push_meta_from_proto, push_meta_to_proto
 from diloco.wire import PushMeta
-from syncer.core.shard import ShardCore, inspect_payload
+from diloco.syncer.core.shard import ShardCore, inspect_payload
 
 BUDGET = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PARAMS = [("tok_embed.weight", (16, 8)), ("block.w", (24, 8)), ("norm.running_var", (24,))]

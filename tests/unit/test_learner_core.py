@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from diloco.errors import FailedPrecondition, InvalidArgument
-from learner.config import LearnerConfig
-from learner.core.schedule import fragments_due, inner_lr, send_offsets
+from diloco.learner.config import LearnerConfig
+from diloco.learner.core.schedule import fragments_due, inner_lr, send_offsets
 from diloco.codec import decode
 from diloco.fragments import Piece
-from learner.core.sync import FragmentSync, Reply, SyncBook, delta, encode_push, merge_into, rebase_into
-from learner.device import Device
+from diloco.learner.core.sync import FragmentSync, Reply, SyncBook, delta, encode_push, merge_into, rebase_into
+from diloco.learner.device import Device
 
 
 def test_lr_warmup_then_cosine_to_floor():
@@ -231,9 +231,9 @@ def test_lr_schedule_of_a_single_decay_step():
 
 
 def test_a_write_rebases_onto_what_was_sent_or_mixes_with_alpha():
-    """What a slice follower repeats (learner.core.sync.Write): with ``sent`` the global
+    """What a slice follower repeats (diloco.learner.core.sync.Write): with ``sent`` the global
     fragment plus the progress since the push; without, the mix with weight alpha."""
-    from learner.core.sync import Write, write_into
+    from diloco.learner.core.sync import Write, write_into
 
     params = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
     values = [torch.tensor([10.0, 20.0]), torch.tensor([[30.0]])]

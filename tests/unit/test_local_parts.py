@@ -10,16 +10,16 @@ import time
 
 import pytest
 
-from tools.chaos import DEFAULT_FAULT_S, ChaosConfig, FaultSpec, learner_pid, parse_chaos, parse_learner_device, parse_scavenge, parse_slow
+from diloco.cli.chaos import DEFAULT_FAULT_S, ChaosConfig, FaultSpec, learner_pid, parse_chaos, parse_learner_device, parse_scavenge, parse_slow
 from diloco.errors import InvalidArgument
 from diloco.files import atomic_write
 from diloco.telemetry import prometheus_target
-from tools.local.config import PROMETHEUS_TARGETS, LocalConfig
-from tools.local.supervisor import Cluster
-from tools.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, curve_marks, curve_path, expected_period,
+from diloco.cli.local.config import PROMETHEUS_TARGETS, LocalConfig
+from diloco.cli.local.supervisor import Cluster
+from diloco.cli.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, curve_marks, curve_path, expected_period,
                            goodput, slot_seconds, start_s, tape_stats, uptime, wire_bytes)
 from diloco.tape import TapeWriter
-from tools.timeline import learner_intervals
+from diloco.cli.timeline import learner_intervals
 
 
 def test_chaos_flags_parse_and_reject_nonsense():
@@ -67,7 +67,7 @@ def test_a_chaos_schedule_parses_and_bad_faults_get_one_line_before_anything_sta
     for flags, message in ((["--chaos", "cut:x"], "the duration of cut must be a number of seconds"),
                            (["--chaos", "nap"], "unknown fault 'nap'"),
                            (["--chaos", "cut@L7", "--link-mbit", "10"], "there are only 3 learners")):
-        proc = subprocess.run([sys.executable, "-m", "tools.cli", "local", *flags, "--out", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "diloco", "local", *flags, "--out", str(out)],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
@@ -81,7 +81,7 @@ def test_learner_devices_parse_and_a_device_this_machine_lacks_fails_before_anyt
     with pytest.raises(InvalidArgument, match="--learner-device L3: there are only 3 learners"):
         LocalConfig(learner_devices=((3, "xla"),))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "local", "--learner-device", "L0:xla", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "diloco", "local", "--learner-device", "L0:xla", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "torch-xla is not installed here" in proc.stderr and "constraints-xla.txt" in proc.stderr, proc.stderr
@@ -164,7 +164,7 @@ def test_timeline_spans_from_state_changes_and_death():
 def test_the_progress_line_for_logs_carries_the_table_s_essentials():
     from types import SimpleNamespace
 
-    from tools.local.progress import progress_line
+    from diloco.cli.local.progress import progress_line
 
     shard = SimpleNamespace(fragments=[SimpleNamespace(version=3), SimpleNamespace(version=5)], rounds_closed=7)
     members = [{"id": "L0", "state": "active", "tokens": 1000}, {"id": "L1", "state": "left", "tokens": 500}]
@@ -181,7 +181,7 @@ def test_stopping_says_which_processes_it_waits_for(tmp_path):
     import subprocess
     import sys
 
-    from tools.local.supervisor import Cluster
+    from diloco.cli.local.supervisor import Cluster
 
     cluster = Cluster(LocalConfig(tls=False), tmp_path, 1)
     quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -231,7 +231,7 @@ def test_the_shared_definitions():
 
 
 def test_the_pace_is_tokens_per_second_over_the_last_three_seconds():
-    from tools.local.run import Pace
+    from diloco.cli.local.run import Pace
 
     pace = Pace()
     assert pace.add(0.0, 0) == 0.0  # one count: no rate yet
@@ -242,7 +242,7 @@ def test_the_pace_is_tokens_per_second_over_the_last_three_seconds():
 def test_a_summary_is_strict_json_with_a_reason_for_every_missing_figure():
     import json
 
-    from tools.local.run import strict
+    from diloco.cli.local.run import strict
 
     summary = {"eval_loss_final": None, "goodput": float("nan"), "tokens": 10,
                "learners": [{"id": "L0", "tokens_per_s": float("inf")}]}
@@ -254,7 +254,7 @@ def test_a_summary_is_strict_json_with_a_reason_for_every_missing_figure():
 
 
 def test_what_fails_a_run_and_what_does_not():
-    from tools.local.run import run_failures
+    from diloco.cli.local.run import run_failures
 
     learners = [{"id": "L0", "state": "left", "inner_steps": 10, "reason": "finished"},
                 {"id": "L1", "state": "failed", "inner_steps": 0, "reason": "failed to start: boom"},
@@ -271,7 +271,7 @@ def test_what_fails_a_run_and_what_does_not():
 
 
 def test_failures_are_reported_once_each_with_their_reason_cut():
-    from tools.local.progress import REASON_CHARS, Failures, shown_state
+    from diloco.cli.local.progress import REASON_CHARS, Failures, shown_state
 
     failures = Failures()
     members = [{"id": "L0", "state": "active", "reason": ""}, {"id": "L1", "state": "failed", "reason": "x" * 500}]
@@ -295,7 +295,7 @@ def test_the_eval_curve_evaluates_every_saved_model_in_token_order_with_one_task
 
     from diloco.config import RunConfig
     from diloco.task import evaluate
-    from tools.metrics import eval_curve, supervisor_task
+    from diloco.cli.metrics import eval_curve, supervisor_task
 
     run = RunConfig(task_options={"width": "16", "depth": "1", "heads": "2", "context": "16", "eval_batches": "2"})
     task = supervisor_task(run, 1)

@@ -1,4 +1,4 @@
-"""A shard's memory of each learner's anchor (``syncer.core.mirrors``): the int8 residual
+"""A shard's memory of each learner's anchor (``diloco.syncer.core.mirrors``): the int8 residual
 codec, the drift it accounts for measured against learners that apply their replies as real
 learners do, the full reply that ends a drift, and what a shard holds per learner."""
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from diloco.codec import dequantize_payload, encode, int4_scales
-from syncer.core.mirrors import BLOCK, dequantize8, int4_rounding_sq, quantize8
-from syncer.core.shard import compute_round, condense_replies
+from diloco.syncer.core.mirrors import BLOCK, dequantize8, int4_rounding_sq, quantize8
+from diloco.syncer.core.shard import compute_round, condense_replies
 from tests.unit.test_syncer_shard import Learner, make_shard
 
 

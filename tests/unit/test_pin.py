@@ -1,15 +1,15 @@
-"""The operator's pin of the run's model (diloco.pin) and the maximum model size: pure
+"""The operator's pin of the run's model (diloco.coordinator.pin) and the maximum model size: pure
 checks, no sockets."""
 
 import pytest
 
-from coordinator.config import CoordinatorConfig
-from coordinator.runtime import RunInfo
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.runtime import RunInfo
 from diloco.codec import encode, values_digest
 from diloco.config import RunConfig
 from diloco.errors import InvalidArgument, ResourceExhausted
 from diloco.manifest import Manifest
-from diloco.pin import PIN_FILE, ModelPin, build_pin, manifest_sha256, pin_of
+from diloco.coordinator.pin import PIN_FILE, ModelPin, build_pin, manifest_sha256, pin_of
 from tests.seeded import gpt_run, model_plan, task_model
 
 RUN = gpt_run(width=16, depth=1, heads=2, context=16, fragments=3)
@@ -17,7 +17,7 @@ RUN = gpt_run(width=16, depth=1, heads=2, context=16, fragments=3)
 
 def test_the_pin_is_what_an_honest_learner_registers_and_offers():
     """The coordinator's digests must be exactly a learner's Initialize values: its
-    fragments' pieces as fp32 host tensors, encoded raw (learner.api._bootstrap)."""
+    fragments' pieces as fp32 host tensors, encoded raw (diloco.learner.api._bootstrap)."""
     pin = build_pin(RUN)
     manifest, plan, state = model_plan(RUN)
     assert pin.manifest_json == manifest.to_json()

@@ -1,7 +1,7 @@
-"""The status page's history (coordinator.core.progress) stays bounded whatever learners
+"""The status page's history (diloco.coordinator.core.progress) stays bounded whatever learners
 send, and the run's token total (Membership.tokens_total) outlives pruned learners."""
 
-from coordinator.core.progress import MAX_CURVES, MAX_EVENTS, MAX_POINTS, LossCurves, RecentEvents
+from diloco.coordinator.core.progress import MAX_CURVES, MAX_EVENTS, MAX_POINTS, LossCurves, RecentEvents
 
 
 def test_a_curve_is_thinned_not_cut():
@@ -45,7 +45,7 @@ def test_recent_events_newest_first_and_bounded():
 
 
 def test_the_page_is_sent_the_recent_curves_thinned():
-    from coordinator.core.progress import SHOWN_CURVES, SHOWN_POINTS
+    from diloco.coordinator.core.progress import SHOWN_CURVES, SHOWN_POINTS
 
     curves = LossCurves()
     for i in range(SHOWN_CURVES + 3):

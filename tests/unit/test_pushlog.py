@@ -3,7 +3,7 @@
 import pytest
 
 from diloco.errors import InvalidArgument, NotFound
-from syncer.pushlog import PushLogWriter, read_push_log
+from diloco.syncer.pushlog import PushLogWriter, read_push_log
 from tests.unit.test_syncer_shard import Learner, make_shard
 from tests.unit.test_syncer_snapshot import push
 

@@ -8,8 +8,8 @@ from safetensors.torch import save_file
 
 from diloco.config import RunConfig
 from diloco.errors import NotFound
-from tools.cli.main import main
-from tools.replay import replay
+from diloco.command import main
+from diloco.cli.replay import replay
 
 
 def finished_run(tmp_path, restored: bool):

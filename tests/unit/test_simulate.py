@@ -7,10 +7,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import tools.simulate as sim
+import diloco.lab.simulate as sim
 from diloco.errors import InvalidArgument
-from tools.simulate import analytic
-from tools.simulate.engine import (
+from diloco.lab.simulate import analytic
+from diloco.lab.simulate.engine import (
     JobResult,
     Outages,
     RecoveryDist,
@@ -25,7 +25,7 @@ from tools.simulate.engine import (
     simulate_elastic_dp,
     slowest_chip_speed,
 )
-from tools.simulate.report import PUBLISHED_GOODPUT_PCT
+from diloco.lab.simulate.report import PUBLISHED_GOODPUT_PCT
 
 # One trial is enough: a cell's standard deviation across seeds is ~0.1 goodput points.
 FAST = replace(SimOptions(), trials=1)

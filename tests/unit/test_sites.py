@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from coordinator.config import LocalLauncherConfig
-from coordinator.launcher import LINK_OVERRIDE, override_args
+from diloco.coordinator.config import LocalLauncherConfig
+from diloco.coordinator.launcher import LINK_OVERRIDE, override_args
 from diloco.errors import InvalidArgument
-from diloco.sites import HubSpec, check_mbit
-from tools.chaos import parse_link
-from tools.local.config import LocalConfig
-from tools.metrics import link_bytes
+from diloco.coordinator.sites import HubSpec, check_mbit
+from diloco.cli.chaos import parse_link
+from diloco.cli.local.config import LocalConfig
+from diloco.cli.metrics import link_bytes
 
 
 def test_a_link_override_is_the_launchers_checked_and_never_a_learner_flag():
@@ -65,7 +65,7 @@ def test_the_kernels_counts_are_compared_with_each_learners_own(tmp_path):
 
 
 def test_a_launcher_without_sites_refuses_a_link_and_adds_no_flag(tmp_path):
-    from coordinator.launcher import LocalProcessLauncher
+    from diloco.coordinator.launcher import LocalProcessLauncher
 
     launcher = LocalProcessLauncher(LocalLauncherConfig(), "127.0.0.1:1", tmp_path / "token", tmp_path, lambda *_: None)
     with pytest.raises(InvalidArgument, match="no emulated sites"):
@@ -76,9 +76,9 @@ def test_a_launcher_without_sites_refuses_a_link_and_adds_no_flag(tmp_path):
 def test_without_root_sites_are_refused_in_one_line_before_anything_starts(monkeypatch, tmp_path):
     import os
 
-    from diloco import sites
+    from diloco.coordinator import sites
     from diloco.errors import FailedPrecondition
-    from tools.local.run import run_local
+    from diloco.cli.local.run import run_local
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(FailedPrecondition, match=r"^emulated sites \(--link-mbit\) need root: .*CAP_NET_ADMIN$"):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from diloco.codec import dequantize_int4, quantize_int4
-from syncer.core.merge import Contribution, merge_piece, token_weights
-from syncer.core.outer import apply_quantized_, nesterov_
+from diloco.syncer.core.merge import Contribution, merge_piece, token_weights
+from diloco.syncer.core.outer import apply_quantized_, nesterov_
 from tests.unit.test_codec import _message, kernel_path, needs_kernel
 
 
@@ -104,7 +104,7 @@ def test_quantized_apply_is_exact_and_keeps_the_rest_as_residual():
 
 
 def test_fused_outer_step_matches_the_torch_ops():
-    from syncer.core import outer
+    from diloco.syncer.core import outer
 
     g = torch.Generator().manual_seed(3)
     n = 64 * 100 + 10  # a partial last block
@@ -170,7 +170,7 @@ def test_apply_quantized_honours_block_size_and_scale_dtype_and_leaves_the_updat
 
 @pytest.mark.parametrize("block_size", [64, 3])  # 3: a block size the C kernel does not take
 def test_outer_step_without_the_kernel_is_the_kernels_step(monkeypatch, block_size):
-    from syncer.core import outer
+    from diloco.syncer.core import outer
 
     g = torch.Generator().manual_seed(7)
     n = 64 * 10 + 5
@@ -200,9 +200,9 @@ def test_outer_step_without_the_kernel_is_the_kernels_step(monkeypatch, block_si
 
 @needs_kernel
 def test_fused_outer_step_takes_even_blocks_up_to_1024():
-    """The shard's fused step (in syncer.core.outer, on the codec's C kernel) runs for even block sizes up to 1024 (and returns the int4
+    """The shard's fused step (in diloco.syncer.core.outer, on the codec's C kernel) runs for even block sizes up to 1024 (and returns the int4
     update it added to params); otherwise it touches nothing and leaves it to torch ops."""
-    from syncer.core import outer
+    from diloco.syncer.core import outer
 
     n = 2100
 

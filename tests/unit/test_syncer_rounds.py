@@ -1,7 +1,7 @@
 import pytest
 
-from syncer.config import RoundConfig
-from syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
+from diloco.syncer.config import RoundConfig
+from diloco.syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
 
 
 def view(pushed, live, quorum_at=None, grace=0.0):

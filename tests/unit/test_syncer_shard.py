@@ -12,10 +12,10 @@ from diloco.clock import VectorClock
 from diloco.codec import decode, encode
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import plan_fragments
-from syncer.config import MergeConfig, RoundConfig, SyncerConfig
-from syncer.core.bounds import Push
-from syncer.core.rounds import Close, Wait
-from syncer.core.shard import (
+from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
+from diloco.syncer.core.bounds import Push
+from diloco.syncer.core.rounds import Close, Wait
+from diloco.syncer.core.shard import (
     ACCEPTED,
     Ack,
     ACCEPTED_NEXT_ROUND,
@@ -181,8 +181,8 @@ def test_error_feedback_keeps_params_plus_residual_on_the_true_trajectory():
         shard.finish_round(job, segment, rnd + 0.1)
         # The update on the wire is exactly what moved the parameters.
         ref_state = reference.fragments[0]
-        from syncer.core.merge import merge_piece
-        from syncer.core.outer import nesterov_
+        from diloco.syncer.core.merge import merge_piece
+        from diloco.syncer.core.outer import nesterov_
 
         for i, piece in enumerate(ref_state.fragment.pieces):
             t = payload.tensors[i]
@@ -718,12 +718,12 @@ def test_outer_step_without_the_c_kernel(monkeypatch):
     """Without the C extension the outer step runs in torch ops on the same flat state
     (2-D pieces included): learners stay bit-identical, and the trajectory is the kernel's
     up to float rounding order."""
-    import syncer.core.outer
+    from diloco.syncer.core import outer
 
     shards = {}
     for kernel in (True, False):
         if not kernel:
-            monkeypatch.setattr(syncer.core.outer, "fused_outer_step", lambda *args: None)
+            monkeypatch.setattr(outer, "fused_outer_step", lambda *args: None)
         shard, initial = make_shard()
         learner = Learner("L0", shard, initial, 0)
         for rnd in range(2):
@@ -903,7 +903,7 @@ def test_a_fragment_version_out_of_range_is_refused():
 
 def test_an_anchor_version_from_the_wire_is_bounded():
     from diloco.v1 import syncer_pb2
-    from syncer.convert import anchor_version_from_proto
+    from diloco.syncer.convert import anchor_version_from_proto
 
     assert anchor_version_from_proto(syncer_pb2.InitializeHeader(anchor_version=2**64 - 1)) is None  # not an anchor
     assert anchor_version_from_proto(syncer_pb2.InitializeHeader(anchor=True, anchor_version=7)) == 7

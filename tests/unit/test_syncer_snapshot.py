@@ -10,11 +10,11 @@ import torch
 from diloco.codec import encode
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.manifest import Manifest
-from syncer import snapshot as snapshot_files
-from syncer.core.rounds import RoundView
+from diloco.syncer import snapshot as snapshot_files
+from diloco.syncer.core.rounds import RoundView
 from diloco.wire import PushMeta
-from syncer.core.shard import ACCEPTED, DUPLICATE, Pending, ShardCore, compute_round, inspect_payload
-from syncer.core.snapshot import ChannelRecorder, Decision, capture, push_in, push_out, restore
+from diloco.syncer.core.shard import ACCEPTED, DUPLICATE, Pending, ShardCore, compute_round, inspect_payload
+from diloco.syncer.core.snapshot import ChannelRecorder, Decision, capture, push_in, push_out, restore
 from tests.unit.test_syncer_shard import PARAMS, Learner, close, make_shard
 from tests.checks import assert_same_tensors
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tools.cli.main import main
+from diloco.command import main
 from diloco.errors import InvalidArgument, NotFound
 from diloco.tape import TapeWriter, read_tape
 

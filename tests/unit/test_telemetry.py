@@ -12,7 +12,7 @@ import pytest
 from opentelemetry import metrics, trace
 
 from diloco import telemetry
-from tools.cli import main as cli
+from diloco import command as cli
 from diloco.errors import InvalidArgument
 
 
@@ -95,7 +95,7 @@ def test_prometheus_endpoint_serves_the_metrics_with_the_resource():
     handle = telemetry.start("syncer", {}, shard_id=0, prometheus=("127.0.0.1", 0), install=False)
     try:
         assert handle.tracer_provider is None  # the flag turns on metrics only
-        from syncer.telemetry import ShardTelemetry
+        from diloco.syncer.telemetry import ShardTelemetry
 
         shard = ShardTelemetry(0, meter=handle.meter_provider.get_meter("test"))
         shard.push_received("accepted", 0, 1234)
@@ -135,7 +135,7 @@ def test_the_endpoint_lists_itself_with_the_port_it_got_and_unlists_itself_at_sh
     try:
         assert json.loads((tmp_path / "targets" / "L2.json").read_text()) == [
             {"targets": [f"127.0.0.1:{handle.prometheus_port}"], "labels": {"role": "learner", "learner": "L2"}}]
-        from learner.telemetry import LearnerTelemetry
+        from diloco.learner.telemetry import LearnerTelemetry
 
         LearnerTelemetry("L2", meter=handle.meter_provider.get_meter("test")).train_loss(2.5, "bits/byte")
         with urllib.request.urlopen(f"http://127.0.0.1:{handle.prometheus_port}/metrics", timeout=10) as response:
@@ -158,8 +158,8 @@ def test_the_shard_counts_rounds_and_the_coordinator_reports_its_members_by_stat
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from coordinator.telemetry import CoordinatorTelemetry
-    from syncer.telemetry import ShardTelemetry
+    from diloco.coordinator.telemetry import CoordinatorTelemetry
+    from diloco.syncer.telemetry import ShardTelemetry
 
     reader = InMemoryMetricReader()
     meter = MeterProvider(metric_readers=[reader]).get_meter("test")

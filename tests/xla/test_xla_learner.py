@@ -12,8 +12,8 @@ from diloco.codec import encode
 from diloco.errors import InvalidArgument
 from diloco.manifest import manifest_of, synced_tensors
 from diloco.task import TaskContext, build_task
-from learner.core.sync import delta, merge_into
-from learner.device import Device
+from diloco.learner.core.sync import delta, merge_into
+from diloco.learner.device import Device
 from tests.checks import assert_same_tensors
 
 from tests.xla.conftest import DEVICES
@@ -164,7 +164,7 @@ def test_a_batch_the_devices_cannot_split_is_refused_by_name(xla):
 def test_a_snapshot_of_an_xla_learner_holds_host_tensors_only(xla):
     """What a learner records on a snapshot marker: a CPU learner restores it (a state
     that kept XLA tensors in its optimizer state would not load off XLA)."""
-    from learner.slice import host_state
+    from diloco.learner.slice import host_state
 
     task = _task(xla)
     optimizer, _ = _train(task, xla, 1)

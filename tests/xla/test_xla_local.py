@@ -18,7 +18,7 @@ SMALL = ["--width", "64", "--depth", "2", "--heads", "4", "--context", "64", "--
 def test_a_run_mixing_an_xla_learner_with_cpu_learners_lowers_the_eval_loss(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "--insecure", "local", "--learners", "3", "--shards", "2", "--steps", "80",
+        [sys.executable, "-m", "diloco", "--insecure", "local", "--learners", "3", "--shards", "2", "--steps", "80",
          "--learner-device", "L0:xla", "--out", str(out), *SMALL],
         capture_output=True, text=True, timeout=400, env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(DEVICES)},
     )

@@ -1,0 +1,7 @@
+"""``python -m diloco``: the ``diloco`` command (how a run's processes start each other)."""
+
+import sys
+
+from diloco.command import main
+
+sys.exit(main())

@@ -1,0 +1,200 @@
+"""``diloco replay RUN_DIR``: re-run every shard's recorded rounds in one process and
+compare the result with the run's final global model.
+
+What is replayed: each shard's life since its last start (a restarted shard appends a
+new ``start`` record, then a ``restore`` one when it came back from a snapshot). The
+tape says which pushes made each round (participants, their exact weights, the close
+reason, share of the live learners); the push log holds those pushes' int4 payloads. Each round is rebuilt in a
+fresh ``ShardCore`` with the same configuration and run through the same
+``compute_round`` the shard ran, in tape order. The learners are not re-run: the tape and
+push log are the complete input of the global model, which is what replay checks.
+
+Each fragment starts from the values it was initialised with (``initial-F<f>.npz`` in the
+shard's data directory, written when the first learner offered them, and recorded on the
+tape), planned from the run's manifest (``manifest.json`` there).
+
+The comparison point is the version of each fragment that ``diloco local`` exported into
+``model.safetensors`` (``summary.json``'s ``final_versions``); the shards may close a
+last round on shutdown after that. Parameters a model holds in bf16 or fp16 are exported
+rounded, so only an fp32 model can match bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from diloco.config import RunConfig
+from diloco.errors import FailedPrecondition, InvalidArgument, NotFound
+from diloco.manifest import Manifest
+from diloco.tape import read_tape
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardReplay:
+    shard_id: int
+    rounds: int
+    restored_from: int | None
+    """The snapshot the shard's last life started from, if any."""
+    max_abs_diff: float
+    fragments: dict[int, int]
+    """Fragment -> the version compared."""
+
+
+def _syncer_config(raw: dict):
+    from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
+
+    return SyncerConfig(**{**raw, "rounds": RoundConfig(**raw["rounds"]), "merge": MergeConfig(**raw["merge"])})
+
+
+def _last_life(records: list[dict], tape: Path) -> list[dict]:
+    starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
+    if not starts:
+        raise InvalidArgument(f"tape {tape} has no start record")
+    life = records[starts[-1]:]
+    if "config" not in life[0]:
+        raise InvalidArgument(f"tape {tape} predates replay support (its start record has no config)")
+    return life
+
+
+def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str | Path | None,
+                 final: dict[str, torch.Tensor], final_versions: dict[int, int], secret: str | None = None) -> ShardReplay:
+    """``secret``: the run's, which verifies the snapshot the shard's last life restored from
+    (None: the life must not have restored from one)."""
+    from diloco.syncer import snapshot as snapshot_files
+    from diloco.syncer.core import snapshot
+    from diloco.syncer.core.rounds import Close
+    from diloco.syncer.core.shard import DUPLICATE, Pending, compute_round
+    from diloco.syncer.core.shard import ShardCore
+    from diloco.syncer.pushlog import read_push_log
+    from diloco.syncer.runtime import MANIFEST_FILE, initial_name
+
+    life = _last_life(list(read_tape(tape)), tape)
+    cfg = _syncer_config(life[0]["config"])
+    data_dir = tape.parent
+    if not (data_dir / MANIFEST_FILE).is_file():
+        raise NotFound(f"no {MANIFEST_FILE} in {data_dir}: shard {cfg.shard_id} never got a model")
+    manifest_json = (data_dir / MANIFEST_FILE).read_text()
+    plan = Manifest.from_json(manifest_json).plan(run.fragments)
+    core = ShardCore(cfg)
+    core.adopt_plan(plan, manifest_json)
+    logged = {(m.learner_id, m.fragment, m.seq): (m, p, w) for m, p, w in read_push_log(push_log)}
+    targeted: dict[tuple[str, int, int], tuple] = {}
+    restored_from = None
+    compared: dict[int, list[torch.Tensor]] = {}
+
+    def capture(fragment_id: int) -> None:
+        if final_versions.get(fragment_id) == core.fragments[fragment_id].version:
+            compared[fragment_id] = [torch.from_numpy(t.copy()) for t in core.fragments[fragment_id].params]
+
+    for fragment_id in core.fragments:
+        capture(fragment_id)
+    rounds = 0
+    for r in life[1:]:
+        if r["kind"] == "initialize":
+            initial = snapshot_files.loads(data_dir / initial_name(r["fragment"]))
+            # A shard that came back without its state started from an anchor, at its version.
+            core.add_fragment(r["fragment"], initial["pieces"], r.get("version", 0))
+            capture(r["fragment"])
+        elif r["kind"] == "restore":
+            if not secret:
+                raise NotFound(f"shard {cfg.shard_id} restored from snapshot {r['snapshot']}: replay needs the run's "
+                               "secret to verify it")
+            snapshot_id, state, channel = snapshot_files.load_for_restore(str(r["snapshot"]), snapshot_dir, cfg.shard_id, secret)
+            snapshot.restore(core, state, 0.0)
+            for meta, payload, wire_bytes in channel:
+                core.accept(meta, payload, wire_bytes, 0.0)
+            restored_from = snapshot_id
+            compared.clear()
+            for fragment_id in core.fragments:
+                capture(fragment_id)
+        elif r["kind"] == "round_failed":
+            raise FailedPrecondition(
+                f"tape {tape}: round {r['fragment']}@{r['version']} failed in the run ({r['error']}); a failed step "
+                "may have left part of its update, which replay cannot reproduce"
+            )
+        elif r["kind"] == "push" and r["outcome"] != DUPLICATE:
+            key = (r["learner"], r["fragment"], r["clock"][r["learner"]])
+            if key not in logged:
+                raise FailedPrecondition(f"push log {push_log} lacks the push {key} that the tape records")
+            targeted[(r["learner"], r["fragment"], r["target_version"])] = logged[key]
+        elif r["kind"] == "round":
+            state = core.fragments[r["fragment"]]
+            opened = {}
+            for learner in r["participants"]:
+                push = targeted.get((learner, r["fragment"], r["version"]))
+                if push is not None:
+                    opened[learner] = Pending(push[0], push[1], 0.0, push[2])
+                elif learner in state.open:  # restored with the snapshot
+                    opened[learner] = state.open[learner]
+                else:
+                    raise FailedPrecondition(
+                        f"tape {tape}: round {r['fragment']}@{r['version']} merged a push from {learner} that was never recorded"
+                    )
+            state.open, state.next = opened, {}
+            job = core.begin_round(r["fragment"], Close(r["reason"], r["grace_s"]), 0.0)
+            if job.version != r["version"]:
+                raise FailedPrecondition(f"tape {tape}: fragment {r['fragment']} is at {job.version - 1}, the tape closes {r['version']}")
+            job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0),
+                          clip=tuple(r.get("clip", ())), gate=tuple(r.get("gate", ())))
+            core.finish_round(job, compute_round(job, cfg), 0.0)
+            rounds += 1
+            capture(r["fragment"])
+    missing = sorted(set(final_versions) & set(core.fragments) - set(compared))
+    if missing:
+        raise FailedPrecondition(
+            f"shard {cfg.shard_id}: the replay never reached the final version of fragments {missing} "
+            f"({ {f: final_versions[f] for f in missing} })"
+        )
+    diff = 0.0
+    for fragment_id, params in compared.items():
+        for mine, theirs in zip(params, plan.gather(fragment_id, final)):
+            diff = max(diff, float((mine - theirs.reshape(mine.shape)).abs().max()))
+    return ShardReplay(cfg.shard_id, rounds, restored_from, diff, {f: final_versions[f] for f in sorted(compared)})
+
+
+def _run_secret(run_dir: Path, tapes: list[Path]) -> str | None:
+    """The run secret, which authenticates the snapshots that restarted shards came back
+    from; a run whose shards never restored from one has nothing to verify. Never an empty
+    key: a manifest signed with it would pass."""
+    restored = [tape for tape in tapes if any(r["kind"] == "restore" for r in _last_life(list(read_tape(tape)), tape))]
+    path = run_dir / "secret"
+    secret = path.read_text().strip() if path.is_file() else ""
+    if restored and not secret:
+        raise NotFound(f"{path} is missing or empty: {', '.join(t.parent.name for t in restored)} restored from a "
+                       "snapshot, which only the run's secret can verify")
+    return secret or None
+
+
+def replay(run_dir: Path, snapshot_dir: str | Path | None = None) -> list[ShardReplay]:
+    run_dir = Path(run_dir)
+    for name in ("run.json", "model.safetensors", "summary.json"):
+        if not (run_dir / name).is_file():
+            raise NotFound(f"{run_dir} is not a finished diloco local run directory: no {name}")
+    run = RunConfig.from_json((run_dir / "run.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if "final_versions" not in summary:
+        raise InvalidArgument(f"{run_dir / 'summary.json'} has no final_versions (written by an older diloco)")
+    final_versions = {int(f): int(v) for f, v in summary["final_versions"].items()}
+    tapes = sorted(run_dir.glob("shard*/tape-S*.jsonl"))
+    if not tapes:
+        raise NotFound(f"no shard tapes under {run_dir}")
+    secret = _run_secret(run_dir, tapes)
+    from safetensors.torch import load_file
+
+    final = {k: v.float() for k, v in load_file(str(run_dir / "model.safetensors")).items()}
+    results = []
+    for tape in tapes:
+        shard_id = int(tape.stem.rsplit("S", 1)[1])
+        push_log = tape.parent / f"pushes-S{shard_id}.log"
+        if not push_log.is_file():
+            raise NotFound(f"no push log {push_log}: the shard ran without --push-log")
+        results.append(replay_shard(run, tape, push_log, snapshot_dir or run_dir / "coordinator" / "snapshots",
+                                    final, final_versions, secret))
+    return results
