@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def _local(args: argparse.Namespace) -> int:
-    from diloco.cli.local.run import resume_config, run_local
+    from diloco.cli.local.rundir import resume_config
+    from diloco.cli.local.run import run_local
 
     cfg = _local_config(args)
     if args.resume:  # the stored run, with what was given checked against it

@@ -242,7 +242,7 @@ def test_the_pace_is_tokens_per_second_over_the_last_three_seconds():
 def test_a_summary_is_strict_json_with_a_reason_for_every_missing_figure():
     import json
 
-    from diloco.cli.local.run import strict
+    from diloco.cli.local.summary import strict
 
     summary = {"eval_loss_final": None, "goodput": float("nan"), "tokens": 10,
                "learners": [{"id": "L0", "tokens_per_s": float("inf")}]}
@@ -254,7 +254,7 @@ def test_a_summary_is_strict_json_with_a_reason_for_every_missing_figure():
 
 
 def test_what_fails_a_run_and_what_does_not():
-    from diloco.cli.local.run import run_failures
+    from diloco.cli.local.summary import run_failures
 
     learners = [{"id": "L0", "state": "left", "inner_steps": 10, "reason": "finished"},
                 {"id": "L1", "state": "failed", "inner_steps": 0, "reason": "failed to start: boom"},
