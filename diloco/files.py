@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -26,6 +27,34 @@ def private_dir(path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     return path
+
+
+def missing_dirs(path: str | Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, deepest first: what
+    ``private_dir(path)`` would make."""
+    missing = []
+    for directory in (Path(path), *Path(path).parents):
+        if directory.exists():
+            break
+        missing.append(directory)
+    return missing
+
+
+def check_makeable(path: str | Path) -> None:
+    """Raise the ``OSError`` that making ``path`` a ``private_dir`` (its missing parents
+    too) and writing in it would raise: a parent that cannot be made, a file in the way,
+    a read-only file system, no permission. Leaves nothing behind: what it makes, it removes."""
+    path = Path(path)
+    made = []
+    try:
+        for directory in reversed(missing_dirs(path)):
+            directory.mkdir(mode=PRIVATE_DIR)
+            made.append(directory)
+        os.rmdir(tempfile.mkdtemp(dir=path, prefix=".diloco-probe-"))  # writable, also when it existed
+    finally:
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 def private_append(path: str | Path, binary: bool = False) -> IO:

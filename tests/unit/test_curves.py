@@ -145,10 +145,13 @@ def test_tensorboard_holds_the_curves_and_a_resumed_part_adds_only_its_own(tmp_p
 
 def test_tensorboard_dir_is_checked_before_anything_starts(tmp_path, monkeypatch):
     check_tensorboard(tmp_path / "new" / "board")
-    assert (tmp_path / "new" / "board").is_dir()
+    assert not (tmp_path / "new").exists()  # made when the run writes it: a run refused later leaves nothing
     (tmp_path / "file").write_text("")
     with pytest.raises(InvalidArgument, match=re.escape(f"--tensorboard {tmp_path / 'file'} is a file, not a directory")):
         check_tensorboard(tmp_path / "file")
+    with pytest.raises(InvalidArgument, match=re.escape(f"--tensorboard {tmp_path / 'file' / 'board'} cannot be used: "
+                                                        "Not a directory")):
+        check_tensorboard(tmp_path / "file" / "board")
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(FailedPrecondition, match=re.escape("not installed here: pip install -c constraints.txt -e "
                                                            "'.[tensorboard]'")):

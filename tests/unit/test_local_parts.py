@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -335,3 +336,22 @@ def test_the_prometheus_targets_file_lists_the_live_processes_as_they_listed_the
     l2 = serve("L2", 9102)
     cluster.note_learners(members)
     assert json.loads((tmp_path / PROMETHEUS_TARGETS).read_text()) == l0 + l2
+
+
+def test_a_directory_flag_that_cannot_be_made_is_one_line_naming_it_and_why_before_anything_starts(tmp_path):
+    """--out (or --snapshot-dir, --tensorboard) under a file, or where the OS refuses to
+    make a directory: the flag, the path and the OS's reason, exit 2, nothing made."""
+    (tmp_path / "file").write_text("")
+    under_file, in_proc = tmp_path / "file" / "run", Path("/proc/diloco-none/run")
+    for flags, flag, path, reason in (
+            (["--out", str(under_file)], "--out", under_file, "Not a directory"),
+            (["--out", str(in_proc)], "--out", in_proc, "/proc/diloco-none: No such file or directory"),
+            (["--out", str(tmp_path / "run"), "--snapshot-dir", str(under_file)], "--snapshot-dir", under_file,
+             "Not a directory"),
+            (["--out", str(tmp_path / "run"), "--tensorboard", str(under_file)], "--tensorboard", under_file,
+             "Not a directory")):
+        proc = subprocess.run([sys.executable, "-m", "diloco", "local", *flags], capture_output=True, text=True,
+                              timeout=120)
+        assert (proc.returncode, proc.stderr) == (2, f"diloco: error: {flag} {path} cannot be used: {reason}\n"), flags
+        assert not (tmp_path / "run").exists() and not in_proc.parent.exists()
+

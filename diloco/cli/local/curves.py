@@ -32,6 +32,7 @@ from pathlib import Path
 
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.files import atomic_write
+from diloco.cli.local.rundir import check_dir_flag
 from diloco.tape import TapeWriter, read_tape
 from diloco.cli.metrics import CURVE_DIR, run_tokens
 
@@ -105,15 +106,12 @@ TENSORBOARD_FIX = "pip install -c constraints.txt -e '.[tensorboard]'"
 
 def check_tensorboard(directory: Path) -> None:
     """``--tensorboard DIR`` can be written, before anything starts: the package is
-    installed and DIR is a directory (made if it is new)."""
+    installed and DIR is a directory, or can be made (nothing is made here)."""
     if importlib.util.find_spec("tensorboard") is None:
         raise FailedPrecondition(f"--tensorboard: the tensorboard package is not installed here: {TENSORBOARD_FIX}")
     if directory.exists() and not directory.is_dir():
         raise InvalidArgument(f"--tensorboard {directory} is a file, not a directory")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise InvalidArgument(f"--tensorboard {directory}: {error.strerror}") from None
+    check_dir_flag("--tensorboard", directory)  # made when the run writes it
 
 
 def write_tensorboard(records: list[dict], directory: Path, since: float) -> None:

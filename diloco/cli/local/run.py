@@ -132,6 +132,8 @@ class LocalRun:
             self.resumed_from = rundir.resumable(self.run_dir, self.snapshot_dir)
         else:
             rundir.check_new_run_dir(self.run_dir)
+            if cfg.snapshot_dir is not None and "://" not in cfg.snapshot_dir:  # a URL's store is checked as used
+                rundir.check_dir_flag("--snapshot-dir", Path(cfg.snapshot_dir))
         _check_devices(cfg)
         if cfg.tensorboard is not None:
             check_tensorboard(cfg.tensorboard)

@@ -12,19 +12,29 @@ from pathlib import Path
 from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, InvalidArgument, NotFound
-from diloco.files import PRIVATE_DIR, atomic_write, private_dir
+from diloco.files import PRIVATE_DIR, atomic_write, check_makeable, private_dir
 from diloco.snapshots import snapshot_ids
 from diloco.cli.local.config import LocalConfig
 
 
+def check_dir_flag(flag: str, directory: Path) -> None:
+    """The directory ``flag`` names can be made (or is there) and written, or one line
+    saying why not in the OS's words; nothing is left behind."""
+    try:
+        check_makeable(directory)
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename and str(error.filename) != str(directory) else ""
+        raise InvalidArgument(f"{flag} {directory} cannot be used: {where}{error.strerror}") from None
+
+
 def check_new_run_dir(run_dir: Path) -> None:
-    """A run directory is new or empty: never another run's (live or finished), whose
-    secret, tapes and coordinator state a second run would mix with its own."""
-    if not run_dir.exists():
-        return
-    if not run_dir.is_dir():
+    """A run directory is new or empty, and can be made and written: never another run's
+    (live or finished), whose secret, tapes and coordinator state a second run would mix
+    with its own."""
+    if run_dir.exists() and not run_dir.is_dir():
         raise InvalidArgument(f"--out {run_dir} is a file, not a directory")
-    if not any(run_dir.iterdir()):
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        check_dir_flag("--out", run_dir)
         return
     live = []
     with contextlib.suppress(OSError, ValueError):
