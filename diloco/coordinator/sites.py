@@ -68,18 +68,20 @@ def _run(*argv: str) -> str:
 
 def check() -> None:
     """Raise FailedPrecondition with one line when sites cannot be made here (not root,
-    no ``ip`` or ``tc``, namespaces refused)."""
+    no ``ip`` or ``tc``, namespaces or links refused: root without CAP_NET_ADMIN)."""
     if os.geteuid() != 0:
         raise FailedPrecondition("emulated sites (--link-mbit) need root: network namespaces, veth pairs and tc "
                                  "shaping need CAP_NET_ADMIN")
     probe = f"dlprobe{os.getpid()}"
     try:
         _run("ip", "netns", "add", probe)
+        _run("ip", "-n", probe, "link", "set", "lo", "up")  # links need CAP_NET_ADMIN (root without it: refused)
         _run("tc", "-n", probe, "qdisc", "show")
     except FileNotFoundError as error:
         raise FailedPrecondition(f"emulated sites need iproute2 ('ip' and 'tc'): {error.filename} not found") from None
     except FailedPrecondition as error:
-        raise FailedPrecondition(f"emulated sites are not available here: {error}") from None
+        raise FailedPrecondition(f"emulated sites are not available here (they need CAP_NET_ADMIN, network namespaces "
+                                 f"and tc): {error}") from None
     finally:
         with contextlib.suppress(FileNotFoundError, FailedPrecondition):
             _run("ip", "netns", "del", probe)

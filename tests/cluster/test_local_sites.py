@@ -3,6 +3,7 @@ runs it (real processes, real namespaces and shaped links)."""
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from tests.cluster.test_local import TINY
 from tests.netsites import bridges, namespaces, require_sites, transfer_mbit
 from tests.polling import poll
+from tests.required import require_binary
 
 pytestmark = pytest.mark.cluster
 
@@ -47,6 +49,26 @@ def test_local_on_20_mbit_sites_trains_and_its_links_really_limit(tmp_path):
     assert links["not_counted"] == []
     assert "links: 2 sites at 20 Mbit/s" in log.read_text()
     assert (namespaces(), bridges()) == before  # every namespace, veth and bridge is gone
+
+
+@pytest.mark.timeout(300)
+def test_sites_without_cap_net_admin_are_refused_in_one_line_and_leave_the_out_directory_as_it_was(tmp_path):
+    """Root without CAP_NET_ADMIN (a container's root, capsh --drop) may make network
+    namespaces but no link in them: the check says so before anything is written, so the
+    same --out works once the run is given the capability."""
+    require_sites()
+    capsh = require_binary("capsh", "apt-get install -y libcap2-bin")
+    new, given = tmp_path / "new", tmp_path / "given"
+    given.mkdir()
+    for out in (new, given):
+        command = [sys.executable, "-m", "diloco", "local", "--learners", "1", "--shards", "1", "--steps", "2",
+                   "--link-mbit", "5", "--out", str(out), *TINY]
+        proc = subprocess.run([capsh, "--drop=cap_net_admin", "--", "-c", shlex.join(command)], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.startswith("diloco: error: emulated sites are not available here (they need CAP_NET_ADMIN")
+        assert proc.stderr.count("\n") == 1 and "Operation not permitted" in proc.stderr, proc.stderr[-3000:]
+    assert not new.exists() and list(given.iterdir()) == []
 
 
 @pytest.mark.timeout(300)

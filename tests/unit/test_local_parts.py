@@ -355,3 +355,32 @@ def test_a_directory_flag_that_cannot_be_made_is_one_line_naming_it_and_why_befo
         assert (proc.returncode, proc.stderr) == (2, f"diloco: error: {flag} {path} cannot be used: {reason}\n"), flags
         assert not (tmp_path / "run").exists() and not in_proc.parent.exists()
 
+
+def _failing_run(out: Path, monkeypatch):
+    """A diloco local run of a small task whose cluster cannot be made (as when the
+    emulated sites' hub is refused): it fails after its directory was written, before any
+    process started."""
+    from diloco.cli.local import run as local_run
+    from diloco.config import RunConfig
+    from diloco.errors import FailedPrecondition
+
+    def refused(*args, **kwargs):
+        raise FailedPrecondition("ip link add dl1br type bridge: RTNETLINK answers: Operation not permitted")
+
+    monkeypatch.setattr(local_run, "Cluster", refused)
+    task = f"{Path(__file__).resolve().parents[1] / 'tasks' / 'faulty.py'}:build"
+    cfg = LocalConfig(run=RunConfig(task=task), learners=1, shards=1, steps=2, out=out, curve_points=0)
+    with pytest.raises(FailedPrecondition, match="Operation not permitted"):
+        local_run.run_local(cfg)
+
+
+def test_a_run_that_fails_before_any_process_started_leaves_nothing_behind(tmp_path, monkeypatch):
+    """So the same --out works once the cause is fixed: the directories the run made are
+    gone, and an empty directory the user gave stays, empty, with its mode."""
+    _failing_run(tmp_path / "new" / "run", monkeypatch)
+    assert list(tmp_path.iterdir()) == []
+    given = tmp_path / "given"
+    given.mkdir(mode=0o755)
+    os.chmod(given, 0o755)
+    _failing_run(given, monkeypatch)
+    assert list(given.iterdir()) == [] and oct(given.stat().st_mode & 0o777) == oct(0o755)

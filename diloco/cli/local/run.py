@@ -33,6 +33,7 @@ import logging
 import math
 import shutil
 import signal
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ from diloco.coordinator import sites
 from diloco.coordinator.launcher import LINK_OVERRIDE
 from diloco.coordinator.pin import pin_of
 from diloco.errors import DilocoError, FailedPrecondition, Unavailable
+from diloco.files import missing_dirs
 from diloco.learner.config import LearnerConfig
 from diloco.telemetry import require_prometheus
 
@@ -87,6 +89,8 @@ class LocalRun:
         self.snapshot_dir = cfg.snapshot_dir or str(self.run_dir / "coordinator" / "snapshots")
         self.console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)  # logs: no table cut at 80
         self.lock = self.resumed_from = None
+        self.made_dirs: list[Path] = []
+        self.given_mode = 0o700
         # The parts, made as the run starts:
         self.hub = self.cluster = self.admin = self.monkey = self.curves = None
         self.progress: Progress | None = None
@@ -98,30 +102,50 @@ class LocalRun:
 
     def run(self) -> dict:
         self.prepare()
-        self.open()
-        self.hub = sites.new_hub(self.say) if self.cfg.sites else None
-        try:
-            self.cluster = Cluster(self.cfg, self.run_dir, self.learner_steps, self.pin, self.hub)
-        except BaseException:
-            if self.hub is not None:
-                sites.remove_hub(self.hub)
-            raise
-        record = RunRecord(self.run_dir, started_wall=time.time(), resumed_from=self.resumed_from)
-        started = time.monotonic()
-        previous_sigterm = _sigterm_interrupts()
-        try:
-            self.start(record)
-            self.watch(record, started)
-        except KeyboardInterrupt:
-            record.interrupted, self.interrupted_at = True, time.monotonic()
-            self.console.print("interrupted: the learners stop (final pushes, summaries), a snapshot is taken, then "
-                               "the shards and the coordinator stop")
-        finally:
-            self.stop(record)
-            if previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, previous_sigterm)
+        with self.undone_unless_started():
+            self.open()
+            self.hub = sites.new_hub(self.say) if self.cfg.sites else None
+            try:
+                self.cluster = Cluster(self.cfg, self.run_dir, self.learner_steps, self.pin, self.hub)
+            except BaseException:
+                if self.hub is not None:
+                    sites.remove_hub(self.hub)
+                raise
+            record = RunRecord(self.run_dir, started_wall=time.time(), resumed_from=self.resumed_from)
+            started = time.monotonic()
+            previous_sigterm = _sigterm_interrupts()
+            try:
+                self.start(record)
+                self.watch(record, started)
+            except KeyboardInterrupt:
+                record.interrupted, self.interrupted_at = True, time.monotonic()
+                self.console.print("interrupted: the learners stop (final pushes, summaries), a snapshot is taken, "
+                                   "then the shards and the coordinator stop")
+            finally:
+                self.stop(record)
+                if previous_sigterm is not None:
+                    signal.signal(signal.SIGTERM, previous_sigterm)
         record.wall_s, record.drained_at = time.monotonic() - started, self.budget.drained_at
         return self.report(record)
+
+    @contextlib.contextmanager
+    def undone_unless_started(self):
+        """A new run that fails (or is interrupted) before any of its processes started
+        leaves nothing behind, so the same --out works next time: the directories it made
+        are removed, and an empty directory the user gave is emptied again (its mode back).
+        Once a process started, its logs stay for the user to read."""
+        try:
+            yield
+        except BaseException:
+            if not self.cfg.resume and (self.cluster is None or not self.cluster.procs):
+                self.discard()
+            raise
+
+    def discard(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+        rundir.undo_new_run(self.run_dir, self.made_dirs, self.given_mode)
 
     def prepare(self) -> None:
         """Every check that can refuse the run, before anything is written or started: the
@@ -132,6 +156,9 @@ class LocalRun:
             self.resumed_from = rundir.resumable(self.run_dir, self.snapshot_dir)
         else:
             rundir.check_new_run_dir(self.run_dir)
+            self.made_dirs = missing_dirs(self.run_dir)  # what open makes, deepest first
+            if not self.made_dirs:
+                self.given_mode = stat.S_IMODE(self.run_dir.stat().st_mode)
             if cfg.snapshot_dir is not None and "://" not in cfg.snapshot_dir:  # a URL's store is checked as used
                 rundir.check_dir_flag("--snapshot-dir", Path(cfg.snapshot_dir))
         _check_devices(cfg)

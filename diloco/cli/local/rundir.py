@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -52,6 +53,22 @@ def check_new_run_dir(run_dir: Path) -> None:
         what = "files"
     raise AlreadyExists(f"--out {run_dir} already holds {what}; a run never reuses another's directory: "
                         "give a new or empty --out (or remove that one)")
+
+
+def undo_new_run(run_dir: Path, made: list[Path], mode: int) -> None:
+    """Remove what a new run wrote before any of its processes started: the directories
+    it ``made`` (deepest first: the topmost goes, with all in it); or, when the user gave
+    an empty directory, what is in it, and its ``mode`` back."""
+    if made:
+        shutil.rmtree(made[-1], ignore_errors=True)
+        return
+    for entry in run_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        os.chmod(run_dir, mode)
 
 
 def lock(run_dir: Path):
