@@ -207,14 +207,25 @@ def admin_run_dir(args: argparse.Namespace) -> Path | None:
     return Path.cwd() if (Path.cwd() / ENDPOINTS_FILE).exists() else None
 
 
+def check_admin_target(args: argparse.Namespace) -> None:
+    """The coordinator an admin verb talks to is named (--coordinator, $DILOCO_COORDINATOR)
+    or found in a run directory (--run-dir, or this one); else one line saying there is no
+    run directory here and how to name one. ``cleanup`` talks to none."""
+    if args.admin == "cleanup" or args.coordinator or os.environ.get("DILOCO_COORDINATOR") or admin_run_dir(args):
+        return
+    raise InvalidArgument(
+        f"no run directory here ({Path.cwd()} holds no {ENDPOINTS_FILE}) and no coordinator named: give --run-dir DIR "
+        "(a `diloco local` run's directory), run the command inside one, or name the coordinator with "
+        "--coordinator HOST:PORT --token-file FILE")
+
+
 def _coordinator_address(args: argparse.Namespace) -> str:
     if args.coordinator:
         return args.coordinator
     if os.environ.get("DILOCO_COORDINATOR"):
         return os.environ["DILOCO_COORDINATOR"]
+    check_admin_target(args)
     run_dir = admin_run_dir(args)
-    if run_dir is None:
-        raise InvalidArgument("no coordinator: pass --coordinator HOST:PORT or --run-dir DIR (or run inside a run directory)")
     path = run_dir / ENDPOINTS_FILE
     try:
         endpoints = json.loads(path.read_text())

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from diloco import __version__
 from diloco.errors import DilocoError, InvalidArgument
-from diloco.cli.coordinator import add_admin_parser, add_coordinator_parser, admin_run_dir
+from diloco.cli.coordinator import add_admin_parser, add_coordinator_parser, admin_run_dir, check_admin_target
 from diloco.cli.runs import add_certs, add_local, add_run_tools, add_tape
 from diloco.cli.services import add_learner, add_syncer
 from diloco.cli.settings import apply_config, read_config
@@ -117,6 +117,8 @@ def _choose_transport(args: argparse.Namespace) -> None:
     elif args.command in _NETWORKED and not (args.command == "admin" and (admin_run_dir(args) or args.admin == "cleanup")):
         # (admin on a run directory, --run-dir or this one, follows the run: its RUN_DIR/tls,
         # or plaintext for a run made --insecure)
+        if args.command == "admin":
+            check_admin_target(args)  # nothing named to talk to: that, not the transport, is what is missing
         raise InvalidArgument(
             f"{args.command} refuses plaintext gRPC: give --tls-dir DIR (mutual TLS; `diloco certs --out DIR` "
             "makes one for a run) or --insecure (tokens and credentials then cross the network in clear); "

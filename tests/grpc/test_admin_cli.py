@@ -100,7 +100,7 @@ def test_bad_input_raises_one_line_errors(tmp_path, monkeypatch):
         async with running_coordinator(tmp_path) as server:
             directory = run_dir(tmp_path, server.address)
             cases = [
-                (("admin", "members"), InvalidArgument, "no coordinator: pass --coordinator"),
+                (("admin", "members"), InvalidArgument, "no run directory here"),
                 (("admin", "--coordinator", server.address, "members"), InvalidArgument, "no admin token"),
                 (("admin", "--run-dir", tmp_path / "nowhere", "members"), NotFound, "cannot read"),
                 (("admin", "--run-dir", directory, "add-learners", 0), InvalidArgument, "count must be >= 1, got 0"),
@@ -222,6 +222,25 @@ def test_admin_on_a_run_directory_whose_coordinator_is_gone_says_what_became_of_
         err = capsys.readouterr().err
         assert f"no coordinator answers at {closed}" in err and said in err and "Traceback" not in err, err
         assert ("--resume" in err) == (summary is None or summary["interrupted"])
+
+
+def test_admin_outside_a_run_directory_says_there_is_none_and_how_to_name_one(tmp_path, monkeypatch, capsys):
+    """`diloco admin members` where no run is (no --run-dir, no --coordinator) blamed
+    plaintext gRPC; what is missing is the run: one line saying so and how to name one,
+    whatever the transport."""
+    from diloco import command as cli
+
+    for name in ("DILOCO_TLS_DIR", "DILOCO_INSECURE", "DILOCO_ADMIN_TOKEN", "DILOCO_COORDINATOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    expected = (f"diloco: error: no run directory here ({tmp_path} holds no endpoints.json) and no coordinator "
+                "named: give --run-dir DIR (a `diloco local` run's directory), run the command inside one, or name the "
+                "coordinator with --coordinator HOST:PORT --token-file FILE\n")
+    for argv in (["admin", "members"], ["--insecure", "admin", "members"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1] + "\n" == expected, err
+        assert "plaintext" not in err.replace("--insecure: plaintext gRPC", ""), err
 
 
 def test_admin_inside_a_tls_run_s_directory_is_admin_with_run_dir_dot(tmp_path, monkeypatch, capsys):
