@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,7 @@ async def health_server(health_servicer, address: str) -> tuple[grpc.aio.Server,
     """A plaintext server with grpc.health.v1 only, answering from ``health_servicer`` (the
     main server's statuses), for probes that cannot present a client certificate
     (kubelet's gRPC probes) while the main port requires mutual TLS."""
+    _check_free(address, " for health probes")
     probe_server = grpc.aio.server(options=SERVER_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe_server)
     try:
@@ -95,6 +97,32 @@ async def health_server(health_servicer, address: str) -> tuple[grpc.aio.Server,
         raise Unavailable(f"cannot listen on {address} for health probes: the port is in use or not available")
     await probe_server.start()
     return probe_server, port
+
+
+def _check_free(address: str, purpose: str = "") -> None:
+    """Unavailable, with the OS's reason, when no address ``address`` resolves to can be
+    listened on, tried with a plain socket as gRPC binds (SO_REUSEADDR, no SO_REUSEPORT)
+    and closed at once. Asked before gRPC binds: gRPC's core would log its own line for a
+    port in use straight to stderr (``E... add_port.cc ... Failed to add port``), past the
+    process's logging, beside the one line the command line prints."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return  # any free port, or an address gRPC itself explains
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return
+    reasons = []
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+                return  # gRPC listens wherever one of them binds
+            except OSError as error:
+                reasons.append(error.strerror or str(error))
+    if reasons:
+        raise Unavailable(f"cannot listen on {address}{purpose}: {reasons[0]}")
 
 
 async def mark_serving(health_servicer, service_names: Iterable[str], serving: bool = True) -> None:
@@ -232,6 +260,7 @@ def server(options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Server:
 
 def bind(server: grpc.aio.Server, address: str) -> int:
     """Listen on ``address`` (port 0: any free port); a clear Unavailable if it cannot."""
+    _check_free(address)
     try:
         if _tls is None:
             port = server.add_insecure_port(address)

@@ -160,15 +160,28 @@ class CoordinatorServer:
         return f"{self.cfg.host}:{self.port}"
 
     async def start(self) -> int:
-        if self.cfg.status_port is not None:  # first: a port taken fails the start before anything runs
-            self.status_page = StatusPage(self.runtime, self.shard_calls, self.cfg.status_host, self.cfg.status_port,
-                                          self._admin_token, self.cfg.data_dir)
-        self.port = rpc.bind(self.server, f"{self.cfg.host}:{self.cfg.port}")
-        write_secret_file(self.cfg.data_dir / JOIN_TOKEN_FILE, auth.join_token(self._secret))
-        self.runtime.launcher = self._launcher_factory(self, self.cfg.advertise_address or self.address)
-        await self.server.start()
-        if self.cfg.health_port is not None:
-            self._probes, _ = await rpc.health_server(self.health, f"{self.cfg.host}:{self.cfg.health_port}")
+        """Listen and serve. A start that fails (a port taken) lets go of what it opened."""
+        try:
+            if self.cfg.status_port is not None:  # first: a port taken fails the start before anything runs
+                self.status_page = StatusPage(self.runtime, self.shard_calls, self.cfg.status_host, self.cfg.status_port,
+                                              self._admin_token, self.cfg.data_dir)
+            self.port = rpc.bind(self.server, f"{self.cfg.host}:{self.cfg.port}")
+            write_secret_file(self.cfg.data_dir / JOIN_TOKEN_FILE, auth.join_token(self._secret))
+            self.runtime.launcher = self._launcher_factory(self, self.cfg.advertise_address or self.address)
+            await self.server.start()
+            if self.cfg.health_port is not None:
+                self._probes, _ = await rpc.health_server(self.health, f"{self.cfg.host}:{self.cfg.health_port}")
+        except BaseException:
+            self._stopped = True
+            if self.status_page is not None:
+                self.status_page.close()
+            await self.server.stop(None)
+            # Dropped now: a grpc.aio server that lives on to the interpreter's exit (its
+            # servicers refer back here, a cycle the collector cannot see through gRPC's
+            # objects) keeps gRPC's poller thread running through the teardown, which then
+            # prints a stray "Error in sys.excepthook" after the command's one line.
+            self.server = None
+            raise
         await rpc.mark_serving(self.health, [SERVICE_NAME])
         if self.status_page is not None:
             self.status_page.start()

@@ -157,6 +157,10 @@ class StatusPage:
         self._server.shutdown()
         self._server.server_close()
 
+    def close(self) -> None:
+        """Let go of the port of a page that never started (``stop`` would wait for it to serve)."""
+        self._server.server_close()
+
     def _allowed(self, headers, query: dict[str, list[str]]) -> bool:
         if self._open:
             return True

@@ -81,10 +81,22 @@ class ShardServer:
         self._stopped = False
 
     async def start(self) -> int:
-        self.port = rpc.bind(self.server, f"{self.server_cfg.host}:{self.server_cfg.port}")
-        await self.server.start()
-        if self.server_cfg.health_port is not None:
-            self._probes, _ = await rpc.health_server(self.health, f"{self.server_cfg.host}:{self.server_cfg.health_port}")
+        """Listen and serve. A start that fails (a port taken) lets go of what it opened."""
+        try:
+            self.port = rpc.bind(self.server, f"{self.server_cfg.host}:{self.server_cfg.port}")
+            await self.server.start()
+            if self.server_cfg.health_port is not None:
+                self._probes, _ = await rpc.health_server(self.health,
+                                                          f"{self.server_cfg.host}:{self.server_cfg.health_port}")
+        except BaseException:
+            self._stopped = True
+            await self.server.stop(None)
+            # Dropped now: a grpc.aio server that lives on to the interpreter's exit (its
+            # servicers refer back here, a cycle the collector cannot see through gRPC's
+            # objects) keeps gRPC's poller thread running through the teardown, which then
+            # prints a stray "Error in sys.excepthook" after the command's one line.
+            self.server = None
+            raise
         await rpc.mark_serving(self.health, [SERVICE_NAME])
         self.runtime.evaluate_all()  # rounds restored from a snapshot may be ready to close
         if self.server_cfg.coordinator:

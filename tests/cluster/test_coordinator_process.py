@@ -163,3 +163,36 @@ def test_add_learners_reports_the_learner_each_launch_joined_as(tmp_path, capsys
         client.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_a_busy_port_is_the_one_error_line_and_nothing_else(tmp_path):
+    """A coordinator or a shard given a port another process holds printed gRPC's own log
+    line (``E... add_port.cc ... Failed to add port``) and, as the interpreter exited, a
+    stray ``Error in sys.excepthook``, around the error. Now stderr is that one line (with
+    --insecure, after its warning), naming the address and the OS's reason."""
+    import socket
+
+    from diloco.cli.certs import make_certs
+
+    (tmp_path / "secret").write_text(SECRET)
+    make_certs(tmp_path / "tls", ["localhost"])
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        error = f"diloco: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+        warning = "WARNING diloco.cli.main: --insecure: plaintext gRPC, tokens and credentials cross the network in clear"
+        secret = ["--secret-file", str(tmp_path / "secret")]
+        commands = {"coordinator": ["coordinator", "--port", str(port), "--data-dir", str(tmp_path / "c"), *secret],
+                    "syncer": ["syncer", "--port", str(port), "--data-dir", str(tmp_path / "s"), "--shard-id", "0",
+                               "--shards", "1", *secret]}
+        for name, command in commands.items():
+            for transport in (["--tls-dir", str(tmp_path / "tls")], ["--insecure"]):
+                proc = subprocess.run([sys.executable, "-m", "diloco", *transport, *command], capture_output=True,
+                                      text=True, timeout=120)
+                lines = proc.stderr.splitlines()
+                assert proc.returncode == 2, (name, transport, proc.stderr)
+                if transport == ["--insecure"]:
+                    assert len(lines) == 2 and lines[0].endswith(warning), (name, proc.stderr)
+                    lines = lines[1:]
+                assert lines == [error], (name, transport, proc.stderr)
