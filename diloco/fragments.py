@@ -141,6 +141,12 @@ def lower_bound(pieces: Sequence[Piece], num_fragments: int) -> float:
     return max(sum(p.numel for p in pieces) / num_fragments, max(p.numel for p in pieces))
 
 
+def max_fragments(params: Sequence[tuple[str, Sequence[int]]]) -> int:
+    """The most fragments ``params`` ((name, shape) pairs) can be cut into: a fragment
+    holds whole rows (dim 0) of tensors, so one row each (a 0-d tensor is one row)."""
+    return sum(int(shape[0]) if len(shape) else 1 for _, shape in params if math.prod(shape) > 0)
+
+
 def plan_fragments(
     params: Sequence[tuple[str, Sequence[int]]],
     num_fragments: int,
@@ -173,8 +179,10 @@ def plan_fragments(
         # Past a third of the fair share we only cut further to get one piece per fragment.
         divisor = divisor + 1 if divisor < _MAX_SPLIT_DIVISOR else divisor * 2
     if best is None:
+        most = max_fragments(params)
         raise InvalidArgument(
-            f"the model cannot be cut into {num_fragments} non-empty fragments along dim 0; use fewer fragments"
+            f"the model cannot be cut into {num_fragments} fragments: a fragment holds whole rows (dim 0) of tensors "
+            f"and the model's {len(specs)} tensors have {most} rows in all; give --fragments {most} or fewer"
         )
     order = {name: i for i, (name, *_) in enumerate(specs)}
     fragments = tuple(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diloco.errors import InvalidArgument, ResourceExhausted
-from diloco.fragments import FragmentPlan, is_embedding_name, plan_fragments
+from diloco.fragments import FragmentPlan, is_embedding_name, max_fragments, plan_fragments
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +104,10 @@ class Manifest:
     @property
     def synced(self) -> list[Entry]:
         return [e for e in self.entries if e.synced and e.numel]
+
+    def max_fragments(self) -> int:
+        """The most fragments the synced tensors can be cut into (``fragments.max_fragments``)."""
+        return max_fragments([(e.name, e.shape) for e in self.synced])
 
     def plan(self, num_fragments: int) -> FragmentPlan:
         buffers = {e.name for e in self.synced if e.kind == "buffer"}

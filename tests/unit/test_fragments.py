@@ -102,7 +102,7 @@ def test_owner_is_fragment_mod_shards():
     "params,p,match",
     [
         ([("w", (2,))], 0, "fragment count"),
-        ([("w", (1, 8))], 3, "cannot be cut"),
+        ([("w", (1, 8))], 3, "cannot be cut into 3 fragments: .* 1 rows in all; give --fragments 1 or fewer$"),
         ([("w", (2,)), ("w", (3,))], 1, "^parameter names must be unique$"),
         ([("w", (0,))], 1, "^the model has no parameters to fragment$"),
     ],

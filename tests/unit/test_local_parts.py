@@ -384,3 +384,32 @@ def test_a_run_that_fails_before_any_process_started_leaves_nothing_behind(tmp_p
     os.chmod(given, 0o755)
     _failing_run(given, monkeypatch)
     assert list(given.iterdir()) == [] and oct(given.stat().st_mode & 0o777) == oct(0o755)
+
+
+def test_a_model_too_small_for_its_fragments_and_shards_is_told_everything_at_once(tmp_path):
+    """The small task has 4 tensors of 34 rows in all (a fragment holds whole rows): 40
+    fragments over 50 shards failed first for the shards, then, fixed, for the fragments,
+    neither error naming the flags. Now one line says both and values that work; they do."""
+    import torch
+
+    from diloco.config import RunConfig
+    from diloco.manifest import manifest_of
+
+    task = f"{Path(__file__).resolve().parents[1] / 'tasks' / 'faulty.py'}:build"
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "diloco", "local", "--task", task, "--fragments", "40", "--shards", "50",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, (
+        "diloco: error: the model cannot be cut into 40 fragments: a fragment holds whole rows (dim 0) of tensors and the "
+        "model's 4 tensors have 34 rows in all; 50 shards for at most 34 fragments: some shard would own none: give "
+        "--fragments 34 or fewer and --shards 34 or fewer (a shard owns one fragment or more)\n")), proc.stderr
+    assert not out.exists()
+    with pytest.raises(InvalidArgument, match=re.escape("3 shards for 2 fragments: some shard would own none: give "
+                                                        "--shards 2 or fewer")):
+        LocalConfig(run=RunConfig(fragments=2), shards=3).check_cut(4, 34)
+    with pytest.raises(InvalidArgument, match=re.escape("34 rows in all: give --fragments 34 or fewer (a shard")):
+        LocalConfig(run=RunConfig(fragments=35), shards=2).check_cut(4, 34)
+    manifest = manifest_of(torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    assert (len(manifest.synced), manifest.max_fragments()) == (4, 34)
+    LocalConfig(run=RunConfig(fragments=34), shards=34).check_cut(4, 34)  # what the error offered works
+    assert manifest.plan(34).num_fragments == 34

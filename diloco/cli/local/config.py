@@ -142,8 +142,25 @@ class LocalConfig:
             raise InvalidArgument(f"--chaos {kinds}: network faults act on emulated sites: add --link-mbit R")
         MergeConfig(block_size=self.block_size)  # the shards' own checks, before any process starts
         LearnerConfig(lr=self.lr)  # and the learners'
-        if self.shards > self.run.fragments:
-            raise InvalidArgument(f"{self.shards} shards for {self.run.fragments} fragments: some shard would own none")
+        # Shards against fragments: checked with the model's own limit (check_cut), in one line.
+
+    def check_cut(self, tensors: int, most: int) -> None:
+        """The model (``tensors`` synced tensors, ``most`` fragments at most: one row each)
+        can be cut into ``--fragments`` and each of the ``--shards`` owns one or more:
+        else one line with everything wrong and values of both flags that work."""
+        fragments, shards = self.run.fragments, self.shards
+        fits = min(fragments, most)
+        problems, fixes = [], []
+        if fragments > most:
+            problems.append(f"the model cannot be cut into {fragments} fragments: a fragment holds whole rows (dim 0) "
+                            f"of tensors and the model's {tensors} tensors have {most} rows in all")
+            fixes.append(f"--fragments {most} or fewer")
+        if shards > fits:
+            problems.append(f"{shards} shards for {fragments if fragments <= most else f'at most {most}'} fragments: "
+                            "some shard would own none")
+            fixes.append(f"--shards {fits} or fewer")
+        if problems:
+            raise InvalidArgument(f"{'; '.join(problems)}: give {' and '.join(fixes)} (a shard owns one fragment or more)")
 
 
     @property

@@ -59,6 +59,7 @@ from diloco.coordinator.pin import pin_of
 from diloco.errors import DilocoError, FailedPrecondition, Unavailable
 from diloco.files import missing_dirs
 from diloco.learner.config import LearnerConfig
+from diloco.manifest import manifest_of
 from diloco.telemetry import require_prometheus
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,8 @@ class LocalRun:
         if cfg.prometheus:
             require_prometheus()  # the optional extra
         self.task = supervisor_task(cfg.run, cfg.learners)
+        manifest = manifest_of(self.task.model)
+        cfg.check_cut(len(manifest.synced), manifest.max_fragments())  # --fragments and --shards, in one line
         self.pin = pin_of(self.task.model, cfg.run.fragments)  # the run's model, pinned at the coordinator
         self.eval_start = eval_task(cfg.run, self.task)  # a task whose evaluation fails stops here
         self.batch_tokens = tokens_per_step(cfg.run, self.task)
