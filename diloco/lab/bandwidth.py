@@ -23,7 +23,7 @@ from pathlib import Path
 
 from diloco.errors import InvalidArgument
 from diloco.coordinator.sites import check_mbit
-from diloco.lab.compare import CompareConfig, _baseline, _decoupled, _figure, _fmt, over_seeds
+from diloco.lab.compare import CompareConfig, _baseline, check_systems, _decoupled, _figure, _fmt, over_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,7 @@ def write_report(cfg: CompareConfig, results: dict) -> Path:
 def run(cfg: CompareConfig, rates: tuple[float, ...]) -> dict:
     """Every rate, fastest first, every system of ``cfg`` at each; the report is rewritten
     after every cell (a stopped sweep keeps the cells done)."""
+    check_systems(cfg)
     cfg = replace(cfg, time_limit_s=cfg.time_limit_s or TIME_LIMIT_S, curve_points=0)
     results = {"rates": list(rates), "time_limit_s": cfg.time_limit_s, "cells": {}}
     for rate in rates:

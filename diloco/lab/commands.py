@@ -155,6 +155,7 @@ def _compare(args: argparse.Namespace) -> int:
     cfg = from_flags(args, compare.CompareConfig, run=build_run_config(args))
     if args.workload:
         cfg = replace(cfg, steps=compare.WORKLOADS[args.workload])
+    compare.check_systems(cfg)  # torchft importable, if asked for, before any run
     if cfg.link_mbit is not None or args.bandwidth_sweep:
         from diloco.coordinator.sites import check
 
@@ -270,7 +271,7 @@ def add_baseline(commands: argparse._SubParsersAction) -> None:
                     "supervisor restarts all of them from the last checkpoint.",
     )
     ft = kinds.add_parser(
-        "torchft", help="torchft's Streaming DiLoCo (needs the optional extra: pip install 'diloco[peers]')",
+        "torchft", help="torchft's Streaming DiLoCo (needs the peers extra: pip install -c constraints.txt -e '.[peers]')",
         description="The same workload under torchft's Streaming DiLoCo (Lighthouse on 127.0.0.1, gloo, CPU). "
                     "A killed replica is restarted alone and heals from a peer.",
     )

@@ -49,7 +49,7 @@ from diloco.cli.chaos import ChaosConfig
 from diloco.lab.baseline.common import check_sites_and_limit
 from diloco.cli.metrics import bytes_per_1k_tokens, check_curve_points, link_load
 from diloco.config import RunConfig
-from diloco.errors import InvalidArgument
+from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.learner.config import LearnerConfig
 
 logger = logging.getLogger(__name__)
@@ -227,15 +227,26 @@ def _baseline(cfg: CompareConfig, system: str, scenario: str, out: Path) -> dict
 
         result = run_dp(DPConfig(**common), show_progress=True)
     else:
-        from diloco.lab.baseline.torchft_peer import TorchftConfig, run_torchft, torchft_available
+        from diloco.lab.baseline.torchft_peer import PEERS_EXTRA, TorchftConfig, run_torchft, torchft_missing
 
-        if not torchft_available():
-            return {"skipped": "torchft is not installed: pip install 'diloco[peers]'"}
+        if (missing := torchft_missing()) is not None:  # (``run`` refuses first; a scenario run alone skips)
+            return {"skipped": f"torchft cannot be imported here ({missing}): install {PEERS_EXTRA}"}
         # torchft's Streaming DiLoCo applies a reply by mixing with alpha (its own algorithm).
         result = run_torchft(TorchftConfig(**{**common, "run": replace(cfg.run, reply_rule="mix")}), show_progress=True)
     return {**{k: result[k] for k in METRICS}, "eval_unit": result["eval_unit"],
             "eval_loss_start": result["eval_loss_start"], "curve": result["curve"], "restarts": result.get("restarts"),
             **run_load(result), "run_dir": str(out)}
+
+
+def check_systems(cfg: CompareConfig) -> None:
+    """Every system asked for can run here, before any runs: torchft is an optional extra,
+    and without it a sweep would find out after every other system's runs."""
+    from diloco.lab.baseline.torchft_peer import PEERS_EXTRA, torchft_missing
+
+    if "torchft" in cfg.systems and (missing := torchft_missing()) is not None:
+        others = ",".join(s for s in cfg.systems if s != "torchft")
+        raise FailedPrecondition(f"--systems includes torchft, which cannot be imported here ({missing}): install "
+                                 f"{PEERS_EXTRA}" + (f", or leave it out: --systems {others}" if others else ""))
 
 
 def run_scenario(cfg: CompareConfig, scenario: str, reference_wall_s: float | None = None,
@@ -556,6 +567,7 @@ def run(cfg: CompareConfig, scenarios: tuple[str, ...], ablations: tuple[str, ..
     """The scenarios, then the ``ablations`` (variant names) on those of the scenarios that
     ablations run on (all of them when none of those was asked for). The first SIGINT or
     SIGTERM stops it: the report then holds the cells done, and ``Interrupted`` is raised."""
+    check_systems(cfg)
     ablated = tuple(s for s in scenarios if s in ABLATION_SCENARIOS) or ABLATION_SCENARIOS[:2]
     planned = len(scenarios) * len(cfg.systems) + (len(ablated) * len({DEFAULT_VARIANT, *ablations}) if ablations else 0)
     results, found, reference = [], None, None

@@ -2,6 +2,7 @@
 recorded timeline, config validation and the CLI's answers to bad input."""
 
 import math
+import sys
 from dataclasses import replace
 
 import pytest
@@ -151,12 +152,38 @@ def test_bad_flags_are_clear_errors_without_traceback(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+PEERS = 'install the peers extra: pip install -c constraints.txt -e ".[peers]"'
+
+
 def test_torchft_missing_says_how_to_install(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(torchft_peer, "torchft_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` fails, as where it is not installed
     assert cli.main(["baseline", "torchft", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "torchft is not installed: pip install 'diloco[peers]'" in err and "Traceback" not in err
+    assert err.startswith("diloco: error: torchft cannot be imported here (") and err.endswith(f"): {PEERS}\n"), err
     assert not (tmp_path / "run").exists()
+
+
+def test_compare_with_torchft_that_cannot_be_imported_refuses_before_anything_runs(monkeypatch, capsys, tmp_path):
+    """It ran every other system's runs (108 s by default) and then reported torchft "not
+    run"; now one line names the extra and the --systems that leaves torchft out."""
+    from diloco.lab import compare
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(compare, "run_scenario", ran)
+    monkeypatch.setattr(compare, "_decoupled", ran)
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    for systems, leave_out in (([], ", or leave it out: --systems decoupled,dp"),
+                               (["--systems", "torchft,decoupled"], ", or leave it out: --systems decoupled"),
+                               (["--systems", "torchft"], "")):
+        assert cli.main(["compare", "--scenario", "nofault", *systems, "--out", str(tmp_path / "c")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("diloco: error: --systems includes torchft, which cannot be imported here ("), err
+        assert err.endswith(f"): {PEERS}{leave_out}\n") and err.count("\n") == 1, err
+    assert not (tmp_path / "c").exists()
+    monkeypatch.delitem(sys.modules, "torchft")
+    compare.check_systems(compare.CompareConfig())  # where it imports (the dev venv has it), nothing to say
 
 
 def test_ft_metrics_count_a_replacement_only_once_it_has_healed_onto_the_run_model():

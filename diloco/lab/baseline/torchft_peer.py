@@ -1,6 +1,6 @@
 """``diloco baseline torchft``: the same workload under torchft's Streaming DiLoCo, the
 closest published peer (torchft 0.2.0, CPU, gloo, its Lighthouse on 127.0.0.1). torchft is
-an optional extra (``pip install 'diloco[peers]'``); without it the command says so.
+an optional extra (``pip install -c constraints.txt -e ".[peers]"``); without it the command says so.
 
 M replicas (one process each, ``diloco.lab.baseline.torchft_replica``) train the run's task
 (replica i builds it as learner Li does; the task must initialise its model from the
@@ -23,7 +23,6 @@ replica's global model), ``model.pt`` (the newest of them), ``stats.json``, ``su
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -47,11 +46,22 @@ from diloco.syncer.config import MergeConfig
 logger = logging.getLogger(__name__)
 
 REPLICA_MODULE = "diloco.lab.baseline.torchft_replica"
-NOT_INSTALLED = "torchft is not installed: pip install 'diloco[peers]'"
+PEERS_EXTRA = 'the peers extra: pip install -c constraints.txt -e ".[peers]"'
+"""Where torchft comes from."""
+
+
+def torchft_missing() -> str | None:
+    """Why torchft cannot be used here, as its import fails (not installed, or installed
+    against another torch), or None: the import itself is the check."""
+    try:
+        import torchft  # noqa: F401
+    except Exception as error:  # ImportError, or what a broken install raises while it loads
+        return str(error) or type(error).__name__
+    return None
 
 
 def torchft_available() -> bool:
-    return importlib.util.find_spec("torchft") is not None
+    return torchft_missing() is None
 
 
 @dataclass(frozen=True)
@@ -354,8 +364,8 @@ def _wait_for_file(path: Path, proc, timeout_s: float) -> str:
 def run_torchft(cfg: TorchftConfig, show_progress: bool = True) -> dict:
     """Run the torchft peer; returns the summary (``common.SUMMARY_KEYS``), also written
     to ``summary.json`` beside ``stats.json``."""
-    if not torchft_available():
-        raise FailedPrecondition(NOT_INSTALLED)
+    if (missing := torchft_missing()) is not None:
+        raise FailedPrecondition(f"torchft cannot be imported here ({missing}): install {PEERS_EXTRA}")
     import torch
     from torch.distributed import TCPStore
 
