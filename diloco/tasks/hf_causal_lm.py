@@ -162,7 +162,6 @@ def documents(opts: Options) -> list[str]:
     if not files:
         raise NotFound(f"task option data={opts.data}: no files there")
     (kind,) = kinds
-    datasets.disable_progress_bars()
     with tempfile.TemporaryDirectory() as cache:  # datasets' Arrow cache, for this call only
         extra = {"sample_by": "document"} if kind == "text" else {}
         try:
@@ -182,7 +181,19 @@ def _tokens(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(joined, dtype=torch.int64)
 
 
+def _quiet() -> None:
+    """No progress bars from the libraries (transformers' "Loading weights" and "Writing
+    model shards", datasets' splits): they are drawn on stderr, into diloco's output and
+    logs, for loads of a second or less."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
 def build(ctx: TaskContext) -> Task:
+    _quiet()
     opts = Options.parse(ctx)
     tokenizer, byte_level = _tokenizer(opts)
     if tokenizer.eos_token_id is None:

@@ -134,3 +134,29 @@ def test_init_from_a_checkpoint_directory_with_tied_weights(tmp_path):
     (tmp_path / "bare").mkdir()
     with pytest.raises(TaskError, match="a directory without model.safetensors"):
         load_init(SPEC, fresh.model, str(tmp_path / "bare"))
+
+
+def test_building_and_saving_the_task_draws_no_progress_bar(tmp_path):
+    """transformers drew "Loading weights" and "Writing model shards" bars on stderr, into
+    diloco local's output and every learner's log. In a process of its own (nothing set
+    before), a build from a checkpoint and a corpus, and a save, write nothing there."""
+    import subprocess
+    import sys
+
+    directory, _ = corpus(tmp_path)
+    script = f"""
+import torch
+from pathlib import Path
+from diloco.task import TaskContext, build_task
+small = {SMALL!r}
+task = build_task({SPEC!r}, TaskContext(0, 2, 0, torch.device("cpu"), small))
+task.save_pretrained(Path({str(tmp_path / "first")!r}))
+again = build_task({SPEC!r}, TaskContext(0, 2, 0, torch.device("cpu"),
+                                          {{**small, "checkpoint": {str(tmp_path / "first")!r}, "data": {str(directory)!r}}}))
+again.save_pretrained(Path({str(tmp_path / "second")!r}))
+print("built")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout == "built\n", proc.stderr[-3000:]
+    assert (tmp_path / "second" / "config.json").is_file()
+    assert "%|" not in proc.stderr and "\r" not in proc.stderr and "it/s]" not in proc.stderr, proc.stderr[-3000:]
