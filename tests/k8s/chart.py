@@ -32,6 +32,12 @@ CRD_KINDS = {"PodMonitoring", "ServiceMonitor", "Certificate", "JobSet"}
 EXISTING_SECRET = {"auth": {"existingSecret": "diloco-auth"}}
 JOIN_TOKEN = "0" * 64
 INLINE_SECRET = {"auth": {"secret": "run-secret", "joinToken": JOIN_TOKEN, "adminToken": "admin-token"}}
+REGISTRY = "registry.example/ml"
+# The image repositories an install names (README, docs/kubernetes.md: the chart has no
+# default and refuses to render without them); every render below has them unless told not to.
+IMAGES = {"image": {"repository": f"{REGISTRY}/diloco"},
+          "learners": {"images": {"tpu": {"repository": f"{REGISTRY}/diloco-tpu"},
+                                  "gpu": {"repository": f"{REGISTRY}/diloco-gpu"}}}}
 
 
 def merge(base: dict, *overrides: dict) -> dict:
@@ -97,7 +103,9 @@ class Chart:
     def __init__(self) -> None:
         self._chart = helm.Chart.load(CHART)
 
-    def render(self, values: dict, name: str = RELEASE, namespace: str = NAMESPACE) -> Rendered:
+    def render(self, values: dict, name: str = RELEASE, namespace: str = NAMESPACE, images: dict = IMAGES) -> Rendered:
+        """``values`` over ``images`` (the repositories; ``{}``: none), as `helm install -f/--set` would."""
+        values = merge(images, values)
         manifests = self._chart.render(values=values, name=name, namespace=namespace)
         objects = []
         notes = ""

@@ -25,6 +25,7 @@ from tests.k8s.chart import (
     MULTIHOST_PRESETS,
     Mounted,
     PRESETS,
+    REGISTRY,
     args,
     container,
     environment,
@@ -313,7 +314,7 @@ def test_tpu_learners_land_on_their_slice_with_every_chip(presets, launched, nam
         assert c["resources"]["requests"]["google.com/tpu"] == c["resources"]["limits"]["google.com/tpu"] == chips
         assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
         assert environment(pod, c)["PJRT_DEVICE"] == "TPU"
-        assert c["image"].startswith("diloco-tpu:")
+        assert c["image"].startswith(f"{REGISTRY}/diloco-tpu:")
         spot = where in spot_pools
         assert (selector.get("cloud.google.com/gke-spot") == "true") == spot, where
         spot_toleration = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
@@ -337,7 +338,7 @@ def test_cpu_and_gpu_learners_through_values(presets, variants):
     # learner), read inside the learner pod.
     run = RunConfig.from_json(variants["gpu"].one("ConfigMap", "-run")["data"]["run-config.json"])
     assert mounted(gpu, c, run.task_options["data"]) == Mounted("csi", "corpus", "corpus")
-    assert c["image"].startswith("diloco-gpu:")
+    assert c["image"].startswith(f"{REGISTRY}/diloco-gpu:")
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -6,7 +6,8 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 
-from tests.k8s.chart import CHART, CRD_KINDS, EXISTING_SECRET, MULTIHOST_PRESETS, PRESETS, container, merge, preset
+from tests.k8s.chart import (CHART, CRD_KINDS, EXISTING_SECRET, MULTIHOST_PRESETS, PRESETS, REGISTRY, container, merge,
+                             preset)
 from tests.k8s.conftest import DIGEST, VARIANTS
 
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
@@ -110,9 +111,31 @@ def test_digests_pin_every_image(variants):
 def test_images_default_to_the_chart_app_version(presets):
     rendered = presets["values-tpu-v5e.yaml"]
     app_version = helm.Chart.load(CHART).metadata["appVersion"]
-    assert rendered.one("StatefulSet")["spec"]["template"]["spec"]["containers"][0]["image"] == f"diloco:{app_version}"
+    assert rendered.one("StatefulSet")["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        f"{REGISTRY}/diloco:{app_version}"
     [job] = rendered.all("Job")
-    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == f"diloco-tpu:{app_version}"
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == f"{REGISTRY}/diloco-tpu:{app_version}"
+
+
+@pytest.mark.parametrize("given,missing", [
+    ({}, "image.repository"),
+    ({"image": {"repository": f"{REGISTRY}/diloco"}}, "learners.images.tpu.repository"),
+    ({"image": {"repository": f"{REGISTRY}/diloco"}, "learners": {"accelerator": "gpu"}}, "learners.images.gpu.repository"),
+])
+def test_an_install_that_does_not_name_its_image_repositories_fails_at_render_naming_the_value(chart, given, missing):
+    """The chart's repositories defaulted to bare names (diloco, diloco-tpu) no cluster can
+    pull: the install went through and every pod sat in ImagePullBackOff. Without them the
+    render now fails, naming the value and how to set it."""
+    with pytest.raises(helm.HelmError) as error:
+        chart.render(merge(EXISTING_SECRET, given), images={})
+    assert f"{missing} is required: the registry path of" in str(error.value)
+    assert f"--set {missing}=$REGISTRY/" in str(error.value)
+
+
+def test_cpu_learners_run_the_chart_s_image_unless_given_their_own(chart):
+    values = merge(EXISTING_SECRET, {"image": {"repository": f"{REGISTRY}/diloco"}, "learners": {"accelerator": "cpu"}})
+    [job] = chart.render(values, images={}).all("Job")
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"].startswith(f"{REGISTRY}/diloco:")
 
 
 def test_notes_say_how_to_add_scavenged_learners_and_where_traces_go(presets, variants):

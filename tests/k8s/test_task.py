@@ -19,7 +19,7 @@ from diloco.command import build_parser
 from diloco.config import RunConfig
 from diloco.task import DEFAULT_TASK, TaskContext
 from diloco.tasks.byte_gpt import ModelConfig, Options
-from tests.k8s.chart import CHART, EXISTING_SECRET, PRESETS, ROOT, args, container, merge, mounted, preset, \
+from tests.k8s.chart import CHART, EXISTING_SECRET, PRESETS, REGISTRY, ROOT, args, container, merge, mounted, preset, \
     statefulset_pod, templated_pod
 from tests.k8s.conftest import CUSTOM_OPTIONS, CUSTOM_TASK, VARIANTS, coordinator_launcher
 from tests.k8s.test_images import hadolint
@@ -127,7 +127,7 @@ def test_every_learner_pod_runs_the_task_image_and_takes_the_task_from_the_coord
         assert pod["metadata"]["annotations"]["checksum/run-config"] == digest, where
         assert parsed.num_learners == rendered.values["learners"]["replicas"], where
     for pod, name in readers(rendered):
-        assert container(pod, name)["image"] == "diloco:0.1.0", "the coordinator and the shards need no task code"
+        assert container(pod, name)["image"] == f"{REGISTRY}/diloco:0.1.0", "the coordinator and the shards need no task code"
 
 
 @pytest.mark.parametrize(("name", "planned"), [("values-tpu-v6e.yaml", 8), ("static-only", 3), ("scavenged-only", 1)])

@@ -37,27 +37,34 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* (dict "root" $ "image" <values with repository, tag, digest>) -> repository:tag or @digest */}}
+{{/* (dict "root" $ "repository" <repository> "image" <values with tag, digest>) -> repository:tag or @digest */}}
 {{- define "diloco.imageRef" -}}
 {{- $image := .image -}}
-{{- $repository := $image.repository | default .root.Values.image.repository -}}
 {{- if $image.digest -}}
-{{- printf "%s@%s" $repository $image.digest -}}
+{{- printf "%s@%s" .repository $image.digest -}}
 {{- else -}}
-{{- printf "%s:%s" $repository ($image.tag | default .root.Chart.AppVersion) -}}
+{{- printf "%s:%s" .repository ($image.tag | default .root.Chart.AppVersion) -}}
 {{- end -}}
 {{- end -}}
 
+{{/* The chart's image: its repository is the user's registry (no default: a name the
+cluster cannot pull would fail every pod with ImagePullBackOff instead of the install). */}}
 {{- define "diloco.image" -}}
-{{- include "diloco.imageRef" (dict "root" . "image" .Values.image) -}}
+{{- $repository := required "image.repository is required: the registry path of the image built from k8s/images/Dockerfile (the coordinator, the shards, CPU learners), e.g. --set image.repository=$REGISTRY/diloco (docs/kubernetes.md)" .Values.image.repository -}}
+{{- include "diloco.imageRef" (dict "root" . "repository" $repository "image" .Values.image) -}}
 {{- end -}}
 
+{{/* The learners' image: learners.images.<accelerator>; CPU learners default to the
+chart's image, TPU and GPU learners need their own (torch_xla; a CUDA torch). */}}
 {{- define "diloco.learnerImage" -}}
-{{- $image := index .Values.learners.images .Values.learners.accelerator -}}
-{{- if $image.repository -}}
-{{- include "diloco.imageRef" (dict "root" . "image" $image) -}}
-{{- else -}}
+{{- $accelerator := .Values.learners.accelerator -}}
+{{- $image := index .Values.learners.images $accelerator -}}
+{{- if and (eq $accelerator "cpu") (not $image.repository) -}}
 {{- include "diloco.image" . -}}
+{{- else -}}
+{{- $built := ternary "k8s/images/Dockerfile.tpu" "k8s/images/Dockerfile with a CUDA torch" (eq $accelerator "tpu") -}}
+{{- $repository := required (printf "learners.images.%s.repository is required: the registry path of the %s learner image (built from %s), e.g. --set learners.images.%s.repository=$REGISTRY/diloco-%s (docs/kubernetes.md)" $accelerator $accelerator $built $accelerator $accelerator) $image.repository -}}
+{{- include "diloco.imageRef" (dict "root" . "repository" $repository "image" $image) -}}
 {{- end -}}
 {{- end -}}
 
