@@ -111,6 +111,8 @@ class TaskRunner:
         self.optimizer, self.schedule = optimizer, schedule
         self.summary: Summary = learner.summary
         self.summary.eval_unit = task.eval_unit
+        self.step = 0
+        """The inner step the loop is at (0-based): where a failure happened."""
 
     def train(self) -> Summary:
         learner, cfg, task = self.learner, self.cfg, self.task
@@ -120,6 +122,7 @@ class TaskRunner:
         batches = iter(task.batches)
         window = TrainLoss(self.spec, learner, cfg.train_loss_every_steps, task)
         for step in range(cfg.steps):
+            self.step = step
             if learner.should_stop:
                 logger.info("%s: stopping at inner step %d", learner.learner_id, step)
                 break
@@ -202,8 +205,9 @@ def _train(runner: TaskRunner):
     learner = runner.learner
     try:
         runner.train()
-    except BaseException as error:
-        learner.close(str(error) or type(error).__name__, failed=True)
+    except BaseException as error:  # the reason the run shows: what was raised, where, and what it said
+        learner.close(f"{type(error).__name__} at inner step {runner.step}" + (f": {error}" if str(error) else ""),
+                      failed=True)
         raise
     learner.close("finished" if not learner.stop.is_set() else "stopped")
     runner.finish()

@@ -57,6 +57,22 @@ def test_a_learner_whose_task_fails_is_shown_counted_and_fails_the_run(tmp_path)
     assert summary["eval_loss_final"] < summary["eval_loss_start"]  # L0 trained the run
 
 
+def test_a_learner_failing_mid_training_says_what_it_raised_at_which_step_and_where_its_log_is(tmp_path):
+    """It showed only the message ("learner L1 failed: <message>"): no exception type, no
+    step, no log. The line as it happens and summary.json's reason now carry all three."""
+    out = tmp_path / "run"
+    proc = local("--task", FAULTY, "--task-option", "fail=step", "--task-option", "fail_step=7", "--steps", "30",
+                 "--out", str(out))
+    log = out / "logs" / "L1.log"
+    reason = f"ValueError at inner step 7: the batch of inner step 7 is corrupt (log: {log})"
+    assert f"learner L1 failed: {reason}" in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    by_id = {l["id"]: l for l in strict_json(out / "summary.json")["learners"]}
+    assert by_id["L1"]["state"] == "failed" and by_id["L1"]["reason"] == reason
+    assert by_id["L1"]["inner_steps"] == 7 and by_id["L0"]["inner_steps"] == 30
+    assert "ValueError: the batch of inner step 7 is corrupt" in log.read_text()  # the traceback is where the line says
+
+
 def test_a_run_where_every_learner_fails_says_so_in_strict_json(tmp_path):
     """A loss that is not a scalar on every learner, and no eval batches: nothing trains and
     nothing can be evaluated. The summary is JSON (null with a reason, not NaN) and the run

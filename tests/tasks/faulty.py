@@ -2,8 +2,8 @@
 train normally; ``fail_index=all``: every learner, and the supervisor's build too):
 ``--task-option fail=MODE`` with MODE one of raise (build raises), type (build returns no
 Task), nan (the loss turns NaN at step 3), short (the batches end after 5), scalar (the
-loss is not a scalar), frozen (nothing to train), tokens (a bad count). ``evals=0``: no
-eval batches."""
+loss is not a scalar), frozen (nothing to train), tokens (a bad count), step (the loss
+raises ValueError at inner step ``fail_step``, default 5). ``evals=0``: no eval batches."""
 
 import torch
 
@@ -14,6 +14,7 @@ def build(ctx: diloco.TaskContext) -> diloco.Task:
     mode = ctx.option("fail", "none")
     which = ctx.option("fail_index", "1")
     failing = which == "all" or ctx.learner_index == int(which)
+    fail_step = ctx.option("fail_step", 5, int)
     if failing and mode == "raise":
         raise RuntimeError("cannot open the dataset")
     if failing and mode == "type":
@@ -38,6 +39,8 @@ def build(ctx: diloco.TaskContext) -> diloco.Task:
         x, y = batch
         value = torch.nn.functional.mse_loss(model(x), y)
         calls["n"] += model.training
+        if failing and mode == "step" and model.training and calls["n"] == fail_step + 1:
+            raise ValueError(f"the batch of inner step {calls['n'] - 1} is corrupt")
         if failing and mode == "nan" and calls["n"] > 3 and model.training:
             return value * float("nan")
         if failing and mode == "scalar":

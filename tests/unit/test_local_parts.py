@@ -274,11 +274,14 @@ def test_what_fails_a_run_and_what_does_not():
 def test_failures_are_reported_once_each_with_their_reason_cut():
     from diloco.cli.local.progress import REASON_CHARS, Failures, shown_state
 
-    failures = Failures()
-    members = [{"id": "L0", "state": "active", "reason": ""}, {"id": "L1", "state": "failed", "reason": "x" * 500}]
+    failures = Failures(Path("runs/a"))
+    members = [{"id": "L0", "state": "active", "reason": ""}, {"id": "L1", "state": "failed", "reason": "x" * 500},
+               {"id": "L2", "state": "failed", "reason": "ValueError at inner step 3: no", "launch_id": "ef"}]
     launches = [{"launch_id": "ab12", "state": "failed", "detail": "exit code 2"}, {"launch_id": "cd", "state": "launching"}]
     lines = failures.new(members, launches)
-    assert lines == [f"learner L1 failed: {'x' * (REASON_CHARS - 1)}…", "launch ab12 failed: exit code 2"]
+    assert lines == [f"learner L1 failed: {'x' * (REASON_CHARS - 1)}…",  # (joined by itself: no log of the run's)
+                     "learner L2 failed: ValueError at inner step 3: no (log: runs/a/logs/L2.log)",
+                     "launch ab12 failed: exit code 2"]
     assert failures.new(members, launches) == []  # each once
     assert shown_state(members[1]).startswith("failed: xxx") and shown_state(members[0]) == "active"
 

@@ -21,10 +21,20 @@ def _cut(text: str) -> str:
     return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "…"
 
 
+def failure_reason(member: dict, run_dir: Path, cut: bool = False) -> str:
+    """A failed learner's reason as the run reports it: the learner's own (what it raised,
+    at which inner step, and what that said; or the coordinator's, for one that went
+    silent), then, for a learner the run launched, where its log is."""
+    reason = member.get("reason") or "no reason given"
+    reason = _cut(reason) if cut else reason
+    return f"{reason} (log: {run_dir / 'logs' / (member['id'] + '.log')})" if member.get("launch_id") else reason
+
+
 class Failures:
     """Learners and launches that failed, each reported once, as they happen."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
         self.seen: set[str] = set()
 
     def new(self, members: list[dict], launches: list[dict]) -> list[str]:
@@ -32,7 +42,7 @@ class Failures:
         for m in members:
             if m["state"] == "failed" and m["id"] not in self.seen:
                 self.seen.add(m["id"])
-                lines.append(f"learner {m['id']} failed: {_cut(m.get('reason') or 'no reason given')}")
+                lines.append(f"learner {m['id']} failed: {failure_reason(m, self.run_dir, cut=True)}")
         for x in launches:
             if x["state"] == "failed" and x["launch_id"] not in self.seen:
                 self.seen.add(x["launch_id"])

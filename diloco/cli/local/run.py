@@ -353,7 +353,7 @@ class Progress:
     def __init__(self, console, run_dir: Path, cluster: Cluster, fragments: int, unit: str, started: float) -> None:
         self.console, self.run_dir, self.cluster = console, run_dir, cluster
         self.fragments, self.unit, self.started = fragments, unit, started
-        self.failures = Failures()
+        self.failures = Failures(run_dir)
         self.table = None
         self.last_line = self.last_stats = 0.0
         self.step_goodput = None

@@ -13,6 +13,7 @@ from pathlib import Path
 from diloco.coordinator.launcher import SITES_FILE
 from diloco.cli.chaos import SCAVENGED_POOL
 from diloco.cli.local.config import LocalConfig
+from diloco.cli.local.progress import failure_reason
 from diloco.cli.metrics import (expected_period, goodput, link_bytes, slot_seconds, start_s, tape_stats, uptime,
                                 wire_bytes)
 
@@ -117,7 +118,8 @@ def _learner_rows(record: RunRecord, steps: dict[str, int], summaries: dict[str,
     devices = {i: {k: v for k, v in e.items() if k not in ("kind", "t")}
                for i, r in events.items() for e in r if e["kind"] == "device"}
     return [{"id": m["id"], "pool": m["pool"], "state": "interrupted" if m["id"] in interrupted else m["state"],
-             "reason": m["reason"], "inner_steps": steps.get(m["id"], 0),
+             "reason": failure_reason(m, record.run_dir) if m["state"] == "failed" else m["reason"],
+             "inner_steps": steps.get(m["id"], 0),
              "tokens": summaries[m["id"]]["tokens"] if m["id"] in summaries else m["tokens"],
              "tokens_per_s": round(summaries.get(m["id"], m).get("tokens_per_s", 0.0), 1),
              **devices.get(m["id"], {})} for m in record.members]
