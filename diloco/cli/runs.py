@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -32,6 +33,10 @@ def _local(args: argparse.Namespace) -> int:
     if not cfg.tls:
         logger.warning("--insecure: the run's processes talk plaintext gRPC (tokens and credentials in clear)")
     summary = run_local(cfg)
+    # What follows is the process's exit, whose teardown collects every object the run
+    # left: torch's alone took 0.4-1.4 s (a loaded machine), past the closing line's
+    # "stopped N s after the interrupt". Frozen, they are not walked: the exit takes ~0.3 s.
+    gc.freeze()
     if args.json:
         print(json.dumps(summary, indent=1))
     if summary["interrupted"]:

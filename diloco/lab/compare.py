@@ -587,7 +587,7 @@ def run(cfg: CompareConfig, scenarios: tuple[str, ...], ablations: tuple[str, ..
         except KeyboardInterrupt:
             for s in (signal.SIGINT, signal.SIGTERM):  # the report is written whole
                 signal.signal(s, signal.SIG_IGN)
-            # diloco local turns a SIGTERM into its own interrupt, unseen here
+            # (a signal during a diloco local run reaches this handler through the run's own)
             stop = Interrupted(caught[0] if caught else signal.SIGTERM,
                                sum(len(r["systems"]) for r in results) + sum(map(len, (found or {}).values())),
                                planned, cfg.out)

@@ -31,6 +31,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import stat
@@ -114,18 +115,16 @@ class LocalRun:
                 raise
             record = RunRecord(self.run_dir, started_wall=time.time(), resumed_from=self.resumed_from)
             started = time.monotonic()
-            previous_sigterm = _sigterm_interrupts()
-            try:
-                self.start(record)
-                self.watch(record, started)
-            except KeyboardInterrupt:
-                record.interrupted, self.interrupted_at = True, time.monotonic()
-                self.console.print("interrupted: the learners stop (final pushes, summaries), a snapshot is taken, "
-                                   "then the shards and the coordinator stop")
-            finally:
-                self.stop(record)
-                if previous_sigterm is not None:
-                    signal.signal(signal.SIGTERM, previous_sigterm)
+            with _interrupts() as arrived:
+                try:
+                    self.start(record)
+                    self.watch(record, started)
+                except KeyboardInterrupt:
+                    record.interrupted, self.interrupted_at = True, arrived.first or time.monotonic()
+                    self.console.print("interrupted: the learners stop (final pushes, summaries), a snapshot is "
+                                       "taken, then the shards and the coordinator stop")
+                finally:
+                    self.stop(record)
         record.wall_s, record.drained_at = time.monotonic() - started, self.budget.drained_at
         return self.report(record)
 
@@ -315,8 +314,9 @@ class LocalRun:
                 (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
         for line in closing_lines(summary, run_dir):
             self.say(line)
-        if self.interrupted_at is not None:
-            self.say(f"stopped {time.monotonic() - self.interrupted_at:.1f} s after the interrupt")
+        if self.interrupted_at is not None:  # from the signal's arrival to this line; the process exits next
+            self.say(f"stopped {time.monotonic() - self.interrupted_at:.1f} s after the interrupt arrived (learners "
+                     "stopped, snapshot, export, summary: all but the process's exit)")
         self.lock.close()
         return summary
 
@@ -571,20 +571,58 @@ def _missing(cfg: LocalConfig, members: list[dict], monkey: ChaosMonkey | None) 
     return cfg.learners + (monkey.launched if monkey is not None else 0) - len(members)
 
 
-def _sigterm_interrupts():
-    """SIGTERM (``timeout``, ``kill``) stops a run as Ctrl-C does: the final model is
-    exported and every process stopped. Returns the handler it replaced (None off the
-    main thread, where Python cannot install one). Every process of the run also watches
-    this one (``--exit-with-parent``), so a SIGKILL here leaves nothing running either."""
+class Arrivals:
+    first: float | None = None
+    """time.monotonic() when the first SIGINT or SIGTERM arrived (None: none yet)."""
+
+
+@contextlib.contextmanager
+def _interrupts():
+    """SIGINT (Ctrl-C) and SIGTERM (``timeout``, ``kill``) stop a run alike: the final model
+    is exported and every process stopped. One handler for both raises KeyboardInterrupt
+    (or hands over to the handler it replaced, when that is Python's: ``diloco compare``'s,
+    which records the signal). When the first arrived is noted as it arrives: Python runs a
+    handler only once its main thread is back in Python code, so a thread woken by the
+    signal's wakeup byte notes it (the handler, in case it comes first). Off the main
+    thread, where Python installs no handler, nothing is noted. Every process of the run
+    also watches this one (``--exit-with-parent``), so a SIGKILL here leaves nothing
+    running either."""
     import threading
 
+    arrived = Arrivals()
     if threading.current_thread() is not threading.main_thread():
-        return None
+        yield arrived
+        return
+    previous: dict[int, object] = {}
 
     def interrupt(signum, frame):
+        arrived.first = arrived.first or time.monotonic()
+        handler = previous.get(signum)
+        if callable(handler):
+            handler(signum, frame)
         raise KeyboardInterrupt
 
-    return signal.signal(signal.SIGTERM, interrupt)
+    def note(wakeups: int) -> None:
+        try:
+            while os.read(wakeups, 64):  # one byte per signal, until the write end closes
+                arrived.first = arrived.first or time.monotonic()
+        finally:
+            os.close(wakeups)
+
+    wakeups, wakeup = os.pipe()
+    os.set_blocking(wakeup, False)
+    threading.Thread(target=note, args=(wakeups,), name="diloco-signal-arrivals", daemon=True).start()
+    previous_wakeup = signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # (a SIGINT ignored, as in a background job, stays so)
+            previous[signum] = signal.signal(signum, interrupt)
+    try:
+        yield arrived
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(previous_wakeup)
+        os.close(wakeup)  # the thread then reads the end and closes its own
 
 
 def _link_learner_logs(run_dir: Path, members: list[dict]) -> None:
