@@ -156,9 +156,6 @@ def topology_to_proto(
             )
             for m, address in enumerate(shards)
         ],
-        sync_every_steps=run.sync_every_steps,
-        overlap_steps=run.overlap_steps,
-        merge_alpha=run.merge_alpha,
         run_config_json=run.to_json(),
         epoch=epoch,
     )
