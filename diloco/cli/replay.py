@@ -70,6 +70,7 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str |
     from diloco.syncer import snapshot as snapshot_files
     from diloco.syncer.core import snapshot
     from diloco.syncer.core.rounds import Close
+    from diloco.syncer.core.outer import MomentumStep
     from diloco.syncer.core.shard import DUPLICATE, Pending, compute_round
     from diloco.syncer.core.shard import ShardCore
     from diloco.syncer.pushlog import read_push_log
@@ -142,7 +143,8 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str |
             if job.version != r["version"]:
                 raise FailedPrecondition(f"tape {tape}: fragment {r['fragment']} is at {job.version - 1}, the tape closes {r['version']}")
             job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0),
-                          clip=tuple(r.get("clip", ())), gate=tuple(r.get("gate", ())))
+                          clip=tuple(r.get("clip", ())), gate=tuple(r.get("gate", ())),
+                          outer=MomentumStep(*r["outer"]) if "outer" in r else None)
             core.finish_round(job, compute_round(job, cfg), 0.0)
             rounds += 1
             capture(r["fragment"])

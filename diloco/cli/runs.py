@@ -16,6 +16,7 @@ from diloco.cli.settings import add_config_flag, add_flag, from_flags
 from diloco.errors import InvalidArgument
 from diloco.learner.config import DELTA_CODECS
 from diloco.syncer.config import DOWNLINKS, MERGE_MODES, SCALE_MODES
+from diloco.syncer.core.outer import OUTER_OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
     add_flag(p, "--outer-lr", LocalConfig, "outer_lr", "shards' outer learning rate (see README)", type=float)
     add_flag(p, "--outer-momentum", LocalConfig, "outer_momentum", "shards' outer Nesterov momentum", type=float)
+    add_flag(p, "--outer-optimizer", LocalConfig, "outer_optimizer", "shards' outer optimizer", choices=OUTER_OPTIMIZERS)
     add_flag(p, "--merge", LocalConfig, "merge", "shards' merge", choices=MERGE_MODES)
     add_flag(p, "--scale-by", LocalConfig, "scale_by",
              "shards scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)

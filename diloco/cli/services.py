@@ -10,6 +10,7 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.task import DEFAULT_TASK
 from diloco.learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
 from diloco.syncer.config import DOWNLINKS, MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
+from diloco.syncer.core.outer import OUTER_OPTIMIZERS
 from diloco.cli.common import (GPT_OPTIONS, add_grace_flag, add_run_config, add_telemetry, build_run_config, run_secret,
                               start_telemetry)
 from diloco.cli.settings import add_config_flag, add_flag, from_flags
@@ -76,6 +77,7 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--staleness-lambda", MergeConfig, "staleness_lambda", "staleness discount lambda (0: off)", type=float)
     add_flag(p, "--outer-lr", MergeConfig, "outer_lr", "outer Nesterov learning rate", type=float)
     add_flag(p, "--outer-momentum", MergeConfig, "outer_momentum", "outer Nesterov momentum", type=float)
+    add_flag(p, "--outer-optimizer", MergeConfig, "outer_optimizer", "the outer optimizer", choices=OUTER_OPTIMIZERS)
     add_flag(p, "--scale-by", MergeConfig, "scale_by",
              "scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)
     add_flag(p, "--block-size", MergeConfig, "block_size", "int4 block size", type=int)

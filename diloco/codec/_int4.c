@@ -899,7 +899,7 @@ done:
 
 /* ---------------------------------------------------------------------------------- */
 /* The shard's outer step, fused, block by block (one pass over four fp32 arrays):      */
-/*   d = c*delta; m = mu*m + d; step = lr*(d + mu*m); u = r - step;                      */
+/*   d = c*delta; m = decay*m + d; step = lr*(d + look*m); u = r - step;               */
 /*   q = int4(u) (exactly as quantize); a = float(q)*scale (exactly as dequantize);     */
 /*   r = u - a; p += a.                                                                  */
 
@@ -911,7 +911,7 @@ typedef struct {
     unsigned char *packed, *scales;
     size_t n, block_size;
     int scale_size;
-    float c, lr, mu;
+    float c, lr, decay, look;
     size_t block_begin, block_end;
     int status;
 } OuterJob;
@@ -928,9 +928,9 @@ static void outer_range(void *arg) {
         float *m = job->momentum + start, *r = job->residual + start, *p = job->params + start;
         for (size_t i = 0; i < len; i++) {
             float di = job->c * d[i];
-            float mi = job->mu * m[i] + di;
+            float mi = job->decay * m[i] + di;
             m[i] = mi;
-            u[i] = r[i] - job->lr * (di + job->mu * mi);
+            u[i] = r[i] - job->lr * (di + job->look * mi);
         }
         QuantJob q = {.x = u, .u = NULL, .n = len, .block_size = B, .scale_size = job->scale_size,
                       .packed = job->packed + start / 2, .scales = job->scales + b * (size_t)job->scale_size};
@@ -957,18 +957,20 @@ static void outer_range(void *arg) {
 }
 
 PyDoc_STRVAR(outer_doc,
-"outer_step(delta, momentum, residual, params, packed, scales, numel, block_size, scale_size, c, lr, mu,\n"
-"           threads) -> int status\n\n"
-"The fused Nesterov step with int4 error feedback (see the comment in _int4.c). Even\n"
+"outer_step(delta, momentum, residual, params, packed, scales, numel, block_size, scale_size, c, lr, decay,\n"
+"           look, threads) -> int status\n\n"
+"The fused outer step with int4 error feedback (see the comment in _int4.c): momentum <-\n"
+"decay * momentum + c * delta; the step lr * (c * delta + look * momentum). Nesterov is\n"
+"decay = look = mu; a delayed Nesterov round between two momentum steps decay 1, look 0. Even\n"
 "block_size <= 1024. Status 0 on success, else the quantize status of the first bad block.");
 
 static PyObject *py_outer_step(PyObject *self, PyObject *args) {
     PyObject *objs[6];
     Py_ssize_t n, block_size;
     int scale_size, threads;
-    float c, lr, mu;
-    if (!PyArg_ParseTuple(args, "OOOOOOnnifffi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &n,
-                          &block_size, &scale_size, &c, &lr, &mu, &threads))
+    float c, lr, decay, look;
+    if (!PyArg_ParseTuple(args, "OOOOOOnniffffi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &n,
+                          &block_size, &scale_size, &c, &lr, &decay, &look, &threads))
         return NULL;
     if (check_common(n, block_size, scale_size, threads) < 0) return NULL;
     if (block_size > OUTER_MAX_BLOCK || (block_size & 1)) {
@@ -999,7 +1001,7 @@ static PyObject *py_outer_step(PyObject *self, PyObject *args) {
                 .delta = (const float *)v[0].buf, .momentum = (float *)v[1].buf, .residual = (float *)v[2].buf,
                 .params = (float *)v[3].buf, .packed = (unsigned char *)v[4].buf, .scales = (unsigned char *)v[5].buf,
                 .n = (size_t)n, .block_size = (size_t)block_size, .scale_size = scale_size,
-                .c = c, .lr = lr, .mu = mu, .block_begin = bounds[t], .block_end = bounds[t + 1],
+                .c = c, .lr = lr, .decay = decay, .look = look, .block_begin = bounds[t], .block_end = bounds[t + 1],
             };
         }
         Py_BEGIN_ALLOW_THREADS

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from diloco.config import BLOCK_SIZE
 from diloco.errors import InvalidArgument
+from diloco.syncer.core.outer import OUTER_OPTIMIZERS
 
 GRACE_MODES = ("auto", "fixed", "off")
 SCALE_MODES = ("live", "round")
@@ -77,6 +78,10 @@ class MergeConfig:
     re-applies overlapping progress and barely learns. Measured at the default H = 8, 4
     learners x 120 steps, 3 runs each (docs/results/sweep-outer/): eval 3.470 ± 0.166
     bits/byte with 1.0 / 0, 3.618 with 1.3 / 0, 3.502 with 0.6 / 0.5, 8.265 with 0.7 / 0.9."""
+    outer_optimizer: str = "nesterov"
+    """nesterov: every round takes a Nesterov step with ``outer_momentum``; delayed-nesterov:
+    the momentum is applied once per period of rounds that make up one share of every live
+    learner, the plain step every round (``diloco.syncer.core.outer.momentum_step``)."""
     scale_by: str = "live"
     """live: the outer lr is scaled by the round's share of the live learners
     (merged pushes / live learners), so a round merging 1 of M learners moves the global
@@ -104,6 +109,9 @@ class MergeConfig:
             raise InvalidArgument(f"staleness lambda must be >= 0, got {self.staleness_lambda}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise InvalidArgument(f"outer lr must be > 0, got {self.outer_lr}")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise InvalidArgument(f"outer optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, "
+                                  f"got {self.outer_optimizer!r}")
         if self.scale_by not in SCALE_MODES:
             raise InvalidArgument(f"scale by must be one of {SCALE_MODES}, got {self.scale_by!r}")
         if not 0 <= self.outer_momentum < 1:

@@ -512,6 +512,7 @@ class ShardRuntime:
             clip=list(job.clip),
             gate=[g for _, g in job.measured],
             participation=job.participation,
+            **({"outer": [job.outer.decay, job.outer.look, job.outer.share]} if job.outer is not None else {}),
             quorum_s=round(job.quorum_s, 6),
             grace_s=round(job.grace_s, 6),
             merge_s=round(merge_s, 6),

@@ -86,7 +86,7 @@ def test_nesterov_equals_torch_sgd():
         delta = torch.randn(100, generator=g) * 0.01  # outer gradients are small
         reference.grad = delta.clone()
         opt.step()
-        ours -= nesterov_(buf, delta.clone(), lr=0.7, mu=0.9)
+        ours -= nesterov_(buf, delta.clone(), lr=0.7, decay=0.9, look=0.9)
     torch.testing.assert_close(ours, reference.detach(), rtol=0, atol=1e-6)
 
 
@@ -114,12 +114,12 @@ def test_fused_outer_step_matches_the_torch_ops():
     # outer_step_ takes flat float32 numpy arrays and updates them in place; the numpy
     # views share memory with the tensors, so fused_state sees the update.
     packed, scales = outer.outer_step_(
-        delta.clone().numpy(), *(t.numpy() for t in fused_state), 1.7, 0.7, 0.9, 64, "float16"
+        delta.clone().numpy(), *(t.numpy() for t in fused_state), 1.7, 0.7, 0.9, 0.9, 64, "float16"
     )
     # numpy from the C kernel, torch tensors from the torch fallback.
     packed, scales = torch.as_tensor(packed), torch.as_tensor(scales)
     m, r, p = state
-    step = outer.nesterov_(m, delta.clone().mul_(1.7), 0.7, 0.9)
+    step = outer.nesterov_(m, delta.clone().mul_(1.7), 0.7, 0.9, 0.9)
     ref_packed, ref_scales = outer.apply_quantized_(p, r, step, 64, "float16")
     for fused, ref in zip(fused_state, state):
         torch.testing.assert_close(fused, ref, rtol=0, atol=1e-6)
@@ -181,14 +181,14 @@ def test_outer_step_without_the_kernel_is_the_kernels_step(monkeypatch, block_si
         arrays = [t.clone().numpy() for t in state]
         if not fused:
             monkeypatch.setattr(outer, "fused_outer_step", lambda *a: None)
-        q = outer.outer_step_(delta.clone().numpy(), *arrays, 2.0, 0.7, 0.9, block_size, "float16")
+        q = outer.outer_step_(delta.clone().numpy(), *arrays, 2.0, 0.7, 0.9, 0.9, block_size, "float16")
         monkeypatch.undo()
         return [torch.from_numpy(a) for a in arrays], [torch.as_tensor(x) for x in q]
 
     (m, r, p), (packed, scales) = step(fused=False)
     # The same math by hand: Nesterov on 2 * delta, then the int4 move with error feedback.
     m0, r0, p0 = (t.clone() for t in state)
-    update = outer.nesterov_(m0, delta.clone().mul_(2.0), 0.7, 0.9)
+    update = outer.nesterov_(m0, delta.clone().mul_(2.0), 0.7, 0.9, 0.9)
     ref_packed, ref_scales = outer.apply_quantized_(p0, r0, update, block_size, "float16")
     for ours, ref in ((m, m0), (r, r0), (p, p0), (packed, ref_packed), (scales, ref_scales)):
         assert torch.equal(ours, ref)
@@ -212,17 +212,17 @@ def test_fused_outer_step_takes_even_blocks_up_to_1024():
     for block_size in (64, 1024):
         delta, momentum, residual, params = state()
         before = params.copy()
-        packed, scales = outer.fused_outer_step(delta, momentum, residual, params, block_size, "float16", 1.0, 0.7, 0.9)
+        packed, scales = outer.fused_outer_step(delta, momentum, residual, params, block_size, "float16", 1.0, 0.7, 0.9, 0.9)
         applied = dequantize_int4(torch.from_numpy(packed), torch.from_numpy(scales), n, block_size)
         assert scales.size == -(-n // block_size)
         torch.testing.assert_close(torch.from_numpy(params), torch.from_numpy(before) + applied, rtol=0, atol=1e-6)
     for block_size in (3, 2048):
         arrays = state()
-        assert outer.fused_outer_step(*arrays, block_size, "float16", 1.0, 0.7, 0.9) is None
+        assert outer.fused_outer_step(*arrays, block_size, "float16", 1.0, 0.7, 0.9, 0.9) is None
         assert all(np.array_equal(a, b) for a, b in zip(arrays, state()))
     with kernel_path("torch"):
-        assert outer.fused_outer_step(*state(), 64, "float16", 1.0, 0.7, 0.9) is None
+        assert outer.fused_outer_step(*state(), 64, "float16", 1.0, 0.7, 0.9, 0.9) is None
     delta, *rest = state()
     delta[5] = math.nan
-    assert _message(outer.fused_outer_step, delta, *rest, 64, "float16", 1.0, 0.7, 0.9) == (
+    assert _message(outer.fused_outer_step, delta, *rest, 64, "float16", 1.0, 0.7, 0.9, 0.9) == (
         "outer update cannot be quantized (status 1): values are non-finite or too large")

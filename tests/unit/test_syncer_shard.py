@@ -192,7 +192,8 @@ def test_error_feedback_keeps_params_plus_residual_on_the_true_trajectory():
             # The shard's state is numpy; torch.from_numpy views update it in place.
             ref_params = torch.from_numpy(ref_state.params[i]).view(-1)
             ref_momentum = torch.from_numpy(ref_state.momentum[i]).view(-1)
-            ref_params.sub_(nesterov_(ref_momentum, step, nesterov["outer_lr"], nesterov["outer_momentum"]))
+            ref_params.sub_(nesterov_(ref_momentum, step, nesterov["outer_lr"], nesterov["outer_momentum"],
+                                      nesterov["outer_momentum"]))
     state = shard.fragments[0]
     for i in range(len(state.params)):
         params, residual = torch.from_numpy(state.params[i]), torch.from_numpy(state.residual[i])

@@ -40,6 +40,7 @@ class LocalConfig:
     # The shards' and learners' own defaults (syncer.config, learner.config), not copies.
     outer_lr: float = MergeConfig.outer_lr
     outer_momentum: float = MergeConfig.outer_momentum
+    outer_optimizer: str = MergeConfig.outer_optimizer
     merge: str = MergeConfig.merge
     """The shards' merge: rda or mean (ablations)."""
     scale_by: str = MergeConfig.scale_by

@@ -122,7 +122,7 @@ class Cluster:
             "shard_id": m, "shards": self.cfg.shards, "host": self.host, "port": int(self.shards[m].rsplit(":", 1)[1]),
             "data_dir": str(self.dir / f"shard{m}"), "push_log": True, "coordinator": self.coordinator,
             "quorum": self.cfg.quorum, "grace": self.cfg.grace, "outer_lr": self.cfg.outer_lr,
-            "outer_momentum": self.cfg.outer_momentum, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
+            "outer_momentum": self.cfg.outer_momentum, "outer_optimizer": self.cfg.outer_optimizer, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
             "downlink": self.cfg.downlink, "block_size": self.cfg.block_size,
             "snapshot_dir": self.snapshot_dir, **self.common,
         })

@@ -36,7 +36,7 @@ from diloco.syncer.config import SyncerConfig
 from diloco.syncer.core.bounds import REFERENCE_DECAY, Influence, Push, gate
 from diloco.syncer.core.merge import Contribution, merge_piece, raw_weight, token_weights
 from diloco.syncer.core.mirrors import Base, Mirror, base_of, exact, int4_rounding_sq, rebase, store
-from diloco.syncer.core.outer import outer_step_
+from diloco.syncer.core.outer import MomentumStep, momentum_step, outer_step_
 from diloco.syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
 
 ACCEPTED = "accepted"
@@ -155,6 +155,9 @@ class FragmentState:
     """Learners whose final push was merged -> the version until which they still count
     among the live learners of this fragment's rounds: a round for each learner that had
     not pushed in it, the rest of the cycle their last push belonged to."""
+    outer_share: float = 0.0
+    """The participation the fragment's current momentum period has gathered
+    (``diloco.syncer.core.outer.momentum_step``; delayed Nesterov only)."""
     reference: list[np.ndarray] = field(default_factory=list)
     """Where the fragment has been going: an average of the recent merged updates every
     pusher agreed with (``diloco.syncer.core.bounds``; zeros until the first round). 4 bytes per
@@ -182,6 +185,8 @@ class RoundJob:
     participation: float = 1.0
     """Pushes merged with weight > 0 over the live learners (at most 1): the outer lr's
     factor when ``MergeConfig.scale_by`` is live."""
+    outer: MomentumStep | None = None
+    """How the round treats the momentum buffer (None: a Nesterov step, ``outer_momentum``)."""
     mirrors: tuple[tuple[str, int, Mirror], ...] = ()
     """(learner, its push's base version, its mirror) for each pusher whose anchor the
     shard mirrors at that base: ``condense_replies`` answers them."""
@@ -243,9 +248,10 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
             reference *= REFERENCE_DECAY
             reference += np.float32((1 - REFERENCE_DECAY) * scale) * delta
         lr = m.outer_lr * (job.participation if m.scale_by == "live" else 1.0)
+        outer = job.outer or MomentumStep(m.outer_momentum, m.outer_momentum)
         packed, scales = outer_step_(
             delta, momentum, job.residual[index].reshape(-1), job.params[index].reshape(-1),
-            scale, lr, m.outer_momentum, m.block_size, m.scale_dtype,
+            scale, lr, outer.decay, outer.look, m.block_size, m.scale_dtype,
         )
         encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
     return Segment(job.version, "delta", tuple(encoded))
@@ -649,6 +655,8 @@ class ShardCore:
             opened_at=opened,
             closed_at=now,
             participation=merged / live if live else 1.0,
+            outer=momentum_step(self.cfg.merge.outer_optimizer, self.cfg.merge.outer_momentum, state.outer_share,
+                                merged / live if live else 1.0),
             clip=tuple(bounds[p.meta.learner_id].clip if p.meta.learner_id in bounds else 1.0 for p in pushes),
             agreement=tuple(bounds[p.meta.learner_id].agreement if p.meta.learner_id in bounds else None for p in pushes),
             reference=tuple(state.reference),
@@ -673,6 +681,8 @@ class ShardCore:
             raise FailedPrecondition(f"round for version {job.version} does not fit fragment at {state.version}")
         state.version = job.version
         state.chain.append(update)
+        if job.outer is not None:
+            state.outer_share = job.outer.share
         # A mirror replaced while the round ran (the learner bootstrapped again) keeps its own.
         mirrored = {learner: mirror for learner, _, mirror in job.mirrors if state.mirrors.get(learner) is mirror}
         state.condensed = {learner: reply for learner, reply in (condensed or {}).items() if learner in mirrored}

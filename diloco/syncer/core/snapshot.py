@@ -144,6 +144,7 @@ def capture(core: ShardCore, snapshot_id: int) -> dict:
                 "timings": dataclasses.asdict(state.timings),
                 "last_reason": state.last_reason,
                 "last_participants": state.last_participants,
+                "outer_share": state.outer_share,
             }
         )
     return {
@@ -203,6 +204,7 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
         target.last_target = dict(raw["last_target"])
         target.timings = Timings(**raw["timings"])
         target.last_reason, target.last_participants = raw["last_reason"], raw["last_participants"]
+        target.outer_share = float(raw.get("outer_share", 0.0))
         target.full_cache = None
         target.open, target.next, target.opened_at, target.quorum_at = {}, {}, None, None
         for push in raw["open"]:
