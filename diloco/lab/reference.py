@@ -51,6 +51,7 @@ CHART_VALUES: dict[tuple[type, str], ChartValue] = {
     (MergeConfig, "staleness_lambda"): ChartValue("syncer.stalenessLambda"),
     (MergeConfig, "outer_lr"): ChartValue("syncer.outerLr"),
     (MergeConfig, "outer_momentum"): ChartValue("syncer.outerMomentum"),
+    (MergeConfig, "outer_optimizer"): ChartValue("syncer.outerOptimizer"),
     (MergeConfig, "block_size"): ChartValue("syncer.blockSize"),
     (MergeConfig, "update_chain_length"): ChartValue("syncer.chain"),
     (SyncerConfig, "max_push_bytes"): ChartValue("syncer.maxPushMiB", shown=lambda size: size // 2**20),

@@ -108,14 +108,14 @@ class MergeConfig:
         if not (math.isfinite(self.staleness_lambda) and self.staleness_lambda >= 0):
             raise InvalidArgument(f"staleness lambda must be >= 0, got {self.staleness_lambda}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
-            raise InvalidArgument(f"outer lr must be > 0, got {self.outer_lr}")
+            raise InvalidArgument(f"--outer-lr must be > 0, got {self.outer_lr}")
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
-            raise InvalidArgument(f"outer optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, "
+            raise InvalidArgument(f"--outer-optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, "
                                   f"got {self.outer_optimizer!r}")
         if self.scale_by not in SCALE_MODES:
             raise InvalidArgument(f"scale by must be one of {SCALE_MODES}, got {self.scale_by!r}")
         if not 0 <= self.outer_momentum < 1:
-            raise InvalidArgument(f"outer momentum must be in [0, 1), got {self.outer_momentum}")
+            raise InvalidArgument(f"--outer-momentum must be in [0, 1) (a momentum of 1 or more never decays: the steps grow without bound), got {self.outer_momentum}")
         if self.block_size < 2 or self.block_size % 2:
             raise InvalidArgument(f"block size must be an even number >= 2, got {self.block_size}")
         if self.scale_dtype not in ("float16", "float32"):

@@ -66,9 +66,25 @@ def test_delayed_nesterov_over_a_period_is_torch_nesterov_on_the_period_sum(mu, 
         torch.testing.assert_close(ours, reference.detach(), rtol=0, atol=1e-5)
 
 
-def test_an_unknown_outer_optimizer_is_refused_naming_the_choices():
-    with pytest.raises(InvalidArgument, match="outer optimizer must be one of nesterov, delayed-nesterov"):
+def test_an_outer_setting_outside_its_range_is_refused_naming_the_flag():
+    with pytest.raises(InvalidArgument, match="--outer-optimizer must be one of nesterov, delayed-nesterov, got 'adam'"):
         MergeConfig(outer_optimizer="adam")
+    with pytest.raises(InvalidArgument, match=r"--outer-momentum must be in \[0, 1\)"):
+        MergeConfig(outer_momentum=1.0)
+    with pytest.raises(InvalidArgument, match="--outer-lr must be > 0, got 0"):
+        MergeConfig(outer_lr=0.0)
+
+
+def test_diloco_local_refuses_a_momentum_of_one_in_one_line_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "diloco", "local", "--outer-optimizer", "delayed-nesterov",
+                           "--outer-momentum", "1.0", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("diloco: error: --outer-momentum must be in [0, 1)"), proc.stderr
+    assert not out.exists()
 
 
 

@@ -141,7 +141,9 @@ class LocalConfig:
         if self.chaos.network and not self.sites:
             kinds = ", ".join(sorted({f.kind for f in self.chaos.faults if f.network}))
             raise InvalidArgument(f"--chaos {kinds}: network faults act on emulated sites: add --link-mbit R")
-        MergeConfig(block_size=self.block_size)  # the shards' own checks, before any process starts
+        MergeConfig(outer_lr=self.outer_lr, outer_momentum=self.outer_momentum, outer_optimizer=self.outer_optimizer,
+                    merge=self.merge, scale_by=self.scale_by, downlink=self.downlink,
+                    block_size=self.block_size)  # the shards' own checks, before any process starts
         LearnerConfig(lr=self.lr)  # and the learners'
         # Shards against fragments: checked with the model's own limit (check_cut), in one line.
 
