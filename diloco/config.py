@@ -25,7 +25,9 @@ bytes on the wire at the same eval loss, with error feedback on pushes and repli
 @dataclass(frozen=True)
 class RunConfig:
     task: str = DEFAULT_TASK
-    """The task every learner trains: ``FILE.py:FUNCTION`` or ``package.module:FUNCTION``."""
+    """What every learner trains: a function (``FILE.py:FUNCTION`` or
+    ``package.module:FUNCTION``) taking a ``diloco.TaskContext`` and returning a
+    ``diloco.Task`` (the default is the built-in byte-level GPT)."""
     task_options: dict[str, str] = field(default_factory=dict)
     """``--task-option KEY=VALUE`` pairs handed to the task's build function."""
     seed: int = 0
@@ -38,25 +40,27 @@ class RunConfig:
     fragments: int = 4
     """P: fragments the model is cut into."""
     sync_every_steps: int = 8
-    """H: inner steps between two sends of the same fragment (with the shards' default
-    outer step, diloco.syncer.config.MergeConfig: with outer Nesterov 0.7 / 0.9 take H >= 16).
-    8 from a seeded sweep (docs/results/compare-condensed/): against H = 4, half the
-    bytes with the no-fault eval inside its spread; H = 16 fell below 0.9 goodput under
-    kills."""
+    """H: inner steps between two sends of the same fragment (with outer Nesterov 0.7 / 0.9
+    take H >= 16).
+
+    8 from a seeded sweep (docs/results/compare-condensed/): against H = 4, half the bytes
+    with the no-fault eval inside its spread; H = 16 fell below 0.9 goodput under kills."""
     overlap_steps: int = 2
     """tau: inner steps between sending a fragment and applying its reply."""
     merge_alpha: float = 0.0
-    """params = alpha*params + (1-alpha)*global when a reply is applied (0: overwrite)."""
+    """alpha of ``reply_rule`` mix: params = alpha*params + (1-alpha)*global when a reply
+    is applied (0: overwrite)."""
     reply_rule: str = "rebase"
     """How a learner applies a reply: ``rebase`` (params = global + the progress made
-    since the push, which the next push then carries) or ``mix`` (alpha above; with
-    alpha 0 the tau steps trained since the push are overwritten: measured, goodput
-    0.60 vs 0.97 for rebase at H=4, tau=2, with the same final loss within noise)."""
+    since the push, which the next push then carries) or ``mix`` (Streaming DiLoCo's
+    rule: params = alpha*params + (1-alpha)*global).
+
+    With alpha 0, mix overwrites the tau steps trained since the push: measured, goodput
+    0.60 vs 0.97 for rebase at H=4, tau=2, with the same final loss within noise."""
     max_model_bytes: int = 64 << 30
-    """Largest model a run may have: the sum over the manifest's tensors of elements x
-    bytes per element (its dtype's). The coordinator and the shards refuse a manifest
-    over it before they plan or allocate anything; 64 GiB (16 billion fp32 parameters)
-    by default, raise it for a larger model."""
+    """Largest model a run may have, bytes: the sum over the manifest's tensors of elements
+    x bytes per element. The coordinator and the shards refuse a manifest over it before
+    they plan or allocate anything (64 GiB: 16 billion fp32 parameters)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or ":" not in self.task:

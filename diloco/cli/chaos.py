@@ -130,8 +130,9 @@ class ChaosConfig:
     faults: tuple[FaultSpec, ...] = ()
     """``--chaos``: the kinds of fault one seeded schedule mixes (``parse_chaos``)."""
     fault_every_s: float = 15.0
-    """Mean seconds between two faults of ``faults`` (Poisson)."""
+    """Mean seconds between two `--chaos` faults (Poisson)."""
     seed: int = 0
+    """Seed of the kill and fault schedules and their victims."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.fault_every_s) and self.fault_every_s > 0):

@@ -10,7 +10,7 @@ from pathlib import Path
 from diloco.config import REPLY_RULES, RunConfig
 from diloco.task import DEFAULT_TASK
 from diloco.tasks.byte_gpt_options import ModelConfig, Options
-from diloco.cli.settings import add_flag, default_of, from_flags
+from diloco.cli.settings import add_flag, default_of, field_doc, from_flags
 
 GPT_OPTIONS = ("width", "depth", "heads", "context", "batch_size", "data")
 
@@ -18,26 +18,18 @@ GPT_OPTIONS = ("width", "depth", "heads", "context", "batch_size", "data")
 def add_run_config(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("run (must match across every process of a run)")
     group.add_argument("--run-config", metavar="FILE", help="JSON run config (as written by diloco local); overrides the flags below")
-    add_flag(group, "--task", RunConfig, "task",
-             "what to train: a function (FILE.py:FUNCTION or package.module:FUNCTION) taking a diloco.TaskContext "
-             "and returning a diloco.Task (the default is the byte GPT)", metavar="FILE.py:FUNCTION")
+    add_flag(group, "--task", RunConfig, "task", metavar="FILE.py:FUNCTION")
     group.add_argument("--task-option", action="append", metavar="KEY=VALUE",
                        help="an option for the task (TaskContext.options; repeatable)")
-    add_flag(group, "--seed", RunConfig, "seed", "the run's seed: model initialisation, data order", type=int)
+    add_flag(group, "--seed", RunConfig, "seed", type=int)
     add_flag(group, "--init", RunConfig, "init",
-             "start the model from these weights: a safetensors file (an export: diloco admin export, or a run's "
-             "model.safetensors) or a Hugging Face checkpoint directory (--format hf, save_pretrained)",
              metavar="FILE.safetensors|DIR")
-    add_flag(group, "--fragments", RunConfig, "fragments", "P: fragments the model is cut into", type=int)
-    add_flag(group, "--max-model-bytes", RunConfig, "max_model_bytes",
-             "largest model the run takes (elements x bytes per element, over every tensor): the coordinator and the "
-             "shards refuse a bigger manifest before planning or allocating it", type=int, metavar="BYTES")
-    add_flag(group, "--sync-every", RunConfig, "sync_every_steps", "H: inner steps between two sends of a fragment", type=int)
-    add_flag(group, "--overlap", RunConfig, "overlap_steps", "tau: inner steps before a reply is needed", type=int)
-    add_flag(group, "--alpha", RunConfig, "merge_alpha", "merge alpha when applying a reply (0: overwrite)", type=float)
-    add_flag(group, "--reply-rule", RunConfig, "reply_rule",
-             "apply a reply by rebasing the progress made since the push onto it, or by mixing with --alpha "
-             "(DESIGN's rule)", choices=REPLY_RULES)
+    add_flag(group, "--fragments", RunConfig, "fragments", type=int)
+    add_flag(group, "--max-model-bytes", RunConfig, "max_model_bytes", type=int, metavar="BYTES")
+    add_flag(group, "--sync-every", RunConfig, "sync_every_steps", type=int)
+    add_flag(group, "--overlap", RunConfig, "overlap_steps", type=int)
+    add_flag(group, "--alpha", RunConfig, "merge_alpha", type=float)
+    add_flag(group, "--reply-rule", RunConfig, "reply_rule", choices=REPLY_RULES)
     gpt = parser.add_argument_group("the built-in byte GPT task (shorthands for its --task-option values)")
     gpt.add_argument("--width", type=int, help=f"model width (default {ModelConfig.width})")
     gpt.add_argument("--depth", type=int, help=f"transformer blocks (default {ModelConfig.depth})")
@@ -122,11 +114,11 @@ def parse_count(value: str) -> int:
 
 
 def add_grace_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, name: str,
-                   help: str, taken=None) -> argparse.Action:
+                   taken=None) -> argparse.Action:
     """``--grace auto|off|SECONDS`` with ``cls.name``'s default (a grace mode, or a
-    ``--grace`` value as a string); its value is (mode, seconds)."""
-    action = add_flag(parser, "--grace", cls, name, help, type=parse_grace, shown=parse_grace, taken=taken)
-    action.help = f"{help} (default {default_of(cls, name)})"  # as it is given, not parsed
+    ``--grace`` value as a string) and description; its value is (mode, seconds)."""
+    action = add_flag(parser, "--grace", cls, name, type=parse_grace, shown=parse_grace, taken=taken)
+    action.help = f"{field_doc(cls, name)} (default {default_of(cls, name)})"  # as it is given, not parsed
     return action
 
 

@@ -115,79 +115,59 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
         ),
     )
     add_config_flag(p)
-    add_flag(p, "--host", CoordinatorConfig, "host", "address to bind")
+    add_flag(p, "--host", CoordinatorConfig, "host")
     p.add_argument("--health-port", type=int, metavar="PORT",
                    help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
                         "makes the main port mutual TLS)")
-    add_flag(p, "--reflection", CoordinatorConfig, "reflection", "serve gRPC reflection (grpcurl without the .proto files)",
+    add_flag(p, "--reflection", CoordinatorConfig, "reflection",
              action="store_true")
-    add_flag(p, "--port", CoordinatorConfig, "port", "port (0: any free port; see --port-file)", type=int)
-    add_flag(p, "--status-port", CoordinatorConfig, "status_port",
-             "serve the status page (members, shards, snapshots, loss curves, events) over HTTP on PORT "
-             "(0: any free port; the URL goes to DATA_DIR/status-url)", type=int)
-    add_flag(p, "--status-host", CoordinatorConfig, "status_host",
-             "address the status page binds; on any but a loopback address it requires the admin token, and "
-             "under TLS it is HTTPS with the run's certificate")
+    add_flag(p, "--port", CoordinatorConfig, "port", type=int)
+    add_flag(p, "--status-port", CoordinatorConfig, "status_port", type=int)
+    add_flag(p, "--status-host", CoordinatorConfig, "status_host")
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--advertise-address", metavar="HOST:PORT", help="address launched learners use (default: the bound one)")
     p.add_argument("--data-dir", default="coordinator", help="state, tokens, learner logs, snapshots (default ./coordinator)")
     p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
     p.add_argument("--admin-token-file", help="admin token (default: $DILOCO_ADMIN_TOKEN, else DATA_DIR/admin-token, made if absent)")
     p.add_argument("--shards", metavar="HOST:PORT,...", help="every shard's address, in shard id order")
-    add_flag(p, "--pools", CoordinatorConfig, "pools", "pools learners may join, comma-separated; the first is the default",
+    add_flag(p, "--pools", CoordinatorConfig, "pools",
              shown=",".join, taken=lambda pools: tuple(x for x in pools.split(",") if x))
-    add_flag(p, "--lease-s", CoordinatorConfig, "lease_s", "heartbeat lease, seconds", type=float)
+    add_flag(p, "--lease-s", CoordinatorConfig, "lease_s", type=float)
     add_flag(p, "--idle-timeout-s", CoordinatorConfig, "idle_timeout_s",
-             "mark failed a learner whose heartbeats report no new token or step for this long, seconds (0: never)",
              type=float)
-    add_flag(p, "--credential-lifetime-s", CoordinatorConfig, "credential_lifetime_s",
-             "learner credentials expire after S seconds; every heartbeat reply renews them", type=float, metavar="S")
-    add_flag(p, "--max-learners", CoordinatorConfig, "max_learners", "cap on learners joined or launching", type=int)
-    add_flag(p, "--drain-timeout-s", CoordinatorConfig, "drain_timeout_s", "stop a draining learner after this long, seconds",
+    add_flag(p, "--credential-lifetime-s", CoordinatorConfig, "credential_lifetime_s", type=float, metavar="S")
+    add_flag(p, "--max-learners", CoordinatorConfig, "max_learners", type=int)
+    add_flag(p, "--drain-timeout-s", CoordinatorConfig, "drain_timeout_s",
              type=float)
-    add_flag(p, "--join-timeout-s", CoordinatorConfig, "join_timeout_s", "a launch not joined by then frees its slot, seconds",
+    add_flag(p, "--join-timeout-s", CoordinatorConfig, "join_timeout_s",
              type=float)
-    add_flag(p, "--snapshot-timeout-s", CoordinatorConfig, "snapshot_timeout_s",
-             "fail a snapshot not complete by then, seconds", type=float)
+    add_flag(p, "--snapshot-timeout-s", CoordinatorConfig, "snapshot_timeout_s", type=float)
     p.add_argument("--snapshot-dir", help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
                    "(default DATA_DIR/snapshots); shards and learners must reach the same place")
-    add_flag(p, "--snapshot-every-s", CoordinatorConfig, "snapshot_every_s",
-             "take a snapshot every S seconds once the run has a model (0: only on demand)", type=float, metavar="S")
-    add_flag(p, "--snapshot-keep", CoordinatorConfig, "snapshot_keep",
-             "keep the newest N complete snapshots, delete older ones (0: keep all)", type=int, metavar="N")
+    add_flag(p, "--snapshot-every-s", CoordinatorConfig, "snapshot_every_s", type=float, metavar="S")
+    add_flag(p, "--snapshot-keep", CoordinatorConfig, "snapshot_keep", type=int, metavar="N")
     p.add_argument("--restore", metavar="latest|ID", help="restart the run from a complete snapshot (learners re-join)")
     pin = p.add_argument_group("the run's model (docs/security.md: without a pin the first learner fixes it)")
-    add_flag(pin, "--pin-model", CoordinatorConfig, "pin_model",
-             "build the run's model from the run config (--task, --task-option, --seed, --init) at start and pin its "
-             "manifest and every fragment's initial values: learners and shards take no other", action="store_true")
-    add_flag(pin, "--model-sha256", CoordinatorConfig, "model_sha256",
-             "pin only the manifest, by the SHA-256 of its JSON (a task this coordinator cannot build); initial values "
-             "stay the first learner's", metavar="HEX")
-    add_flag(p, "--launcher", CoordinatorConfig, "launcher", "how AddLearners starts learners",
+    add_flag(pin, "--pin-model", CoordinatorConfig, "pin_model", action="store_true")
+    add_flag(pin, "--model-sha256", CoordinatorConfig, "model_sha256", metavar="HEX")
+    add_flag(p, "--launcher", CoordinatorConfig, "launcher",
              choices=["local", "kubernetes", "none"])
-    add_flag(p, "--release", CoordinatorConfig, "release", "owner label of launched pods (the Helm release)")
+    add_flag(p, "--release", CoordinatorConfig, "release")
     local = p.add_argument_group("local launcher")
     local.add_argument("--learner-command", help="command line that starts a learner (default: this Python's -m diloco learner, "
                                                    "with this coordinator's --tls-dir or --insecure)")
-    add_flag(local, "--terminate-timeout-s", LocalLauncherConfig, "terminate_timeout_s",
-             "SIGKILL a learner this long after SIGTERM, seconds", type=float)
+    add_flag(local, "--terminate-timeout-s", LocalLauncherConfig, "terminate_timeout_s", type=float)
     add_flag(local, "--fork-server", LocalLauncherConfig, "fork_server",
-             "fork learners from a process that loaded their code once (the learner command with --fork-server), "
-             "so no launch pays the load; --no-fork-server: each launch starts a process",
              action=argparse.BooleanOptionalAction)
-    add_flag(local, "--site-hub", LocalLauncherConfig, "site_hub",
-             "emulated sites (root): TAG/NETWORK of a hub made by diloco.coordinator.sites; each learner runs in a network "
-             "namespace of its own behind a shaped link (diloco local --link-mbit sets this)", metavar="TAG/NETWORK")
-    add_flag(local, "--link-mbit", LocalLauncherConfig, "link_mbit",
-             "each emulated site's link rate, each way, Mbit/s (with --site-hub; AddLearners' link_mbit override "
-             "sets a launch's own)", type=float)
+    add_flag(local, "--site-hub", LocalLauncherConfig, "site_hub", metavar="TAG/NETWORK")
+    add_flag(local, "--link-mbit", LocalLauncherConfig, "link_mbit", type=float)
     k8s = p.add_argument_group("kubernetes launcher")
     k8s.add_argument("--namespace", help="namespace of learner pods (default $POD_NAMESPACE, else default)")
     k8s.add_argument("--pod-template", action="append", type=_pod_template, metavar="[POOL=]PATH",
                      help="pod template (YAML/JSON) for POOL, or for every pool without its own (repeatable)")
-    add_flag(k8s, "--learner-container", KubernetesLauncherConfig, "container", "learner container's name in the template")
-    add_flag(k8s, "--join-token-path", KubernetesLauncherConfig, "join_token_path", "join token file inside learner pods")
-    add_flag(k8s, "--kube-config", KubernetesLauncherConfig, "kube_config", "in-cluster, auto or a kubeconfig path")
+    add_flag(k8s, "--learner-container", KubernetesLauncherConfig, "container")
+    add_flag(k8s, "--join-token-path", KubernetesLauncherConfig, "join_token_path")
+    add_flag(k8s, "--kube-config", KubernetesLauncherConfig, "kube_config")
     k8s.add_argument("--owner-configmap", metavar="NAME",
                      help="ConfigMap (in --namespace) that owns learner pods, so deleting it deletes them "
                           "(default $DILOCO_OWNER_CONFIGMAP, else none: pods outlive everything)")

@@ -74,27 +74,24 @@ def add_local(commands: argparse._SubParsersAction) -> None:
         description="Run a real multi-process Decoupled DiLoCo training on this machine and write a run directory.",
     )
     add_config_flag(p)
-    add_flag(p, "--learners", LocalConfig, "learners", "M: learners", type=int)
-    add_flag(p, "--shards", LocalConfig, "shards", "S: syncer shards", type=int)
-    add_flag(p, "--quorum", LocalConfig, "quorum", "K: minimum pushes per round", type=int)
-    add_grace_flag(p, LocalConfig, "grace", "auto, off, or SECONDS",
+    add_flag(p, "--learners", LocalConfig, "learners", type=int)
+    add_flag(p, "--shards", LocalConfig, "shards", type=int)
+    add_flag(p, "--quorum", LocalConfig, "quorum", type=int)
+    add_grace_flag(p, LocalConfig, "grace",
                    taken=lambda grace: grace[0] if grace[0] != "fixed" else str(grace[1]))
     budget = p.add_mutually_exclusive_group()
-    add_flag(budget, "--steps", LocalConfig, "steps", "inner steps per learner", type=int)
+    add_flag(budget, "--steps", LocalConfig, "steps", type=int)
     budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
-    add_flag(p, "--outer-lr", LocalConfig, "outer_lr", "shards' outer learning rate (see README)", type=float)
-    add_flag(p, "--outer-momentum", LocalConfig, "outer_momentum", "shards' outer Nesterov momentum", type=float)
-    add_flag(p, "--outer-optimizer", LocalConfig, "outer_optimizer", "shards' outer optimizer", choices=OUTER_OPTIMIZERS)
-    add_flag(p, "--merge", LocalConfig, "merge", "shards' merge", choices=MERGE_MODES)
-    add_flag(p, "--scale-by", LocalConfig, "scale_by",
-             "shards scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)
+    add_flag(p, "--outer-lr", LocalConfig, "outer_lr", type=float)
+    add_flag(p, "--outer-momentum", LocalConfig, "outer_momentum", type=float)
+    add_flag(p, "--outer-optimizer", LocalConfig, "outer_optimizer", choices=OUTER_OPTIMIZERS)
+    add_flag(p, "--merge", LocalConfig, "merge", choices=MERGE_MODES)
+    add_flag(p, "--scale-by", LocalConfig, "scale_by", choices=SCALE_MODES)
     add_flag(p, "--downlink", LocalConfig, "downlink",
-             "shards' replies: one int4 update from the learner's anchor (condensed) or every update since it (chain)",
              choices=DOWNLINKS)
-    add_flag(p, "--delta-codec", LocalConfig, "delta_codec", "learners' delta encoding", choices=DELTA_CODECS)
-    add_flag(p, "--error-feedback", LocalConfig, "error_feedback",
-             "learners add what int4 left out of a fragment's last push to its next", action=argparse.BooleanOptionalAction)
-    add_flag(p, "--block-size", LocalConfig, "block_size", "int4 block size of pushes and replies", type=int)
+    add_flag(p, "--delta-codec", LocalConfig, "delta_codec", choices=DELTA_CODECS)
+    add_flag(p, "--error-feedback", LocalConfig, "error_feedback", action=argparse.BooleanOptionalAction)
+    add_flag(p, "--block-size", LocalConfig, "block_size", type=int)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
     where.add_argument("--resume", metavar="RUN_DIR",
@@ -105,42 +102,22 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                    help="print the run's summary (summary.json) on stdout as it ends; exit code 1 if a learner failed "
                         "before training or no token was trained, 130 if interrupted")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
-    add_flag(p, "--prometheus", LocalConfig, "prometheus",
-             "every process serves Prometheus metrics on 127.0.0.1 at a port of its own; RUN_DIR/prometheus-targets.json "
-             "lists the live ones (labels role, learner, shard) for a Prometheus file_sd_configs (needs the "
-             "diloco[metrics] extra)", action="store_true")
+    add_flag(p, "--prometheus", LocalConfig, "prometheus", action="store_true")
     p.add_argument("--learner-device", action="append", metavar="ID:DEVICE",
                    help="the ID-th learner launched (0-based; L0 reads as 0) trains on DEVICE: cpu, cuda or xla "
                         "(repeatable; default: every learner on the CPU). xla uses every device PJRT_DEVICE gives "
                         "(on the CPU: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4) and needs torch-xla (constraints-xla.txt)")
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
-    add_flag(p, "--learner-evals", LocalConfig, "learner_evals",
-             "evaluations each learner makes while it trains (0: none; the supervisor evaluates the seed and the "
-             "final model either way)", type=int, metavar="N")
-    add_flag(p, "--lr", LocalConfig, "lr", "the learners' peak inner learning rate", type=float)
-    add_flag(p, "--curve-points", LocalConfig, "curve_points",
-             "export the global model as the learners pass each of N equal shares of the budget and evaluate it after "
-             "the run: the global model's eval in RUN_DIR/curves.jsonl, loss.png and summary.json's curve (0: only the "
-             "seed and the final model)", type=int, metavar="N")
-    add_flag(p, "--tensorboard", LocalConfig, "tensorboard",
-             "also write the run's loss curves (RUN_DIR/curves.jsonl: training loss, evals, the global model's eval "
-             "against the run's tokens) as TensorBoard event files in DIR as the run ends; a resumed run given the same "
-             "DIR adds its part (needs the diloco[tensorboard] extra)", type=Path, metavar="DIR")
-    add_flag(p, "--status-page", LocalConfig, "status_page",
-             "the coordinator serves a live status page (members, shards, snapshots, loss curves, events) on "
-             "127.0.0.1; the run prints its URL", action=argparse.BooleanOptionalAction)
+    add_flag(p, "--learner-evals", LocalConfig, "learner_evals", type=int, metavar="N")
+    add_flag(p, "--lr", LocalConfig, "lr", type=float)
+    add_flag(p, "--curve-points", LocalConfig, "curve_points", type=int, metavar="N")
+    add_flag(p, "--tensorboard", LocalConfig, "tensorboard", type=Path, metavar="DIR")
+    add_flag(p, "--status-page", LocalConfig, "status_page", action=argparse.BooleanOptionalAction)
     add_flag(p, "--fork-server", LocalConfig, "fork_server",
-             "the coordinator forks learners from a process that loaded their code once, so no launch (start, "
-             "replacement, scavenged learner) pays the load; --no-fork-server: each launch starts a process",
              action=argparse.BooleanOptionalAction)
-    add_flag(p, "--insecure", LocalConfig, "tls",
-             "plaintext gRPC between the run's processes instead of mutual TLS with a CA and certificate made for "
-             "the run in RUN_DIR/tls", action="store_true", shown=lambda tls: not tls)
+    add_flag(p, "--insecure", LocalConfig, "tls", action="store_true", shown=lambda tls: not tls)
     links = p.add_argument_group("emulated sites (root: network namespaces, veth pairs and tc; docs/sites.md)")
-    add_flag(links, "--link-mbit", LocalConfig, "link_mbit",
-             "every learner (replacements and scavenged ones too) runs in a network namespace of its own, joined to the "
-             "shards and the coordinator by a link the kernel shapes to R Mbit/s each way (None: every process on "
-             "127.0.0.1)", type=float, metavar="R")
+    add_flag(links, "--link-mbit", LocalConfig, "link_mbit", type=float, metavar="R")
     links.add_argument("--link", action="append", metavar="ID:MBIT",
                        help="the ID-th learner launched (0-based; L1 reads as 1) gets a link of MBIT Mbit/s instead "
                             "(repeatable; turns sites on)")
@@ -148,9 +125,8 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     snapshots.add_argument("--snapshot-dir", metavar="DIR|URL",
                            help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
                                 "(default RUN_DIR/coordinator/snapshots)")
-    add_flag(snapshots, "--snapshot-every-s", LocalConfig, "snapshot_every_s",
-             "the coordinator takes a snapshot every S seconds (0: only on demand)", type=float, metavar="S")
-    add_flag(snapshots, "--snapshot-keep", LocalConfig, "snapshot_keep", "keep the newest N complete snapshots (0: all)",
+    add_flag(snapshots, "--snapshot-every-s", LocalConfig, "snapshot_every_s", type=float, metavar="S")
+    add_flag(snapshots, "--snapshot-keep", LocalConfig, "snapshot_keep",
              type=int, metavar="N")
     chaos = p.add_argument_group("chaos")
     chaos.add_argument("--kill-learner-every", type=float, metavar="SECONDS",
@@ -159,14 +135,12 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--slow-learner", action="append", metavar="ID:FACTOR",
                        help="the ID-th learner launched (0-based; L1 reads as 1) takes FACTOR x as long per "
                        "step (repeatable); ids are given at join, so its events file says slow_factor")
-    add_flag(chaos, "--delay-ms", LocalConfig, "delay_ms", "delay added to every push and reply", type=float)
+    add_flag(chaos, "--delay-ms", LocalConfig, "delay_ms", type=float)
     add_flag(p, "--time-limit-s", LocalConfig, "time_limit_s",
-             "stop the learners this long after the start, the budget trained or not (summary.json: time_limited)",
              type=float, metavar="S")
     chaos.add_argument("--restart-shard-at", type=float, metavar="SECONDS",
                        help="snapshot, SIGKILL shard 0 and restart it from the snapshot at SECONDS")
     add_flag(chaos, "--restart-from", ChaosConfig, "restart_from",
-             "the restarted shard comes back from a snapshot or, with no state, from the learners' anchors",
              choices=RESTART_SOURCES)
     chaos.add_argument("--scavenge", metavar="N@SECONDS", help="add N learners through AddLearners at SECONDS")
     chaos.add_argument("--chaos", metavar="SPEC",
@@ -174,9 +148,9 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                             f"{', '.join(FAULT_KINDS)} (network faults last {DEFAULT_FAULT_S:g} s unless given and "
                             "need --link-mbit), e.g. cut:20,flap,starve,cut-shard@S1,kill,restart-shard; each kind "
                             "once per cycle in a seeded order; the run is checked after (check.json)")
-    add_flag(chaos, "--chaos-every", ChaosConfig, "fault_every_s", "mean seconds between two --chaos faults (Poisson)",
+    add_flag(chaos, "--chaos-every", ChaosConfig, "fault_every_s",
              type=float, metavar="S")
-    add_flag(chaos, "--chaos-seed", ChaosConfig, "seed", "seed of the kill and fault schedules and their victims", type=int)
+    add_flag(chaos, "--chaos-seed", ChaosConfig, "seed", type=int)
     add_run_config(p)
     p.set_defaults(func=_local)
 

@@ -52,52 +52,43 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
         description="Run one syncer shard. SIGTERM closes open rounds, answers waiting pushes, flushes the tape, exits 0.",
     )
     add_config_flag(p)
-    add_flag(p, "--shard-id", SyncerConfig, "shard_id", "this shard's id m", type=int)
-    add_flag(p, "--shards", SyncerConfig, "num_shards", "S: number of shards", type=int)
-    add_flag(p, "--host", ShardServerConfig, "host", "address to bind")
+    add_flag(p, "--shard-id", SyncerConfig, "shard_id", type=int)
+    add_flag(p, "--shards", SyncerConfig, "num_shards", type=int)
+    add_flag(p, "--host", ShardServerConfig, "host")
     p.add_argument("--health-port", type=int, metavar="PORT",
                    help="also answer grpc.health.v1 in plaintext on PORT (for kubelet probes when --tls-dir "
                         "makes the main port mutual TLS)")
-    add_flag(p, "--reflection", ShardServerConfig, "reflection", "serve gRPC reflection (grpcurl without the .proto files)",
+    add_flag(p, "--reflection", ShardServerConfig, "reflection",
              action="store_true")
-    add_flag(p, "--port", ShardServerConfig, "port", "port (0: any free port; see --port-file)", type=int)
+    add_flag(p, "--port", ShardServerConfig, "port", type=int)
     p.add_argument("--port-file", help="write HOST:PORT here once serving")
     p.add_argument("--data-dir", help="directory for the event tape (default: keep no tape)")
     add_flag(p, "--push-log", ShardServerConfig, "push_log",
-             "also log every accepted push's payload in DATA_DIR (for diloco replay; costs disk ~ bytes pushed)",
              action="store_true")
     p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
     p.add_argument("--learners", help="static live learners, e.g. L0,L1 (when there is no coordinator)")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="follow this coordinator's membership stream")
-    add_flag(p, "--quorum", RoundConfig, "quorum", "K: pushes needed before the grace window", type=int)
-    add_grace_flag(p, RoundConfig, "grace_mode", "auto, off, or fixed SECONDS")
-    add_flag(p, "--grace-gamma", RoundConfig, "grace_gamma", "share of the estimated slack granted", type=float)
-    add_flag(p, "--grace-max-s", RoundConfig, "grace_max_s", "upper bound of the adaptive grace, seconds", type=float)
-    add_flag(p, "--merge", MergeConfig, "merge", "merge of non-embedding pieces", choices=MERGE_MODES)
-    add_flag(p, "--staleness-lambda", MergeConfig, "staleness_lambda", "staleness discount lambda (0: off)", type=float)
-    add_flag(p, "--outer-lr", MergeConfig, "outer_lr", "outer Nesterov learning rate", type=float)
-    add_flag(p, "--outer-momentum", MergeConfig, "outer_momentum", "outer Nesterov momentum", type=float)
-    add_flag(p, "--outer-optimizer", MergeConfig, "outer_optimizer", "the outer optimizer", choices=OUTER_OPTIMIZERS)
-    add_flag(p, "--scale-by", MergeConfig, "scale_by",
-             "scale the outer lr by the round's share of live learners (live) or not (round)", choices=SCALE_MODES)
-    add_flag(p, "--block-size", MergeConfig, "block_size", "int4 block size", type=int)
-    add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", "int4 scale dtype", choices=["float16", "float32"])
-    add_flag(p, "--chain", MergeConfig, "update_chain_length", "int4 updates kept per fragment", type=int)
-    add_flag(p, "--downlink", MergeConfig, "downlink",
-             "replies: one int4 update from the learner's anchor, mirrored here (condensed), or every update since "
-             "it (chain)", choices=DOWNLINKS)
-    add_flag(p, "--max-push-mib", SyncerConfig, "max_push_bytes", "largest accepted push, MiB", type=int,
+    add_flag(p, "--quorum", RoundConfig, "quorum", type=int)
+    add_grace_flag(p, RoundConfig, "grace_mode")
+    add_flag(p, "--grace-gamma", RoundConfig, "grace_gamma", type=float)
+    add_flag(p, "--grace-max-s", RoundConfig, "grace_max_s", type=float)
+    add_flag(p, "--merge", MergeConfig, "merge", choices=MERGE_MODES)
+    add_flag(p, "--staleness-lambda", MergeConfig, "staleness_lambda", type=float)
+    add_flag(p, "--outer-lr", MergeConfig, "outer_lr", type=float)
+    add_flag(p, "--outer-momentum", MergeConfig, "outer_momentum", type=float)
+    add_flag(p, "--outer-optimizer", MergeConfig, "outer_optimizer", choices=OUTER_OPTIMIZERS)
+    add_flag(p, "--scale-by", MergeConfig, "scale_by", choices=SCALE_MODES)
+    add_flag(p, "--block-size", MergeConfig, "block_size", type=int)
+    add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", choices=["float16", "float32"])
+    add_flag(p, "--chain", MergeConfig, "update_chain_length", type=int)
+    add_flag(p, "--downlink", MergeConfig, "downlink", choices=DOWNLINKS)
+    add_flag(p, "--max-push-mib", SyncerConfig, "max_push_bytes", type=int,
              shown=lambda size: size // 2**20, taken=lambda mib: mib * 2**20)
     add_flag(p, "--anchor-window-s", SyncerConfig, "anchor_window_s",
-             "back without its state, collect learners' anchors of a fragment for S seconds and take the newest",
              type=float, metavar="S")
-    add_flag(p, "--max-delta-ratio", SyncerConfig, "max_delta_ratio",
-             "refuse a push whose delta norm exceeds this many times its fragment's norm", type=float)
-    add_flag(p, "--robust-multiple", SyncerConfig, "robust_multiple",
-             "clip a push's delta to this many times the median of the other learners' latest deltas to its fragment "
-             "(per unit of time) and count its tokens at most this many times theirs", type=float)
-    add_flag(p, "--stream-idle-timeout-s", SyncerConfig, "stream_idle_timeout_s",
-             "close a push stream that sends nothing for this long, seconds", type=float)
+    add_flag(p, "--max-delta-ratio", SyncerConfig, "max_delta_ratio", type=float)
+    add_flag(p, "--robust-multiple", SyncerConfig, "robust_multiple", type=float)
+    add_flag(p, "--stream-idle-timeout-s", SyncerConfig, "stream_idle_timeout_s", type=float)
     p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory or URL, s3://... (for --restore latest or an id)")
     p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of waiting for a learner to give it one")
     add_telemetry(p)
@@ -184,7 +175,7 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
     join = p.add_argument_group("joining (coordinator) or a static topology")
     join.add_argument("--coordinator", metavar="HOST:PORT", help="join this coordinator (topology, id, credential)")
     join.add_argument("--join-token-file", help="file with the run's join token (with --coordinator)")
-    add_flag(join, "--pool", CoordinatorConfig, "pools", "pool reported to the coordinator (its default pool)",
+    add_flag(join, "--pool", CoordinatorConfig, "pools",
              shown=lambda pools: pools[0])
     join.add_argument("--launch-id", default="", help="set by launchers to match the process they started")
     join.add_argument("--netns", metavar="NAME", help="run in this network namespace: an emulated site (set by the "
@@ -197,45 +188,35 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
     join.add_argument("--secret-file", help="static topology: the run secret (default: $DILOCO_SECRET)")
     join.add_argument("--num-learners", type=int, default=1, help="learners the run is planned for (TaskContext.num_learners; default 1)")
     t = p.add_argument_group("training")
-    add_flag(t, "--device", LearnerConfig, "device",
-             "xla uses every device of the host (SPMD: parameters and optimizer state split, batches split; the "
-             "task's batch size must be a multiple of the device count)", choices=DEVICES)
+    add_flag(t, "--device", LearnerConfig, "device", choices=DEVICES)
     add_flag(t, "--precision", LearnerConfig, "precision",
-             "bf16: forward pass and loss under bfloat16 autocast; parameters, optimizer state and deltas stay fp32",
              choices=PRECISIONS)
-    add_flag(t, "--steps", LearnerConfig, "steps", "inner steps", type=int)
-    add_flag(t, "--lr", LearnerConfig, "lr",
-             "peak inner AdamW learning rate (a task's own optimizer keeps its lr, scaled by the schedule)", type=float)
-    add_flag(t, "--warmup-steps", LearnerConfig, "warmup_steps", "linear warmup steps", type=int)
-    add_flag(t, "--eval-every", LearnerConfig, "eval_every_steps", "inner steps between evaluations", type=int)
-    add_flag(t, "--train-loss-every", LearnerConfig, "train_loss_every_steps",
-             "inner steps the recorded training loss is averaged over (curves, status page, metrics)", type=int)
-    add_flag(t, "--skip-start-eval", LearnerConfig, "skip_start_eval",
-             "no evaluation before the first inner step (one joining a trained model never has one)", action="store_true")
-    add_flag(t, "--delta-codec", LearnerConfig, "delta_codec", "delta encoding", choices=DELTA_CODECS)
-    add_flag(t, "--block-size", LearnerConfig, "block_size", "int4 block size; must match the shards'", type=int)
-    add_flag(t, "--error-feedback", LearnerConfig, "error_feedback",
-             "add what int4 left out of a fragment's last push to its next", action=argparse.BooleanOptionalAction)
-    add_flag(t, "--step-delay-s", LearnerConfig, "step_delay_s", "extra seconds per step: a simulated slow learner", type=float)
+    add_flag(t, "--steps", LearnerConfig, "steps", type=int)
+    add_flag(t, "--lr", LearnerConfig, "lr", type=float)
+    add_flag(t, "--warmup-steps", LearnerConfig, "warmup_steps", type=int)
+    add_flag(t, "--eval-every", LearnerConfig, "eval_every_steps", type=int)
+    add_flag(t, "--train-loss-every", LearnerConfig, "train_loss_every_steps", type=int)
+    add_flag(t, "--skip-start-eval", LearnerConfig, "skip_start_eval", action="store_true")
+    add_flag(t, "--delta-codec", LearnerConfig, "delta_codec", choices=DELTA_CODECS)
+    add_flag(t, "--block-size", LearnerConfig, "block_size", type=int)
+    add_flag(t, "--error-feedback", LearnerConfig, "error_feedback", action=argparse.BooleanOptionalAction)
+    add_flag(t, "--step-delay-s", LearnerConfig, "step_delay_s", type=float)
     t.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, one per core)")
-    add_flag(t, "--slow-factor", LearnerConfig, "slow_factor", "steps take FACTOR x their compute time: a slower chip",
+    add_flag(t, "--slow-factor", LearnerConfig, "slow_factor",
              type=float)
-    add_flag(t, "--wire-delay-ms", LearnerConfig, "wire_delay_ms", "delay added to each push and each reply: a slow network",
+    add_flag(t, "--wire-delay-ms", LearnerConfig, "wire_delay_ms",
              type=float)
-    add_flag(t, "--push-timeout-s", LearnerConfig, "push_timeout_s", "deadline of one push, seconds", type=float)
-    add_flag(t, "--max-inflight", LearnerConfig, "max_inflight_pushes", "pushes in flight before new ones are dropped", type=int)
-    add_flag(t, "--heartbeat-s", LearnerConfig, "heartbeat_interval_s", "heartbeat interval, seconds", type=float)
-    add_flag(t, "--coordinator-loss-timeout-s", LearnerConfig, "coordinator_loss_timeout_s",
-             "leave after S seconds with every heartbeat failing (a coordinator restart shorter than that is "
-             "trained through)", type=float, metavar="S")
+    add_flag(t, "--push-timeout-s", LearnerConfig, "push_timeout_s", type=float)
+    add_flag(t, "--max-inflight", LearnerConfig, "max_inflight_pushes", type=int)
+    add_flag(t, "--heartbeat-s", LearnerConfig, "heartbeat_interval_s", type=float)
+    add_flag(t, "--coordinator-loss-timeout-s", LearnerConfig, "coordinator_loss_timeout_s", type=float, metavar="S")
     s = p.add_argument_group("a multi-host slice: one learner, one process per host (every host runs the same command)")
     s.add_argument("--slice-hosts", type=int, default=1, metavar="N", help="hosts of this learner's slice (default 1)")
     s.add_argument("--slice-index", type=int, default=0, metavar="I",
                    help="this host's index, 0..N-1; host 0 is the learner toward the coordinator and shards, the "
                         "others repeat its writes (default 0)")
     s.add_argument("--slice-leader", metavar="HOST:PORT", help="host 0's address on the slice port (with N > 1)")
-    add_flag(s, "--slice-timeout-s", LearnerConfig, "slice_timeout_s",
-             "a host waits this long for the others at any step before it fails", type=float, metavar="S")
+    add_flag(s, "--slice-timeout-s", LearnerConfig, "slice_timeout_s", type=float, metavar="S")
     t.add_argument("--summary", help="write the JSON summary here at exit")
     t.add_argument("--summary-dir", help="write the JSON summary to DIR/<learner id>.json at exit")
     t.add_argument("--events-dir", help="write the event tape (states, evaluations) to DIR/<learner id>.events.jsonl")

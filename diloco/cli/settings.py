@@ -1,13 +1,20 @@
-"""One source for a setting's default: a command-line flag that sets a config dataclass
-field takes its default (and the "(default X)" of its help) from that field, never from
-a number written again beside the flag. tests/unit/test_defaults.py checks the chart's
-values against the same fields."""
+"""One source for a setting: a command-line flag that sets a config dataclass field takes
+its default (and the "(default X)" of its help) from that field, and its help from the
+field's docstring (``field_doc``), never from words or a number written again beside the
+flag. docs/SETTINGS.md and the chart's schema descriptions are made from the same fields
+(``diloco.lab.reference``); tests/unit/test_defaults.py checks the chart's values against
+them."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
+import sys
+import textwrap
 from collections.abc import Callable
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, is_dataclass
 
 
 def default_of(cls: type, name: str):
@@ -22,21 +29,64 @@ def default_of(cls: type, name: str):
     raise KeyError(f"{cls.__name__} has no field {name!r}")
 
 
-def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, cls: type, name: str, help: str,
+@functools.cache
+def _docstrings(cls: type) -> dict[str, ast.expr | str | None]:
+    """Each field of dataclass ``cls``: the docstring under it, else its default's
+    expression (None: neither)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    found: dict[str, ast.expr | str | None] = {}
+    body = tree.body
+    for node, after in zip(body, [*body[1:], None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                found[node.target.id] = after.value.value
+            else:
+                found[node.target.id] = node.value
+    return found
+
+
+def field_doc(cls: type, name: str) -> str:
+    """The description of dataclass ``cls``'s field ``name``: the first paragraph of the
+    docstring under it, on one line; for a field without one whose default is another
+    config's field (``outer_lr: float = MergeConfig.outer_lr``), that field's description
+    (one setting, one description). KeyError: the field has none."""
+    owner = next((c for c in cls.__mro__ if is_dataclass(c) and name in _docstrings(c)), cls)
+    if owner is not cls:  # a field a base class declares
+        return field_doc(owner, name)
+    doc = _docstrings(cls).get(name)
+    if isinstance(doc, str):
+        return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split()).replace("``", "`")
+    if isinstance(doc, ast.Attribute) and isinstance(doc.value, ast.Name):
+        owner = getattr(sys.modules[cls.__module__], doc.value.id, None)
+        if is_dataclass(owner):
+            return field_doc(owner, doc.attr)
+    if isinstance(doc, ast.Call):  # field(default=Other.name, ...)
+        for keyword in doc.keywords:
+            value = keyword.value
+            if keyword.arg == "default" and isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name):
+                owner = getattr(sys.modules[cls.__module__], value.value.id, None)
+                if is_dataclass(owner):
+                    return field_doc(owner, value.attr)
+    raise KeyError(f"{cls.__name__}.{name} has no docstring (nor a default that is another config's field)")
+
+
+def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, cls: type, name: str,
              *, shown: Callable[[object], object] | None = None, taken: Callable[[object], object] | None = None,
              **kwargs) -> argparse.Action:
-    """``parser.add_argument(flag, ...)`` with ``cls.name``'s default, which its help shows,
-    and whose value ``from_flags`` puts back into that field. ``shown``: the default as
-    the flag says it (MiB for a field in bytes, a comma list for a tuple), ``taken`` the
-    way back. A switch (``action="store_true"``) needs a field that is off by default. The
-    action remembers its field (``action.field``): tests/unit/test_defaults.py and
-    docs/SETTINGS.md read it."""
+    """``parser.add_argument(flag, ...)`` with ``cls.name``'s default and description
+    (``field_doc``) as its help, and whose value ``from_flags`` puts back into that field.
+    ``shown``: the default as the flag says it (MiB for a field in bytes, a comma list for
+    a tuple), ``taken`` the way back. A switch (``action="store_true"``) needs a field that
+    is off by default. The action remembers its field (``action.field``):
+    tests/unit/test_defaults.py and docs/SETTINGS.md read it."""
+    help = field_doc(cls, name)
     default = default_of(cls, name)
     if shown is not None:
         default = shown(default)
     if kwargs.get("action") == "store_true":
         if default is not False:
             raise ValueError(f"{flag} is a switch, but {cls.__name__}.{name} is on by default")
+        help = help.replace("%", "%%")  # argparse formats help with %
         action = parser.add_argument(flag, help=f"{help} (default off)", **kwargs)
     else:
         action = parser.add_argument(flag, default=default, help=f"{help} (default {default if default != '' else 'none'})",

@@ -143,7 +143,9 @@ class CoordinatorConfig:
     build the task (its code is only in the learner image). The first manifest with this
     digest becomes the run's; initial values stay the first learner's."""
     host: str = "127.0.0.1"
+    """Address the coordinator's gRPC server binds."""
     port: int = 0
+    """Port of the coordinator's gRPC server (0: any free port, written to the port file)."""
     health_port: int | None = None
     """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
     TLS); None: only on the main port."""
@@ -162,6 +164,8 @@ class CoordinatorConfig:
     release: str = "diloco"
     """Owner label of launched pods (the Helm release name)."""
     launcher: str = "local"
+    """How AddLearners starts learners: local (processes on this host) or kubernetes (pods
+    from a template)."""
     local: LocalLauncherConfig = field(default_factory=LocalLauncherConfig)
     kubernetes: KubernetesLauncherConfig = field(default_factory=KubernetesLauncherConfig)
     shutdown_grace_s: float = 5.0

@@ -194,7 +194,7 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
                     "running cell and the sweep; the report then holds the cells done (exit 130 or 143).",
     )
     p.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only this scenario (repeatable; default all)")
-    add_flag(p, "--systems", CompareConfig, "systems", f"comma-separated subset of {','.join(SYSTEMS)}", shown=",".join,
+    add_flag(p, "--systems", CompareConfig, "systems", shown=",".join,
              taken=lambda systems: tuple(x for x in systems.split(",") if x))
     ablate = p.add_mutually_exclusive_group()
     ablate.add_argument("--ablations", action="store_true",
@@ -204,29 +204,23 @@ def add_compare(commands: argparse._SubParsersAction) -> None:
                         choices=[a for a in ABLATIONS if a != DEFAULT_VARIANT],
                         help="also run this ablation (repeatable), beside the default variant: "
                              + "; ".join(a for a in ABLATIONS if a != DEFAULT_VARIANT))
-    add_flag(p, "--workers", CompareConfig, "workers", "M: learners / DP workers / torchft replicas", type=int)
+    add_flag(p, "--workers", CompareConfig, "workers", type=int)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--workload", choices=tuple(WORKLOADS),
                         help="inner steps per worker by name: " + ", ".join(f"{k} {v}" for k, v in WORKLOADS.items())
                              + " (default standard)")
-    add_flag(budget, "--steps", CompareConfig, "steps", "inner steps per worker", type=int)
-    add_flag(p, "--lr", CompareConfig, "lr", "peak inner learning rate of every system's workers", type=float)
-    add_flag(p, "--curve-points", CompareConfig, "curve_points", "points of every run's eval curve (OUT/curves.png): "
-             "the global model is saved as the run passes each share of its budget and evaluated after it", type=int)
-    add_flag(p, "--seed-faults", CompareConfig, "seed", "seed of the fault schedules", type=int)
-    add_flag(p, "--seeds", CompareConfig, "seeds", "runs of every cell, each with its own model, data order and faults "
-             "(the report gives their mean and spread)", type=int)
-    add_flag(p, "--out", CompareConfig, "out", "output directory", type=Path)
+    add_flag(budget, "--steps", CompareConfig, "steps", type=int)
+    add_flag(p, "--lr", CompareConfig, "lr", type=float)
+    add_flag(p, "--curve-points", CompareConfig, "curve_points", type=int)
+    add_flag(p, "--seed-faults", CompareConfig, "seed", type=int)
+    add_flag(p, "--seeds", CompareConfig, "seeds", type=int)
+    add_flag(p, "--out", CompareConfig, "out", type=Path)
     links = p.add_argument_group("emulated sites (root: network namespaces, veth pairs and tc; docs/sites.md)")
-    add_flag(links, "--link-mbit", CompareConfig, "link_mbit",
-             "every system's workers each on a site of its own behind a link the kernel shapes to R Mbit/s each way "
-             "(None: all on 127.0.0.1)", type=float, metavar="R")
+    add_flag(links, "--link-mbit", CompareConfig, "link_mbit", type=float, metavar="R")
     links.add_argument("--bandwidth-sweep", metavar="R1,R2,...",
                        help="instead of the scenarios: every system, nofault, at each of these link rates (Mbit/s, e.g. "
                             "1000,100,20,5,1); writes OUT/bandwidth.md, .json and .png")
-    add_flag(links, "--time-limit-s", CompareConfig, "time_limit_s",
-             "stop a run this long after its start, the budget trained or not; it reports the tokens per second it "
-             f"reached, marked time-limited (the sweep's default: {TIME_LIMIT_S:g})", type=float, metavar="S")
+    add_flag(links, "--time-limit-s", CompareConfig, "time_limit_s", type=float, metavar="S")
     p.add_argument("--json", action="store_true", help="print one JSON object per scenario as it finishes")
     add_run_config(p)
     p.set_defaults(func=_compare)
@@ -276,31 +270,28 @@ def add_baseline(commands: argparse._SubParsersAction) -> None:
                     "A killed replica is restarted alone and heals from a peer.",
     )
     for p, who, cls in ((dp, "workers", DPConfig), (ft, "replicas", TorchftConfig)):
-        add_flag(p, "--workers", cls, "workers", f"M: {who}, one process each", type=int)
-        add_flag(p, "--steps", cls, "steps", "steps per worker", type=int)
-        add_flag(p, "--lr", cls, "lr", "peak inner learning rate", type=float)
-        add_flag(p, "--kill-every", cls, "kill_every_s",
-                 f"SIGKILL a random one of the {who} every SECONDS on average (exponential; 0: never)", type=float,
+        add_flag(p, "--workers", cls, "workers", type=int)
+        add_flag(p, "--steps", cls, "steps", type=int)
+        add_flag(p, "--lr", cls, "lr", type=float)
+        add_flag(p, "--kill-every", cls, "kill_every_s", type=float,
                  metavar="SECONDS")
         p.add_argument("--kill-at-step", type=int, action="append", metavar="STEP",
                        help="deterministic fault: SIGKILL a random one once step STEP is done (repeatable)")
         p.add_argument("--slow-worker", action="append", metavar="ID:FACTOR",
                        help="that worker's steps take FACTOR x as long (repeatable, or comma-separated)")
-        add_flag(p, "--fault-seed", cls, "fault_seed", "seed of the kill plan", type=int)
-        add_flag(p, "--threads-per-worker", cls, "threads_per_worker", "torch threads of each process (as torchrun sets)",
+        add_flag(p, "--fault-seed", cls, "fault_seed", type=int)
+        add_flag(p, "--threads-per-worker", cls, "threads_per_worker",
                  type=int)
-        add_flag(p, "--link-mbit", cls, "link_mbit", f"each of the {who} on an emulated site of its own behind a link "
-                 "the kernel shapes to R Mbit/s each way (root; None: all on 127.0.0.1)", type=float, metavar="R")
-        add_flag(p, "--time-limit-s", cls, "time_limit_s", "stop the job this long after its launch, trained or not "
-                 "(no final model; the summary says time_limited)", type=float, metavar="S")
+        add_flag(p, "--link-mbit", cls, "link_mbit", type=float, metavar="R")
+        add_flag(p, "--time-limit-s", cls, "time_limit_s", type=float, metavar="S")
         p.add_argument("--out", help="run directory (default ./runs/<baseline>-<timestamp>)")
         p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
         add_run_config(p)
         p.set_defaults(func=baseline)
-    add_flag(dp, "--checkpoint-every", DPConfig, "checkpoint_every_steps", "steps between two checkpoints", type=int,
+    add_flag(dp, "--checkpoint-every", DPConfig, "checkpoint_every_steps", type=int,
              metavar="STEPS")
-    add_flag(ft, "--outer-lr", TorchftConfig, "outer_lr", "outer SGD learning rate, as the shards'", type=float)
-    add_flag(ft, "--outer-momentum", TorchftConfig, "outer_momentum", "outer Nesterov momentum, as the shards'", type=float)
+    add_flag(ft, "--outer-lr", TorchftConfig, "outer_lr", type=float)
+    add_flag(ft, "--outer-momentum", TorchftConfig, "outer_momentum", type=float)
 
 
 

@@ -91,6 +91,7 @@ class CompareConfig:
     workers: int = 4
     """M: learners / DP workers / torchft replicas (4, so that half of them can be slow)."""
     steps: int = WORKLOADS["standard"]
+    """Inner steps per worker (the workload: ``--workload`` names them)."""
     seed: int = 3
     """Seed of the fault schedules (3: its first kill falls 8 s in, inside a one-minute run)."""
     seeds: int = 3
@@ -98,6 +99,7 @@ class CompareConfig:
     mtbf_s: float = 30.0
     slow_factor: float = 1.5
     systems: tuple[str, ...] = SYSTEMS
+    """The systems compared, a subset of decoupled, dp and torchft."""
     lr: float = LearnerConfig.lr
     """Peak inner learning rate of every system's workers (``LearnerConfig.lr``)."""
     curve_points: int = 8
@@ -110,6 +112,7 @@ class CompareConfig:
     """Stop a run this long after its start, the budget trained or not (it is marked
     ``time_limited``; its tokens per second still count). None: no limit."""
     out: Path = Path("runs/compare")
+    """Where the report (results.md, results.json, the figures) and every run go."""
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1:

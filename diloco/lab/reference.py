@@ -8,11 +8,13 @@ chart's schema and a field's own checks disagree about what a value may be."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from diloco.cli.settings import field_doc
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.config import RunConfig
 from diloco.learner.config import LearnerConfig
@@ -20,6 +22,9 @@ from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
 
 COMMANDS = ("syncer", "learner", "coordinator", "local", "compare", "baseline dp", "baseline torchft")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "SETTINGS.md"
+SCHEMA = Path(__file__).resolve().parents[2] / "k8s" / "diloco" / "values.schema.json"
+"""The chart's values schema: each value that sets a config field is described by the
+field's own description (``described``), as its flag is."""
 
 
 @dataclass(frozen=True)
@@ -131,12 +136,28 @@ def _default(action: argparse.Action) -> str:
     return f"`{action.default}`" if action.default != "" else "none"
 
 
+def described(schema: dict) -> dict:
+    """``schema`` (the chart's, parsed) with the description of each value in
+    ``CHART_VALUES`` set to its field's (``field_doc``); the other values keep theirs."""
+    for (cls, name), chart in CHART_VALUES.items():
+        node = schema
+        for part in chart.path.split("."):
+            node = node["properties"][part]
+        node["description"] = field_doc(cls, name)
+    return schema
+
+
+def schema_text(schema: dict) -> str:
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
 def main() -> int:
     from diloco.cli.main import COMMANDS, build_parser
     from diloco.lab.commands import COMMANDS as LAB
 
     DOC.write_text(render(build_parser(COMMANDS + LAB)))
-    print(f"wrote {DOC}", file=sys.stderr)
+    SCHEMA.write_text(schema_text(described(json.loads(SCHEMA.read_text()))))
+    print(f"wrote {DOC} and {SCHEMA}", file=sys.stderr)
     return 0
 
 

@@ -28,9 +28,11 @@ class LearnerConfig:
     min_lr_ratio: float = 0.1
     """The cosine schedule decays to lr * min_lr_ratio."""
     warmup_steps: int = 20
+    """Inner steps of the linear warmup before the cosine schedule."""
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_every_steps: int = 50
+    """Inner steps between two evaluations of the learner's own model."""
     train_loss_every_steps: int = 10
     """The training loss is recorded as its mean over each this many inner steps: a
     ``train`` event (the run's curves), the heartbeat's value (the status page) and the
@@ -60,6 +62,8 @@ class LearnerConfig:
     max_inflight_pushes: int = 16
     """Pushes queued or in flight; beyond it a send is dropped and counted, never waited for."""
     heartbeat_interval_s: float = 1.0
+    """Seconds between two heartbeats to the coordinator (its own small channel, never
+    behind bulk traffic)."""
     slice_timeout_s: float = 900.0
     """A host of a multi-host slice waits this long for the others at any step (the leader's
     bootstrap included) before it fails (diloco.learner.slice)."""

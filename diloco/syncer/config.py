@@ -21,15 +21,18 @@ keeps a typo from planning a million-entry shard table."""
 
 @dataclass(frozen=True)
 class RoundConfig:
-    """When a round closes (DESIGN §3 "Syncer round")."""
+    """When a round closes: quorum K, then an adaptive grace window for stragglers
+    (``diloco.syncer.core.rounds``)."""
 
     quorum: int = 1
     """Minimum learners (K) whose pushes must be in before the grace window starts."""
     grace_mode: str = "off"
-    """auto: clamp(gamma * (tau * step_time - (quorum_time + sync_time)), 0, grace_max_s);
-    fixed: always grace_fixed_s; off: close as soon as the quorum is in. Off by default:
-    a round then merges the first push (K = 1) at the outer lr times its share of the live
-    learners, and the others follow in rounds of their own. Measured (H = 8, 4 learners x
+    """The grace window for stragglers once the quorum is in: auto, clamp(gamma * (tau *
+    step_time - (quorum_time + sync_time)), 0, grace_max_s); fixed, always grace_fixed_s;
+    off, close as soon as the quorum is in.
+
+    Off by default: a round then merges the first push (K = 1) at the outer lr times its
+    share of the live learners, and the others follow in rounds of their own. Measured (H = 8, 4 learners x
     120 steps, 3 runs per cell, docs/results/sweep-grace/): final eval 3.366 ± 0.051
     bits/byte without grace against 3.465 ± 0.136 with the adaptive window on nofault,
     3.338 ± 0.025 against 3.428 ± 0.176 under learner kills, 3.341 against 3.339 with
@@ -72,12 +75,21 @@ class MergeConfig:
     staleness_lambda: float = 0.0
     """Staleness discount 1 / (1 + lambda * (version - base_version)); 0 disables it."""
     outer_lr: float = 1.0
+    """The outer learning rate: a round moves the fragment by this times its merged delta
+    (times the round's share of the live learners, ``scale_by`` live); 1 without momentum
+    averages the learners' deltas.
+
+    Every larger step measured broke training at H = 8 (docs/results/outer/): per-push
+    steps form a delayed-feedback loop whose gain the stability bound holds near 1."""
     outer_momentum: float = 0.0
-    """Outer lr 1 without momentum averages the merged deltas. The paper's outer Nesterov
-    (lr 0.7, momentum 0.9) suits sync periods of hundreds of steps; at H = 4 to 16 it
-    re-applies overlapping progress and barely learns. Measured at the default H = 8, 4
-    learners x 120 steps, 3 runs each (docs/results/sweep-outer/): eval 3.470 ± 0.166
-    bits/byte with 1.0 / 0, 3.618 with 1.3 / 0, 3.502 with 0.6 / 0.5, 8.265 with 0.7 / 0.9."""
+    """Outer Nesterov momentum (0: none), applied every round (``outer_optimizer``
+    nesterov) or once per period of the live learners' pushes (delayed-nesterov).
+
+    The paper's outer Nesterov (lr 0.7, momentum 0.9) suits sync periods of hundreds of
+    steps; at H = 4 to 16 it re-applies overlapping progress and barely learns. Measured at
+    the default H = 8, 4 learners x 120 steps, 3 runs each (docs/results/sweep-outer/):
+    eval 3.470 ± 0.166 bits/byte with 1.0 / 0, 3.618 with 1.3 / 0, 3.502 with 0.6 / 0.5,
+    8.265 with 0.7 / 0.9."""
     outer_optimizer: str = "nesterov"
     """nesterov: every round takes a Nesterov step with ``outer_momentum``; delayed-nesterov:
     the momentum is applied once per period of rounds that make up one share of every live
@@ -86,10 +98,11 @@ class MergeConfig:
     """live: the outer lr is scaled by the round's share of the live learners
     (merged pushes / live learners), so a round merging 1 of M learners moves the global
     model by 1/M of that learner's progress, as averaging all M would; round: the merged
-    deltas count in full whatever their number (DESIGN's rule)."""
+    deltas count in full whatever their number (the synchronous DiLoCo rule)."""
     block_size: int = BLOCK_SIZE
     """int4 block size of the downlink updates (and the expected block size of pushes)."""
     scale_dtype: str = "float16"
+    """dtype of each int4 block's scale in the downlink updates: float16 or float32."""
     update_chain_length: int = 4
     """Quantized updates kept per fragment; older learners get the full fp32 fragment."""
     downlink: str = "condensed"
@@ -129,7 +142,9 @@ class MergeConfig:
 @dataclass(frozen=True)
 class SyncerConfig:
     shard_id: int = 0
+    """This shard's id m: it owns the fragments p with p mod S == m."""
     num_shards: int = 1
+    """S: the run's number of shards."""
     rounds: RoundConfig = field(default_factory=RoundConfig)
     merge: MergeConfig = field(default_factory=MergeConfig)
     max_push_bytes: int = 512 * 1024 * 1024
@@ -175,7 +190,9 @@ class SyncerConfig:
 class ShardServerConfig:
     secret: str
     host: str = "127.0.0.1"
+    """Address the shard's gRPC server binds."""
     port: int = 0
+    """Port of the shard's gRPC server (0: any free port, written to the port file)."""
     health_port: int | None = None
     """Also answer grpc.health.v1 in plaintext on this port (probes that cannot do mutual
     TLS); None: only on the main port."""

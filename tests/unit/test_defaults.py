@@ -18,8 +18,9 @@ from diloco.command import build_parser
 from diloco.config import RunConfig
 from diloco.errors import DilocoError
 from diloco.cli.local.config import LocalConfig
-from diloco.lab.reference import CHART_VALUES, COMMANDS, DOC, command_parser, render
-from diloco.cli.settings import add_flag, default_of, from_flags
+from diloco.lab.reference import CHART_VALUES, COMMANDS, DOC, command_parser, described, render, schema_text
+from diloco.lab.reference import SCHEMA as SCHEMA_FILE
+from diloco.cli.settings import add_flag, default_of, field_doc, from_flags
 from diloco.learner.config import LearnerConfig
 from diloco.syncer.config import GRACE_MODES, MergeConfig, RoundConfig, SyncerConfig
 
@@ -138,18 +139,52 @@ def test_every_flag_with_a_default_takes_it_from_a_config_field(command):
     assert not offenders, offenders
 
 
-def test_a_flag_shows_the_default_it_takes():
+def test_a_flag_shows_the_default_it_takes_and_its_fields_description():
     parser = argparse.ArgumentParser()
-    action = add_flag(parser, "--sync-every", RunConfig, "sync_every_steps", "H", type=int)
-    assert action.default == RunConfig().sync_every_steps and action.help == f"H (default {RunConfig().sync_every_steps})"
+    action = add_flag(parser, "--sync-every", RunConfig, "sync_every_steps", type=int)
+    described = "H: inner steps between two sends of the same fragment (with outer Nesterov 0.7 / 0.9 take H >= 16)."
+    assert action.default == RunConfig().sync_every_steps
+    assert action.help == f"{described} (default {RunConfig().sync_every_steps})"
     with pytest.raises(KeyError, match="no field 'nope'"):
         default_of(RunConfig, "nope")
     assert action.field == (RunConfig, "sync_every_steps")
-    mib = add_flag(parser, "--max-push-mib", SyncerConfig, "max_push_bytes", "MiB", type=int, shown=lambda b: b // 2**20)
+    mib = add_flag(parser, "--max-push-mib", SyncerConfig, "max_push_bytes", type=int, shown=lambda b: b // 2**20)
     assert mib.default == SyncerConfig().max_push_bytes // 2**20 and mib.help.endswith(f"(default {mib.default})")
     with pytest.raises(ValueError, match="is on by default"):
-        add_flag(parser, "--tls", LocalConfig, "tls", "switch", action="store_true")
-    assert add_flag(parser, "--insecure", LocalConfig, "tls", "off", action="store_true", shown=lambda tls: not tls).default is False
+        add_flag(parser, "--tls", LocalConfig, "tls", action="store_true")
+    assert add_flag(parser, "--insecure", LocalConfig, "tls", action="store_true", shown=lambda tls: not tls).default is False
+
+
+def test_a_fields_description_is_its_docstrings_first_paragraph_or_its_sources():
+    """One setting, one description: the docstring under the field, its first paragraph
+    (the rest says why); a field whose default is another config's field (LocalConfig's
+    copies of the shards' settings) has that field's description; a field a base class
+    declares, the base's."""
+    assert field_doc(RunConfig, "sync_every_steps").startswith("H: inner steps between two sends")
+    assert "seeded sweep" not in field_doc(RunConfig, "sync_every_steps")  # the second paragraph
+    assert field_doc(LocalConfig, "outer_lr") == field_doc(MergeConfig, "outer_lr")
+    assert field_doc(TorchftConfig, "lr") == field_doc(TorchftConfig.__mro__[1], "lr")
+    with pytest.raises(KeyError, match="LocalConfig.run has no docstring"):
+        field_doc(LocalConfig, "run")  # nested configs are described by their own fields
+    assert "``" not in field_doc(LocalConfig, "tls")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_that_sets_a_field_is_described_by_the_field(command):
+    flags = [a for a in command_parser(build_parser(), command)._actions if hasattr(a, "field")]
+    assert flags
+    for action in flags:
+        cls, name = action.field
+        assert action.help.startswith(field_doc(cls, name).replace("%", "%%") + " (default "), action.option_strings
+
+
+def test_the_charts_schema_describes_each_value_by_its_field():
+    """k8s/diloco/values.schema.json (python -m diloco.lab.reference rewrites it) describes
+    every value that sets a config field with the field's own description."""
+    schema = json.loads(SCHEMA_FILE.read_text())
+    assert schema_text(described(json.loads(SCHEMA_FILE.read_text()))) == SCHEMA_FILE.read_text(), \
+        "the chart's schema descriptions are stale: run python -m diloco.lab.reference"
+    assert schema["properties"]["syncer"]["properties"]["quorum"]["description"] == field_doc(RoundConfig, "quorum")
 
 
 def test_the_settings_reference_is_fresh():
@@ -159,7 +194,7 @@ def test_the_settings_reference_is_fresh():
     assert DOC.read_text() == text, "docs/SETTINGS.md is stale: run python -m diloco.lab.reference"
 
 
-SCHEMA = json.loads((Path(__file__).parents[2] / "k8s" / "diloco" / "values.schema.json").read_text())
+SCHEMA = json.loads(SCHEMA_FILE.read_text())
 
 
 def _schema(path: str) -> dict:
@@ -232,9 +267,9 @@ def test_from_flags_puts_each_flag_back_into_its_field():
     (through ``taken`` where the flag speaks other units), and what the command gives wins."""
     parser = argparse.ArgumentParser()
     group = parser.add_argument_group("g")  # a group records into its parser's defaults
-    add_flag(parser, "--quorum", RoundConfig, "quorum", "K", type=int)
-    add_flag(group, "--grace-max-s", RoundConfig, "grace_max_s", "max", type=float)
-    add_flag(parser, "--max-push-mib", SyncerConfig, "max_push_bytes", "MiB", type=int,
+    add_flag(parser, "--quorum", RoundConfig, "quorum", type=int)
+    add_flag(group, "--grace-max-s", RoundConfig, "grace_max_s", type=float)
+    add_flag(parser, "--max-push-mib", SyncerConfig, "max_push_bytes", type=int,
              shown=lambda b: b // 2**20, taken=lambda mib: mib * 2**20)
     args = parser.parse_args(["--quorum", "3", "--grace-max-s", "2.5", "--max-push-mib", "7"])
     assert from_flags(args, RoundConfig) == RoundConfig(quorum=3, grace_max_s=2.5)

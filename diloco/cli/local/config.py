@@ -28,10 +28,13 @@ PROMETHEUS_TARGETS = "prometheus-targets.json"
 class LocalConfig:
     run: RunConfig = field(default_factory=RunConfig)
     learners: int = 3
+    """M: learners launched at the start (replacements and scavenged learners come on top)."""
     shards: int = 2
+    """S: syncer shards the fragments are spread over."""
     quorum: int = RoundConfig.quorum
     grace: str = RoundConfig.grace_mode
-    """auto, off, or seconds."""
+    """The shards' grace window for stragglers once the quorum is in: auto (adaptive),
+    off, or a fixed number of seconds (``RoundConfig.grace_mode``)."""
     steps: int = 150
     """Inner steps per learner."""
     tokens: int | None = None
@@ -94,8 +97,8 @@ class LocalConfig:
     fork_server: bool = LocalLauncherConfig.fork_server
     """The coordinator forks learners from a fork server that loaded their code once."""
     tls: bool = True
-    """Mutual TLS between every process: a CA and certificate made for the run in RUN_DIR/tls
-    (False: plaintext gRPC on 127.0.0.1, ``--insecure``)."""
+    """Mutual TLS between every process of the run, with a CA and certificate made for it in
+    RUN_DIR/tls; ``--insecure`` turns it off (plaintext gRPC on 127.0.0.1)."""
     link_mbit: float | None = None
     """Emulated sites (``diloco.coordinator.sites``, needs root): every learner runs in a network
     namespace of its own behind a link shaped to this rate each way, Mbit/s; the shards

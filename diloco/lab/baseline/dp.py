@@ -68,6 +68,7 @@ class DPConfig(WorkloadConfig):
     """Deterministic faults: SIGKILL a random worker once rank 0 has finished each of these
     steps (the first time it gets there)."""
     fault_seed: int = 0
+    """Seed of the kill plan (which worker, and when)."""
     """Seeds the kill times and victims."""
     collective_timeout_s: float = 60.0
     """Gloo timeout of the all-reduce and the rendezvous: the longest a hang can last."""

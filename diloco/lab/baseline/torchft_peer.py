@@ -80,6 +80,7 @@ class TorchftConfig(WorkloadConfig):
     slow_workers: tuple[tuple[int, float], ...] = ()
     """(replica id, factor): that replica's compute takes factor x as long."""
     fault_seed: int = 0
+    """Seed of the kill plan (which replica, and when)."""
     # The shards' outer step (syncer.config.MergeConfig): both systems step alike.
     outer_lr: float = MergeConfig.outer_lr
     outer_momentum: float = MergeConfig.outer_momentum
