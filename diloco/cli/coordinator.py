@@ -529,6 +529,12 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     remove.add_argument("--json", action="store_true", help="print the removed ids as JSON")
     remove.set_defaults(func=_remove_learners)
 
+    _add_state_verbs(verbs)
+    _add_repair_verbs(verbs)
+
+
+def _add_state_verbs(verbs: argparse._SubParsersAction) -> None:
+    """What a run holds: its snapshots and shards."""
     snapshot = verbs.add_parser("snapshot", help="start a Chandy-Lamport snapshot")
     snapshot.add_argument("--wait-s", type=float, default=0.0, help="wait up to this long for it to finish (exit 1 if it failed)")
     snapshot.add_argument("--json", action="store_true", help="print {id, state} as JSON")
@@ -542,6 +548,9 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     shards.add_argument("--json", action="store_true", help="print a JSON list")
     shards.set_defaults(func=_shards)
 
+
+def _add_repair_verbs(verbs: argparse._SubParsersAction) -> None:
+    """An operator's decisions and exports: a shard's fresh start, a cleanup, the model."""
     accept = verbs.add_parser(
         "accept-initial-values",
         help="let a shard that came back without its state (and got no learner's anchor) start its missing "

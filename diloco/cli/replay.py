@@ -67,98 +67,137 @@ def replay_shard(run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str |
                  final: dict[str, torch.Tensor], final_versions: dict[int, int], secret: str | None = None) -> ShardReplay:
     """``secret``: the run's, which verifies the snapshot the shard's last life restored from
     (None: the life must not have restored from one)."""
-    from diloco.syncer import snapshot as snapshot_files
-    from diloco.syncer.core import snapshot
-    from diloco.syncer.core.rounds import Close
-    from diloco.syncer.core.outer import MomentumStep
-    from diloco.syncer.core.shard import DUPLICATE, Pending, compute_round
-    from diloco.syncer.core.shard import ShardCore
-    from diloco.syncer.pushlog import read_push_log
-    from diloco.syncer.runtime import MANIFEST_FILE, initial_name
-
     life = _last_life(list(read_tape(tape)), tape)
-    cfg = _syncer_config(life[0]["config"])
-    data_dir = tape.parent
-    if not (data_dir / MANIFEST_FILE).is_file():
-        raise NotFound(f"no {MANIFEST_FILE} in {data_dir}: shard {cfg.shard_id} never got a model")
-    manifest_json = (data_dir / MANIFEST_FILE).read_text()
-    plan = Manifest.from_json(manifest_json).plan(run.fragments)
-    core = ShardCore(cfg)
-    core.adopt_plan(plan, manifest_json)
-    logged = {(m.learner_id, m.fragment, m.seq): (m, p, w) for m, p, w in read_push_log(push_log)}
-    targeted: dict[tuple[str, int, int], tuple] = {}
-    restored_from = None
-    compared: dict[int, list[torch.Tensor]] = {}
+    shard = _Replayer(run, tape, push_log, snapshot_dir, final_versions, secret, life[0]["config"])
+    for record in life[1:]:
+        shard.play(record)
+    return shard.result(final)
 
-    def capture(fragment_id: int) -> None:
-        if final_versions.get(fragment_id) == core.fragments[fragment_id].version:
-            compared[fragment_id] = [torch.from_numpy(t.copy()) for t in core.fragments[fragment_id].params]
 
-    for fragment_id in core.fragments:
-        capture(fragment_id)
-    rounds = 0
-    for r in life[1:]:
+class _Replayer:
+    """One shard's last life rebuilt record by record: a fresh ``ShardCore`` planned from the
+    run's manifest, each fragment's initial values or the snapshot it restored from, the
+    recorded pushes (from the push log) and each round through ``compute_round`` with the
+    tape's weights, clips, gates and momentum step."""
+
+    def __init__(self, run: RunConfig, tape: Path, push_log: Path, snapshot_dir: str | Path | None,
+                 final_versions: dict[int, int], secret: str | None, config: dict) -> None:
+        from diloco.syncer.core.shard import ShardCore
+        from diloco.syncer.pushlog import read_push_log
+        from diloco.syncer.runtime import MANIFEST_FILE
+
+        self.tape, self.push_log, self.snapshot_dir, self.secret = tape, push_log, snapshot_dir, secret
+        self.final_versions = final_versions
+        self.cfg = _syncer_config(config)
+        self.data_dir = tape.parent
+        if not (self.data_dir / MANIFEST_FILE).is_file():
+            raise NotFound(f"no {MANIFEST_FILE} in {self.data_dir}: shard {self.cfg.shard_id} never got a model")
+        manifest_json = (self.data_dir / MANIFEST_FILE).read_text()
+        self.plan = Manifest.from_json(manifest_json).plan(run.fragments)
+        self.core = ShardCore(self.cfg)
+        self.core.adopt_plan(self.plan, manifest_json)
+        self.logged = {(m.learner_id, m.fragment, m.seq): (m, p, w) for m, p, w in read_push_log(push_log)}
+        self.targeted: dict[tuple[str, int, int], tuple] = {}
+        self.restored_from: int | None = None
+        self.compared: dict[int, list[torch.Tensor]] = {}
+        self.rounds = 0
+        for fragment_id in self.core.fragments:
+            self._capture(fragment_id)
+
+    def _capture(self, fragment_id: int) -> None:
+        """Keep the fragment's parameters if it is at the version the run exported."""
+        state = self.core.fragments[fragment_id]
+        if self.final_versions.get(fragment_id) == state.version:
+            self.compared[fragment_id] = [torch.from_numpy(t.copy()) for t in state.params]
+
+    def play(self, r: dict) -> None:
+        from diloco.syncer.core.shard import DUPLICATE
+
         if r["kind"] == "initialize":
-            initial = snapshot_files.loads(data_dir / initial_name(r["fragment"]))
-            # A shard that came back without its state started from an anchor, at its version.
-            core.add_fragment(r["fragment"], initial["pieces"], r.get("version", 0))
-            capture(r["fragment"])
+            self._initialize(r)
         elif r["kind"] == "restore":
-            if not secret:
-                raise NotFound(f"shard {cfg.shard_id} restored from snapshot {r['snapshot']}: replay needs the run's "
-                               "secret to verify it")
-            snapshot_id, state, channel = snapshot_files.load_for_restore(str(r["snapshot"]), snapshot_dir, cfg.shard_id, secret)
-            snapshot.restore(core, state, 0.0)
-            for meta, payload, wire_bytes in channel:
-                core.accept(meta, payload, wire_bytes, 0.0)
-            restored_from = snapshot_id
-            compared.clear()
-            for fragment_id in core.fragments:
-                capture(fragment_id)
+            self._restore(r)
         elif r["kind"] == "round_failed":
             raise FailedPrecondition(
-                f"tape {tape}: round {r['fragment']}@{r['version']} failed in the run ({r['error']}); a failed step "
-                "may have left part of its update, which replay cannot reproduce"
+                f"tape {self.tape}: round {r['fragment']}@{r['version']} failed in the run ({r['error']}); a failed "
+                "step may have left part of its update, which replay cannot reproduce"
             )
         elif r["kind"] == "push" and r["outcome"] != DUPLICATE:
             key = (r["learner"], r["fragment"], r["clock"][r["learner"]])
-            if key not in logged:
-                raise FailedPrecondition(f"push log {push_log} lacks the push {key} that the tape records")
-            targeted[(r["learner"], r["fragment"], r["target_version"])] = logged[key]
+            if key not in self.logged:
+                raise FailedPrecondition(f"push log {self.push_log} lacks the push {key} that the tape records")
+            self.targeted[(r["learner"], r["fragment"], r["target_version"])] = self.logged[key]
         elif r["kind"] == "round":
-            state = core.fragments[r["fragment"]]
-            opened = {}
-            for learner in r["participants"]:
-                push = targeted.get((learner, r["fragment"], r["version"]))
-                if push is not None:
-                    opened[learner] = Pending(push[0], push[1], 0.0, push[2])
-                elif learner in state.open:  # restored with the snapshot
-                    opened[learner] = state.open[learner]
-                else:
-                    raise FailedPrecondition(
-                        f"tape {tape}: round {r['fragment']}@{r['version']} merged a push from {learner} that was never recorded"
-                    )
-            state.open, state.next = opened, {}
-            job = core.begin_round(r["fragment"], Close(r["reason"], r["grace_s"]), 0.0)
-            if job.version != r["version"]:
-                raise FailedPrecondition(f"tape {tape}: fragment {r['fragment']} is at {job.version - 1}, the tape closes {r['version']}")
-            job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0),
-                          clip=tuple(r.get("clip", ())), gate=tuple(r.get("gate", ())),
-                          outer=MomentumStep(*r["outer"]) if "outer" in r else None)
-            core.finish_round(job, compute_round(job, cfg), 0.0)
-            rounds += 1
-            capture(r["fragment"])
-    missing = sorted(set(final_versions) & set(core.fragments) - set(compared))
-    if missing:
-        raise FailedPrecondition(
-            f"shard {cfg.shard_id}: the replay never reached the final version of fragments {missing} "
-            f"({ {f: final_versions[f] for f in missing} })"
-        )
-    diff = 0.0
-    for fragment_id, params in compared.items():
-        for mine, theirs in zip(params, plan.gather(fragment_id, final)):
-            diff = max(diff, float((mine - theirs.reshape(mine.shape)).abs().max()))
-    return ShardReplay(cfg.shard_id, rounds, restored_from, diff, {f: final_versions[f] for f in sorted(compared)})
+            self._round(r)
+
+    def _initialize(self, r: dict) -> None:
+        from diloco.syncer import snapshot as snapshot_files
+        from diloco.syncer.runtime import initial_name
+
+        initial = snapshot_files.loads(self.data_dir / initial_name(r["fragment"]))
+        # A shard that came back without its state started from an anchor, at its version.
+        self.core.add_fragment(r["fragment"], initial["pieces"], r.get("version", 0))
+        self._capture(r["fragment"])
+
+    def _restore(self, r: dict) -> None:
+        from diloco.syncer import snapshot as snapshot_files
+        from diloco.syncer.core import snapshot
+
+        if not self.secret:
+            raise NotFound(f"shard {self.cfg.shard_id} restored from snapshot {r['snapshot']}: replay needs the run's "
+                           "secret to verify it")
+        snapshot_id, state, channel = snapshot_files.load_for_restore(str(r["snapshot"]), self.snapshot_dir,
+                                                                      self.cfg.shard_id, self.secret)
+        snapshot.restore(self.core, state, 0.0)
+        for meta, payload, wire_bytes in channel:
+            self.core.accept(meta, payload, wire_bytes, 0.0)
+        self.restored_from = snapshot_id
+        self.compared.clear()
+        for fragment_id in self.core.fragments:
+            self._capture(fragment_id)
+
+    def _round(self, r: dict) -> None:
+        from diloco.syncer.core.outer import MomentumStep
+        from diloco.syncer.core.rounds import Close
+        from diloco.syncer.core.shard import Pending, compute_round
+
+        state = self.core.fragments[r["fragment"]]
+        opened = {}
+        for learner in r["participants"]:
+            push = self.targeted.get((learner, r["fragment"], r["version"]))
+            if push is not None:
+                opened[learner] = Pending(push[0], push[1], 0.0, push[2])
+            elif learner in state.open:  # restored with the snapshot
+                opened[learner] = state.open[learner]
+            else:
+                raise FailedPrecondition(f"tape {self.tape}: round {r['fragment']}@{r['version']} merged a push from "
+                                         f"{learner} that was never recorded")
+        state.open, state.next = opened, {}
+        job = self.core.begin_round(r["fragment"], Close(r["reason"], r["grace_s"]), 0.0)
+        if job.version != r["version"]:
+            raise FailedPrecondition(f"tape {self.tape}: fragment {r['fragment']} is at {job.version - 1}, the tape "
+                                     f"closes {r['version']}")
+        job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0),
+                      clip=tuple(r.get("clip", ())), gate=tuple(r.get("gate", ())),
+                      outer=MomentumStep(*r["outer"]) if "outer" in r else None)
+        self.core.finish_round(job, compute_round(job, self.cfg), 0.0)
+        self.rounds += 1
+        self._capture(r["fragment"])
+
+    def result(self, final: dict[str, torch.Tensor]) -> ShardReplay:
+        """The largest difference from the run's final model over the fragments compared."""
+        missing = sorted(set(self.final_versions) & set(self.core.fragments) - set(self.compared))
+        if missing:
+            raise FailedPrecondition(
+                f"shard {self.cfg.shard_id}: the replay never reached the final version of fragments {missing} "
+                f"({ {f: self.final_versions[f] for f in missing} })"
+            )
+        diff = 0.0
+        for fragment_id, params in self.compared.items():
+            for mine, theirs in zip(params, self.plan.gather(fragment_id, final)):
+                diff = max(diff, float((mine - theirs.reshape(mine.shape)).abs().max()))
+        return ShardReplay(self.cfg.shard_id, self.rounds, self.restored_from, diff,
+                           {f: self.final_versions[f] for f in sorted(self.compared)})
 
 
 def _run_secret(run_dir: Path, tapes: list[Path]) -> str | None:

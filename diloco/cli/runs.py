@@ -74,11 +74,21 @@ def add_local(commands: argparse._SubParsersAction) -> None:
         description="Run a real multi-process Decoupled DiLoCo training on this machine and write a run directory.",
     )
     add_config_flag(p)
+    _add_cluster_flags(p)
+    _add_run_dir_flags(p)
+    _add_learner_flags(p)
+    _add_sites_and_snapshots_flags(p)
+    _add_chaos_flags(p)
+    add_run_config(p)
+    p.set_defaults(func=_local)
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """The cluster, the budget and the sync: learners, shards, rounds, outer step, codec."""
     add_flag(p, "--learners", LocalConfig, "learners", type=int)
     add_flag(p, "--shards", LocalConfig, "shards", type=int)
     add_flag(p, "--quorum", LocalConfig, "quorum", type=int)
-    add_grace_flag(p, LocalConfig, "grace",
-                   taken=lambda grace: grace[0] if grace[0] != "fixed" else str(grace[1]))
+    add_grace_flag(p, LocalConfig, "grace", taken=lambda grace: grace[0] if grace[0] != "fixed" else str(grace[1]))
     budget = p.add_mutually_exclusive_group()
     add_flag(budget, "--steps", LocalConfig, "steps", type=int)
     budget.add_argument("--tokens", type=int, help="token budget of the whole run instead (learners drain once it is trained)")
@@ -87,11 +97,14 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--outer-optimizer", LocalConfig, "outer_optimizer", choices=OUTER_OPTIMIZERS)
     add_flag(p, "--merge", LocalConfig, "merge", choices=MERGE_MODES)
     add_flag(p, "--scale-by", LocalConfig, "scale_by", choices=SCALE_MODES)
-    add_flag(p, "--downlink", LocalConfig, "downlink",
-             choices=DOWNLINKS)
+    add_flag(p, "--downlink", LocalConfig, "downlink", choices=DOWNLINKS)
     add_flag(p, "--delta-codec", LocalConfig, "delta_codec", choices=DELTA_CODECS)
     add_flag(p, "--error-feedback", LocalConfig, "error_feedback", action=argparse.BooleanOptionalAction)
     add_flag(p, "--block-size", LocalConfig, "block_size", type=int)
+
+
+def _add_run_dir_flags(p: argparse.ArgumentParser) -> None:
+    """Where the run goes (or which stopped run continues) and what it tells."""
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", help="run directory, new or empty (default ./runs/<timestamp>)")
     where.add_argument("--resume", metavar="RUN_DIR",
@@ -103,6 +116,11 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                         "before training or no token was trained, 130 if interrupted")
     p.add_argument("--otlp-endpoint", metavar="URL", help="send every process's traces and metrics here (OTLP/gRPC)")
     add_flag(p, "--prometheus", LocalConfig, "prometheus", action="store_true")
+
+
+def _add_learner_flags(p: argparse.ArgumentParser) -> None:
+    """The learners' devices, threads, evaluations and learning rate; the curves, the
+    status page, the fork server and the transport."""
     p.add_argument("--learner-device", action="append", metavar="ID:DEVICE",
                    help="the ID-th learner launched (0-based; L0 reads as 0) trains on DEVICE: cpu, cuda or xla "
                         "(repeatable; default: every learner on the CPU). xla uses every device PJRT_DEVICE gives "
@@ -113,9 +131,11 @@ def add_local(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--curve-points", LocalConfig, "curve_points", type=int, metavar="N")
     add_flag(p, "--tensorboard", LocalConfig, "tensorboard", type=Path, metavar="DIR")
     add_flag(p, "--status-page", LocalConfig, "status_page", action=argparse.BooleanOptionalAction)
-    add_flag(p, "--fork-server", LocalConfig, "fork_server",
-             action=argparse.BooleanOptionalAction)
+    add_flag(p, "--fork-server", LocalConfig, "fork_server", action=argparse.BooleanOptionalAction)
     add_flag(p, "--insecure", LocalConfig, "tls", action="store_true", shown=lambda tls: not tls)
+
+
+def _add_sites_and_snapshots_flags(p: argparse.ArgumentParser) -> None:
     links = p.add_argument_group("emulated sites (root: network namespaces, veth pairs and tc; docs/sites.md)")
     add_flag(links, "--link-mbit", LocalConfig, "link_mbit", type=float, metavar="R")
     links.add_argument("--link", action="append", metavar="ID:MBIT",
@@ -126,33 +146,31 @@ def add_local(commands: argparse._SubParsersAction) -> None:
                            help="where snapshots go: a directory or an fsspec URL such as s3://bucket/run "
                                 "(default RUN_DIR/coordinator/snapshots)")
     add_flag(snapshots, "--snapshot-every-s", LocalConfig, "snapshot_every_s", type=float, metavar="S")
-    add_flag(snapshots, "--snapshot-keep", LocalConfig, "snapshot_keep",
-             type=int, metavar="N")
+    add_flag(snapshots, "--snapshot-keep", LocalConfig, "snapshot_keep", type=int, metavar="N")
+
+
+def _add_chaos_flags(p: argparse.ArgumentParser) -> None:
     chaos = p.add_argument_group("chaos")
     chaos.add_argument("--kill-learner-every", type=float, metavar="SECONDS",
-                       help="SIGKILL a random learner every SECONDS on average (Poisson; times count from the launch of the learners); a replacement is launched")
+                       help="SIGKILL a random learner every SECONDS on average (Poisson; times count from the launch "
+                            "of the learners); a replacement is launched")
     chaos.add_argument("--max-kills", type=int, metavar="N", help="stop killing after N kills (default: no limit)")
     chaos.add_argument("--slow-learner", action="append", metavar="ID:FACTOR",
                        help="the ID-th learner launched (0-based; L1 reads as 1) takes FACTOR x as long per "
                        "step (repeatable); ids are given at join, so its events file says slow_factor")
     add_flag(chaos, "--delay-ms", LocalConfig, "delay_ms", type=float)
-    add_flag(p, "--time-limit-s", LocalConfig, "time_limit_s",
-             type=float, metavar="S")
+    add_flag(p, "--time-limit-s", LocalConfig, "time_limit_s", type=float, metavar="S")
     chaos.add_argument("--restart-shard-at", type=float, metavar="SECONDS",
                        help="snapshot, SIGKILL shard 0 and restart it from the snapshot at SECONDS")
-    add_flag(chaos, "--restart-from", ChaosConfig, "restart_from",
-             choices=RESTART_SOURCES)
+    add_flag(chaos, "--restart-from", ChaosConfig, "restart_from", choices=RESTART_SOURCES)
     chaos.add_argument("--scavenge", metavar="N@SECONDS", help="add N learners through AddLearners at SECONDS")
     chaos.add_argument("--chaos", metavar="SPEC",
                        help="one seeded schedule of faults: a comma list of KIND[:SECONDS][@TARGET], kinds "
                             f"{', '.join(FAULT_KINDS)} (network faults last {DEFAULT_FAULT_S:g} s unless given and "
                             "need --link-mbit), e.g. cut:20,flap,starve,cut-shard@S1,kill,restart-shard; each kind "
                             "once per cycle in a seeded order; the run is checked after (check.json)")
-    add_flag(chaos, "--chaos-every", ChaosConfig, "fault_every_s",
-             type=float, metavar="S")
+    add_flag(chaos, "--chaos-every", ChaosConfig, "fault_every_s", type=float, metavar="S")
     add_flag(chaos, "--chaos-seed", ChaosConfig, "seed", type=int)
-    add_run_config(p)
-    p.set_defaults(func=_local)
 
 
 def _timeline(args: argparse.Namespace) -> int:
