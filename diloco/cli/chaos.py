@@ -26,7 +26,6 @@ Slow learners and wire delay are learner flags set at launch (``diloco.cli.local
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math

@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from diloco.cli.common import add_grace_flag, add_run_config, build_run_config, parse_count
+from diloco.cli.common import add_run_config, build_run_config, parse_count
 from diloco.cli.settings import add_flag, from_flags
 from diloco.errors import InvalidArgument
 
@@ -183,8 +183,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def add_compare(commands: argparse._SubParsersAction) -> None:
-    from diloco.lab.bandwidth import TIME_LIMIT_S
-    from diloco.lab.compare import ABLATIONS, DEFAULT_VARIANT, SCENARIOS, SYSTEMS, WORKLOADS, CompareConfig
+    from diloco.lab.compare import ABLATIONS, DEFAULT_VARIANT, SCENARIOS, WORKLOADS, CompareConfig
 
     p = commands.add_parser(
         "compare",

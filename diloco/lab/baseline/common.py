@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from diloco.cli.metrics import check_curve_points
 from diloco.errors import InvalidArgument
 from diloco.files import atomic_write, atomic_write_json
 from diloco.learner.config import LearnerConfig
@@ -215,6 +216,19 @@ class WorkloadConfig:
     time_limit_s: float | None = None
     """Stop the job this long after its launch, trained or not: the summary then says
     ``time_limited`` and gives the tokens it reached (no final model, no final eval)."""
+
+    def check_workload(self, *counts: str) -> None:
+        """The checks both baselines share: ``workers``, ``steps``, ``threads_per_worker``
+        and ``counts`` at least 1, the curve points, sites and time limit, the learners' lr,
+        a finite ``kill_every_s``."""
+        for name in ("workers", "steps", "threads_per_worker", *counts):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        check_curve_points(self.curve_points)
+        check_sites_and_limit(self.link_mbit, self.time_limit_s)
+        LearnerConfig(lr=self.lr)  # the learners' own check
+        if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
+            raise InvalidArgument(f"kill every must be a finite number of seconds >= 0, got {self.kill_every_s}")
 
     def inner(self):
         """The workers' inner-loop config (``learner_inner``)."""

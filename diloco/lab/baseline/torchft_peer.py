@@ -34,11 +34,10 @@ from pathlib import Path
 
 from diloco.lab.baseline.common import (
     TASK_ERROR_EXIT, BaselineRun, JsonlTail, JsonlWriter, KillPlan, StatusLine, WorkloadConfig,
-    WorkerSites, check_sites_and_limit, check_slow_workers, kill, median, spawn, task_error,
+    WorkerSites, check_slow_workers, kill, median, spawn, task_error,
 )
 from diloco.config import RunConfig
-from diloco.learner.config import LearnerConfig
-from diloco.cli.metrics import bytes_per_1k_tokens, check_curve_points, expected_period, goodput, start_s, uptime
+from diloco.cli.metrics import bytes_per_1k_tokens, expected_period, goodput, start_s, uptime
 from diloco.errors import FailedPrecondition, InvalidArgument, Unavailable
 from diloco.task import TaskError
 from diloco.syncer.config import MergeConfig
@@ -97,14 +96,7 @@ class TorchftConfig(WorkloadConfig):
     out: Path | None = None
 
     def __post_init__(self) -> None:
-        for name in ("workers", "steps", "threads_per_worker"):
-            if getattr(self, name) < 1:
-                raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
-        check_curve_points(self.curve_points)
-        check_sites_and_limit(self.link_mbit, self.time_limit_s)
-        LearnerConfig(lr=self.lr)  # the learners' own check
-        if not (math.isfinite(self.kill_every_s) and self.kill_every_s >= 0):
-            raise InvalidArgument(f"kill every must be a finite number of seconds >= 0, got {self.kill_every_s}")
+        self.check_workload()
         if (self.kill_every_s or self.kill_at_steps) and self.workers < 2:
             raise InvalidArgument("killing replicas needs at least 2 of them")
         if not all(0 < s < self.steps for s in self.kill_at_steps):
