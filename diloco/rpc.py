@@ -87,7 +87,7 @@ async def health_server(health_servicer, address: str) -> tuple[grpc.aio.Server,
     main server's statuses), for probes that cannot present a client certificate
     (kubelet's gRPC probes) while the main port requires mutual TLS."""
     _check_free(address, " for health probes")
-    probe_server = grpc.aio.server(options=SERVER_OPTIONS)
+    probe_server = grpc.aio.server(options=[*SERVER_OPTIONS, *keepalive_options(server=True)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe_server)
     try:
         port = probe_server.add_insecure_port(address)
@@ -142,6 +142,30 @@ SERVER_OPTIONS = (
     # Bounded concurrency per connection: a client cannot hold unbounded streams open.
     ("grpc.max_concurrent_streams", 256),
 )
+
+KEEPALIVE_TIME_MS = 20_000
+"""Every server and every channel pings a connection that has been quiet this long, calls
+or none (HTTP/2 PING)..."""
+KEEPALIVE_TIMEOUT_MS = 10_000
+"""... and closes it when the ping is not answered within this: a peer that died behind a
+network cut, or whose host stopped, leaves no half-open connection (and no stream, such
+as a shard's membership watch, held by one) for longer than their sum."""
+
+
+def keepalive_options(server: bool) -> list[tuple[str, object]]:
+    """HTTP/2 keepalive for a server or a channel (``KEEPALIVE_TIME_MS``). A server takes
+    its clients' pings as often as they send them (half the interval, so a ping that
+    comes early is not a strike that closes the connection)."""
+    options = [
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # gRPC core waits 60 s for a ping's ack otherwise
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # else it stops pinging a quiet connection after 2
+    ]
+    if server:
+        options.append(("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2))
+    return options
 
 
 TLS_SERVER_NAME = "diloco"
@@ -255,7 +279,8 @@ def _tls_options(options: Iterable[tuple[str, object]]) -> list[tuple[str, objec
 
 def server(options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Server:
     """A grpc.aio server whose handlers continue the caller's trace."""
-    return grpc.aio.server(options=[*SERVER_OPTIONS, *options], interceptors=[aio_server_interceptor(filter_=_TRACED)])
+    return grpc.aio.server(options=[*SERVER_OPTIONS, *keepalive_options(server=True), *options],
+                           interceptors=[aio_server_interceptor(filter_=_TRACED)])
 
 
 def bind(server: grpc.aio.Server, address: str) -> int:
@@ -326,6 +351,7 @@ def channel_options(max_message_bytes: int, service: str) -> list[tuple[str, obj
         ("grpc.enable_retries", 1),
         ("grpc.service_config", json.dumps(service_config)),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+        *keepalive_options(server=False),
     ]
 
 

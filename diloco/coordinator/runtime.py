@@ -22,6 +22,7 @@ from diloco.coordinator.core.membership import (
 )
 from diloco.coordinator.core.progress import LossCurves, RecentEvents
 from diloco.coordinator.core.snapshots import COMPLETE, Snapshot, SnapshotFile, Snapshots, manifest_of
+from diloco.coordinator.core.stall import STALL_TICK_S, StallWatch
 from diloco.coordinator.launcher import Launcher, LaunchResult, override_args
 from diloco import auth
 from diloco.clock import VectorClock
@@ -145,7 +146,9 @@ class CoordinatorRuntime:
         self._secret = secret
         self.run = run
         self._send_marker = send_marker
-        self._now = clock
+        self._clock = clock
+        self.stall = StallWatch(clock())
+        """How long this coordinator did not run (``diloco.coordinator.core.stall``)."""
         self._new_launch_id = new_launch_id
         self.launcher: Launcher | None = None
         self.vector_clock = VectorClock()
@@ -165,6 +168,7 @@ class CoordinatorRuntime:
         self._retentions: set[asyncio.Task] = set()
         """Deletions of old snapshots in flight: a stop lets them finish (they are short)."""
         self._timer: asyncio.TimerHandle | None = None
+        self._watch_timer: asyncio.TimerHandle | None = None
         self._next_periodic: float | None = None
         """When the next scheduled snapshot is due (``snapshot_every_s``), once the run has a model."""
         self._closed = False
@@ -408,6 +412,27 @@ class CoordinatorRuntime:
     def start(self) -> None:
         """Arm the timers (called on the event loop once serving)."""
         self._settle()
+        self._watch()
+
+    def _now(self) -> float:
+        """The time; first, if this coordinator did not run for a while since it last
+        looked (a stall of its host or loop), every lease moves on by that while: nobody
+        could heartbeat to it. Every look goes through here, the loop's ticks included."""
+        now = self._clock()
+        stalled = self.stall.stalled(now)
+        if stalled:
+            self.membership.pause(stalled, now)
+            self.snapshots.pause(stalled)
+            self.recent.add(now, "stall", f"the coordinator did not run for {stalled:.1f} s: leases extended by it")
+            logger.warning("the coordinator did not run for %.1f s (its host or loop stalled): every lease, drain "
+                           "and join deadline moves on by that", stalled)
+        return now
+
+    def _watch(self) -> None:
+        """The loop's tick: a look at the clock every ``STALL_TICK_S`` while it runs."""
+        self._now()
+        if not self._closed:
+            self._watch_timer = asyncio.get_running_loop().call_later(STALL_TICK_S, self._watch)
 
     def _spawn(self, coroutine: Awaitable) -> asyncio.Task:
         task = asyncio.ensure_future(coroutine)
@@ -624,6 +649,8 @@ class CoordinatorRuntime:
             await self.launcher.close()
         if self._timer is not None:
             self._timer.cancel()
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
         for queue in list(self._watchers):
             self._close_watcher(queue)
         if self._retentions:  # a half-applied retention would leave what --snapshot-keep says is gone

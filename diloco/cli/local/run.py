@@ -57,7 +57,7 @@ from diloco.cli.metrics import (curve_marks, curve_path, eval_task, learner_even
 from diloco.coordinator import sites
 from diloco.coordinator.launcher import LINK_OVERRIDE
 from diloco.coordinator.pin import pin_of
-from diloco.errors import DilocoError, FailedPrecondition, Unavailable
+from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition, Unavailable
 from diloco.files import missing_dirs
 from diloco.learner.config import LearnerConfig
 from diloco.manifest import manifest_of
@@ -227,7 +227,7 @@ class LocalRun:
         ending = Ending(self.cfg, record, started)
         with self.progress.live():
             while True:
-                members, launches = self.admin.listing(include_gone=True)
+                members, launches = _patient(lambda: self.admin.listing(include_gone=True), "list the learners")
                 _link_learner_logs(self.run_dir, members)
                 self.cluster.note_learners(members)
                 self.progress.show(members, launches)
@@ -407,7 +407,7 @@ class Budget:
             monkey.halt()
         todo = [m["id"] for m in members if m["state"] in ("active", "joining") and m["id"] not in self.draining]
         if todo:
-            admin.remove_learners(todo, drain=True)
+            _patient(lambda: admin.remove_learners(todo, drain=True), "drain the learners")
             self.draining |= set(todo)
             self.drained_at = self.drained_at or time.time()
 
@@ -511,6 +511,26 @@ class Pace:
             self.points.popleft()
         (t0, n0), (t1, n1) = self.points[0], self.points[-1]
         return max(n1 - n0, 0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+PATIENCE_S = 60.0
+"""How long the watch retries a call that timed out or found the coordinator unavailable:
+after a stall of the whole host (a VM pause, SIGSTOP, a laptop's sleep) a call in flight
+runs out of its deadline, and every process needs a moment to catch up."""
+
+
+def _patient(call, what: str):
+    """``call()``, retried for ``PATIENCE_S`` while it times out or the coordinator is
+    unavailable: a transient after a stall is no reason to abandon the run."""
+    deadline = time.monotonic() + PATIENCE_S
+    while True:
+        try:
+            return call()
+        except (DeadlineExceeded, Unavailable) as error:
+            if time.monotonic() >= deadline:
+                raise
+            logger.warning("could not %s (%s): trying again", what, error)
+            time.sleep(1.0)
 
 
 def _launch(admin, cfg: LocalConfig) -> None:

@@ -302,6 +302,21 @@ class Membership:
                            f"{self.cfg.join_timeout_s:g} s", stop_launch=launch.launch_id)
                 )
 
+    def pause(self, stalled_s: float, now: float) -> None:
+        """The coordinator did not run for ``stalled_s`` seconds up to ``now`` (its host or
+        its event loop stalled: a VM pause, SIGSTOP, a laptop's sleep): nobody could
+        heartbeat to it, so every live lease, drain and join deadline moves on by that
+        much. A learner that was itself gone is still failed, one lease after it was last
+        heard of when the coordinator ran."""
+        for learner in self.learners.values():
+            if learner.live:
+                learner.heartbeat_s = min(learner.heartbeat_s + stalled_s, now)
+                learner.progress_s = min(learner.progress_s + stalled_s, now)
+                if learner.drain_deadline_s is not None:
+                    learner.drain_deadline_s += stalled_s
+        for launch_id, launch in list(self.launches.items()):
+            self.launches[launch_id] = dataclasses.replace(launch, launched_s=min(launch.launched_s + stalled_s, now))
+
     def renew_all(self, now: float) -> None:
         """After a coordinator restart: everyone live gets a fresh lease, since nobody
         could heartbeat while it was down."""

@@ -69,6 +69,9 @@ class Snapshot:
     detail: str = ""
     manifest: str = ""
     dropped: list[str] = field(default_factory=list)
+    stalled_s: float = 0.0
+    """Time the coordinator did not run while it waited (``Snapshots.pause``): its timeout
+    runs that much later."""
 
     @property
     def participants(self) -> list[str]:
@@ -99,7 +102,7 @@ def decide_snapshot(snapshot: Snapshot, now: float, timeout_s: float) -> Complet
     waiting = snapshot.waiting
     if not waiting:
         return Complete(f"all {len(snapshot.participants)} participants reported")
-    deadline = snapshot.started_s + timeout_s
+    deadline = snapshot.started_s + snapshot.stalled_s + timeout_s
     names = ", ".join(waiting[:5]) + (" ..." if len(waiting) > 5 else "")
     if now >= deadline:
         return TimedOut(f"timed out after {timeout_s:g} s waiting for {names}")
@@ -134,7 +137,14 @@ class Snapshots:
 
     def next_deadline(self) -> float | None:
         running = self.running()
-        return None if running is None else running.started_s + self.timeout_s
+        return None if running is None else running.started_s + running.stalled_s + self.timeout_s
+
+    def pause(self, stalled_s: float) -> None:
+        """The coordinator did not run for ``stalled_s``: the running snapshot's timeout
+        moves on by that much (its participants could not report to it)."""
+        running = self.running()
+        if running is not None:
+            running.stalled_s += stalled_s
 
     def start(self, shards: list[str], learners: list[str], now: float) -> Snapshot:
         running = self.running()
