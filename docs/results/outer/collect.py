@@ -1,0 +1,24 @@
+"""Collect the one-run experiments of docs/results/outer/ (runs/<name>/: command.txt, the
+diloco local summary.json and output.txt) into experiments.md: final eval, bytes per 1k
+tokens and the global model's eval at each eighth of the budget, against DP's 3-run mean
+on the same workload (docs/results/long/: 2.267 bits/byte).
+
+    python docs/results/outer/collect.py
+"""
+
+import json
+from pathlib import Path
+
+DP = 2.267
+here = Path(__file__).parent
+rows = ["| run | command | eval (bits/byte) | vs DP | B/1k tokens | eval at 1/8 … 8/8 of the budget |",
+        "|---|---|---:|---:|---:|---|"]
+for run in sorted((here / "runs").iterdir()):
+    s = json.loads((run / "summary.json").read_text())
+    command = (run / "command.txt").read_text().strip()
+    final = s["eval_loss_final"]
+    points = " ".join(f"{e:.3f}" for _, e in s["curve"][1:])
+    total = 1000 * (s["bytes_up"] + s["bytes_down"]) / s["tokens"]
+    rows.append(f"| {run.name} | `{command}` | {final:.3f} | {100 * (final / DP - 1):+.1f} % | {total:,.0f} | {points} |")
+(here / "experiments.md").write_text("\n".join(rows) + "\n")
+print("\n".join(rows))
