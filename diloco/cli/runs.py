@@ -15,8 +15,7 @@ from diloco.cli.local.config import LocalConfig
 from diloco.cli.settings import add_config_flag, add_flag, from_flags
 from diloco.errors import InvalidArgument
 from diloco.learner.config import DELTA_CODECS
-from diloco.syncer.config import DOWNLINKS, MERGE_MODES, SCALE_MODES
-from diloco.syncer.core.outer import OUTER_OPTIMIZERS
+from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, SCALE_MODES
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,7 @@ from pathlib import Path
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.task import DEFAULT_TASK
 from diloco.learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
-from diloco.syncer.config import DOWNLINKS, MERGE_MODES, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
-from diloco.syncer.core.outer import OUTER_OPTIMIZERS
+from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
 from diloco.cli.common import (GPT_OPTIONS, add_grace_flag, add_run_config, add_telemetry, build_run_config, run_secret,
                               start_telemetry)
 from diloco.cli.settings import add_config_flag, add_flag, from_flags

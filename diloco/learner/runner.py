@@ -111,6 +111,7 @@ class TaskRunner:
         self.optimizer, self.schedule = optimizer, schedule
         self.summary: Summary = learner.summary
         self.summary.eval_unit = task.eval_unit
+        self.summary.planned_steps = self.cfg.steps
         self.step = 0
         """The inner step the loop is at (0-based): where a failure happened."""
 

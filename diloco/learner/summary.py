@@ -14,6 +14,9 @@ from diloco.errors import InvalidArgument
 class Summary:
     learner_id: str
     inner_steps: int = 0
+    planned_steps: int | None = None
+    """The inner steps the learner was launched to train (the ``--task`` runner's
+    ``steps``; None for an own loop): a resumed ``diloco local`` gives it what is left."""
     tokens: int = 0
     wall_s: float = 0.0
     train_s: float = 0.0

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from diloco.config import BLOCK_SIZE
 from diloco.errors import InvalidArgument
-from diloco.syncer.core.outer import OUTER_OPTIMIZERS
 
 GRACE_MODES = ("auto", "fixed", "off")
 SCALE_MODES = ("live", "round")
 MERGE_MODES = ("rda", "mean")
 DOWNLINKS = ("condensed", "chain")
+OUTER_OPTIMIZERS = ("nesterov", "delayed-nesterov")
+"""``diloco.syncer.core.outer.momentum_step``'s optimizers."""
 MAX_SHARDS = 1024
 """More shards than this split no model usefully (each owns whole fragments); the bound
 keeps a typo from planning a million-entry shard table."""

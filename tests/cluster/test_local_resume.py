@@ -1,8 +1,10 @@
 """A stopped `diloco local` run continues with --resume: SIGTERM mid-run takes a snapshot,
---resume restarts the coordinator and shards from it and trains the steps left with the
-stored config; the whole run replays bit for bit, and its curves (and TensorBoard's) go on
-on one axis. A live run directory, a changed config and a finished run are refused, each
-with its reason."""
+--resume restarts the coordinator and shards from it and gives every learner the stop
+interrupted, a learner added with `diloco admin add-learners` included, a successor that
+trains the steps it had left, with the stored config: each trains its plan exactly. The
+whole run replays bit for bit, and its curves (and TensorBoard's) go on on one axis. A
+live run directory, a changed config and a finished run are refused, each with its
+reason."""
 
 import json
 import signal
@@ -20,6 +22,8 @@ pytestmark = pytest.mark.cluster
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--batch-size", "4", "--fragments", "4",
         "--sync-every", "8"]
 STEPS = 3000
+ADDED_STEPS = 1000
+"""The planned steps of the learner added mid-run (``add-learners --set steps=...``)."""
 
 
 def diloco(*args, timeout=300):
@@ -27,9 +31,9 @@ def diloco(*args, timeout=300):
 
 
 
-def trained(out) -> int:
-    """Tokens the run's learners reported (0 while its coordinator is not up): asked in
-    process, so the stop comes early in a run this tiny."""
+def trained(out, learner: str | None = None) -> int:
+    """Tokens the run's learners (or ``learner``) reported (0 while its coordinator is not
+    up): asked in process, so the stop comes early in a run this tiny."""
     from diloco.clients.coordinator import AdminClient
     from diloco.errors import DilocoError
 
@@ -43,7 +47,7 @@ def trained(out) -> int:
         return 0
     client = AdminClient(address, token, timeout_s=5)
     try:
-        return sum(m["tokens"] for m in client.members())
+        return sum(m["tokens"] for m in client.members() if learner in (None, m["id"]))
     except DilocoError:
         return 0
     finally:
@@ -63,6 +67,9 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
         poll(lambda: trained(out) >= 2 * 200 * 128, "200 steps each", 180)
         assert cli.main(["local", "--resume", str(out)]) == 2  # a second supervisor on the live run
         assert f"{out} is in use by a live diloco local (pid {first.pid})" in capsys.readouterr().err
+        assert cli.main(["admin", "--run-dir", str(out), "add-learners", "1", "--set", f"steps={ADDED_STEPS}",
+                         "--wait-s", "120"]) == 0
+        poll(lambda: trained(out, "L2") >= 20 * 128, "the added learner's 20 steps", 180)
         first.send_signal(signal.SIGTERM)
         stdout, stderr = first.communicate(timeout=180)
     finally:
@@ -72,12 +79,14 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     stopped = json.loads(stdout)
     assert_final_table_agrees(stderr, stopped)
     assert stopped["interrupted"] and stopped["snapshot_at_stop"] is not None, stopped
-    assert sorted(l["id"] for l in stopped["learners"]) == ["L0", "L1"]
+    assert sorted(l["id"] for l in stopped["learners"]) == ["L0", "L1", "L2"]
     # Stopped first, while the shards served: each wrote its summary, none was killed.
     assert {l["state"] for l in stopped["learners"]} == {"interrupted"}
-    assert sorted(p.name for p in (out / "learners").glob("*.json")) == ["L0.json", "L1.json"]
-    done = max(l["inner_steps"] for l in stopped["learners"])
-    assert 0 < done < STEPS
+    assert sorted(p.name for p in (out / "learners").glob("*.json")) == ["L0.json", "L1.json", "L2.json"]
+    plan = {"L0": STEPS, "L1": STEPS, "L2": ADDED_STEPS}
+    done = {l["id"]: l["inner_steps"] for l in stopped["learners"]}
+    assert all(0 < done[i] < plan[i] for i in plan), done
+    left = sorted(plan[i] - done[i] for i in plan)
     assert f"--resume {out}` continues the run" in stderr
 
     changed = diloco("local", "--resume", str(out), "--shards", "1", "--width", "64")
@@ -90,15 +99,18 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     assert_final_table_agrees(resumed.stderr, summary)
     assert summary["resumed_from_snapshot"] == stopped["snapshot_at_stop"] and not summary["interrupted"]
     [resume] = [json.loads(line) for line in (out / "resumes.jsonl").read_text().splitlines()]
-    assert resume["learners"] == 2 and resume["learner_steps"] == STEPS - done  # the stored 2, with the steps left
+    assert resume["learners"] == 3 and sorted(resume["launches"]) == left  # each stopped learner's steps left
     steps = {l["id"]: l["inner_steps"] for l in summary["learners"]}
-    assert sorted(steps) == ["L0", "L1", "L2", "L3"] and steps["L2"] == steps["L3"] == STEPS - done, steps
-    assert summary["tokens"] == stopped["tokens"] + 2 * (STEPS - done) * 4 * 32  # the whole run's
+    assert sorted(steps) == ["L0", "L1", "L2", "L3", "L4", "L5"], steps
+    assert sorted(steps[i] for i in ("L3", "L4", "L5")) == left, (steps, done)
+    # Every learner's plan, the added one's included, trained exactly: the whole run's steps and tokens.
+    assert sum(steps.values()) == sum(plan.values())
+    assert summary["tokens"] == sum(plan.values()) * 4 * 32
     # The resumed learners started from the snapshot's model, not the initial one: they
     # bootstrapped every fragment at a version the stopped run had reached (so they skip
     # the evaluation at step 0), their first evaluation is already far below the start, and
     # the versions went on.
-    for learner in ("L2", "L3"):
+    for learner in ("L3", "L4", "L5"):
         records = [json.loads(line) for line in (out / "learners" / f"{learner}.events.jsonl").read_text().splitlines()]
         [bootstrapped] = [r["versions"] for r in records if r["kind"] == "bootstrapped"]
         assert bootstrapped.keys() == stopped["final_versions"].keys() and all(v > 0 for v in bootstrapped.values())
@@ -115,15 +127,15 @@ def test_a_stopped_run_resumes_from_its_snapshot_and_replays_whole(tmp_path, cap
     [mark] = [r for r in records if r["series"] == "resume"]
     assert mark["tokens"] == stopped["tokens"] and mark["snapshot"] == stopped["snapshot_at_stop"]
     train = [r for r in records if r["series"] == "train"]
-    assert {r["learner"] for r in train} == {"L0", "L1", "L2", "L3"}
-    assert all(r["tokens"] > stopped["tokens"] for r in train if r["learner"] in ("L2", "L3"))
+    assert {r["learner"] for r in train} == {"L0", "L1", "L2", "L3", "L4", "L5"}
+    assert all(r["tokens"] > stopped["tokens"] for r in train if r["learner"] in ("L3", "L4", "L5"))
     glob = [r for r in records if r["series"] == "global_eval"]
     assert [r["tokens"] for r in glob if r["model"] == "final"] == [stopped["tokens"], summary["tokens"]]
     assert glob[0]["model"] == "seed" and summary["curve"] == [[r["tokens"], round(r["loss"], 4)] for r in glob]
     # Each part wrote its own points to the same TensorBoard directory: every point once.
     tensorboard = scalars(board)
     assert tensorboard["global/eval_loss"] == [(r["tokens"], pytest.approx(r["loss"], rel=1e-6)) for r in glob]
-    assert [step for step, _ in tensorboard["train/loss/L2"]] == [r["tokens"] for r in train if r["learner"] == "L2"]
+    assert [step for step, _ in tensorboard["train/loss/L3"]] == [r["tokens"] for r in train if r["learner"] == "L3"]
 
     replay = diloco("replay", str(out), "--check")
     assert replay.returncode == 0 and "max absolute difference from the run's final global parameters: 0" in replay.stdout, \

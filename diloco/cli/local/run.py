@@ -38,6 +38,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -175,8 +176,25 @@ class LocalRun:
         self.eval_start = eval_task(cfg.run, self.task)  # a task whose evaluation fails stops here
         self.batch_tokens = tokens_per_step(cfg.run, self.task)
         self.learner_steps = cfg.learner_steps(self.batch_tokens)
-        if cfg.resume and cfg.tokens is None:  # the steps each learner has left
-            self.learner_steps = max(self.learner_steps - rundir.steps_done(self.run_dir), 1)
+        self.launches = [self.learner_steps] * cfg.learners
+        """The inner steps of each learner this part launches."""
+        if cfg.resume and cfg.tokens is None:
+            self._plan_resumed_steps()
+
+    def _plan_resumed_steps(self) -> None:
+        """On a steps budget, a resumed part launches a learner for each learner the stop
+        interrupted, each for the steps it had left (``--learners N`` given anew: their total
+        shared by N); a run stopped before learners recorded their plan continues as it
+        did, each learner with the most steps any one had left."""
+        left = rundir.steps_left(self.run_dir)
+        if left:
+            count = self.cfg.learners if self.cfg.learners != rundir.stored_learners(self.run_dir) else len(left)
+            self.launches = rundir.split_steps(left, count)
+            self.cfg = replace(self.cfg, learners=count)
+            self.learner_steps = max(self.launches)
+            return
+        self.learner_steps = max(self.learner_steps - rundir.most_steps_done(self.run_dir), 1)
+        self.launches = [self.learner_steps] * self.cfg.learners
 
     def open(self) -> None:
         """A new run's directory and files, or a resumed run's line in resumes.jsonl."""
@@ -185,7 +203,7 @@ class LocalRun:
             self.console.print(f"[bold]diloco local[/]: resuming {run_dir} from snapshot {self.resumed_from}")
             with open(run_dir / "resumes.jsonl", "a") as resumes:
                 resumes.write(json.dumps({"t": time.time(), "snapshot": self.resumed_from, "learners": cfg.learners,
-                                          "learner_steps": self.learner_steps}) + "\n")
+                                          "learner_steps": self.learner_steps, "launches": self.launches}) + "\n")
         else:
             self.lock = rundir.start_new_run(run_dir, cfg, self.learner_steps)
             if math.isfinite(self.eval_start):  # the seed is every fragment's version 0
@@ -207,7 +225,7 @@ class LocalRun:
         self.token = (self.run_dir / "admin-token").read_text().strip()
         self.admin = AdminClient(cluster.coordinator, self.token, timeout_s=10)
         record.before = {m["id"] for m in self.admin.members(include_gone=True)}  # a resumed run's earlier learners
-        _launch(self.admin, cfg)
+        _launch(self.admin, cfg, self.launches, self.learner_steps)
         marks = curve_marks(cfg.tokens or cfg.learners * self.learner_steps * self.batch_tokens, cfg.curve_points)
         self.curves = CurveExports(AdminClient(cluster.coordinator, self.token, timeout_s=60), self.run_dir, marks)
         if cfg.chaos.active:  # its clock starts now that the learners are launched
@@ -533,10 +551,14 @@ def _patient(call, what: str):
             time.sleep(1.0)
 
 
-def _launch(admin, cfg: LocalConfig) -> None:
+def _launch(admin, cfg: LocalConfig, steps: list[int], default_steps: int) -> None:
+    """A learner through AddLearners for each entry of ``steps`` (its inner steps; the
+    learners' settings say ``default_steps``)."""
     slow, devices, links = dict(cfg.slow_learners), dict(cfg.learner_devices), dict(cfg.links)
-    for index in range(cfg.learners):
+    for index, planned in enumerate(steps):
         overrides = {"slow_factor": str(slow[index])} if index in slow else {}
+        if planned != default_steps:
+            overrides["steps"] = str(planned)
         if index in devices:
             overrides["device"] = devices[index]
         if index in links:

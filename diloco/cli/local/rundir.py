@@ -154,14 +154,50 @@ def resumable(run_dir: Path, snapshot_dir: str) -> int:
     return max(complete)
 
 
-def steps_done(run_dir: Path) -> int:
-    """Inner steps the stopped run's learners got to: the most any one reached, from the
-    run's summary (written on Ctrl-C/SIGTERM) or else from the learners' own summaries."""
+def steps_left(run_dir: Path) -> list[int]:
+    """The inner steps each learner of the stopped part had left, one entry per learner the
+    stop interrupted (launched at the start, added by ``diloco admin add-learners``, a
+    chaos replacement alike): its planned steps (``learners/<id>.json``'s
+    ``planned_steps``) less those it trained. Empty when the part recorded neither (a run
+    stopped before this was kept): the caller falls back to the run's plan."""
+    try:
+        learners = json.loads((run_dir / "summary.json").read_text()).get("learners", [])
+    except (OSError, ValueError):
+        return []
+    left = []
+    for learner in learners:
+        if learner.get("state") != "interrupted":
+            continue
+        try:
+            own = json.loads((run_dir / "learners" / f"{learner['id']}.json").read_text())
+        except (OSError, ValueError, KeyError):
+            return []
+        if own.get("planned_steps") is None:
+            return []
+        left.append(max(int(own["planned_steps"]) - int(own["inner_steps"]), 0))
+    return [n for n in left if n > 0]
+
+
+def stored_learners(run_dir: Path) -> int | None:
+    """The learner count the stopped run's config.json holds."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return int(json.loads((run_dir / "config.json").read_text())["learners"])
+    return None
+
+
+def most_steps_done(run_dir: Path) -> int:
+    """Inner steps the stopped run's learners got to: the most any one reached (a run whose
+    learners recorded no plan: ``steps_left``)."""
     learners = []
     with contextlib.suppress(OSError, ValueError):
         learners = json.loads((run_dir / "summary.json").read_text()).get("learners", [])
-    if not learners:
-        for path in (run_dir / "learners").glob("*.json"):
-            with contextlib.suppress(OSError, ValueError):
-                learners.append(json.loads(path.read_text()))
     return max((int(l.get("inner_steps", 0)) for l in learners), default=0)
+
+
+def split_steps(left: list[int], learners: int) -> list[int]:
+    """``left`` as ``learners`` learners would train it: each stopped learner's own steps
+    when the count is the same, else the same total shared as evenly as whole steps go."""
+    if len(left) == learners:
+        return list(left)
+    total = sum(left)
+    return [total // learners + (1 if i < total % learners else 0) for i in range(learners)]

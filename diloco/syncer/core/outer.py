@@ -19,7 +19,6 @@ from diloco.errors import CodecError
 if TYPE_CHECKING:
     import torch
 
-OUTER_OPTIMIZERS = ("nesterov", "delayed-nesterov")
 SHARE_EPS = 1e-9
 """A period's shares (1/M each) sum to 1 up to rounding."""
 
