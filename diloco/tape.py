@@ -1,9 +1,11 @@
 """The event tape: an append-only JSONL log of what a shard saw and decided.
 
 One JSON object per line with at least ``kind`` and ``t`` (wall-clock seconds). Writes
-are buffered and fsynced in batches (every ``fsync_every`` records or on ``flush``), so a
-crash loses at most one batch and never leaves a torn line that the reader trusts: the
-reader skips a final partial line and reports it.
+are buffered and fsynced in batches (every ``fsync_every`` records or on ``flush``); the
+shard hands a round's records to the operating system (``write_through``) before any
+learner can read its reply, so a killed shard process (SIGKILL, the OOM killer) loses no
+record of a round a learner saw, and only the host's own crash loses up to a batch. The
+reader skips a final partial line and reports it, never trusting a torn one.
 
 Kinds written by the shard: ``start``, ``push``, ``round``, ``membership``, ``marker``,
 ``stop``. The tape drives ``diloco replay`` and ``diloco timeline``.
@@ -42,6 +44,12 @@ class TapeWriter:
         self.records += 1
         if self._pending >= self._fsync_every:
             self.flush()
+
+    def write_through(self) -> None:
+        """Hand buffered records to the operating system (no fsync): after this they
+        survive the process's death, SIGKILL included, though not the host's."""
+        if self._file is not None and self._pending:
+            self._file.flush()
 
     def flush(self) -> None:
         """Write buffered records and fsync them: after this they survive a crash."""

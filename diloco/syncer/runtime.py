@@ -473,6 +473,8 @@ class ShardRuntime:
             if self.core.fragments[job.fragment.id].applying:
                 self.core.fail_round(job, "internal error while applying", self._monotonic())
         finally:
+            if self.tape is not None:  # the round is on disk before any learner reads its reply
+                self.tape.write_through()
             self._idle[job.fragment.id].set()
             self._resolve(job.fragment.id)
             self._evaluate(job.fragment.id)

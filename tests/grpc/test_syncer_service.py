@@ -98,6 +98,25 @@ def test_concurrent_pushes_close_a_round_and_downlink_is_bit_identical(tmp_path)
     run(scenario())
 
 
+def test_every_round_a_learner_saw_is_on_disk_while_the_shard_still_runs(tmp_path):
+    """A push's reply comes only once the round's records reached the operating system: a
+    shard killed with SIGKILL right after answering loses none of them. Read here from
+    the file while the shard runs (its writer not flushed by the test), as a restarted
+    shard or replay would find it."""
+    async def scenario():
+        async with running_shard(tmp_path, quorum=1) as (server, address):
+            learner = FakeLearner.of(server, "L0", seed=0)
+            for version in (1, 2, 3):
+                async with client_for(address, "L0") as client:
+                    result = await learner.push(client)
+                assert result.update.version == version
+                on_disk = list(read_tape(tmp_path / "tape-S0.jsonl"))
+                assert [r["version"] for r in on_disk if r["kind"] == "round"] == list(range(1, version + 1))
+            assert server.runtime.tape.records < 64  # one fsync batch: only the write-through put them there
+
+    run(scenario())
+
+
 def test_a_rounds_update_is_framed_once_for_every_waiter_and_dropped_with_the_chain(tmp_path, monkeypatch):
     from diloco.syncer import service as syncer_service
 
