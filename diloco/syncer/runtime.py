@@ -661,7 +661,7 @@ class ShardRuntime:
                     raise FailedPrecondition(f"marker for snapshot {snapshot_id} arrived after snapshot {self.snapshot_epoch}'s")
                 core = self.core
                 core.receive(clock)
-                state = snapshot.capture(core, snapshot_id)
+                state = snapshot.capture(core, snapshot_id, self._monotonic())
                 cut = {f: s.version for f, s in core.fragments.items()}
                 recorder = self.recorder = snapshot.ChannelRecorder(snapshot_id, cut, set(learners) - core.failed)
                 self.snapshot_epoch = snapshot_id

@@ -105,9 +105,10 @@ def _rounds(shard, learners, rounds, fid=0, start=0.0):
 def test_a_shard_steps_the_momentum_once_per_period_and_a_restored_one_continues_the_period():
     """Three live learners, K = 1: the momentum step every third round. A shard restored
     from a snapshot taken mid-period continues the period as the shard that never stopped
-    does (one restarted at the restore would decay the buffer at its next round instead).
-    (Their parameters then differ by the influence bounds, which snapshots do not carry yet.)"""
+    does (one restarted at the restore would decay the buffer at its next round instead),
+    bit for bit."""
     from diloco.syncer.core.snapshot import capture, restore
+    from tests.checks import assert_same_tensors
     from tests.unit.test_syncer_shard import Learner, make_shard
 
     merge = dict(outer_optimizer="delayed-nesterov", outer_lr=0.7, outer_momentum=0.9)
@@ -117,10 +118,12 @@ def test_a_shard_steps_the_momentum_once_per_period_and_a_restored_one_continues
     steps = _rounds(straight, ours, 2)
     assert _rounds(stopped, theirs, 2) == steps
     assert [(s.decay, s.look) for s in steps] == [(0.9, 0.0), (1.0, 0.0)]
-    restore(restored, capture(stopped, snapshot_id=1), now=0.0)
+    restore(restored, capture(stopped, snapshot_id=1, now=1.5), now=1.5)
     assert restored.fragments[0].outer_share == straight.fragments[0].outer_share == pytest.approx(2 / 3)
     for learner in theirs:
         learner.shard = restored
     later = _rounds(straight, ours[2:] + ours[:2], 4, start=2)
     assert _rounds(restored, theirs[2:] + theirs[:2], 4, start=2) == later
     assert [(s.decay, s.look) for s in later] == [(1.0, 0.9), (0.9, 0.0), (1.0, 0.0), (1.0, 0.9)]
+    for name in ("params", "momentum", "residual"):
+        assert_same_tensors(getattr(restored.fragments[0], name), getattr(straight.fragments[0], name), name)

@@ -16,6 +16,7 @@ from diloco.wire import PushMeta
 from diloco.syncer.core.shard import ACCEPTED, DUPLICATE, Pending, ShardCore, compute_round, inspect_payload
 from diloco.syncer.core.snapshot import ChannelRecorder, Decision, capture, push_in, push_out, restore
 from tests.unit.test_syncer_shard import PARAMS, Learner, close, make_shard
+import numpy as np
 from tests.checks import assert_same_tensors
 
 
@@ -73,7 +74,7 @@ def test_restore_reproduces_the_run_and_counts_in_flight_pushes_once(tmp_path):
         learner.apply(shard.update_for(0, 0))
     push(l0, 0, now=2.0)
     shard.set_membership({"L0", "L1"}, set())
-    state = capture(shard, snapshot_id=1)
+    state = capture(shard, snapshot_id=1, now=2.0)
     recorder = ChannelRecorder(1, {f: s.version for f, s in shard.fragments.items()}, {"L0", "L1"})
     written = snapshot_files.write(tmp_path, snapshot_files.state_name(0), state)
 
@@ -161,15 +162,15 @@ def test_capture_refuses_a_fragment_whose_round_is_being_applied():
     Learner("L0", shard, initial, seed=0).push(0, now=1.0)
     job = shard.begin_round(0, shard.decide(0, 1.0), 1.0)
     with pytest.raises(FailedPrecondition) as error:
-        capture(shard, snapshot_id=1)
+        capture(shard, snapshot_id=1, now=0.0)
     assert str(error.value) == "fragment 0 is applying a round: cannot record it"
     shard.finish_round(job, compute_round(job, shard.cfg), 1.1)
-    assert capture(shard, snapshot_id=1)["snapshot_id"] == 1
+    assert capture(shard, snapshot_id=1, now=0.0)["snapshot_id"] == 1
 
 
 def test_a_shard_with_no_model_is_recorded_and_restored_as_such():
     cfg = make_shard()[0].cfg
-    state = capture(ShardCore(cfg), snapshot_id=3)
+    state = capture(ShardCore(cfg), snapshot_id=3, now=0.0)
     assert (state["snapshot_id"], state["plan_hash"], state["manifest"], state["num_fragments"], state["fragments"]) == (
         3, "", "", 0, []
     )
@@ -180,7 +181,7 @@ def test_a_shard_with_no_model_is_recorded_and_restored_as_such():
 
 def test_a_shard_with_no_model_learns_it_from_the_snapshot():
     shard, initial = shard_from_manifest(initialised=(0,))  # fragment 1 still waits for a learner
-    state = capture(shard, snapshot_id=1)
+    state = capture(shard, snapshot_id=1, now=0.0)
     assert state["num_fragments"] == 2 and state["manifest"] == manifest_text()
 
     fresh = ShardCore(shard.cfg)
@@ -197,7 +198,7 @@ def test_a_shard_with_no_model_learns_it_from_the_snapshot():
 
 def test_restore_refuses_what_does_not_fit_with_exact_messages():
     shard, _ = make_shard()
-    good = capture(shard, snapshot_id=1)
+    good = capture(shard, snapshot_id=1, now=0.0)
 
     def refused(change, error_type):
         state = {**good, **change}
@@ -211,7 +212,7 @@ def test_restore_refuses_what_does_not_fit_with_exact_messages():
     )
     # A snapshot of a run planned into three fragments, restored into a two-fragment shard.
     other, _ = shard_from_manifest(num_fragments=3, initialised=(0, 1, 2))
-    assert refused(capture(other, snapshot_id=1), FailedPrecondition) == (
+    assert refused(capture(other, snapshot_id=1, now=0.0), FailedPrecondition) == (
         "snapshot was taken with another fragment plan: check the model flags"
     )
     assert refused({"fragments": good["fragments"][:1]}, FailedPrecondition) == (
@@ -229,7 +230,7 @@ def test_restored_open_round_reopens_at_restore_time(quorum):
     meta, payload, _ = Learner("L0", shard, initial, seed=0).push(0, now=1.0)
     wire_bytes = shard.fragments[0].open["L0"].wire_bytes
     fresh, _ = make_shard(quorum=quorum)
-    restore(fresh, capture(shard, snapshot_id=1), now=10.0)
+    restore(fresh, capture(shard, snapshot_id=1, now=1.0), now=10.0)
     assert fresh.fragments[0].open == {"L0": Pending(meta, payload, 10.0, wire_bytes)}
     # The round reopens now; with the quorum already there, it was reached now too.
     assert fresh.view(0) == RoundView(
@@ -249,7 +250,7 @@ def test_restored_chain_serves_the_same_updates_and_keeps_its_length():
         close(shard, 0, now=round_ + 0.1)
         learner.apply(shard.update_for(0, learner.version[0]))
     fresh, _ = make_shard(quorum=1, chain=1)
-    restore(fresh, capture(shard, snapshot_id=1), now=10.0)
+    restore(fresh, capture(shard, snapshot_id=1, now=2.1), now=10.0)
     # Base 1: the recorded delta segment; base 0: older than the chain, the full values.
     assert [s.kind for s in fresh.update_for(0, 1).segments] == ["delta"]
     assert fresh.update_for(0, 1) == shard.update_for(0, 1)
@@ -279,3 +280,43 @@ def test_a_snapshot_copied_under_a_higher_id_is_refused_naming_both_ids(tmp_path
     with pytest.raises(FailedPrecondition, match=r"directory 000002 holds the signed manifest of snapshot 1\b"):
         snapshot_files.load_for_restore(spec, tmp_path, 0, secret)
     assert read_manifest(find_manifest(tmp_path, "1"), secret)["snapshot_id"] == 1
+
+
+def test_a_snapshot_carries_the_influence_bounds_and_a_restored_shard_continues_them():
+    """The other learners' latest pushes (norms, weights, times as ages), the reference
+    direction and the departed learners come back with the snapshot, on the restored shard's
+    own clock: its next push is held to the same bound as on the shard that never stopped,
+    not to the lone-learner fallback (issue #56: a restored shard restarted its bounds)."""
+    from diloco.syncer.core.bounds import Push
+
+    shard, initial = make_shard()
+    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
+    for rnd in range(3):
+        for learner in learners:
+            learner.push(0, now=10.0 * rnd + float(learner.name[1]))
+            close(shard, 0, now=10.0 * rnd + 5)
+            learner.apply(shard.update_for(0, learner.version[0]))
+    state = shard.fragments[0]
+    assert len(state.influence.latest) == 3 and any(np.any(r) for r in state.reference)
+    state.departed = {"L9": state.version + 2}
+    saved = capture(shard, snapshot_id=1, now=100.0)
+    fresh, _ = make_shard()
+    restore(fresh, saved, now=5000.0)  # another process: its clock is its own
+    back = fresh.fragments[0]
+    for (learner, mine), (_, theirs) in zip(back.influence.latest.items(), state.influence.latest.items()):
+        assert (mine.norm, mine.weight, mine.interval, mine.cos) == (theirs.norm, theirs.weight, theirs.interval, theirs.cos)
+        assert mine.at - 5000.0 == pytest.approx(theirs.at - 100.0)
+    assert list(back.influence.latest) == list(state.influence.latest)
+    assert back.influence.last_at - 5000.0 == pytest.approx(state.influence.last_at - 100.0)
+    assert_same_tensors(back.reference, state.reference, "reference")
+    assert back.departed == state.departed
+    push = Push("L0", norm=1.0, weight=64.0, at=101.0)
+    before = state.influence.bounds([push], 3.0, lambda: 1.0)
+    after = back.influence.bounds([dataclasses_replace(push, at=5001.0)], 3.0, lambda: 1.0)
+    assert after == before and before[0].weight_cap < float("inf")  # the others' bound, not the fallback's
+
+
+def dataclasses_replace(push, **changes):
+    import dataclasses
+
+    return dataclasses.replace(push, **changes)

@@ -130,6 +130,27 @@ class Influence:
     def forget(self, learner: str) -> None:
         self.latest.pop(learner, None)
 
+    def to_state(self, now: float) -> dict:
+        """As plain data for a snapshot: each sample's time as its age at ``now`` (a shard's
+        clock is its process's, which a restored shard does not share)."""
+        return {
+            "latest": [[learner, s.norm, s.weight, now - s.at, s.interval, s.cos] for learner, s in self.latest.items()],
+            "last_age": None if self.last_at is None else now - self.last_at,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, now: float) -> "Influence":
+        """The record ``to_state`` wrote, its ages counted back from ``now``: a restored
+        shard's bounds continue where they were instead of starting from the lone-learner
+        fallback."""
+        influence = cls()
+        for learner, norm, weight, age, interval, cos in state["latest"][-LEARNERS_REMEMBERED:]:
+            influence.latest[str(learner)] = Sample(float(norm), float(weight), now - float(age),
+                                                    None if interval is None else float(interval),
+                                                    None if cos is None else float(cos))
+        influence.last_at = None if state["last_age"] is None else now - float(state["last_age"])
+        return influence
+
     def _sample(self, push: Push) -> Sample:
         previous = self.latest.get(push.learner)
         interval = push.at - previous.at if previous is not None else None

@@ -27,6 +27,7 @@ from diloco.codec import EncodedTensor, TensorSpec
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.manifest import Manifest
 from diloco.wire import PushMeta
+from diloco.syncer.core.bounds import Influence
 from diloco.syncer.core.rounds import Timings
 from diloco.syncer.core.shard import DUPLICATE, Pending, PushPayload, Segment, ShardCore, inspect_payload
 
@@ -120,9 +121,10 @@ def push_in(raw: dict) -> tuple[PushMeta, PushPayload, int]:
     return meta, inspect_payload(meta.specs, payload), int(raw["wire_bytes"])
 
 
-def capture(core: ShardCore, snapshot_id: int) -> dict:
+def capture(core: ShardCore, snapshot_id: int, now: float) -> dict:
     """The shard's state as plain data, copied (rounds update tensors in place once the
-    runtime lets them run again). Call with no round being applied."""
+    runtime lets them run again), the influence bounds' included (their times as ages at
+    ``now``, the shard's clock). Call with no round being applied."""
     fragments = []
     for fragment_id, state in sorted(core.fragments.items()):
         if state.applying or state.next:
@@ -145,6 +147,9 @@ def capture(core: ShardCore, snapshot_id: int) -> dict:
                 "last_reason": state.last_reason,
                 "last_participants": state.last_participants,
                 "outer_share": state.outer_share,
+                "influence": state.influence.to_state(now),
+                "reference": [t.copy() for t in state.reference],
+                "departed": dict(state.departed),
             }
         )
     return {
@@ -205,6 +210,12 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
         target.timings = Timings(**raw["timings"])
         target.last_reason, target.last_participants = raw["last_reason"], raw["last_participants"]
         target.outer_share = float(raw.get("outer_share", 0.0))
+        if "influence" in raw:  # the bounds continue (a snapshot from before they were kept: the fallback)
+            target.influence = Influence.from_state(raw["influence"], now)
+            if [t.shape for t in raw["reference"]] != [t.shape for t in target.reference]:
+                raise FailedPrecondition(f"fragment {fragment_id}: recorded reference shapes do not match the plan")
+            target.reference = [np.array(t, dtype=np.float32) for t in raw["reference"]]
+            target.departed = {str(k): int(v) for k, v in raw["departed"].items()}
         target.full_cache = None
         target.open, target.next, target.opened_at, target.quorum_at = {}, {}, None, None
         for push in raw["open"]:
