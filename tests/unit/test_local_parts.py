@@ -416,3 +416,30 @@ def test_a_model_too_small_for_its_fragments_and_shards_is_told_everything_at_on
     assert (len(manifest.synced), manifest.max_fragments()) == (4, 34)
     LocalConfig(run=RunConfig(fragments=34), shards=34).check_cut(4, 34)  # what the error offered works
     assert manifest.plan(34).num_fragments == 34
+
+
+def test_endpoints_json_gets_a_process_whose_first_write_was_interrupted(tmp_path, monkeypatch):
+    """A Ctrl-C can land while endpoints.json is being written (the watch notes a learner as
+    it joins): the process must still reach the file when the stop notes it again. Before,
+    it was kept in memory as written and the stop skipped it: a CI run's endpoints.json
+    missed a learner of the run."""
+    from diloco.cli.local import supervisor
+    from diloco.cli.local.config import LocalConfig
+
+    cluster = supervisor.Cluster(LocalConfig(), tmp_path, 10)
+    real = supervisor.atomic_write
+    interrupted = []
+
+    def write_once_interrupted(path, data):
+        if not interrupted:
+            interrupted.append(path)
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(supervisor, "atomic_write", write_once_interrupted)
+    member = {"id": "L1", "address": "host:4242", "state": "active", "launch_id": "x"}
+    with pytest.raises(KeyboardInterrupt):
+        cluster.note_learners([member])
+    cluster.note_learners([member])  # the stop's listing
+    assert [(e["role"], e.get("id"), e["pid"]) for e in json.loads((tmp_path / "endpoints.json").read_text())] == \
+        [("learner", "L1", 4242)]

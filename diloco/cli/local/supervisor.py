@@ -82,8 +82,11 @@ class Cluster:
         key = (role, more.get("id"))
         if entry in self.endpoints:
             return
-        self.endpoints = [e for e in self.endpoints if (e["role"], e.get("id")) != key] + [entry]
-        atomic_write(self.dir / "endpoints.json", json.dumps(self.endpoints, indent=1))
+        endpoints = [e for e in self.endpoints if (e["role"], e.get("id")) != key] + [entry]
+        atomic_write(self.dir / "endpoints.json", json.dumps(endpoints, indent=1))
+        # Kept only once written: a Ctrl-C during the write must not leave a process known
+        # here and missing from the file (the stop's listing would then skip it as known).
+        self.endpoints = endpoints
         self._list_targets()
 
     def _list_targets(self) -> None:
