@@ -12,9 +12,9 @@ import ast
 import functools
 import inspect
 import sys
-import textwrap
 from collections.abc import Callable
 from dataclasses import MISSING, fields, is_dataclass
+from pathlib import Path
 
 
 def default_of(cls: type, name: str):
@@ -30,10 +30,20 @@ def default_of(cls: type, name: str):
 
 
 @functools.cache
+def _module_tree(module: str) -> ast.Module:
+    """The parsed source of ``module``, once per module (``inspect.getsource`` of a class
+    parses its whole module each time: half of building the command's parser)."""
+    return ast.parse(Path(inspect.getsourcefile(sys.modules[module])).read_text())
+
+
+@functools.cache
 def _docstrings(cls: type) -> dict[str, ast.expr | str | None]:
     """Each field of dataclass ``cls``: the docstring under it, else its default's
     expression (None: neither)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    scope: list[ast.stmt] = _module_tree(cls.__module__).body
+    for name in cls.__qualname__.split("."):
+        tree = next(n for n in scope if isinstance(n, ast.ClassDef) and n.name == name)
+        scope = tree.body
     found: dict[str, ast.expr | str | None] = {}
     body = tree.body
     for node, after in zip(body, [*body[1:], None]):
