@@ -4,12 +4,14 @@ import math
 
 import pytest
 
-from diloco.syncer.core.bounds import (ANCHOR_VERSION_SLACK, FALLBACK_PERIOD_S, FALLBACK_RATIO, LEARNERS_REMEMBERED, Influence,
-                                 Push, choose_anchor, gate)
+from diloco.syncer.core.bounds import (ANCHOR_VERSION_SLACK, FALLBACK_PERIOD_S, FALLBACK_RATIO, FLOOR_RATIO,
+                                       LEARNERS_REMEMBERED, STALE_INTERVALS, STALE_MIN_S, Influence, Push,
+                                       choose_anchor, gate)
 
 
 def norm_never_needed():
-    raise AssertionError("the fragment's norm is only read when no other learner is on record")
+    """A fragment of norm 1: its floor (``FLOOR_RATIO``) is below every reference here."""
+    return 1.0
 
 
 def history(*pushes: Push) -> Influence:
@@ -38,6 +40,44 @@ def test_with_no_other_learner_on_record_a_delta_is_held_to_the_fragment_norm_pe
     # Its own earlier pushes do not vouch for a learner.
     (own,) = history(Push("L0", 100.0, 1.0, 0.0)).bounds([Push("L0", 5.0, 1.0, 10.0)], 3.0, lambda: 8.0)
     assert own.clip == pytest.approx(FALLBACK_RATIO * 8.0 / 5.0)
+
+
+def test_a_learner_alone_in_the_run_is_held_per_push_not_per_time():
+    """The only member of a run has nothing to be compared with: a per-time bound would only
+    throttle fast hardware. Its pushes are held to ``FALLBACK_RATIO`` x the fragment's norm
+    each, however soon they come; with other members (about to push) the per-time fallback."""
+    influence = history(Push("L0", 2.0, 100.0, 0.0))
+    soon = [Push("L0", 1.0, 100.0, FALLBACK_PERIOD_S / 100)]
+    (alone,) = influence.bounds(soon, 3.0, lambda: 8.0, members=frozenset({"L0"}))
+    assert alone.clip == 1.0
+    (big,) = influence.bounds([Push("L0", 4.0, 100.0, 0.05)], 3.0, lambda: 8.0, members=frozenset({"L0"}))
+    assert big.clip == pytest.approx(FALLBACK_RATIO * 8.0 / 4.0)
+    (waiting,) = influence.bounds(soon, 3.0, lambda: 8.0, members=frozenset({"L0", "L1"}))
+    assert waiting.clip == pytest.approx(FALLBACK_RATIO * 8.0 / 100)
+    (unknown,) = influence.bounds(soon, 3.0, lambda: 8.0)
+    assert unknown.clip == waiting.clip
+
+
+def test_a_peer_pushing_zeros_or_crumbs_cannot_clip_the_others_below_the_floor():
+    for crumb in (0.0, 1e-4):
+        influence = history(Push("L1", crumb, 10.0, 0.0))
+        (bound,) = influence.bounds([Push("L0", 3.0, 10.0, 0.5)], 3.0, lambda: 8.0)
+        assert bound.clip == pytest.approx(3.0 * FLOOR_RATIO * 8.0 / 3.0)
+        (honest,) = influence.bounds([Push("L0", 0.048 * 8.0, 10.0, 0.5)], 3.0, lambda: 8.0)
+        assert honest.clip == 1.0  # the median honest delta passes untouched
+
+
+def test_a_record_not_refreshed_for_long_is_no_reference():
+    influence = Influence()
+    for t in (0.0, 1.0, 2.0):  # L0 and L1 push every second
+        influence.record([Push("L0", 1.0, 10.0, t), Push("L1", 0.1, 10.0, t)])
+    stale_s = max(STALE_MIN_S, STALE_INTERVALS * 1.0)
+    (fresh,) = influence.bounds([Push("L0", 1.0, 10.0, 2.0 + stale_s - 1)], 3.0, lambda: 1.0)
+    assert fresh.clip == pytest.approx(0.3)  # L1's 0.1 still bounds it
+    # L1 stopped pushing: long after, L0 is alone on record (a member, L1 still listed).
+    (later,) = influence.bounds([Push("L0", 1.0, 10.0, 2.0 + stale_s + 1)], 3.0, lambda: 1.0,
+                                members=frozenset({"L0", "L1"}))
+    assert later.clip == pytest.approx(FALLBACK_RATIO)
 
 
 def test_a_delta_is_clipped_to_the_multiple_of_the_other_learners_median():

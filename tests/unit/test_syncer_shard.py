@@ -13,7 +13,7 @@ from diloco.codec import decode, encode
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import plan_fragments
 from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
-from diloco.syncer.core.bounds import Push
+from diloco.syncer.core.bounds import FLOOR_RATIO, Push
 from diloco.syncer.core.rounds import Close, Wait
 from diloco.syncer.core.shard import (
     ACCEPTED,
@@ -817,8 +817,17 @@ def test_push_bound_uses_the_fragment_norm_of_its_version():
     assert push("L1", [torch.zeros(p.shape) for p in pieces], 0.2).outcome == ACCEPTED_NEXT_ROUND
     shard.finish_round(job, compute_round(job, shard.cfg), 0.3)
     assert 0.4 * norm0 < math.sqrt(sum(float((p * p).sum()) for p in state.params)) < 0.6 * norm0
-    job = shard.begin_round(0, Close("test", 0.0), 0.4)  # L1's push: no norm computed at version 1
-    assert probe("L2", 0.75 * norm0, 0.5).outcome == ACCEPTED_NEXT_ROUND  # applying: version 0's norm holds
+    # L1's round: closing it weighs its push against the floor, which reads version 1's norm.
+    job = shard.begin_round(0, Close("test", 0.0), 0.4)
+    norm1 = state.norm_cache[1]
+    assert state.norm_cache[0] == 1 and 0.4 * norm0 < norm1 < 0.6 * norm0
+    for p in state.params:
+        p *= 4.0  # as a round's step would, in place: the norm computed before it holds while it applies
+    assert probe("L2", 0.9 * norm1, 0.5).outcome == ACCEPTED_NEXT_ROUND
+    with pytest.raises(InvalidArgument, match="exceeds 1 x"):
+        probe("L0", 1.1 * norm1, 0.55)
+    for p in state.params:
+        p /= 4.0
     shard.finish_round(job, compute_round(job, shard.cfg), 0.6)
     with pytest.raises(InvalidArgument, match="exceeds 1 x"):
         probe("L0", 0.75 * norm0, 0.7)  # version 2's norm is about half
@@ -953,10 +962,13 @@ def test_a_learner_pushing_huge_deltas_moves_a_fragment_as_far_as_three_honest_o
     assert ack.outcome == ACCEPTED
     pushed = math.sqrt(sum(n * n for n in payload.norms))
     assert pushed > 400 * latest
+    # The others' median, or the floor where the fragment's norm puts it higher (here: the
+    # honest deltas are 1 % of the fragment's norm, under the floor's 5 %).
+    reference = max(latest, FLOOR_RATIO * max(shard.fragment_norm(shard.fragments[0]), 1.0))
     job = close(shard, 0, now=3.01)
-    assert job.clip == (pytest.approx(3 * latest / pushed),) and job.measured[0][1] == 1.0
+    assert job.clip == (pytest.approx(3 * reference / pushed),) and job.measured[0][1] == 1.0
     moved = fragment_moved(shard, 0, before)
-    assert 0.9 * 3 * latest / 4 < moved < 1.1 * 3 * latest / 4  # lr 1 x participation 1/4; int4 rounding
+    assert 0.9 * 3 * reference / 4 < moved < 1.1 * 3 * reference / 4  # lr 1 x participation 1/4; int4 rounding
     # An honest push after it is held to the same reference and passes whole.
     honest_round(shard, honest[:1], direction, 4, g)
 

@@ -12,7 +12,17 @@ carries that vector as its delta. Attacks:
 - ``grow``: along the fragment's own values (each merged push scales the model up);
 
 and in both it claims 10**10 tokens per step (10**11 per push of H = 8 steps or so, under
-the shards' absurdity limit of 10**12), in pushes and heartbeats. ``--robust-multiple``
+the shards' absurdity limit of 10**12), in pushes and heartbeats. The others claim what a
+batch of the run's task holds:
+
+- ``zero``: no change at all (a stalled peer: its zero norm is in the others' reference);
+- ``tiny``: a random direction at 1e-4 x the fragment's norm;
+- ``negate``: it trains like an honest learner (a shadow copy of the model on the task's
+  own batches) and pushes its outer gradient negated, x ``NEGATE_GAIN``: the honest
+  direction reversed, which the direction gate cannot tell from the others' agreement
+  when such learners are the majority.
+
+``--attackers N`` joins N of them (one credential's worth of Sybils). ``--robust-multiple``
 reaches the shards as ``diloco local`` passes its settings on: a very large value turns
 the bounds off, to show what they prevent.
 
@@ -22,6 +32,7 @@ the bounds off, to show what they prevent.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import signal
@@ -37,6 +48,11 @@ import torch
 CLAIMED_TOKENS_PER_STEP = 10**10
 SCALE = 0.95
 """Of the largest delta a shard accepts."""
+ATTACKS = ("none", "random", "grow", "zero", "tiny", "negate")
+CLAIMING = ("random", "grow")
+"""The attacks that claim ``CLAIMED_TOKENS_PER_STEP``."""
+TINY_RATIO = 1e-4
+NEGATE_GAIN = 2.9
 
 
 def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, stop: threading.Event,
@@ -48,42 +64,97 @@ def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, 
     from diloco.config import RunConfig
     from diloco.learner.config import LearnerConfig
     from diloco.syncer.config import SyncerConfig
-    from diloco.cli.metrics import supervisor_task
+    from diloco.cli.metrics import supervisor_task, tokens_per_step
 
     coordinator = _wait_for_coordinator(run_dir, stop)
     if coordinator is None:
         return
     run = RunConfig.from_json((run_dir / "run.json").read_text())
-    model = supervisor_task(run, 1).model
+    task = supervisor_task(run, 1)
+    claimed = CLAIMED_TOKENS_PER_STEP if attack in CLAIMING else tokens_per_step(run, task)
     ratio = SyncerConfig().max_delta_ratio
     # fp32 deltas: at 10x a fragment's norm, an int4 block's fp16 scale can overflow.
-    learner = diloco.Learner.join(model, coordinator=coordinator, tls_dir=str(run_dir / "tls"),
+    learner = diloco.Learner.join(copy.deepcopy(task.model), coordinator=coordinator, tls_dir=str(run_dir / "tls"),
                                   config=LearnerConfig(delta_codec="fp32"),
                                   join_token=(run_dir / "coordinator" / "join-token").read_text().strip())
     g = torch.Generator().manual_seed(10_000 + seed)
+    shadow = Shadow(run.task, task, learner) if attack == "negate" else None
     log.append(f"{learner.learner_id} joined: attack {attack}")
     print(log[-1], flush=True)
     with learner:
         while not (learner.should_stop or stop.is_set() or _honest_done(run_dir, honest)):
+            if shadow is not None:
+                shadow.train()
             with torch.no_grad():
                 for fragment_id, anchor in learner.anchors().items():
                     pieces = learner.plan.fragments[fragment_id].pieces
                     trained = [not p.buffer for p in pieces]
-                    size = math.sqrt(sum(float(a.pow(2).sum()) for a, t in zip(anchor, trained) if t))
-                    if attack == "random":
-                        vectors = [torch.randn(a.shape, generator=g) for a in anchor]
-                    else:  # grow: delta = anchor - params = -c * anchor
-                        vectors = [-a for a in anchor]
+                    size = max(math.sqrt(sum(float(a.pow(2).sum()) for a, t in zip(anchor, trained) if t)), 1.0)
+                    vectors = _attack_vectors(attack, anchor, pieces, shadow, fragment_id, g)
                     length = math.sqrt(sum(float(v.pow(2).sum()) for v, t in zip(vectors, trained) if t)) or 1.0
-                    scale = SCALE * ratio * max(size, 1.0) / length
+                    if attack in CLAIMING:
+                        scale = SCALE * ratio * size / length
+                    elif attack == "tiny":
+                        scale = TINY_RATIO * size / length
+                    else:
+                        scale = 1.0
                     for host, a, v, t in zip(learner._host(fragment_id), anchor, vectors, trained):
                         if t:
                             host.copy_(a - scale * v)  # the learner pushes anchor - params = scale * v
-            learner.step(tokens=CLAIMED_TOKENS_PER_STEP)
+            learner.step(tokens=claimed)
             time.sleep(step_s)
-    log.append(f"{learner.learner_id} left after {diloco.learner.summary.inner_steps} steps, "
-               f"{diloco.learner.summary.pushes_sent} pushes")
+    log.append(f"{learner.learner_id} left after {learner.summary.inner_steps} steps, "
+               f"{learner.summary.pushes_sent} pushes")
     print(log[-1], flush=True)
+
+
+def _attack_vectors(attack: str, anchor: list[torch.Tensor], pieces, shadow: "Shadow | None", fragment_id: int,
+                    g: torch.Generator) -> list[torch.Tensor]:
+    """The delta (up to scale) each attack pushes for one fragment."""
+    if attack in ("random", "tiny"):
+        return [torch.randn(a.shape, generator=g) for a in anchor]
+    if attack == "grow":  # delta = anchor - params = -c * anchor
+        return [-a for a in anchor]
+    if attack == "negate":
+        return [-NEGATE_GAIN * d for d in shadow.outer_gradient(fragment_id, pieces, anchor)]
+    return [torch.zeros_like(a) for a in anchor]  # zero
+
+
+class Shadow:
+    """An honest learner's training, kept aside: a copy of the model trained on the task's
+    own batches with its own optimizer, moved by the global values as an honest learner's
+    model is (each fragment by its anchor's change since last seen)."""
+
+    def __init__(self, spec: str, task, learner) -> None:
+        from diloco.learner.config import LearnerConfig
+        from diloco.learner.runner import inner_optimizer
+
+        self.spec, self.task, self.model, self.learner = spec, task, task.model, learner
+        self.cfg = LearnerConfig()
+        self.params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        self.optimizer, self.schedule = inner_optimizer(task, self.cfg)
+        self.batches = iter(task.batches)
+        self.seen: dict[int, list[torch.Tensor]] = {}
+
+    def train(self) -> None:
+        with torch.no_grad():
+            for fragment_id, anchor in self.learner.anchors().items():
+                pieces = self.learner.plan.fragments[fragment_id].pieces
+                before = self.seen.get(fragment_id)
+                for piece, a, b in zip(pieces, anchor, before or anchor):
+                    target = piece.view(self.params[piece.tensor])
+                    if before is None:
+                        target.copy_(a.reshape(target.shape))
+                    else:
+                        target.add_((a - b).reshape(target.shape))
+                self.seen[fragment_id] = [a.clone() for a in anchor]
+        from diloco.learner.runner import inner_step
+
+        inner_step(self.spec, self.task, next(self.batches), self.optimizer, self.schedule, self.cfg.grad_clip)
+
+    def outer_gradient(self, fragment_id: int, pieces, anchor: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What an honest learner would push for the fragment: anchor - its trained values."""
+        return [a - p.view(self.params[p.tensor]).detach().reshape(a.shape) for p, a in zip(pieces, anchor)]
 
 
 def _honest_done(run_dir: Path, honest: int) -> bool:
@@ -106,7 +177,8 @@ def _wait_for_coordinator(run_dir: Path, stop: threading.Event, timeout_s: float
     return None
 
 
-def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s: float, extra: list[str]) -> dict:
+def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s: float, extra: list[str],
+            attackers: int = 1) -> dict:
     run_dir = out / f"{attack}-seed{seed}"
     command = [sys.executable, "-m", "diloco", "local", "--learners", str(learners), "--steps", str(steps),
                "--seed", str(seed), "--out", str(run_dir), *extra]
@@ -114,14 +186,14 @@ def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s
     started = time.monotonic()
     with open(out / f"{attack}-seed{seed}.log", "w") as output, open(hostile, "w") as attacker_output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-        intruder = None
-        if attack != "none":
-            intruder = subprocess.Popen([sys.executable, "-m", "diloco.lab.bench.hostile", "attacker", str(run_dir), attack,
-                                         str(seed), str(step_s), str(learners)],
-                                        stdout=attacker_output, stderr=subprocess.STDOUT)
+        intruders = [subprocess.Popen([sys.executable, "-m", "diloco.lab.bench.hostile", "attacker", str(run_dir), attack,
+                                       str(seed * 100 + k), str(step_s), str(learners)],
+                                      stdout=attacker_output, stderr=subprocess.STDOUT)
+                     for k in range(attackers if attack != "none" else 0)]
         code = process.wait()
-        if intruder is not None:
+        for intruder in intruders:
             intruder.terminate()
+        for intruder in intruders:
             try:
                 intruder.wait(30)
             except subprocess.TimeoutExpired:
@@ -173,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         return attacker_process(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--attacks", nargs="+", default=["none", "random", "grow"], choices=["none", "random", "grow"])
+    parser.add_argument("--attacks", nargs="+", default=["none", "random", "grow"], choices=ATTACKS)
     parser.add_argument("--learners", type=int, default=3, help="honest learners (default 3: the attacker is 1 of 4)")
+    parser.add_argument("--attackers", type=int, default=1, help="hostile learners joined per attacked run")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--step-s", type=float, default=0.3, help="the attacker's pause between steps")
     parser.add_argument("--out", type=Path, required=True)
@@ -184,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for seed in args.seeds:
         for attack in args.attacks:
-            result = one_run(args.out, seed, attack, args.learners, args.steps, args.step_s, args.extra)
+            result = one_run(args.out, seed, attack, args.learners, args.steps, args.step_s, args.extra, args.attackers)
             results.append(result)
             print(json.dumps(result), flush=True)
     print(f"\n{'attack':8} {'eval (mean ± sd)':>20}  runs   vs none")

@@ -30,11 +30,28 @@ drop or distort honest updates in every round, and most rounds here merge a sing
 The reference is the other learners' latest values, raw: a clipped value stored instead
 would ratchet the reference down whenever honest deltas grow (the first full sync
 period after a run starts grows them twenty-fold), and one learner's own history must not
-vouch for it. With no other learner on record (the fragment's first pushes, a shard that
-came back without its state, a run with one learner) a delta is held to
+vouch for it. The reference needs no honest majority to let an honest push through:
+
+- each other learner's norm counts as at least ``FLOOR_RATIO`` x the fragment's norm: a
+  peer pushing zeros or crumbs cannot clip the others to nothing (measured before the
+  floor: a 2-learner run with an all-zero peer ended at the untrained model's eval);
+- a record not refreshed for ``STALE_INTERVALS`` x the typical interval (at least
+  ``STALE_MIN_S``) is no reference: a learner that left or stopped pushing does not bound
+  the others for ever;
+- the typical interval the time factor compares with counts the pusher's own among the
+  others': one slow peer cannot throttle a fast learner (measured before: a zero-pushing
+  peer stepping every 0.3 s cut a fast honest learner's pushes to a third), while a
+  majority pushing at its pace still bounds a learner that floods.
+
+With no other learner on record (the fragment's first pushes, a shard that came back
+without its state) while other learners are members of the run, a delta is held to
 ``FALLBACK_RATIO`` x the fragment's norm per ``FALLBACK_PERIOD_S`` since the fragment's
 last merged push: a learner that joins before the others (measured: 5 s before the
-learners of ``diloco local``) and pushes alone cannot compound its pushes meanwhile.
+learners of ``diloco local``) and pushes alone cannot compound its pushes meanwhile. A
+learner that is the run's only member is held to ``FALLBACK_RATIO`` x the fragment's
+norm per push and no time: with nothing to compare it with, a per-time bound only
+throttles fast honest hardware (it held a lone learner's 600 steps in 9 s to eval 7.15
+where two learners reached 3.25), and a run of one learner is that learner.
 
 Measured on the honest default run (4 learners, 240 steps, docs/results/influence/): the
 rule clipped 6 of 496 pushes at multiple 3, all but two during the run's first seconds.
@@ -59,6 +76,14 @@ FALLBACK_RATIO = 0.25
 norm (taken as at least 1) per ``FALLBACK_PERIOD_S``. Honest deltas measured here: median
 0.048 x it, at most 0.37 x."""
 FALLBACK_PERIOD_S = 5.0
+FLOOR_RATIO = 0.05
+"""Another learner's norm counts as at least this x the fragment's norm (taken as at
+least 1) in the reference: the median honest delta measured here (0.048 x it), so an
+honest push passes a zero-pushing peer's bound at up to ``multiple`` x that."""
+STALE_INTERVALS = 8.0
+STALE_MIN_S = 30.0
+"""A learner's record older than ``STALE_INTERVALS`` x the median interval on record, and
+than ``STALE_MIN_S``, is no reference for the others."""
 
 
 @dataclass(frozen=True)
@@ -104,12 +129,19 @@ class Influence:
         self.last_at: float | None = None
         """When the latest merged push arrived (any learner's)."""
 
-    def bounds(self, pushes: list[Push], multiple: float, fragment_norm: Callable[[], float]) -> list[Bound]:
+    def bounds(self, pushes: list[Push], multiple: float, fragment_norm: Callable[[], float],
+               members: frozenset[str] | None = None) -> list[Bound]:
         """The bound of each push of a round. The other pushes of the same round count as
         the other learners' latest (they are newer than anything on record).
-        ``fragment_norm``: called only when no other learner is on record."""
+        ``fragment_norm``: the fragment's L2 norm now. ``members``: the run's live and
+        draining learners (None: unknown, taken as others being there)."""
         current = {p.learner: self._sample(p) for p in pushes}
-        return [self._bound(p, {**self.latest, **current}, multiple, fragment_norm) for p in pushes]
+        reference = {**self.latest, **current}
+        intervals = [s.interval for s in reference.values() if s.interval is not None]
+        stale_s = max(STALE_MIN_S, STALE_INTERVALS * statistics.median_low(intervals)) if intervals else math.inf
+        floor = FLOOR_RATIO * max(fragment_norm(), 1.0)
+        return [self._bound(p, reference, multiple, fragment_norm, floor, stale_s,
+                            alone=members is not None and not (members - {p.learner})) for p in pushes]
 
     def record(self, pushes: list[Push]) -> None:
         """The round merged these pushes: they are their learners' latest."""
@@ -156,19 +188,24 @@ class Influence:
         interval = push.at - previous.at if previous is not None else None
         return Sample(push.norm, push.weight, push.at, interval, previous.cos if previous is not None else None)
 
-    def _bound(self, push: Push, reference: dict[str, Sample], multiple: float,
-               fragment_norm: Callable[[], float]) -> Bound:
-        others = [s for learner, s in reference.items() if learner != push.learner]
+    def _bound(self, push: Push, reference: dict[str, Sample], multiple: float, fragment_norm: Callable[[], float],
+               floor: float, stale_s: float, alone: bool) -> Bound:
+        others = [s for learner, s in reference.items() if learner != push.learner and push.at - s.at <= stale_s]
         if not others:
-            period = 1.0 if self.last_at is None else min(1.0, max(push.at - self.last_at, 0.0) / FALLBACK_PERIOD_S)
+            period = 1.0
+            if not alone and self.last_at is not None:
+                period = min(1.0, max(push.at - self.last_at, 0.0) / FALLBACK_PERIOD_S)
             return Bound(_clip(push.norm, FALLBACK_RATIO * max(fragment_norm(), 1.0) * period), math.inf)
-        limit = multiple * statistics.median_low(s.norm for s in others)
+        limit = multiple * max(floor, statistics.median_low(s.norm for s in others))
         previous = self.latest.get(push.learner)
         intervals = [s.interval for s in others if s.interval is not None]
         if previous is not None and intervals:
-            typical = statistics.median_low(intervals)
+            # The learner's own interval is one of the values: a single slower peer cannot
+            # throttle it (of two, the lower middle is its own), a majority still can.
+            dt = max(push.at - previous.at, 0.0)
+            typical = statistics.median_low([*intervals, dt])
             if typical > 0:
-                limit *= min(1.0, max(push.at - previous.at, 0.0) / typical)
+                limit *= min(1.0, dt / typical)
         cosines = [s.cos for s in others if s.cos is not None]
         return Bound(_clip(push.norm, limit), multiple**2 * statistics.median_low(s.weight for s in others),
                      statistics.median_low(cosines) if cosines else None)
