@@ -28,6 +28,9 @@ JOIN_METADATA = "x-diloco-join-token"
 # The coordinator's id (and vector clock process name); it signs it like a learner id
 # when it calls the shards (snapshot markers).
 COORDINATOR_ID = "C"
+# The run's validator (``diloco validator``): signed from the run secret like the shards,
+# the only caller of a shard's Samples and Score.
+VALIDATOR_ID = "V"
 # The join token is the run secret's signature of this string: a launcher can hand it to
 # a new learner without handing it the secret itself. Operators make it with
 # `printf %s diloco-join-v1 | openssl dgst -sha256 -hmac "$SECRET"`.

@@ -23,14 +23,14 @@ from diloco import __version__
 from diloco.errors import DilocoError, InvalidArgument
 from diloco.cli.coordinator import add_admin_parser, add_coordinator_parser, admin_run_dir, check_admin_target
 from diloco.cli.runs import add_certs, add_local, add_run_tools, add_tape
-from diloco.cli.services import add_learner, add_syncer
+from diloco.cli.services import add_learner, add_syncer, add_validator
 from diloco.cli.settings import apply_config, read_config
 
 logger = logging.getLogger(__name__)
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_local, add_certs, add_run_tools, add_syncer, add_learner, add_tape, add_coordinator_parser, add_admin_parser,
+    add_local, add_certs, add_run_tools, add_syncer, add_learner, add_validator, add_tape, add_coordinator_parser, add_admin_parser,
 )
 """The product's commands, in the order ``diloco --help`` lists them."""
 

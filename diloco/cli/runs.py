@@ -97,6 +97,8 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--merge", LocalConfig, "merge", choices=MERGE_MODES)
     add_flag(p, "--scale-by", LocalConfig, "scale_by", choices=SCALE_MODES)
     add_flag(p, "--downlink", LocalConfig, "downlink", choices=DOWNLINKS)
+    add_flag(p, "--robust-multiple", LocalConfig, "robust_multiple", type=float)
+    add_flag(p, "--validator", LocalConfig, "validator", action="store_true")
     add_flag(p, "--delta-codec", LocalConfig, "delta_codec", choices=DELTA_CODECS)
     add_flag(p, "--error-feedback", LocalConfig, "error_feedback", action=argparse.BooleanOptionalAction)
     add_flag(p, "--block-size", LocalConfig, "block_size", type=int)

@@ -1,5 +1,6 @@
-"""``diloco syncer`` and ``diloco learner``: a shard's and a learner's process, from flags or
---config (the coordinator's are in diloco/cli/cli/coordinator.py)."""
+"""``diloco syncer``, ``diloco learner`` and ``diloco validator``: a shard's, a learner's and
+the validator's process, from flags or --config (the coordinator's are in
+diloco/cli/coordinator.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.task import DEFAULT_TASK
 from diloco.learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
+from diloco.validator.config import ValidatorConfig
 from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
 from diloco.cli.common import (GPT_OPTIONS, add_grace_flag, add_run_config, add_telemetry, build_run_config, run_secret,
                               start_telemetry)
@@ -87,12 +89,57 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
              type=float, metavar="S")
     add_flag(p, "--max-delta-ratio", SyncerConfig, "max_delta_ratio", type=float)
     add_flag(p, "--robust-multiple", SyncerConfig, "robust_multiple", type=float)
+    add_flag(p, "--validator", SyncerConfig, "validator", action="store_true")
     add_flag(p, "--stream-idle-timeout-s", SyncerConfig, "stream_idle_timeout_s", type=float)
     p.add_argument("--snapshot-dir", help="the coordinator's snapshot directory or URL, s3://... (for --restore latest or an id)")
     p.add_argument("--restore", metavar="latest|ID|PATH", help="start from a complete snapshot instead of waiting for a learner to give it one")
     add_telemetry(p)
     add_run_config(p)
     p.set_defaults(func=_syncer)
+
+
+def _validator(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from diloco.validator.runner import Validator
+
+    validator = Validator(build_run_config(args), from_flags(args, ValidatorConfig), run_secret(args))
+    telemetry = start_telemetry(args, "validator")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await validator.run(stop)
+
+    try:
+        asyncio.run(main())
+        return 0
+    finally:
+        telemetry.shutdown()
+
+
+def add_validator(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "validator",
+        help="run the run's validator: score learners' pushes against an outer gradient of its own, lower the "
+             "weight of those that do not agree",
+        description="Run the validator (diloco.validator): every --interval-s it reads the global model, trains "
+                    "--steps inner steps of its own from it, scores each push the shards kept (their --validator) by "
+                    "its agreement with that outer gradient and tells the shards what each learner's pushes count "
+                    "for. SIGTERM exits 0.",
+    )
+    add_config_flag(p)
+    add_flag(p, "--shards", ValidatorConfig, "shards", metavar="HOST:PORT,...",
+             shown=",".join, taken=lambda text: tuple(a for a in text.split(",") if a))
+    p.add_argument("--secret-file", help="file holding the run secret (default: $DILOCO_SECRET)")
+    add_flag(p, "--interval-s", ValidatorConfig, "interval_s", type=float, metavar="S")
+    add_flag(p, "--steps", ValidatorConfig, "steps", type=int)
+    add_flag(p, "--agreement", ValidatorConfig, "agreement", type=float)
+    add_telemetry(p)
+    add_run_config(p)
+    p.set_defaults(func=_validator)
 
 
 def _learner(args: argparse.Namespace) -> int:

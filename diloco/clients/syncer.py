@@ -107,7 +107,29 @@ def decode_update(first: syncer_pb2.FragmentUpdate, chunks: list[bytes]) -> Deco
     )
 
 
-async def _updates(replies):
+@dataclass(frozen=True)
+class DecodedSample:
+    """A learner's latest push of a fragment, as a shard kept it for the validator."""
+
+    learner_id: str
+    fragment: int
+    seq: int
+    base_version: int
+    version: int
+    tensors: list
+    """The push's delta (anchor - params), one fp32 tensor per piece of the fragment."""
+
+
+def decode_sample(header: syncer_pb2.Sample, chunks: list[bytes]) -> DecodedSample:
+    specs = [spec_from_proto(t) for t in header.tensors]
+    view, offset, tensors = memoryview(unframe(chunks, sum(s.byte_length for s in specs))), 0, []
+    for spec in specs:
+        tensors.append(decode(spec, view[offset : offset + spec.byte_length]))
+        offset += spec.byte_length
+    return DecodedSample(header.learner_id, header.fragment, header.seq, header.base_version, header.version, tensors)
+
+
+async def _updates(replies, kind_of_header: str = "update"):
     """Group a reply stream into (FragmentUpdate header, its chunks): an update's chunks
     run until the next header or the end of the stream."""
     header, chunks = None, []
@@ -117,10 +139,10 @@ async def _updates(replies):
             if header is None:
                 raise InvalidArgument("update stream: a chunk arrived before its header")
             chunks.append(reply.chunk.data)
-        elif kind == "update":
+        elif kind == kind_of_header:
             if header is not None:
                 yield header, chunks
-            header, chunks = reply.update, []
+            header, chunks = getattr(reply, kind), []
         else:
             yield reply, None
     if header is not None:
@@ -181,6 +203,21 @@ class SyncerClient:
             timeout=self.timeout_s,
         )
         return [await asyncio.to_thread(decode_update, header, chunks) async for header, chunks in _updates(call)]
+
+    async def samples(self, fragments: Sequence[int] = ()) -> list[DecodedSample]:
+        """The validator's call: each recent learner's latest push of each fragment (all the
+        shard owns by default)."""
+        call = self.stub.Samples(syncer_pb2.SamplesRequest(fragments=list(fragments)),
+                                 metadata=self.credential.metadata(), timeout=self.timeout_s)
+        return [await asyncio.to_thread(decode_sample, header, chunks) async for header, chunks in _updates(call, "sample")]
+
+    async def score(self, scores: Sequence[tuple[str, int, int, float | None, float]]) -> int:
+        """The validator's call: (learner, fragment, seq, score or None, trust) judgements."""
+        reply = await self.stub.Score(
+            syncer_pb2.ScoreRequest(scores=[syncer_pb2.LearnerScore(learner_id=l, fragment=f, seq=q, score=s, trust=t)
+                                            for l, f, q, s, t in scores]),
+            metadata=self.credential.metadata(), timeout=self.timeout_s)
+        return reply.applied
 
     async def initialize(self, fragment: int, manifest_json: str, plan_hash: str, encoded: Sequence[EncodedTensor],
                          anchor_version: int | None = None) -> bool:

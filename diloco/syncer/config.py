@@ -168,7 +168,15 @@ class SyncerConfig:
     many times theirs (``diloco.syncer.core.bounds``): one learner, however it misbehaves, moves
     the model at most as much as this many honest ones. Measured on the honest default
     run (4 learners, 240 steps): 6 of 496 pushes clipped at 3, 12 at 2, 53 at 1.5
-    (docs/results/influence/)."""
+    (docs/results/influence/). ``inf``: no bounds at all, neither relative nor the lone
+    learner's (ablations: what the bounds cost or prevent)."""
+
+    validator: bool = False
+    """A validator scores this run's learners (``diloco validator``): the shard keeps each
+    recent learner's latest push of each fragment for it (at most ``SAMPLES_KEPT`` per
+    fragment, as they arrived: int4, an eighth of the fragment's fp32 size each) and takes
+    its scores, which lower the merge weight of a learner whose pushes raise the
+    validator's held-out loss (``diloco.validator``)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_shards <= MAX_SHARDS:
@@ -183,8 +191,8 @@ class SyncerConfig:
             raise InvalidArgument(f"anchor window must be a finite number of seconds >= 0, got {self.anchor_window_s}")
         if not (math.isfinite(self.max_delta_ratio) and self.max_delta_ratio > 0):
             raise InvalidArgument(f"max delta ratio must be a positive number, got {self.max_delta_ratio}")
-        if not (math.isfinite(self.robust_multiple) and self.robust_multiple >= 1):
-            raise InvalidArgument(f"robust multiple must be a number >= 1, got {self.robust_multiple}")
+        if not self.robust_multiple >= 1:
+            raise InvalidArgument(f"robust multiple must be a number >= 1 (inf: no bounds), got {self.robust_multiple}")
 
 
 @dataclass(frozen=True)

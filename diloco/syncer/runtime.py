@@ -36,7 +36,7 @@ from diloco.syncer.core.bounds import choose_anchor
 from diloco.syncer.core.mirrors import base_of, exact
 from diloco.syncer.core.rounds import Close
 from diloco.syncer.core.shard import (
-    DUPLICATE, Ack, FragmentUpdate, PushPayload, RoundJob, ShardCore, Segment, compute_round, condense,
+    DUPLICATE, Ack, FragmentUpdate, Pending, PushPayload, RoundJob, ShardCore, Segment, compute_round, condense,
     condense_replies,
 )
 from diloco.syncer.pushlog import PushLogWriter
@@ -513,6 +513,7 @@ class ShardRuntime:
             weights=list(job.weights),  # exact: replay re-applies them, the clips and the gates
             clip=list(job.clip),
             gate=[g for _, g in job.measured],
+            **({"trust": list(job.trust)} if any(t != 1.0 for t in job.trust) else {}),
             participation=job.participation,
             **({"outer": [job.outer.decay, job.outer.look, job.outer.share]} if job.outer is not None else {}),
             quorum_s=round(job.quorum_s, 6),
@@ -727,6 +728,28 @@ class ShardRuntime:
             self.telemetry.fragment_values(fragment_id, version, "snapshot", str(snapshot_id))
 
     # --- membership ------------------------------------------------------------------
+
+    def samples(self, fragments: list[int]) -> list[tuple[int, int, Pending]]:
+        """The validator's samples (``ShardCore.sampled``); FAILED_PRECONDITION where the
+        shard keeps none."""
+        if not self.core.cfg.validator:
+            raise FailedPrecondition(f"shard {self.core.cfg.shard_id} runs without a validator (SyncerConfig.validator)")
+        return self.core.sampled(fragments)
+
+    def score(self, scores: list[tuple[str, int, int, float | None, float]]) -> int:
+        """The validator's (learner, fragment, seq, score, trust) judgements, each on the
+        tape before it counts (replay re-applies the weights and clips they made). Returns
+        how many named a fragment this shard holds."""
+        if not self.core.cfg.validator:
+            raise FailedPrecondition(f"shard {self.core.cfg.shard_id} runs without a validator (SyncerConfig.validator)")
+        applied = 0
+        for learner_id, fragment_id, seq, score, trust in scores:
+            if self.core.set_trust(learner_id, fragment_id, trust):
+                applied += 1
+                self._record("trust", learner=learner_id, fragment=fragment_id, seq=seq, score=score, trust=trust)
+        if applied:
+            logger.info("validator: %s", ", ".join(f"{l} f{f} x{t:.2f}" for l, f, _, _, t in scores if t < 1) or "all trusted")
+        return applied
 
     def membership(self, event: str, learner_id: str) -> None:
         """event: joined | failed | left | draining. Re-decides every round: a failure can

@@ -15,7 +15,7 @@ from diloco import auth, rpc
 from diloco.codec import Unframer, frame
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
-from diloco.convert import clock_from_proto, clock_to_proto, push_meta_from_proto
+from diloco.convert import clock_from_proto, clock_to_proto, push_meta_from_proto, spec_to_proto
 from diloco.syncer import convert
 from diloco.syncer.core.shard import FragmentUpdate, PushPayload, Segment, inspect_payload
 from diloco.syncer.runtime import ShardRuntime
@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "diloco.v1.Syncer"
 MAX_CHUNK_BYTES = 1 << 20
+MAX_SCORES = 65536
+"""Scores in one Score request (a learner per fragment each)."""
 # zstd frames of incompressible data are a little larger than their payload.
 _CHUNK_SLACK_BYTES = 64 * 1024
 
@@ -273,7 +275,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             for fragment_id in wanted:
                 core.state_of(fragment_id)
             have = {d.fragment: d.sha256 for d in request.have}
-            learner = None if learner_id == auth.COORDINATOR_ID else learner_id  # an export is not a learner's anchor
+            # An export or the validator's read is not a learner's anchor.
+            learner = None if learner_id in (auth.COORDINATOR_ID, auth.VALIDATOR_ID) else learner_id
             for fragment_id in wanted:
                 update = await self.runtime.bootstrap(fragment_id, learner, have.get(fragment_id))
                 async for message in self._update_messages(update, syncer_pb2.BootstrapReply, learner_id, "bootstrap"):
@@ -295,6 +298,37 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 clock=clock_to_proto(result.clock),
                 files=[common_pb2.SnapshotFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256) for f in result.files],
             )
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    def _validator_only(self, context: grpc.aio.ServicerContext) -> None:
+        if self._authenticate(context) != auth.VALIDATOR_ID:
+            raise PermissionDenied("only the run's validator samples pushes and scores learners")
+
+    async def Samples(self, request, context):
+        try:
+            self._validator_only(context)
+            core = self.runtime.core
+            for fragment_id in request.fragments:
+                core.state_of(fragment_id)
+            for fragment_id, version, pending in self.runtime.samples(list(request.fragments)):
+                meta, payload = pending.meta, pending.payload
+                yield syncer_pb2.SamplesReply(sample=syncer_pb2.Sample(
+                    learner_id=meta.learner_id, fragment=fragment_id, seq=meta.seq, base_version=meta.base_version,
+                    version=version, tensors=[spec_to_proto(t.spec) for t in payload.tensors]))
+                for chunk in await asyncio.to_thread(frame, [t.payload for t in payload.tensors]):
+                    yield syncer_pb2.SamplesReply(chunk=common_pb2.Chunk(data=chunk))
+        except DilocoError as error:
+            await rpc.abort_with(context, error)
+
+    async def Score(self, request, context):
+        try:
+            self._validator_only(context)
+            if len(request.scores) > MAX_SCORES:
+                raise InvalidArgument(f"{len(request.scores)} scores in one request; at most {MAX_SCORES}")
+            applied = self.runtime.score([(s.learner_id[:128], s.fragment, s.seq, s.score if s.HasField("score") else None,
+                                           s.trust) for s in request.scores])
+            return syncer_pb2.ScoreReply(applied=applied)
         except DilocoError as error:
             await rpc.abort_with(context, error)
 

@@ -263,3 +263,59 @@ class StatusReply(_message.Message):
     anchors_only: bool
     initializing: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, shard_id: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., live_learners: _Optional[_Iterable[str]] = ..., rounds_closed: _Optional[int] = ..., pushes_received: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., plan_hash: _Optional[str] = ..., model_state: _Optional[str] = ..., anchors_only: _Optional[bool] = ..., initializing: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplesRequest(_message.Message):
+    __slots__ = ("fragments",)
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    fragments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fragments: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("learner_id", "fragment", "seq", "base_version", "version", "tensors")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    fragment: int
+    seq: int
+    base_version: int
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorHeader]
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., seq: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorHeader, _Mapping]]] = ...) -> None: ...
+
+class SamplesReply(_message.Message):
+    __slots__ = ("sample", "chunk")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    sample: Sample
+    chunk: _common_pb2.Chunk
+    def __init__(self, sample: _Optional[_Union[Sample, _Mapping]] = ..., chunk: _Optional[_Union[_common_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class LearnerScore(_message.Message):
+    __slots__ = ("learner_id", "fragment", "seq", "score", "trust")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    TRUST_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    fragment: int
+    seq: int
+    score: float
+    trust: float
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., seq: _Optional[int] = ..., score: _Optional[float] = ..., trust: _Optional[float] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("scores",)
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[LearnerScore]
+    def __init__(self, scores: _Optional[_Iterable[_Union[LearnerScore, _Mapping]]] = ...) -> None: ...
+
+class ScoreReply(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    def __init__(self, applied: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,16 @@ class SyncerStub:
                 request_serializer=diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesReply.FromString,
                 _registered_method=True)
+        self.Samples = channel.unary_stream(
+                '/diloco.v1.Syncer/Samples',
+                request_serializer=diloco_dot_v1_dot_syncer__pb2.SamplesRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_syncer__pb2.SamplesReply.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/diloco.v1.Syncer/Score',
+                request_serializer=diloco_dot_v1_dot_syncer__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_syncer__pb2.ScoreReply.FromString,
+                _registered_method=True)
 
 
 class SyncerServicer:
@@ -119,6 +129,22 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Samples(self, request, context):
+        """For the run's validator only: each recent learner's latest push of each fragment this
+        shard owns (a Sample header, then its Chunks), as the learner sent it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """For the run's validator only: how much each learner's pushes of a fragment count
+        from the next round on (recorded on the shard's tape).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +177,16 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.AcceptInitialValues,
                     request_deserializer=diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesReply.SerializeToString,
+            ),
+            'Samples': grpc.unary_stream_rpc_method_handler(
+                    servicer.Samples,
+                    request_deserializer=diloco_dot_v1_dot_syncer__pb2.SamplesRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_syncer__pb2.SamplesReply.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=diloco_dot_v1_dot_syncer__pb2.ScoreRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_syncer__pb2.ScoreReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +351,60 @@ class Syncer:
             '/diloco.v1.Syncer/AcceptInitialValues',
             diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesRequest.SerializeToString,
             diloco_dot_v1_dot_syncer__pb2.AcceptInitialValuesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Samples(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/diloco.v1.Syncer/Samples',
+            diloco_dot_v1_dot_syncer__pb2.SamplesRequest.SerializeToString,
+            diloco_dot_v1_dot_syncer__pb2.SamplesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Syncer/Score',
+            diloco_dot_v1_dot_syncer__pb2.ScoreRequest.SerializeToString,
+            diloco_dot_v1_dot_syncer__pb2.ScoreReply.FromString,
             options,
             channel_credentials,
             insecure,

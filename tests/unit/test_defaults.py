@@ -56,7 +56,7 @@ SETTINGS = [
     (CoordinatorConfig, "credential_lifetime_s", [("coordinator", "credential_lifetime_s")]),
     (SyncerConfig, "anchor_window_s", [("syncer", "anchor_window_s")]),
     (SyncerConfig, "max_delta_ratio", [("syncer", "max_delta_ratio")]),
-    (SyncerConfig, "robust_multiple", [("syncer", "robust_multiple")]),
+    (SyncerConfig, "robust_multiple", [("syncer", "robust_multiple"), ("local", "robust_multiple")]),
     (SyncerConfig, "stream_idle_timeout_s", [("syncer", "stream_idle_timeout_s")]),
     (LocalConfig, "snapshot_every_s", [("local", "snapshot_every_s")]),
     (LocalConfig, "snapshot_keep", [("local", "snapshot_keep")]),

@@ -27,7 +27,7 @@ FORBIDDEN = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "diloc
 # OpenTelemetry providers every process installs; core code never imports it; clients/:
 # the services' clients).
 KERNEL_SERVICE_MODULES = {"rpc.py", "convert.py", "telemetry.py"}
-SERVICES = ("learner", "syncer", "coordinator")
+SERVICES = ("learner", "syncer", "coordinator", "validator")
 PRODUCT = "cli"
 LAB = "lab"
 TOP = ("command.py", "__main__.py", "__init__.py")

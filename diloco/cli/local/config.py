@@ -16,7 +16,7 @@ from diloco.config import RunConfig
 from diloco.errors import InvalidArgument
 from diloco.coordinator.sites import check_mbit
 from diloco.learner.config import LearnerConfig
-from diloco.syncer.config import MergeConfig, RoundConfig
+from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
 
 TOKEN_BUDGET_SLACK = 1.5
 """On a token budget, learners are launched for this many times their share of it."""
@@ -58,6 +58,11 @@ class LocalConfig:
     """The learners carry what quantization left out of a push into the next (ablations)."""
     block_size: int = MergeConfig.block_size
     """int4 block size of pushes and replies."""
+    robust_multiple: float = SyncerConfig.robust_multiple
+    validator: bool = False
+    """Run a validator beside the shards (``diloco validator``, ``SyncerConfig.validator``):
+    it scores the learners' pushes on the task's own batches and lowers the merge weight of
+    a learner whose pushes raise the loss. It takes CPU from the learners."""
     out: Path | None = None
     startup_timeout_s: float = 120.0
     chaos: ChaosConfig = field(default_factory=ChaosConfig)

@@ -127,6 +127,7 @@ class Cluster:
             "quorum": self.cfg.quorum, "grace": self.cfg.grace, "outer_lr": self.cfg.outer_lr,
             "outer_momentum": self.cfg.outer_momentum, "outer_optimizer": self.cfg.outer_optimizer, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
             "downlink": self.cfg.downlink, "block_size": self.cfg.block_size,
+            "robust_multiple": self.cfg.robust_multiple, "validator": self.cfg.validator,
             "snapshot_dir": self.snapshot_dir, **self.common,
         })
         return ["syncer", "--config", str(config)]
@@ -194,6 +195,10 @@ class Cluster:
             self._endpoint(f"shard{m}", address, shard.pid)
         self._wait_serving(self.coordinator, "the coordinator", coord)
         self._endpoint("coordinator", self.coordinator, coord.pid)
+        if self.cfg.validator:
+            config = self.dir / "validator.json"
+            atomic_write_json(config, {"shards": ",".join(self.shards), **self.common})
+            self._endpoint("validator", "", self._spawn("validator", ["validator", "--config", str(config)]).pid)
         token_file = self.dir / "coordinator" / "admin-token"
         wait_until(lambda: token_file.exists(), self.cfg.startup_timeout_s, "the admin token")
         atomic_write(self.dir / "admin-token", token_file.read_text())

@@ -9,7 +9,7 @@ computed its fragment is ``applying`` and new pushes join the next round.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +42,9 @@ from diloco.syncer.core.rounds import Close, RoundView, Timings, Wait, decide_ro
 ACCEPTED = "accepted"
 ACCEPTED_NEXT_ROUND = "accepted_next_round"
 DUPLICATE = "duplicate"
+SAMPLES_KEPT = 16
+"""With a validator, each fragment keeps the latest push of this many learners (the most
+recent pushers): what the validator scores."""
 MAX_LEFT_KEPT = 4096
 """Learners that left, remembered (newest) so that their credentials, still valid until
 they expire, no longer read the model; older ones are forgotten."""
@@ -162,6 +165,12 @@ class FragmentState:
     """Where the fragment has been going: an average of the recent merged updates every
     pusher agreed with (``diloco.syncer.core.bounds``; zeros until the first round). 4 bytes per
     parameter."""
+    samples: OrderedDict[str, Pending] = field(default_factory=OrderedDict)
+    """With a validator (``SyncerConfig.validator``): the latest push of each of the
+    ``SAMPLES_KEPT`` learners that pushed most recently, as it arrived."""
+    trust: dict[str, float] = field(default_factory=dict)
+    """The validator's latest judgement of each learner's pushes of this fragment: the
+    factor its merge weight and delta are taken at (absent: 1)."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,9 @@ class RoundJob:
     """The fragment's reference direction, updated in place by ``compute_round``."""
     gate: tuple[float, ...] = ()
     """Given (a replay): each push's gate, instead of measuring it."""
+    trust: tuple[float, ...] = ()
+    """Each push's validator trust (empty: all 1), already in ``weights`` and ``clip``: a
+    round whose merged pushes are not all trusted in full does not turn the reference."""
     measured: list[tuple[float | None, float]] = field(default_factory=list)
     """Filled by ``compute_round``: each push's (agreement, gate)."""
 
@@ -221,7 +233,8 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
     clip = tuple(c * g for c, g in zip(job.clip or (1.0,) * len(job.pushes), gates))
     # The reference follows rounds whose every merged push counted in full: a learner whose
     # pushes are cut cannot turn it towards its own direction.
-    follow = bool(job.reference) and all(g == 1.0 for g, w in zip(gates, job.weights) if w > 0)
+    trust = job.trust or (1.0,) * len(job.pushes)
+    follow = bool(job.reference) and all(g == 1.0 and t == 1.0 for g, t, w in zip(gates, trust, job.weights) if w > 0)
     encoded = []
     for index, piece in enumerate(job.fragment.pieces):
         if piece.buffer:
@@ -537,6 +550,11 @@ class ShardCore:
         state.timings.observe("step_time_s", meta.step_time_s, self.cfg.rounds.ema_factor)
         pending = Pending(meta, payload, now, wire_bytes)
         self.pushes_received += 1
+        if self.cfg.validator:
+            state.samples.pop(meta.learner_id, None)
+            state.samples[meta.learner_id] = pending
+            while len(state.samples) > SAMPLES_KEPT:
+                state.samples.popitem(last=False)
         state.last_seq[meta.learner_id] = meta.seq
         if state.applying:
             # A newer push from the same learner supersedes its older one: deltas are
@@ -597,9 +615,13 @@ class ShardCore:
         pushes = tuple(state.open[k] for k in sorted(state.open))
         counted = [p for p in pushes if p.meta.learner_id not in self.failed]
         measured = [self._measure(state, p) for p in counted]
-        bounds = dict(zip((p.meta.learner_id for p in counted),
-                          state.influence.bounds(measured, self.cfg.robust_multiple, lambda: self.fragment_norm(state))))
-        state.influence.record(measured)
+        bounds = {} if math.isinf(self.cfg.robust_multiple) else dict(zip(
+            (p.meta.learner_id for p in counted),
+            state.influence.bounds(measured, self.cfg.robust_multiple, lambda: self.fragment_norm(state),
+                                   frozenset((self.live | self.draining) - self.failed))))
+        trust = tuple(state.trust.get(p.meta.learner_id, 1.0) for p in pushes)
+        # A learner the validator doubts vouches for no one: only trusted pushes are references.
+        state.influence.record([m for m in measured if state.trust.get(m.learner, 1.0) == 1.0])
         contributions = [
             Contribution(
                 p.meta.learner_id,
@@ -611,7 +633,7 @@ class ShardCore:
             )
             for p in pushes
         ]
-        weights = token_weights(contributions, self.cfg.merge.staleness_lambda)
+        weights = [w * t for w, t in zip(token_weights(contributions, self.cfg.merge.staleness_lambda), trust)]
         merged = sum(1 for w in weights if w > 0)
         # Draining learners still count: their last pushes arrive one round at a time, each
         # a learner's share of the run's progress, not all of it. So does a learner whose
@@ -657,7 +679,9 @@ class ShardCore:
             participation=merged / live if live else 1.0,
             outer=momentum_step(self.cfg.merge.outer_optimizer, self.cfg.merge.outer_momentum, state.outer_share,
                                 merged / live if live else 1.0),
-            clip=tuple(bounds[p.meta.learner_id].clip if p.meta.learner_id in bounds else 1.0 for p in pushes),
+            clip=tuple((bounds[p.meta.learner_id].clip if p.meta.learner_id in bounds else 1.0) * t
+                       for p, t in zip(pushes, trust)),
+            trust=trust,
             agreement=tuple(bounds[p.meta.learner_id].agreement if p.meta.learner_id in bounds else None for p in pushes),
             reference=tuple(state.reference),
             mirrors=mirrored,
@@ -855,6 +879,27 @@ class ShardCore:
         for state in self.fragments.values():  # a removed learner (a bad one, say) vouches for nothing more
             state.influence.forget(learner_id)
 
+    def sampled(self, fragments: Sequence[int] = ()) -> list[tuple[int, int, Pending]]:
+        """(fragment, its version, a push) for each kept sample of the given fragments
+        (empty: every owned one), oldest first per fragment."""
+        wanted = list(fragments) or sorted(self.fragments)
+        return [(f, self.state_of(f).version, pending) for f in wanted for pending in self.state_of(f).samples.values()]
+
+    def set_trust(self, learner_id: str, fragment_id: int, trust: float) -> bool:
+        """The validator's judgement of a learner's pushes of a fragment, from the next
+        round on; False when the fragment is not this shard's or holds no values."""
+        if not (math.isfinite(trust) and 0.0 <= trust <= 1.0):
+            raise InvalidArgument(f"trust of {learner_id!r} must be in [0, 1], got {trust}")
+        state = self.fragments.get(fragment_id)
+        if state is None:
+            return False
+        if trust == 1.0:
+            state.trust.pop(learner_id, None)
+        else:
+            state.trust[learner_id] = trust
+            state.influence.forget(learner_id)
+        return True
+
     def learner_draining(self, learner_id: str) -> None:
         self.live.discard(learner_id)
         self.draining.add(learner_id)
@@ -872,12 +917,15 @@ class ShardCore:
             del self.left[next(iter(self.left))]
 
     def _forget(self, learner_id: str) -> None:
-        """A learner gone for good: its mirrors are memory no reply will use. (Its latest
-        pushes stay in the fragments' references when it left in good standing: a learner
-        that outstays the others is still compared with them.)"""
+        """A learner gone for good: its mirrors, samples and trust are memory no reply will
+        use (a learner that joins again has a new id). (Its latest pushes stay in the
+        fragments' references when it left in good standing: a learner that outstays the
+        others is still compared with them.)"""
         for state in self.fragments.values():
             state.mirrors.pop(learner_id, None)
             state.condensed.pop(learner_id, None)
+            state.samples.pop(learner_id, None)
+            state.trust.pop(learner_id, None)
 
     def learner_joined(self, learner_id: str) -> None:
         self.live.add(learner_id)

@@ -1,0 +1,35 @@
+"""Configuration of the validator process."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from diloco.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class ValidatorConfig:
+    shards: tuple[str, ...] = ()
+    """The run's shards (HOST:PORT, in shard order)."""
+    interval_s: float = 1.0
+    """Seconds between two scoring passes: each reads the global model and the pushes kept
+    since, and scores the new ones."""
+    steps: int = 8
+    """Inner steps the validator trains each pass, from the current global values, on the
+    task's batches at a seed no learner uses: its trusted outer gradient (about a
+    learner's sync period H). Each costs what a learner's inner step costs."""
+    agreement: float = 0.05
+    """A push whose delta has this cosine with the validator's outer gradient, or more,
+    counts in full; at 0 and below (against it or unrelated) it counts nothing; linear
+    between. Honest pushes measured here agree at a median of ... (docs/results/trust/)."""
+    timeout_s: float = 60.0
+    """Each call to a shard."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.interval_s) and self.interval_s > 0):
+            raise InvalidArgument(f"validator interval must be a positive number of seconds, got {self.interval_s}")
+        if self.steps < 1:
+            raise InvalidArgument(f"validator steps must be >= 1, got {self.steps}")
+        if not (math.isfinite(self.agreement) and 0 < self.agreement <= 1):
+            raise InvalidArgument(f"validator agreement must be a cosine in (0, 1], got {self.agreement}")
