@@ -27,8 +27,9 @@ import ipaddress
 import json
 import logging
 import os
-import ssl
+import resource
 import socket
+import ssl
 import threading
 from email.utils import formatdate
 from http import HTTPStatus
@@ -52,10 +53,12 @@ REQUEST_DEADLINE_S = 5.0
 """A connection's whole request (the TLS handshake, the request line and headers) must
 arrive within this long, however slowly it trickles in, and its answer must be taken
 within as long again; else the connection is closed."""
-MAX_CONNECTIONS = 512
-"""Connections the page holds at once. One more closes the connection that has waited
-longest for its request to arrive (or, if every one is being answered, the new one): slow
-clients can hold neither the page's memory and descriptors nor its door."""
+MAX_CONNECTIONS = 4096
+"""Connections the page holds at once (fewer where the process may open few files: a
+quarter of its RLIMIT_NOFILE, so the page never starves gRPC of descriptors). One more
+closes the connection that has waited longest for its request to arrive (or, if every
+one is being answered, the new one): slow clients can hold neither the page's memory and
+descriptors nor its door."""
 MAX_REQUEST_BYTES = 16384
 """The request line and headers together; a longer request is answered 431."""
 _BACKLOG = 1024
@@ -169,6 +172,8 @@ class StatusPage:
         self._stopping = asyncio.Event()
         self._connections: dict[asyncio.Task, bool] = {}  # in the order accepted: still reading its request?
         self._gathering: asyncio.Task | None = None
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._cap = MAX_CONNECTIONS if files == resource.RLIM_INFINITY else max(min(MAX_CONNECTIONS, files // 4), 1)
         self._thread = threading.Thread(target=lambda: self._page_loop.run_until_complete(self._serve()),
                                         name="diloco-status-page", daemon=True)
         host, port = self._socket.getsockname()[:2]
@@ -206,7 +211,7 @@ class StatusPage:
 
     def _admit(self, task: asyncio.Task) -> bool:
         """Make room for one more connection: close the oldest still reading its request."""
-        if len(self._connections) >= MAX_CONNECTIONS:
+        if len(self._connections) >= self._cap:
             oldest = next((t for t, reading in self._connections.items() if reading), None)
             if oldest is None:
                 return False
