@@ -3,9 +3,12 @@
 ``GET /`` is one self-contained page (``status.html``: no script or style from anywhere
 else) that fetches ``GET /status.json`` every two seconds and draws it: members, shards
 and their fragments, snapshots, each learner's training-loss curve and the recent
-events. The server is the standard library's, on a thread of its own; each request's
-document is gathered on the coordinator's event loop (``status_document``), where the
-runtime lives, so it reads one consistent state.
+events. The server is asyncio's, on an event loop of its own thread: a connection is a
+coroutine, not a thread, and every request has a whole deadline (``REQUEST_DEADLINE_S``)
+and a place among at most ``MAX_CONNECTIONS``, so clients that trickle their requests in
+byte by byte hold neither threads nor the page. The document is gathered on the
+coordinator's event loop (``status_document``), where the runtime lives, so it reads one
+consistent state; requests that arrive while a gathering is under way share it.
 
 It is read-only. On a loopback address it answers anyone on the host, as ``diloco local``
 uses it; on any other address every request needs the admin token, as ``Authorization:
@@ -24,10 +27,12 @@ import ipaddress
 import json
 import logging
 import os
+import resource
+import socket
 import ssl
 import threading
+from email.utils import formatdate
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -44,9 +49,19 @@ STATUS_URL_FILE = "status-url"
 GATHER_TIMEOUT_S = 5.0
 """A request whose document is not gathered in this long (shards not answering) fails with 503."""
 SHARD_TIMEOUT_S = 2.0
-REQUEST_TIMEOUT_S = 10.0
-"""A connection that sends nothing (or no complete request) for this long is closed: an
-idle or slow client cannot hold a thread."""
+REQUEST_DEADLINE_S = 5.0
+"""A connection's whole request (the TLS handshake, the request line and headers) must
+arrive within this long, however slowly it trickles in, and its answer must be taken
+within as long again; else the connection is closed."""
+MAX_CONNECTIONS = 4096
+"""Connections the page holds at once (fewer where the process may open few files: a
+quarter of its RLIMIT_NOFILE, so the page never starves gRPC of descriptors). One more
+closes the connection that has waited longest for its request to arrive (or, if every
+one is being answered, the new one): slow clients can hold neither the page's memory and
+descriptors nor its door."""
+MAX_REQUEST_BYTES = 16384
+"""The request line and headers together; a longer request is answered 431."""
+_BACKLOG = 1024
 
 
 async def status_document(runtime, shard_calls) -> dict:
@@ -90,15 +105,6 @@ async def status_document(runtime, shard_calls) -> dict:
     }
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        """A connection that failed (a plain HTTP client at the HTTPS page, a reset): one
-        debug line, not the standard library's traceback on stderr."""
-        logger.debug("status page: a connection from %s failed", client_address[0], exc_info=True)
-
-
 def _server_context(tls: rpc.Tls) -> ssl.SSLContext:
     """A TLS server context with the run's certificate and key, loaded from memory (ssl
     takes only paths: an anonymous in-memory file's), never written to disk."""
@@ -121,6 +127,30 @@ def _loopback(host: str) -> bool:
         return False
 
 
+class _BadRequest(Exception):
+    def __init__(self, status: HTTPStatus, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+
+
+def _parse(head: bytes) -> tuple[str, dict[str, str]]:
+    """The target and headers (names in lower case) of a GET request's head."""
+    request_line, *lines = head.decode("latin-1").split("\r\n")
+    parts = request_line.split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise _BadRequest(HTTPStatus.BAD_REQUEST, "not an HTTP/1 request line")
+    method, target, _ = parts
+    headers = {}
+    for line in filter(None, lines):
+        name, colon, value = line.partition(":")
+        if not colon:
+            raise _BadRequest(HTTPStatus.BAD_REQUEST, "a header line without a colon")
+        headers[name.strip().lower()] = value.strip()
+    if method != "GET":
+        raise _BadRequest(HTTPStatus.NOT_IMPLEMENTED, f"the page answers only GET, not {method[:16]!r}")
+    return target, headers
+
+
 class StatusPage:
     """The page's HTTP server, serving until ``stop``."""
 
@@ -130,22 +160,24 @@ class StatusPage:
         self._open = _loopback(host)
         self._data_dir = data_dir
         self._html = resources.files(__package__).joinpath("status.html").read_bytes()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the coordinator's, where documents are gathered
         try:
-            self._server = _Server((host, port), self._handler())
+            self._socket = socket.create_server(
+                (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=_BACKLOG)
         except OSError as error:
             raise Unavailable(f"the status page cannot listen on {host}:{port}: {error.strerror or error}") from None
         self._https = not self._open and rpc.tls_enabled()
-        if self._https:
-            # The handshake on each connection's thread, not in the accepting one.
-            self._server.socket = _server_context(rpc.current_tls()).wrap_socket(
-                self._server.socket, server_side=True, do_handshake_on_connect=False)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="diloco-status-page", daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"{'https' if self._https else 'http'}://{f'[{host}]' if ':' in host else host}:{port}/"
+        self._tls = _server_context(rpc.current_tls()) if self._https else None
+        self._page_loop = asyncio.new_event_loop()
+        self._stopping = asyncio.Event()
+        self._connections: dict[asyncio.Task, bool] = {}  # in the order accepted: still reading its request?
+        self._gathering: asyncio.Task | None = None
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._cap = MAX_CONNECTIONS if files == resource.RLIM_INFINITY else max(min(MAX_CONNECTIONS, files // 4), 1)
+        self._thread = threading.Thread(target=lambda: self._page_loop.run_until_complete(self._serve()),
+                                        name="diloco-status-page", daemon=True)
+        host, port = self._socket.getsockname()[:2]
+        self.url = f"{'https' if self._https else 'http'}://{f'[{host}]' if ':' in host else host}:{port}/"
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -154,58 +186,117 @@ class StatusPage:
         logger.info("status page on %s%s", self.url, "" if self._open else " (admin token required)")
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop serving: close the listener and every connection (blocking: call off the coordinator's loop)."""
+        self._page_loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join()
+        self._page_loop.close()
 
     def close(self) -> None:
-        """Let go of the port of a page that never started (``stop`` would wait for it to serve)."""
-        self._server.server_close()
+        """Let go of the port of a page that never started."""
+        self._socket.close()
+        self._page_loop.close()
 
-    def _allowed(self, headers, query: dict[str, list[str]]) -> bool:
+    async def _serve(self) -> None:
+        server = await asyncio.start_server(self._connection, sock=self._socket, backlog=_BACKLOG,
+                                            limit=MAX_REQUEST_BYTES)
+        try:
+            await self._stopping.wait()
+        finally:
+            server.close()
+            pending = [*self._connections, *([self._gathering] if self._gathering else [])]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await server.wait_closed()
+
+    def _admit(self, task: asyncio.Task) -> bool:
+        """Make room for one more connection: close the oldest still reading its request."""
+        if len(self._connections) >= self._cap:
+            oldest = next((t for t, reading in self._connections.items() if reading), None)
+            if oldest is None:
+                return False
+            del self._connections[oldest]
+            oldest.cancel()
+        self._connections[task] = True
+        return True
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        try:
+            if self._admit(task):
+                await self._exchange(task, reader, writer)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ssl.SSLError) as error:
+            logger.debug("status page: a connection closed unanswered (%s)", type(error).__name__)
+        except asyncio.CancelledError:  # closed to make room, or the page stopping: the task's end
+            pass  # (not re-raised: 3.11's asyncio logs a connection task that ends cancelled as an error)
+        finally:
+            self._connections.pop(task, None)
+            writer.transport.abort()  # a connection cut short; after a clean close, nothing
+
+    async def _exchange(self, task: asyncio.Task, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request and its answer, each within ``REQUEST_DEADLINE_S``."""
+        try:
+            async with asyncio.timeout(REQUEST_DEADLINE_S):
+                if self._tls is not None:
+                    await writer.start_tls(self._tls, ssl_handshake_timeout=REQUEST_DEADLINE_S)
+                try:
+                    target, headers = _parse(await reader.readuntil(b"\r\n\r\n"))
+                except asyncio.LimitOverrunError:
+                    raise _BadRequest(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                                      f"the request's head is over {MAX_REQUEST_BYTES} bytes") from None
+            self._connections[task] = False  # read: no longer the one to make room
+            status, body, kind = await self._answer(target, headers)
+        except _BadRequest as error:
+            status, body, kind = error.status, f"{error}\n".encode(), "text/plain"
+        async with asyncio.timeout(REQUEST_DEADLINE_S):
+            writer.write(self._head(status, kind, len(body)) + body)
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+
+    async def _answer(self, target: str, headers: dict[str, str]) -> tuple[HTTPStatus, bytes, str]:
+        url = urlsplit(target)
+        if not self._allowed(headers, parse_qs(url.query)):
+            return (HTTPStatus.UNAUTHORIZED, b"the status page needs the admin token "
+                    b"(Authorization: Bearer TOKEN, or ?token=TOKEN)\n", "text/plain")
+        if url.path == "/":
+            return HTTPStatus.OK, self._html, "text/html; charset=utf-8"
+        if url.path == "/status.json":
+            try:
+                return HTTPStatus.OK, await self._document(), "application/json"
+            except Exception as error:  # the loop stopping, shards too slow: the page retries
+                text = str(error) or type(error).__name__
+                logger.warning("status page: %s", text)
+                return HTTPStatus.SERVICE_UNAVAILABLE, f"{text}\n".encode(), "text/plain"
+        return HTTPStatus.NOT_FOUND, b"not found: the page is / and its data /status.json\n", "text/plain"
+
+    @staticmethod
+    def _head(status: HTTPStatus, kind: str, length: int) -> bytes:
+        return (f"HTTP/1.1 {status.value} {status.phrase}\r\n"
+                f"Server: diloco-status\r\nDate: {formatdate(usegmt=True)}\r\n"
+                f"Content-Type: {kind}\r\nContent-Length: {length}\r\nCache-Control: no-store\r\n"
+                "Content-Security-Policy: default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'\r\n"
+                "Connection: close\r\n\r\n").encode("latin-1")
+
+    def _allowed(self, headers: dict[str, str], query: dict[str, list[str]]) -> bool:
         if self._open:
             return True
-        given = headers.get("Authorization", "").removeprefix("Bearer ").strip() or (query.get("token") or [""])[0]
+        given = headers.get("authorization", "").removeprefix("Bearer ").strip() or (query.get("token") or [""])[0]
         return hmac.compare_digest(given.encode(), self._token.encode())
 
-    def _document(self) -> bytes:
+    async def _document(self) -> bytes:
+        """The document as JSON; one gathering at a time, shared by the requests that wait on it."""
+        if self._gathering is None or self._gathering.done():
+            self._gathering = asyncio.create_task(self._gather())
+            self._gathering.add_done_callback(lambda t: t.cancelled() or t.exception())  # each waiter logs its own
+        async with asyncio.timeout(GATHER_TIMEOUT_S):
+            return await asyncio.shield(self._gathering)
+
+    async def _gather(self) -> bytes:
         future = asyncio.run_coroutine_threadsafe(status_document(self._runtime, self._shard_calls), self._loop)
-        return json.dumps(future.result(GATHER_TIMEOUT_S), allow_nan=False).encode()
-
-    def _handler(self):
-        page = self
-
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "diloco-status"
-            timeout = REQUEST_TIMEOUT_S
-
-            def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
-                url = urlsplit(self.path)
-                if not page._allowed(self.headers, parse_qs(url.query)):
-                    return self._send(HTTPStatus.UNAUTHORIZED, b"the status page needs the admin token "
-                                      b"(Authorization: Bearer TOKEN, or ?token=TOKEN)\n", "text/plain")
-                if url.path == "/":
-                    return self._send(HTTPStatus.OK, page._html, "text/html; charset=utf-8")
-                if url.path == "/status.json":
-                    try:
-                        body = page._document()
-                    except Exception as error:  # the loop stopping, shards too slow: the page retries
-                        logger.warning("status page: %s", error or type(error).__name__)
-                        return self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"{error or type(error).__name__}\n".encode(),
-                                          "text/plain")
-                    return self._send(HTTPStatus.OK, body, "application/json")
-                self._send(HTTPStatus.NOT_FOUND, b"not found: the page is / and its data /status.json\n", "text/plain")
-
-            def _send(self, status: HTTPStatus, body: bytes, kind: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Cache-Control", "no-store")
-                self.send_header("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
-                                 "style-src 'unsafe-inline'")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args) -> None:
-                logger.debug("status page: " + format, *args)
-
-        return Handler
+        try:
+            async with asyncio.timeout(GATHER_TIMEOUT_S):
+                document = await asyncio.wrap_future(future)
+        finally:
+            future.cancel()
+        return json.dumps(document, allow_nan=False).encode()

@@ -1,18 +1,25 @@
 """The coordinator's status page over real HTTP: its document follows the heartbeats, it
-refuses a heartbeat whose loss is not finite, and off loopback it needs the admin token."""
+refuses a heartbeat whose loss is not finite, off loopback it needs the admin token, and
+slow or many clients hold neither threads nor the page."""
 
 import asyncio
 import functools
 import http.client
+import itertools
 import json
 import math
+import re
+import select
 import socket
 import ssl
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+from diloco.coordinator import status
 from diloco.coordinator.status import STATUS_URL_FILE
 from diloco import rpc
 from diloco.errors import InvalidArgument, Unavailable
@@ -179,17 +186,115 @@ async def test_no_page_unless_asked(tmp_path):
         assert server.status_page is None and not (tmp_path / "coordinator" / STATUS_URL_FILE).exists()
 
 
+def _port(server) -> int:
+    return int(server.status_page.url.rsplit(":", 1)[1].rstrip("/"))
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float | None:
+    """Send ``trickle`` a byte at a time every 0.1 s until the server closes the connection:
+    how long that took (None: still open after ``seconds``)."""
+    start = time.monotonic()
+    sock.setblocking(False)
+    for i in itertools.count():
+        if time.monotonic() - start > seconds:
+            return None
+        if select.select([sock], [], [], 0.1)[0]:
+            try:
+                if sock.recv(1024) == b"":
+                    return time.monotonic() - start
+            except ConnectionError:
+                return time.monotonic() - start
+        if i < len(trickle):
+            try:
+                sock.send(trickle[i:i + 1])
+            except ConnectionError:
+                return time.monotonic() - start
+
+
 @sync
-async def test_an_idle_connection_is_closed(tmp_path, monkeypatch):
-    import diloco.coordinator.status as status
-
-    monkeypatch.setattr(status, "REQUEST_TIMEOUT_S", 0.5)
+async def test_a_request_trickled_in_past_the_deadline_is_closed(tmp_path, monkeypatch):
+    monkeypatch.setattr(status, "REQUEST_DEADLINE_S", 1.0)
     async with running_coordinator(tmp_path, status_port=0) as server:
-        port = int(server.status_page.url.rsplit(":", 1)[1].rstrip("/"))
+        def trickle() -> float | None:
+            # A byte every 0.1 s: never idle for long, and the head never ends.
+            with socket.create_connection(("127.0.0.1", _port(server)), timeout=10) as slow:
+                return _closed_within(slow, 10, b"GET /status.json HTTP/1.1\r\nX-Slow: " + b"a" * 200)
 
-        def idle() -> bytes:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
-                idle.sendall(b"GET /status.json HTTP/1.1\r\n")  # and never the rest
-                return idle.recv(1024)  # b"" once the server gives up on it
+        took = await asyncio.to_thread(trickle)
+        assert took is not None and 0.9 < took < 3, took
+        assert (await _get(server.status_page.url + "status.json"))[0] == 200
 
-        assert await asyncio.to_thread(idle) == b""
+
+def _threads() -> int:
+    return int(re.search(r"^Threads:\s+(\d+)", Path("/proc/self/status").read_text(), re.MULTILINE)[1])
+
+
+@sync
+async def test_many_slow_connections_hold_no_threads_and_the_oldest_make_room(tmp_path, monkeypatch):
+    monkeypatch.setattr(status, "MAX_CONNECTIONS", 50)
+    async with running_coordinator(tmp_path, status_port=0) as server:
+        assert (await _get(server.status_page.url + "status.json"))[0] == 200
+        threads = _threads()
+        slow = []
+        try:
+            for _ in range(200):
+                sock = socket.create_connection(("127.0.0.1", _port(server)), timeout=10)
+                sock.sendall(b"GET /status.json HTTP/1.1\r\nHost: x\r\n")  # and never the end of the head
+                slow.append(sock)
+
+            def closed() -> list[int]:
+                return [i for i, sock in enumerate(slow) if select.select([sock], [], [], 0)[0]]
+
+            for _ in range(100):  # the first 150 make room for the last 50
+                if len(closed()) >= 150:
+                    break
+                await asyncio.sleep(0.1)
+            assert closed() == list(range(150))
+            assert _threads() <= threads + 2, (threads, _threads())
+            start = time.monotonic()
+            status_code, _, body = await _get(server.status_page.url + "status.json")
+            assert status_code == 200 and json.loads(body)["run"]["shards"] == 0
+            assert time.monotonic() - start < 2
+            await asyncio.sleep(0.2)
+            assert closed() == list(range(151))  # the answered request made room too
+            assert all(sock.recv(1) == b"" for sock in slow[:151])
+        finally:
+            for sock in slow:
+                sock.close()
+
+
+@sync
+async def test_bad_requests_get_a_clear_status(tmp_path):
+    async with running_coordinator(tmp_path, status_port=0) as server:
+        def send(request: bytes) -> bytes:
+            with socket.create_connection(("127.0.0.1", _port(server)), timeout=10) as sock:
+                sock.sendall(request)
+                return b"".join(iter(lambda: sock.recv(65536), b""))
+
+        for request, expected in ((b"POST /status.json HTTP/1.1\r\n\r\n", b"HTTP/1.1 501 "),
+                                  (b"hello\r\n\r\n", b"HTTP/1.1 400 "),
+                                  (b"GET / HTTP/1.1\r\nno colon\r\n\r\n", b"HTTP/1.1 400 "),
+                                  (b"GET / HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n", b"HTTP/1.1 431 ")):
+            reply = await asyncio.to_thread(send, request)
+            assert reply.startswith(expected), (request[:40], reply[:200])
+        reply = await asyncio.to_thread(send, b"GET /status.json HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nCache-Control: no-store\r\n" in head
+        assert f"\r\nContent-Length: {len(body)}\r\n".encode() in head and json.loads(body)["run"]["shards"] == 0
+
+
+@sync
+async def test_a_tls_handshake_that_never_ends_is_closed(tmp_path, monkeypatch):
+    monkeypatch.setattr(status, "REQUEST_DEADLINE_S", 1.0)
+    make_certs(tmp_path / "tls", ["127.0.0.1"])
+    previous = rpc.use_tls(rpc.Tls.from_dir(tmp_path / "tls"))
+    try:
+        async with running_coordinator(tmp_path, status_port=0, status_host="0.0.0.0") as server:
+            def silent() -> float | None:
+                with socket.create_connection(("127.0.0.1", _port(server)), timeout=10) as sock:
+                    return _closed_within(sock, 10, b"\x16\x03\x01")  # a TLS record's start, and no more
+
+            took = await asyncio.to_thread(silent)
+            assert took is not None and 0.9 < took < 3, took
+    finally:
+        rpc.use_tls(previous)
