@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanContext
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
 from diloco.codec import encode, values_digest
-from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition
+from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition, InvalidArgument
 from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
 from diloco.files import atomic_write
@@ -32,7 +32,8 @@ from diloco.tape import TapeWriter
 from diloco.wire import PushMeta
 from diloco.syncer import snapshot as snapshot_files
 from diloco.syncer.core import snapshot
-from diloco.syncer.core.bounds import choose_anchor
+from diloco.syncer.ceiling import VersionCeiling, ceiling_name
+from diloco.syncer.core.bounds import AnchorOffer, choose_anchor
 from diloco.syncer.core.mirrors import base_of, exact
 from diloco.syncer.core.rounds import Close
 from diloco.syncer.core.shard import (
@@ -98,17 +99,20 @@ ANCHORS_HELD = 8
 
 @dataclass
 class _AnchorOffers:
-    """Anchors offered for one fragment of a shard back without its state."""
+    """Anchors offered for one fragment of a shard back without its state: one per
+    learner (the authenticated caller), its latest."""
 
     taken: asyncio.Future
     """Resolved with the learner whose anchor became the fragment's state."""
-    offered: list[tuple[str, int, float]] = field(default_factory=list)
-    """(learner, version, norm) of every offer."""
-    values: dict[int, object] = field(default_factory=dict)
-    """The values of at most ``ANCHORS_HELD`` offers (by index in ``offered``): when more
-    come, the highest version's are dropped (``choose_anchor`` takes the newest near the
-    lower median, never the newest of all when there are many)."""
+    offered: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """learner -> (version, norm) of its latest offer."""
+    values: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    """The values of at most ``ANCHORS_HELD`` offers, by learner: when more come, the
+    highest version's are dropped (``choose_anchor`` takes the newest near the lower
+    median, never the newest of all when there are many)."""
     timer: asyncio.TimerHandle | None = None
+    closed: bool = False
+    """The window closed: the offers are being compared; later ones are not taken."""
 
 
 @dataclass
@@ -162,6 +166,13 @@ class ShardRuntime:
         self._initial_digests: dict[int, bytes] = {}
         """``values_digest`` of each fragment's initial values file, once read."""
         self._anchor_offers: dict[int, _AnchorOffers] = {}
+        self._choosing: set[asyncio.Task] = set()
+        self.ceiling = VersionCeiling(data_dir / ceiling_name(core.cfg.shard_id) if data_dir is not None else None)
+        """Above every version published of each fragment, kept in the data directory: an
+        anchor above it is refused."""
+        self.anchor_reference: dict[int, list[np.ndarray]] = {}
+        """Each fragment's values in the shard's latest snapshot, when it restarted without
+        its state and a snapshot exists: what offered anchors are compared with."""
         self.tape = tape
         self.push_log = push_log
         self.counters = Counters()
@@ -299,11 +310,18 @@ class ShardRuntime:
                            version: int) -> bool:
         """A learner's anchor of a fragment this shard lacks: offers are collected for
         ``anchor_window_s`` after the first one, or until every live learner has offered,
-        and the newest that agrees with the others (``diloco.syncer.core.bounds.choose_anchor``)
-        becomes the fragment's state (True for its learner). A fragment that has values
-        takes none (False)."""
+        one per learner (a second offer from the same learner replaces its first), and the
+        newest that agrees with the others and the reference values
+        (``diloco.syncer.core.bounds.choose_anchor``) becomes the fragment's state (True
+        for its learner). An anchor above the fragment's version ceiling is refused
+        (InvalidArgument). A fragment that has values takes none (False)."""
         if fragment_id in self.core.fragments:
             return False
+        ceiling = self.ceiling.of(fragment_id)
+        if ceiling is not None and version > ceiling:
+            raise InvalidArgument(
+                f"anchor version {version} of fragment {fragment_id} is above every version shard "
+                f"{self.core.cfg.shard_id} has published (its ceiling, kept in its data directory: {ceiling})")
         loop = asyncio.get_running_loop()
         offers = self._anchor_offers.get(fragment_id)
         if offers is None:
@@ -313,35 +331,54 @@ class ShardRuntime:
             offers.timer = loop.call_later(self.core.cfg.anchor_window_s, self._take_newest_anchor,
                                            fragment_id, manifest_json, plan)
         norm = await asyncio.to_thread(lambda: math.sqrt(sum(float(np.dot(v.reshape(-1), v.reshape(-1))) for v in values)))
-        if fragment_id in self.core.fragments or self._anchor_offers.get(fragment_id) is not offers:
-            return False  # taken while the norm was computed
-        offers.values[len(offers.offered)] = values
-        offers.offered.append((learner_id, version, norm))
+        if fragment_id in self.core.fragments:
+            return False
+        if self._anchor_offers.get(fragment_id) is not offers or offers.closed:  # closed while the norm was computed
+            return await asyncio.shield(offers.taken) == learner_id
+        if learner_id in offers.offered:
+            logger.warning("shard %d: %s offered fragment %d again (version %d): its earlier offer is replaced",
+                           self.core.cfg.shard_id, learner_id, fragment_id, version)
+        offers.offered.pop(learner_id, None)
+        offers.values.pop(learner_id, None)
+        offers.offered[learner_id] = (version, norm)
+        offers.values[learner_id] = values
         if len(offers.values) > ANCHORS_HELD:
-            del offers.values[max(offers.values, key=lambda i: offers.offered[i][1])]
-        if self.core.live and self.core.live <= {learner for learner, _, _ in offers.offered}:
+            del offers.values[max(offers.values, key=lambda learner: offers.offered[learner][0])]
+        if self.core.live and self.core.live <= set(offers.offered):
             offers.timer.cancel()  # everyone who could offer has: no newer anchor is coming
             loop.call_soon(self._take_newest_anchor, fragment_id, manifest_json, plan)
         winner = await asyncio.shield(offers.taken)
         return winner == learner_id
 
     def _take_newest_anchor(self, fragment_id: int, manifest_json: str, plan: FragmentPlan) -> None:
-        offers = self._anchor_offers.pop(fragment_id, None)
-        if offers is None:  # taken already (every live learner had offered)
+        offers = self._anchor_offers.get(fragment_id)
+        if offers is None or offers.closed:  # closed already (every live learner had offered)
             return
-        held = sorted(offers.values)
-        chosen = choose_anchor([offers.offered[i][1:] for i in held])
+        offers.closed = True
+        task = asyncio.get_running_loop().create_task(self._choose_anchor(fragment_id, offers, manifest_json, plan))
+        self._choosing.add(task)
+        task.add_done_callback(self._choosing.discard)
+
+    async def _choose_anchor(self, fragment_id: int, offers: _AnchorOffers, manifest_json: str, plan: FragmentPlan) -> None:
         try:
+            held = list(offers.values)
+            reference = self.anchor_reference.get(fragment_id)
+            distances, snapshot_norm = await asyncio.to_thread(_distances, [offers.values[h] for h in held], reference)
+            chosen = choose_anchor([AnchorOffer(*offers.offered[h], d) for h, d in zip(held, distances)], snapshot_norm)
             if chosen is None:
                 raise FailedPrecondition(
-                    f"no anchor offered for fragment {fragment_id} agrees with the others' versions and norms: "
-                    f"{[(learner, version, round(norm, 3)) for learner, version, norm in offers.offered]}")
-            learner_id, version, _ = offers.offered[held[chosen]]
-            self.initialize(learner_id, manifest_json, plan, fragment_id, offers.values[held[chosen]], version,
-                            offered=sorted(([learner, version] for learner, version, _ in offers.offered), key=lambda o: o[1]))
+                    f"no anchor offered for fragment {fragment_id} agrees with the others' versions, norms and values "
+                    f"(compared with {'the latest snapshot' if snapshot_norm is not None else 'their median'}): "
+                    f"{[(h, offers.offered[h][0], round(offers.offered[h][1], 3), round(d, 3)) for h, d in zip(held, distances)]}")
+            learner_id = held[chosen]
+            self.initialize(learner_id, manifest_json, plan, fragment_id, offers.values[learner_id], offers.offered[learner_id][0],
+                            offered=sorted(([learner, version] for learner, (version, _) in offers.offered.items()),
+                                           key=lambda o: o[1]))
         except Exception as error:  # every offer of the window gets the reason
             offers.taken.set_exception(error)
             return
+        finally:
+            self._anchor_offers.pop(fragment_id, None)
         offers.taken.set_result(learner_id)
 
     def initialize(self, learner_id: str, manifest_json: str, plan: FragmentPlan, fragment_id: int, values,
@@ -362,6 +399,7 @@ class ShardRuntime:
             atomic_write(self.data_dir / MANIFEST_FILE, manifest_json.encode())
         if not core.add_fragment(fragment_id, values, anchor_version or 0):
             return False
+        self.ceiling.advance(fragment_id, anchor_version or 0)
         self._track()
         self._initial_digests.pop(fragment_id, None)
         if self.data_dir is not None:
@@ -494,6 +532,7 @@ class ShardRuntime:
                          participants=[p.meta.learner_id for p in job.pushes], error=f"{type(error).__name__}: {error}"[:500])
             return
         merge_s = time.perf_counter() - started
+        self.ceiling.advance(job.fragment.id, job.version)  # on disk before any learner can hold the version
         self.core.finish_round(job, update, self._monotonic(), condensed, base)
         self.counters.rounds += 1
         self._trace_round(job, merge_s)
@@ -721,6 +760,8 @@ class ShardRuntime:
         self.snapshot_epoch = snapshot_id
         acks = [(meta, self.core.accept(meta, payload, wire_bytes, now)) for meta, payload, wire_bytes in pushes]
         versions = {f: s.version for f, s in self.core.fragments.items()}
+        for fragment_id, version in versions.items():
+            self.ceiling.advance(fragment_id, version)
         self._record("restore", snapshot=snapshot_id, versions=versions,
                      channel=[{"learner": m.learner_id, "fragment": m.fragment, "outcome": a.outcome,
                                "target_version": a.target_version} for m, a in acks])
@@ -789,6 +830,7 @@ class ShardRuntime:
         self.accepting = False
         for task in self._snapshot_tasks:
             task.cancel()  # an unfinished snapshot fails at the coordinator's timeout
+        await asyncio.gather(*list(self._choosing), return_exceptions=True)  # an anchor being chosen
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -813,3 +855,21 @@ class ShardRuntime:
             self.tape = None  # "stop" is its last record: replies still going out are not taped
         if self.push_log is not None:
             self.push_log.close()
+
+
+def _distances(held: list[list[np.ndarray]], reference: list[np.ndarray] | None) -> tuple[list[float], float | None]:
+    """Each offered anchor's distance from the reference values (a snapshot's, else the
+    elementwise median of the offers), and the snapshot's norm (None: no snapshot)."""
+    if reference is not None and [r.shape for r in reference] != [v.shape for v in held[0]]:
+        logger.warning("the snapshot's values do not have the shapes of the anchors offered: compared with their median")
+        reference = None
+    snapshot_norm = None
+    if reference is None:
+        reference = [np.median(np.stack([v[k] for v in held]), axis=0) for k in range(len(held[0]))]
+    else:
+        snapshot_norm = math.sqrt(sum(float(np.dot(r.reshape(-1), r.reshape(-1))) for r in reference))
+
+    def distance(values: list[np.ndarray]) -> float:
+        return math.sqrt(sum(float(np.dot(d, d)) for d in ((v - r).reshape(-1) for v, r in zip(values, reference))))
+
+    return [distance(values) for values in held], snapshot_norm

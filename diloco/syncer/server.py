@@ -10,10 +10,11 @@ import logging
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from diloco import auth, rpc
 from diloco.config import RunConfig
-from diloco.errors import Unavailable
+from diloco.errors import DilocoError, Unavailable
 from diloco.manifest import MAX_JSON_BYTES
 from diloco.tape import TapeWriter
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -63,6 +64,7 @@ class ShardServer:
                                                             server_cfg.secret, pin=True))
         elif core is None and data_dir is not None and (data_dir / MANIFEST_FILE).is_file():
             self.runtime.expect_anchors((data_dir / MANIFEST_FILE).read_text())
+            self.runtime.anchor_reference = _snapshot_values(server_cfg, cfg.shard_id, self.runtime.core.plan.plan_hash)
         if server_cfg.static_learners:
             self.runtime.core.set_membership(set(server_cfg.static_learners), set())
         self.runtime.on_snapshot_recorded = self._report_snapshot
@@ -195,6 +197,26 @@ class ShardServer:
             kind = _MEMBERSHIP_EVENTS.get(info.state)
             if kind is not None:
                 self.runtime.membership(kind, info.learner_id)
+
+
+def _snapshot_values(server_cfg: ShardServerConfig, shard_id: int, plan_hash: str) -> dict[int, list]:
+    """Each fragment's values in the shard's latest complete snapshot (checked against the
+    run secret's mac and the files' checksums): what a shard back without its state
+    compares the anchors offered with. Empty when there is none."""
+    if server_cfg.snapshot_dir is None:
+        return {}
+    try:
+        snapshot_id, state, _ = snapshot.load_for_restore("latest", server_cfg.snapshot_dir, shard_id, server_cfg.secret)
+    except DilocoError as error:
+        logger.warning("shard %d: no snapshot to compare the anchors offered with (%s): they are compared with "
+                       "their elementwise median", shard_id, error)
+        return {}
+    if state["plan_hash"] != plan_hash:
+        logger.warning("shard %d: the latest snapshot (%d) is of another plan: anchors offered are compared with "
+                       "their elementwise median", shard_id, snapshot_id)
+        return {}
+    logger.info("shard %d: anchors offered are compared with snapshot %d's values", shard_id, snapshot_id)
+    return {int(f["id"]): [np.asarray(p, dtype=np.float32) for p in f["params"]] for f in state["fragments"]}
 
 
 # glibc <malloc.h> mallopt parameters.

@@ -4,6 +4,7 @@ gets a specific status and leaves the shard as it was."""
 
 import asyncio
 import contextlib
+import json
 
 import grpc
 import numpy as np
@@ -16,7 +17,10 @@ from diloco.errors import DilocoError
 from diloco.tape import read_tape
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
+from diloco.snapshots import sign_manifest
 from diloco.syncer import snapshot
+from diloco.syncer.ceiling import CEILING_STRIDE, ceiling_name
+from diloco.syncer.core import snapshot as core_snapshot
 from diloco.syncer.core.bounds import Push
 from diloco.syncer.config import MergeConfig, SyncerConfig
 from diloco.syncer.runtime import MANIFEST_FILE, initial_name
@@ -30,10 +34,12 @@ MANIFEST, PLAN, STATE = model_plan(TINY)
 
 
 @contextlib.asynccontextmanager
-async def empty_shard(tmp_path, shard_id=0, num_shards=1, anchor_window_s=0.2, learners=("L0", "L1"), merge=None):
+async def empty_shard(tmp_path, shard_id=0, num_shards=1, anchor_window_s=0.2, learners=("L0", "L1"), merge=None,
+                      snapshot_dir=None):
     cfg = SyncerConfig(shard_id=shard_id, num_shards=num_shards, anchor_window_s=anchor_window_s,
                        merge=merge or MergeConfig())
-    server = ShardServer(TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=learners))
+    server = ShardServer(TINY, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=learners,
+                                                      snapshot_dir=snapshot_dir))
     port = await server.start()
     try:
         yield server, f"127.0.0.1:{port}"
@@ -384,13 +390,15 @@ def test_the_anchor_window_closes_once_every_live_learner_has_offered(tmp_path):
     run(scenario())
 
 
-@pytest.mark.parametrize("attack", ["version", "values"])
-def test_an_anchor_one_learner_inflates_loses_to_the_honest_ones(tmp_path, attack):
-    """A shard back without its state took the newest anchor offered, whatever its
-    version: one learner's anchor at version +1e6 (or its values x1000, one version
-    ahead) became the fragment (measured: norm 4.8 -> 4816). Now the newest anchor near
-    the lower median of the versions and norms offered wins; the attacker's answer is
-    False like any loser's."""
+@pytest.mark.parametrize("attack", ["values", "negated", "copies"])
+def test_an_anchor_one_learner_inflates_loses_to_the_honest_ones(tmp_path, attack, caplog):
+    """A shard back without its state took the newest anchor offered: one learner's anchor
+    with its values x1000 (measured: norm 4.8 -> 4816), or negated (the same norm), one
+    version ahead, became the fragment; and offers were not one per learner, so 4 copies
+    of a negated anchor were the median of 6. Now each learner counts once (its latest
+    offer) and the newest anchor near the lower median of the versions and norms, and
+    near the elementwise median of the values, wins; the attacker's answer is False like
+    any loser's."""
     async def scenario():
         async with empty_shard(tmp_path) as (server, address):
             async with client_for(address, "L0") as c0:
@@ -398,16 +406,104 @@ def test_an_anchor_one_learner_inflates_loses_to_the_honest_ones(tmp_path, attac
         async with empty_shard(tmp_path, anchor_window_s=30.0, learners=("L0", "L1", "L2")) as (server, address):
             honest = PLAN.gather(0, STATE)
             near = [t * 1.01 for t in honest]
-            hostile = ([t * 1.02 for t in honest], 12 + 10**6) if attack == "version" else ([t * 1000 for t in honest], 13)
+            hostile = [t * 1000 for t in honest] if attack == "values" else [-t for t in honest]
             async with client_for(address, "L0") as c0, client_for(address, "L1") as c1, client_for(address, "L2") as c2:
+                copies = 4 if attack == "copies" else 1
+                attacks = [asyncio.ensure_future(c2.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, hostile),
+                                                               anchor_version=13)) for _ in range(copies)]
+                replaced = lambda: sum("L2 offered fragment 0 again" in r.getMessage() for r in caplog.records)  # noqa: E731
+                offers = server.runtime._anchor_offers
+                while replaced() < copies - 1 or 0 not in offers or "L2" not in offers[0].offered:
+                    await asyncio.sleep(0.02)
                 answers = await asyncio.gather(
                     c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, honest), anchor_version=11),
-                    c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, near), anchor_version=12),
-                    c2.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, hostile[0]), anchor_version=hostile[1]))
-                assert answers == [False, True, False]
+                    c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, near), anchor_version=12), *attacks)
+                assert answers == [False, True] + [False] * copies
                 assert server.runtime.recovered[0] == ("L1", 12)
                 (update,) = await c0.bootstrap([0])
                 assert update.version == 12 and all((a == b).all() for a, b in zip(update.segments[-1].tensors, near))
+        [record] = [r for r in read_tape(tmp_path / "tape-S0.jsonl") if r["kind"] == "initialize" and r["version"] == 12]
+        assert record["offered"] == [["L0", 11], ["L1", 12], ["L2", 13]]  # L2 once, however often it offered
+
+    with caplog.at_level("WARNING", logger="diloco.syncer.runtime"):
+        run(scenario())
+
+
+def test_an_anchor_above_the_version_ceiling_kept_in_the_data_directory_is_refused(tmp_path):
+    """No learner can hold a version its shard never published: the shard keeps a ceiling
+    of each fragment's versions in its data directory (CEILING_STRIDE ahead, rewritten as
+    versions pass it), and a shard back without its state refuses an anchor above it
+    (INVALID_ARGUMENT, nothing taken), as its next life does once rounds moved it on."""
+    async def scenario():
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as c0:
+                assert await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0))
+        assert json.loads((tmp_path / ceiling_name(0)).read_text()) == {"0": CEILING_STRIDE}
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L0") as c0, client_for(address, "L1") as c1:
+                with pytest.raises(grpc.aio.AioRpcError) as above:
+                    await c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0), anchor_version=CEILING_STRIDE + 1)
+                assert above.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert above.value.details() == (f"anchor version {CEILING_STRIDE + 1} of fragment 0 is above every version "
+                                                 f"shard 0 has published (its ceiling, kept in its data directory: {CEILING_STRIDE})")
+                assert server.runtime.core.fragments == {} and 0 not in server.runtime._anchor_offers
+                assert await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0), anchor_version=CEILING_STRIDE - 2)
+                learner = FakeLearner.of(server, "L1", fragment=0)
+                learner.version = CEILING_STRIDE - 2
+                for _ in range(3):  # version CEILING_STRIDE + 1 passes the ceiling: rewritten before its reply
+                    await learner.push(c1)
+                assert json.loads((tmp_path / ceiling_name(0)).read_text()) == {"0": 2 * CEILING_STRIDE + 1}
+        async with empty_shard(tmp_path) as (server, address):
+            async with client_for(address, "L1") as c1:
+                with pytest.raises(grpc.aio.AioRpcError) as above:
+                    await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0), anchor_version=2 * CEILING_STRIDE + 2)
+                assert above.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert await c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0), anchor_version=CEILING_STRIDE + 1)
+
+    run(scenario())
+
+
+def _snapshot_of(server, directory):
+    """Snapshot 1 of the shard's state as the coordinator leaves one: its files and the
+    manifest signed with the run's secret."""
+    state = core_snapshot.capture(server.runtime.core, 1, now=0.0)
+    target = directory / "000001"
+    files = [snapshot.write(str(target), snapshot.state_name(0), state), snapshot.write_channel(str(target), 0, 1, [])]
+    manifest = sign_manifest(SECRET, {"format": 1, "snapshot_id": 1, "files": [
+        {"participant": "S0", "path": f.path, "size_bytes": f.size_bytes, "sha256": f.sha256} for f in files]})
+    (target / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("reference", ["snapshot", "median"])
+def test_with_a_snapshot_an_anchor_far_from_its_values_is_not_chosen(tmp_path, reference):
+    """Of two learners, one offers its anchor negated and one version ahead: compared with
+    each other (their median is their mean) nothing tells them apart and the newer wins, a
+    limit of a hostile half. With a snapshot of the shard (its latest, verified with the
+    run's secret), its values are the reference: the negated anchor is far from them and
+    points away, and loses; offered alone it is refused, and the fragment waits."""
+    async def scenario():
+        async with empty_shard(tmp_path / "shard") as (server, address):
+            async with client_for(address, "L0") as c0:
+                for fragment in (0, 1):
+                    assert await c0.initialize(fragment, MANIFEST.to_json(), PLAN.plan_hash, fp32(fragment))
+            if reference == "snapshot":
+                _snapshot_of(server, tmp_path / "snapshots")
+        async with empty_shard(tmp_path / "shard", anchor_window_s=1.0, snapshot_dir=tmp_path / "snapshots") as (server, address):
+            assert (0 in server.runtime.anchor_reference) == (reference == "snapshot")
+            trained = [t * 1.05 + 0.01 for t in PLAN.gather(0, STATE)]
+            negated = [-t for t in trained]
+            async with client_for(address, "L0") as c0, client_for(address, "L1") as c1:
+                if reference == "snapshot":  # fragment 1, L1 alone (its window of 1 s closes)
+                    with pytest.raises(grpc.aio.AioRpcError) as alone:
+                        await c1.initialize(1, MANIFEST.to_json(), PLAN.plan_hash, fp32(1, [-t for t in PLAN.gather(1, STATE)]),
+                                            anchor_version=3)
+                    assert alone.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert "compared with the latest snapshot" in alone.value.details()
+                    assert 1 not in server.runtime.core.fragments
+                answers = await asyncio.gather(
+                    c0.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, trained), anchor_version=11),
+                    c1.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, fp32(0, negated), anchor_version=12))
+                assert answers == ([True, False] if reference == "snapshot" else [False, True])
 
     run(scenario())
 

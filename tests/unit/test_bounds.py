@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from diloco.syncer.core.bounds import (ANCHOR_VERSION_SLACK, FALLBACK_PERIOD_S, FALLBACK_RATIO, FLOOR_RATIO,
-                                       LEARNERS_REMEMBERED, STALE_INTERVALS, STALE_MIN_S, Influence, Push,
-                                       choose_anchor, gate)
+from diloco.syncer.core.bounds import (ANCHOR_DISTANCE_RATIO, ANCHOR_VERSION_SLACK, FALLBACK_PERIOD_S, FALLBACK_RATIO,
+                                       FLOOR_RATIO, LEARNERS_REMEMBERED, STALE_INTERVALS, STALE_MIN_S, AnchorOffer,
+                                       Influence, Push, choose_anchor, gate)
 
 
 def norm_never_needed():
@@ -173,15 +173,35 @@ def test_a_push_is_gated_against_the_median_of_the_other_learners_agreement():
     assert influence.latest["L0"].cos == 0.3
 
 
+def anchors(*offers):
+    return [AnchorOffer(*o) for o in offers]
+
+
 def test_an_anchor_is_the_newest_that_agrees_with_the_others_versions_and_norms():
     assert choose_anchor([]) is None
-    assert choose_anchor([(10**6, 4816.0)]) == 0  # alone: nothing to compare with
-    assert choose_anchor([(9, 4.8), (12, 4.9)]) == 1  # the newer of two honest anchors
+    assert choose_anchor(anchors((10**6, 4816.0))) == 0  # alone: nothing to compare with
+    assert choose_anchor(anchors((9, 4.8), (12, 4.9))) == 1  # the newer of two honest anchors
     # One learner's anchor at version +1e6, or with values x1000, loses to the honest ones.
-    assert choose_anchor([(100, 4.8), (10**6, 4.8), (101, 4.9)]) == 2
-    assert choose_anchor([(100, 4.8), (101, 4816.0)]) == 0
-    assert choose_anchor([(100, 4.8), (101, 4.8), (101, 4816.0)]) == 1
-    assert choose_anchor([(100, 4.8), (100 + ANCHOR_VERSION_SLACK, 4.8)]) == 1
-    assert choose_anchor([(100, 4.8), (101 + ANCHOR_VERSION_SLACK, 4.8)]) == 0
-    # Same version: the norm nearest the median.
-    assert choose_anchor([(100, 4.8), (100, 9.0), (100, 4.7)]) == 0
+    assert choose_anchor(anchors((100, 4.8), (10**6, 4.8), (101, 4.9))) == 2
+    assert choose_anchor(anchors((100, 4.8), (101, 4816.0))) == 0
+    assert choose_anchor(anchors((100, 4.8), (101, 4.8), (101, 4816.0))) == 1
+    assert choose_anchor(anchors((100, 4.8), (100 + ANCHOR_VERSION_SLACK, 4.8))) == 1
+    assert choose_anchor(anchors((100, 4.8), (101 + ANCHOR_VERSION_SLACK, 4.8))) == 0
+    # Same version: the nearest the reference values.
+    assert choose_anchor(anchors((100, 4.8, 0.2), (100, 4.8, 0.1), (100, 4.7, 0.3))) == 1
+
+
+def test_an_anchor_in_another_direction_loses_though_its_norm_and_version_agree():
+    # Negated values keep the norm: 2 x the norm from the median of the others' values.
+    assert choose_anchor(anchors((100, 4.8, 0.05), (101, 4.8, 0.04), (102, 4.8, 9.6))) == 1
+    # The limit is ANCHOR_DISTANCE_RATIO x the lower median distance.
+    assert choose_anchor(anchors((100, 4.8, 0.1), (101, 4.8, 0.1), (102, 4.8, 0.1 * ANCHOR_DISTANCE_RATIO))) == 2
+    assert choose_anchor(anchors((100, 4.8, 0.1), (101, 4.8, 0.1), (102, 4.8, 0.11 * ANCHOR_DISTANCE_RATIO))) == 1
+    # Two offers, one negated, compared with their median (their mean): nothing tells them
+    # apart, the newer wins; against a snapshot's values the negated one is far and points away.
+    assert choose_anchor(anchors((100, 4.8, 4.8), (101, 4.8, 4.8))) == 1
+    assert choose_anchor(anchors((100, 4.8, 0.5), (101, 4.8, 9.1)), snapshot_norm=4.6) == 0
+    # Alone against a snapshot: taken only if it points the snapshot's way (cosine > 0).
+    assert choose_anchor(anchors((101, 4.8, 9.1)), snapshot_norm=4.6) is None
+    assert choose_anchor(anchors((101, 4.8, 0.5)), snapshot_norm=4.6) == 0
+    assert choose_anchor(anchors((101, 4.8, 6.6)), snapshot_norm=4.6) == 0  # cosine 0.01: not against it

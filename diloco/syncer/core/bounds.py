@@ -229,22 +229,45 @@ ANCHOR_VERSION_SLACK = 64
 """How many versions an anchor may be ahead of the lower median of those offered."""
 ANCHOR_NORM_RATIO = 2.0
 """How far (either way) an anchor's norm may be from the lower median of those offered."""
+ANCHOR_DISTANCE_RATIO = 4.0
+"""How much farther from the reference values an anchor may be than the lower median of
+the offers' distances from them."""
 
 
-def choose_anchor(offers: list[tuple[int, float]]) -> int | None:
-    """Which of the (version, norm) anchors offered for a fragment of a shard back without
-    its state becomes its state: the newest whose version is at most ``ANCHOR_VERSION_SLACK``
-    above the lower median of the versions offered and whose norm is within
-    ``ANCHOR_NORM_RATIO`` of the lower median norm (one learner cannot pull the fragment to
-    a version the others never saw, nor to values of another scale); ties go to the norm
-    nearest that median. None when none qualifies. One offer is taken as it is: there is
-    nothing to compare it with."""
+@dataclass(frozen=True)
+class AnchorOffer:
+    """What ``choose_anchor`` looks at in one learner's anchor of a fragment."""
+
+    version: int
+    norm: float
+    distance: float = 0.0
+    """From the reference values: the fragment's values in the shard's latest snapshot,
+    else the elementwise median of the anchors offered."""
+
+
+def choose_anchor(offers: list[AnchorOffer], snapshot_norm: float | None = None) -> int | None:
+    """Which of the anchors offered for a fragment of a shard back without its state (one
+    per learner) becomes its state: the newest of those that agree with the others, ties to
+    the nearest the reference. An anchor agrees when its version is at most
+    ``ANCHOR_VERSION_SLACK`` above the lower median of the versions offered, its norm within
+    ``ANCHOR_NORM_RATIO`` of the lower median norm, and its distance from the reference
+    values at most ``ANCHOR_DISTANCE_RATIO`` x the lower median distance: one learner cannot
+    pull the fragment to a version the others never saw, to values of another scale, nor to
+    values of the same norm in another direction (negated: twice the norm away from the
+    median of the others). ``snapshot_norm``: the reference is a snapshot's values, of this
+    norm; then an anchor must also point the snapshot's way (cosine > 0, from the distance
+    and the two norms), which holds even for an anchor offered alone. None when none
+    qualifies. One offer with no snapshot is taken as it is: there is nothing to compare
+    it with."""
     if not offers:
         return None
-    version_limit = statistics.median_low(v for v, _ in offers) + ANCHOR_VERSION_SLACK
-    norm = statistics.median_low(n for _, n in offers)
-    candidates = [i for i, (v, n) in enumerate(offers)
-                  if v <= version_limit and norm / ANCHOR_NORM_RATIO <= n <= norm * ANCHOR_NORM_RATIO]
+    version_limit = statistics.median_low(o.version for o in offers) + ANCHOR_VERSION_SLACK
+    norm = statistics.median_low(o.norm for o in offers)
+    distance_limit = ANCHOR_DISTANCE_RATIO * statistics.median_low(o.distance for o in offers)
+    candidates = [i for i, o in enumerate(offers)
+                  if o.version <= version_limit and norm / ANCHOR_NORM_RATIO <= o.norm <= norm * ANCHOR_NORM_RATIO
+                  and o.distance <= distance_limit
+                  and (snapshot_norm is None or o.distance**2 < o.norm**2 + snapshot_norm**2)]
     if not candidates:
         return None
-    return max(candidates, key=lambda i: (offers[i][0], -abs(offers[i][1] - norm)))
+    return max(candidates, key=lambda i: (offers[i].version, -offers[i].distance))
