@@ -2,8 +2,13 @@
 with the same secret, so they need no call to the coordinator per push.
 
 Each purpose signs its own domain (``diloco-learner-v2:<id>:<expiry>`` for process
-credentials, ``diloco-join-v1`` for the join token), so no token of one kind is ever valid
-as another: the join token every launcher holds is not the credential of any id.
+credentials, ``diloco-join-v2:<name>:<limit>:<tokens/s>`` for join credentials), so no
+token of one kind is ever valid as another: a join credential is not the credential of
+any id.
+
+A join credential (``JoinCredential``) names itself, carries how many learners it may
+have in the run at once and how many tokens per second each of them is credited at most,
+all signed: whoever holds one can neither raise its limit nor pass as another.
 
 A credential expires (``<expiry unix s>.<mac>``; the coordinator issues them for
 ``--credential-lifetime-s``, 900 s by default) and a learner's is renewed by every
@@ -16,10 +21,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
+import re
 import secrets
 import time
+from dataclasses import dataclass
 
-from diloco.errors import Unauthenticated
+from diloco.errors import InvalidArgument, Unauthenticated
 
 LEARNER_METADATA = "x-diloco-learner"
 CREDENTIAL_METADATA = "x-diloco-credential"
@@ -31,10 +39,9 @@ COORDINATOR_ID = "C"
 # The run's validator (``diloco validator``): signed from the run secret like the shards,
 # the only caller of a shard's Samples and Score.
 VALIDATOR_ID = "V"
-# The join token is the run secret's signature of this string: a launcher can hand it to
-# a new learner without handing it the secret itself. Operators make it with
-# `printf %s diloco-join-v1 | openssl dgst -sha256 -hmac "$SECRET"`.
-_JOIN_DOMAIN = "diloco-join-v1"
+# A join credential is the run secret's signature of its fields in this domain: a launcher
+# can hand it to a new learner without handing it the secret itself.
+_JOIN_DOMAIN = "diloco-join-v2:"
 _CREDENTIAL_DOMAIN = "diloco-learner-v2:"
 CREDENTIAL_LIFETIME_S = 900.0
 """How long a credential is valid: three times a learner's default coordinator-loss
@@ -111,16 +118,67 @@ def check_admin(token: str, presented: str | None) -> None:
         raise Unauthenticated("invalid admin token")
 
 
-def join_token(secret: str) -> str:
-    """What a learner presents (metadata x-diloco-join-token) to be allowed to Join."""
-    return _mac(secret, _JOIN_DOMAIN)
+UNCOUNTED = "any"
+"""A join credential's tokens/s field for learners whose claims are credited as they are
+(the credentials the coordinator mints for the learners it launches itself)."""
+JOIN_NAME = re.compile(r"^[a-z0-9][-a-z0-9]{0,39}$")
+MAX_JOIN_LIMIT = 2048
+"""The most learners one join credential may admit (the coordinator's own cap)."""
 
 
-def check_join(secret: str, presented: str | None) -> None:
+@dataclass(frozen=True)
+class JoinCredential:
+    """What a learner presents (metadata x-diloco-join-token) to be allowed to Join:
+    ``<name>.<limit>.<tokens/s>.<mac>``."""
+
+    name: str
+    """Its name: what the coordinator counts admissions by and error messages say."""
+    limit: int
+    """How many learners it admits at once (live members)."""
+    tokens_per_s: float | None
+    """The most tokens per second credited to each learner it admits; None: as claimed."""
+
+    def __post_init__(self) -> None:
+        if not JOIN_NAME.match(self.name):
+            raise InvalidArgument(f"a join credential's name is 1-40 lowercase letters, digits and '-', got {self.name!r}")
+        if not 1 <= self.limit <= MAX_JOIN_LIMIT:
+            raise InvalidArgument(f"a join credential admits 1 to {MAX_JOIN_LIMIT} learners, got {self.limit}")
+        if self.tokens_per_s is not None and not (math.isfinite(self.tokens_per_s) and self.tokens_per_s >= 0):
+            raise InvalidArgument(f"tokens per second must be a finite number >= 0, got {self.tokens_per_s}")
+
+    def _body(self) -> str:
+        rate = UNCOUNTED if self.tokens_per_s is None else f"{int(self.tokens_per_s)}"
+        return f"{self.name}.{self.limit}.{rate}"
+
+    def mint(self, secret: str) -> str:
+        body = self._body()
+        return f"{body}.{_mac(secret, _JOIN_DOMAIN + body.replace('.', ':'))}"
+
+
+def join_credential(secret: str, name: str, limit: int, tokens_per_s: float | None = None) -> str:
+    """A join credential for ``limit`` learners at once, each credited at most
+    ``tokens_per_s`` (None: as claimed)."""
+    return JoinCredential(name, limit, None if tokens_per_s is None else float(int(tokens_per_s))).mint(secret)
+
+
+def check_join(secret: str, presented: str | None) -> JoinCredential:
+    """The join credential presented, checked against the run secret."""
     if not presented:
-        raise Unauthenticated("missing join token (metadata x-diloco-join-token)")
-    if not hmac.compare_digest(join_token(secret), presented):
-        raise Unauthenticated("invalid join token")
+        raise Unauthenticated("missing join credential (metadata x-diloco-join-token)")
+    parts = presented.split(".")
+    if len(parts) != 4:
+        raise Unauthenticated("not a join credential (NAME.LIMIT.TOKENS_PER_S.MAC; a join token of the older "
+                              "single-MAC kind is no longer accepted: mint one with `diloco admin join-credential`)")
+    name, limit, rate, mac = parts
+    if not hmac.compare_digest(_mac(secret, _JOIN_DOMAIN + f"{name}:{limit}:{rate}"), mac):
+        raise Unauthenticated(f"invalid join credential {name[:40]!r}")
+    # Signed by the run secret, so well formed: the checks below only guard the parse.
+    if not (limit.isdigit() and (rate == UNCOUNTED or rate.isdigit())):
+        raise Unauthenticated(f"invalid join credential {name[:40]!r}")
+    try:
+        return JoinCredential(name, int(limit), None if rate == UNCOUNTED else float(rate))
+    except InvalidArgument as error:
+        raise Unauthenticated(f"invalid join credential: {error}") from None
 
 
 def manifest_mac(secret: str, manifest: dict) -> str:

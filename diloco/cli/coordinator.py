@@ -137,6 +137,8 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
              type=float)
     add_flag(p, "--credential-lifetime-s", CoordinatorConfig, "credential_lifetime_s", type=float, metavar="S")
     add_flag(p, "--max-learners", CoordinatorConfig, "max_learners", type=int)
+    add_flag(p, "--join-learners", CoordinatorConfig, "join_learners", type=int, metavar="N")
+    add_flag(p, "--join-tokens-per-s", CoordinatorConfig, "join_tokens_per_s", type=float, metavar="R")
     add_flag(p, "--drain-timeout-s", CoordinatorConfig, "drain_timeout_s",
              type=float)
     add_flag(p, "--join-timeout-s", CoordinatorConfig, "join_timeout_s",
@@ -191,7 +193,7 @@ def check_admin_target(args: argparse.Namespace) -> None:
     """The coordinator an admin verb talks to is named (--coordinator, $DILOCO_COORDINATOR)
     or found in a run directory (--run-dir, or this one); else one line saying there is no
     run directory here and how to name one. ``cleanup`` talks to none."""
-    if args.admin == "cleanup" or args.coordinator or os.environ.get("DILOCO_COORDINATOR") or admin_run_dir(args):
+    if args.admin in ("cleanup", "join-credential") or args.coordinator or os.environ.get("DILOCO_COORDINATOR") or admin_run_dir(args):
         return
     raise InvalidArgument(
         f"no run directory here ({Path.cwd()} holds no {ENDPOINTS_FILE}) and no coordinator named: give --run-dir DIR "
@@ -490,6 +492,21 @@ def _cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join_credential(args: argparse.Namespace) -> int:
+    from diloco import auth
+    from diloco.cli.common import run_secret
+    from diloco.coordinator.server import LAUNCH_CREDENTIAL_PREFIX, RUN_CREDENTIAL
+
+    if args.name == RUN_CREDENTIAL or args.name.startswith(LAUNCH_CREDENTIAL_PREFIX):
+        raise InvalidArgument(f"the names {RUN_CREDENTIAL!r} and {LAUNCH_CREDENTIAL_PREFIX}* are the coordinator's own: "
+                              "choose another")
+    run_dir = admin_run_dir(args)
+    if not args.secret_file and not os.environ.get("DILOCO_SECRET") and run_dir is not None:
+        args.secret_file = str(run_dir / "secret")
+    print(auth.join_credential(run_secret(args), args.name, args.learners, args.tokens_per_s))
+    return 0
+
+
 def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     admin = commands.add_parser(
         "admin",
@@ -528,6 +545,18 @@ def add_admin_parser(commands: argparse._SubParsersAction) -> None:
     remove.add_argument("--drain", action="store_true", help="let them finish in-flight pushes and leave")
     remove.add_argument("--json", action="store_true", help="print the removed ids as JSON")
     remove.set_defaults(func=_remove_learners)
+
+    mint = verbs.add_parser(
+        "join-credential", help="mint a join credential: N learners at once, each credited at most R tokens/s",
+        description="Print a join credential signed with the run secret (--secret-file, else $DILOCO_SECRET, else "
+                    "RUN_DIR/secret): the coordinator admits at most N learners with it at once (PERMISSION_DENIED "
+                    "beyond) and credits each at most R tokens per second. Talks to no coordinator.")
+    mint.add_argument("name", help="its name (lowercase letters, digits, '-'): admissions are counted by it")
+    mint.add_argument("--learners", type=int, required=True, metavar="N", help="learners it admits at once")
+    mint.add_argument("--tokens-per-s", type=float, default=0.0, metavar="R",
+                      help="the most tokens per second credited to each of its learners (default 0: none)")
+    mint.add_argument("--secret-file", help="file holding the run secret")
+    mint.set_defaults(func=_join_credential)
 
     _add_state_verbs(verbs)
     _add_repair_verbs(verbs)

@@ -114,7 +114,7 @@ def _choose_transport(args: argparse.Namespace) -> None:
         args.transport = list(transport.flags)
         if transport.tls is None and args.command in _NETWORKED:
             logger.warning("--insecure: plaintext gRPC, tokens and credentials cross the network in clear")
-    elif args.command in _NETWORKED and not (args.command == "admin" and (admin_run_dir(args) or args.admin == "cleanup")):
+    elif args.command in _NETWORKED and not (args.command == "admin" and (admin_run_dir(args) or args.admin in ("cleanup", "join-credential"))):
         # (admin on a run directory, --run-dir or this one, follows the run: its RUN_DIR/tls,
         # or plaintext for a run made --insecure)
         if args.command == "admin":

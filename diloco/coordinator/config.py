@@ -117,6 +117,14 @@ class CoordinatorConfig:
     """Learner credentials are issued for this long; every heartbeat reply renews them."""
     max_learners: int = 64
     """Cap on learners joined or being launched; AddLearners beyond it is refused."""
+    join_learners: int = 4
+    """How many learners the run's join credential (data_dir/join-token, for learners that
+    join by themselves) admits at once; the learners the coordinator launches each get one
+    of their own, and ``diloco admin join-credential`` mints more."""
+    join_tokens_per_s: float = 0.0
+    """The most tokens per second credited to each learner the run's join credential
+    admits, over its time in the run (0: their claims count for nothing; the learners the
+    coordinator launches are credited as they report)."""
     drain_timeout_s: float = 60.0
     """A draining learner that has not left after this long is stopped."""
     join_timeout_s: float = 300.0
@@ -186,6 +194,10 @@ class CoordinatorConfig:
             raise InvalidArgument(f"snapshot keep must be >= 0, got {self.snapshot_keep}")
         if not 1 <= self.max_learners <= MAX_LEARNERS:
             raise InvalidArgument(f"max learners must be in [1, {MAX_LEARNERS}], got {self.max_learners}")
+        if not 1 <= self.join_learners <= auth.MAX_JOIN_LIMIT:
+            raise InvalidArgument(f"join learners must be in [1, {auth.MAX_JOIN_LIMIT}], got {self.join_learners}")
+        if not (math.isfinite(self.join_tokens_per_s) and self.join_tokens_per_s >= 0):
+            raise InvalidArgument(f"join tokens per second must be a finite number >= 0, got {self.join_tokens_per_s}")
         if len(self.shards) > MAX_SHARDS:
             raise InvalidArgument(f"at most {MAX_SHARDS} shards, got {len(self.shards)}")
         if not self.pools:

@@ -271,11 +271,13 @@ class LocalProcessLauncher:
     _MAX_FORK_SERVER_FAILURES = 3
 
     def __init__(
-        self, cfg: LocalLauncherConfig, coordinator: str, join_token_file: Path, log_dir: Path, on_exit: ExitCallback
+        self, cfg: LocalLauncherConfig, coordinator: str, mint: Callable[[str], str], log_dir: Path, on_exit: ExitCallback
     ) -> None:
+        """``mint``: the join credential of a launch id (``CoordinatorServer.launch_credential``:
+        one learner's), written beside its log for it alone."""
         self.cfg = cfg
         self.coordinator = coordinator
-        self.join_token_file = Path(join_token_file)
+        self.mint = mint
         self.log_dir = Path(log_dir)
         self.on_exit = on_exit
         self.processes: dict[str, asyncio.subprocess.Process | ForkedLearner] = {}
@@ -295,7 +297,9 @@ class LocalProcessLauncher:
         server = await self._server()
         results = []
         for launch_id in launch_ids:
-            args = learner_args(self.coordinator, str(self.join_token_file), pool, launch_id, overrides)
+            credential = self.log_dir / f"{launch_id}.join"
+            atomic_write(credential, self.mint(launch_id) + "\n", mode=0o600)
+            args = learner_args(self.coordinator, str(credential), pool, launch_id, overrides)
             log_path = self.log_dir / f"{launch_id}.log"
             try:
                 args += self._site(launch_id, overrides)

@@ -442,9 +442,9 @@ class CoordinatorRuntime:
 
     # --- learner calls ---------------------------------------------------------------
 
-    def join(self, pool: str, address: str, launch_id: str, plan_hash: str) -> Learner:
+    def join(self, pool: str, address: str, launch_id: str, plan_hash: str, credential: auth.JoinCredential) -> Learner:
         try:
-            return self.membership.join(pool, address, launch_id, plan_hash, self._now())
+            return self.membership.join(pool, address, launch_id, plan_hash, self._now(), credential)
         finally:
             self._settle()
 

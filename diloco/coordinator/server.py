@@ -10,6 +10,7 @@ elsewhere, ``snapshots/``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +36,13 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "diloco.v1.Coordinator"
 JOIN_TOKEN_FILE = "join-token"
+"""In the data dir: the run's join credential (``RUN_CREDENTIAL``), for learners that join
+by themselves (own-loop scripts, static learners): ``join_learners`` at once, credited at
+most ``join_tokens_per_s`` each."""
+RUN_CREDENTIAL = "run"
+LAUNCH_CREDENTIAL_PREFIX = "launch-"
+"""Names of the credentials the coordinator mints itself (``diloco admin join-credential``
+refuses them)."""
 _MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 # (server, address learners should use) -> the launcher, or None for --launcher none.
@@ -47,7 +55,7 @@ def default_launcher(server: CoordinatorServer, address: str) -> Launcher | None
         return None
     if cfg.launcher == "local":
         return LocalProcessLauncher(
-            cfg.local, address, cfg.data_dir / JOIN_TOKEN_FILE, cfg.data_dir / "learners", server.runtime.launch_ended
+            cfg.local, address, server.launch_credential, cfg.data_dir / "learners", server.runtime.launch_ended
         )
     from diloco.coordinator.kubernetes import KubernetesLauncher
 
@@ -155,6 +163,14 @@ class CoordinatorServer:
         self.port = 0
         self._stopped = False
 
+    def launch_credential(self, launch_id: str) -> str:
+        """The join credential of the learner of one launch: it admits that learner alone,
+        and its claims are credited as made (the coordinator started it, with the run's code)."""
+        name = f"{LAUNCH_CREDENTIAL_PREFIX}{launch_id.lower()}"
+        if not auth.JOIN_NAME.match(name):
+            name = f"{LAUNCH_CREDENTIAL_PREFIX}{hashlib.sha256(launch_id.encode()).hexdigest()[:16]}"
+        return auth.join_credential(self._secret, name, 1)
+
     @property
     def address(self) -> str:
         return f"{self.cfg.host}:{self.port}"
@@ -166,7 +182,8 @@ class CoordinatorServer:
                 self.status_page = StatusPage(self.runtime, self.shard_calls, self.cfg.status_host, self.cfg.status_port,
                                               self._admin_token, self.cfg.data_dir)
             self.port = rpc.bind(self.server, f"{self.cfg.host}:{self.cfg.port}")
-            write_secret_file(self.cfg.data_dir / JOIN_TOKEN_FILE, auth.join_token(self._secret))
+            write_secret_file(self.cfg.data_dir / JOIN_TOKEN_FILE, auth.join_credential(
+                self._secret, RUN_CREDENTIAL, self.cfg.join_learners, self.cfg.join_tokens_per_s))
             self.runtime.launcher = self._launcher_factory(self, self.cfg.advertise_address or self.address)
             await self.server.start()
             if self.cfg.health_port is not None:

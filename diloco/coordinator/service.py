@@ -93,8 +93,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @_status_on_error
     async def Join(self, request, context):
-        auth.check_join(self._secret, _metadata(context).get(auth.JOIN_METADATA))
-        learner = self.runtime.join(request.pool, request.address, request.launch_id, request.plan_hash)
+        credential = auth.check_join(self._secret, _metadata(context).get(auth.JOIN_METADATA))
+        learner = self.runtime.join(request.pool, request.address, request.launch_id, request.plan_hash, credential)
         self._telemetry.membership("joined", request.pool)
         return coordinator_pb2.JoinReply(
             learner_id=learner.id,

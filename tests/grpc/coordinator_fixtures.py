@@ -51,7 +51,7 @@ async def admin_stub(address, token=ADMIN, timeout_s=20.0):
 
 async def joined(address, pool="", launch_id=""):
     session = LearnerSession(address, timeout_s=10)
-    await session.join(auth.join_token(SECRET), pool=pool, address="test", launch_id=launch_id)
+    await session.join(auth.join_credential(SECRET, "test", 64), pool=pool, address="test", launch_id=launch_id)
     return session
 
 

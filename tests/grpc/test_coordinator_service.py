@@ -25,7 +25,7 @@ def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
         shards = ("127.0.0.1:7101", "127.0.0.1:7102")  # only named in the topology here
         async with running_coordinator(tmp_path, shards=shards, pools=("default", "spot")) as server:
             session = LearnerSession(server.address)
-            reply = await session.join(auth.join_token(SECRET), pool="spot", address="host:42")
+            reply = await session.join(auth.join_credential(SECRET, "test", 64), pool="spot", address="host:42")
             assert reply.learner_id == "L0" and reply.lease_s == 5.0
             auth.verify(SECRET, "L0", reply.credential)  # the run's, for L0, valid for the default lifetime
             assert abs(auth.expiry(reply.credential) - time.time() - auth.CREDENTIAL_LIFETIME_S) < 5
@@ -53,7 +53,7 @@ def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
                 await session.leave("done")
                 assert list((await stub.ListLearners(coordinator_pb2.ListLearnersRequest(), metadata=md)).learners) == []
                 failing = LearnerSession(server.address)
-                await failing.join(auth.join_token(SECRET), address="host:43")
+                await failing.join(auth.join_credential(SECRET, "test", 64), address="host:43")
                 await failing.leave("failed to start: task 't.py:build': no such file", failed=True)
                 gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
                 assert [(l.learner_id, l.state, l.reason) for l in gone.learners] == [
@@ -185,7 +185,7 @@ async def _report_for_someone_else(server):
 @pytest.mark.parametrize(
     "call,code,message,cfg",
     [
-        (_bad_join_token, grpc.StatusCode.UNAUTHENTICATED, "invalid join token", {}),
+        (_bad_join_token, grpc.StatusCode.UNAUTHENTICATED, "not a join credential", {}),
         (_unknown_learner, grpc.StatusCode.NOT_FOUND, "unknown learner 'L7'", {}),
         (_someone_elses_learner_id, grpc.StatusCode.PERMISSION_DENIED, "credential is for 'L1', the request is for 'L0'", {}),
         (_expired_lease, grpc.StatusCode.FAILED_PRECONDITION, "L0 was marked failed (lease expired", {"lease_s": 0.2}),
@@ -393,7 +393,7 @@ def test_a_learner_registers_its_model_once_its_coordinator_is_reachable_again(t
 
     async def scenario():
         async with running_coordinator(tmp_path, port=port):
-            member = await asyncio.to_thread(join, address, auth.join_token(SECRET), "", "", "host:1")
+            member = await asyncio.to_thread(join, address, auth.join_credential(SECRET, "test", 64), "", "", "host:1")
         back, done = asyncio.Event(), asyncio.Event()
 
         async def restart_later():

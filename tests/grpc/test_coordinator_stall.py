@@ -6,6 +6,7 @@ import asyncio
 from diloco.coordinator.core.membership import ACTIVE, FAILED, JOINING, HeartbeatStats
 from diloco.coordinator.core.stall import STALL_TICK_S
 from tests.grpc.coordinator_fixtures import running_coordinator
+from tests.unit.test_coordinator_membership import OPEN
 
 
 class Clock:
@@ -25,7 +26,7 @@ def test_a_coordinator_that_did_not_run_keeps_its_learners_and_fails_a_silent_on
     async def main():
         async with running_coordinator(tmp_path, clock=clock, lease_s=5.0) as server:
             runtime = server.runtime
-            learner = runtime.join("", "127.0.0.1:1", "", runtime.run.plan_hash)
+            learner = runtime.join("", "127.0.0.1:1", "", runtime.run.plan_hash, credential=OPEN)
             assert learner.state == JOINING
             runtime.heartbeat(learner.id, HeartbeatStats(tokens=64, inner_steps=1))
             clock.t += 20.0  # the whole host stopped for 20 s

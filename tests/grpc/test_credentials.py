@@ -61,7 +61,7 @@ def test_heartbeats_renew_a_learner_s_credential_and_an_expired_one_is_refused_e
         async with running_coordinator(tmp_path, lease_s=1.0, credential_lifetime_s=2.0) as coordinator, \
                 running_shard(tmp_path / "shard", learners=("L0",)) as (_, shard):
             session = LearnerSession(coordinator.address)
-            reply = await session.join(auth.join_token(SECRET))
+            reply = await session.join(auth.join_credential(SECRET, "test", 64))
             joined = reply.credential
             assert auth.expiry(joined) <= time.time() + 2.0
             while time.time() < auth.expiry(joined) + 0.2:  # heartbeats keep the lease and the credential
@@ -86,7 +86,7 @@ def test_heartbeats_renew_a_learner_s_credential_and_an_expired_one_is_refused_e
             # A real learner's heartbeat thread: the Membership's credential, which its
             # channels to the shards read per call, is renewed in place and never lapses.
             session = LearnerSession(coordinator.address)
-            reply = await session.join(auth.join_token(SECRET))
+            reply = await session.join(auth.join_credential(SECRET, "test", 64))
             member = Membership(reply.learner_id, auth.Credential(reply.learner_id, reply.credential), TINY, {0: shard}, 1.0)
             drained = threading.Event()
             beats = Heartbeats(coordinator.address, member, 0.2, stats=dict, on_drain=lambda reason: drained.set())

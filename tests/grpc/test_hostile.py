@@ -40,11 +40,11 @@ def test_the_join_token_is_no_learners_credential(tmp_path):
         async with running_shard(tmp_path, learners=("L0", "join")) as (server, address):
             learner = FakeLearner.of(server, "join")
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await raw_push(address, "join", fp32_push(learner, 1.0), credential=auth.join_token(SECRET))
+                await raw_push(address, "join", fp32_push(learner, 1.0), credential=auth.join_credential(SECRET, "test", 64))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert server.runtime.counters.pushes == 0
     run(scenario())
-    assert auth.join_token(SECRET) not in {auth.sign(SECRET, name) for name in ("join", "", "L0", "C", "S0")}
+    assert auth.join_credential(SECRET, "test", 64) not in {auth.sign(SECRET, name) for name in ("join", "", "L0", "C", "S0")}
 
 
 def test_a_credential_outside_the_membership_cannot_push(tmp_path):
@@ -161,7 +161,7 @@ def test_a_hostile_join_clock_cannot_break_the_coordinator(tmp_path):
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await stub.Join(coordinator_pb2.JoinRequest(clock=common_pb2.VectorClock(entries={"C": 2**64 - 1})),
-                                    metadata=((auth.JOIN_METADATA, auth.join_token(SECRET)),), timeout=5)
+                                    metadata=((auth.JOIN_METADATA, auth.join_credential(SECRET, "test", 64)),), timeout=5)
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             session = await joined(server.address)  # Join, heartbeat and the state file still work
             await session.heartbeat()

@@ -44,7 +44,7 @@ def test_fresh_clock_names_cannot_grow_the_merged_clocks(tmp_path):
                 attacker = await joined(coordinator.address)
                 assert (honest.learner_id, attacker.learner_id) == ("L0", "L1")
                 await honest.register_model(model_plan(TINY)[0].to_json())
-                join_md = ((auth.JOIN_METADATA, auth.join_token(SECRET)),)
+                join_md = ((auth.JOIN_METADATA, auth.join_credential(SECRET, "test", 64)),)
                 for batch in range(3):
                     clock = common_pb2.VectorClock(entries={**fresh_names(2 * batch), attacker.learner_id: 10 + batch})
                     await attacker.stub.Heartbeat(

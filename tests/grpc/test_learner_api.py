@@ -182,7 +182,7 @@ def test_join_a_coordinator_train_leave_and_a_different_model_is_refused(tmp_pat
 
                 def own_loop_joined():
                     learner = diloco.Learner.join(model, coordinator=coordinator.address, insecure=True,
-                                                  join_token=auth.join_token(SECRET), optimizer=optimizer)
+                                                  join_token=auth.join_credential(SECRET, "test", 64), optimizer=optimizer)
                     with learner:
                         for step in range(24):
                             x = torch.randint(0, 16, (32,))
@@ -210,7 +210,7 @@ def test_join_a_coordinator_train_leave_and_a_different_model_is_refused(tmp_pat
                 assert coordinator.runtime.run.plan_hash == learner.plan.plan_hash
                 with pytest.raises(FailedPrecondition, match="model differs from the run's: .*embed.weight"):
                     await asyncio.to_thread(diloco.Learner.join, nn.Embedding(3, 3), coordinator.address,
-                                            auth.join_token(SECRET), insecure=True)
+                                            auth.join_credential(SECRET, "test", 64), insecure=True)
                 async with admin_stub(coordinator.address) as (stub, md):
                     gone = await stub.ListLearners(coordinator_pb2.ListLearnersRequest(include_gone=True), metadata=md)
                     assert {l.learner_id: l.state for l in gone.learners} == {  # L1 cannot train this run

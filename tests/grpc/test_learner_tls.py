@@ -20,7 +20,7 @@ from tests.grpc.coordinator_fixtures import running_coordinator
 from tests.grpc.test_learner_api import Net, shards
 from diloco.cli.certs import make_certs
 
-TOKEN = auth.join_token(SECRET)
+TOKEN = auth.join_credential(SECRET, "test", 64)
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ CLUSTER_DOMAIN = "cluster.local"
 # JobSet: validate_jobset below has its schema).
 CRD_KINDS = {"PodMonitoring", "ServiceMonitor", "Certificate", "JobSet"}
 EXISTING_SECRET = {"auth": {"existingSecret": "diloco-auth"}}
-JOIN_TOKEN = "0" * 64
+JOIN_TOKEN = "pods.64.1000000." + "0" * 64
 INLINE_SECRET = {"auth": {"secret": "run-secret", "joinToken": JOIN_TOKEN, "adminToken": "admin-token"}}
 REGISTRY = "registry.example/ml"
 # The image repositories an install names (README, docs/kubernetes.md: the chart has no

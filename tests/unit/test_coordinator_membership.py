@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from diloco.auth import JoinCredential
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.core.membership import (
     FAILED_LAUNCHES_KEPT,
@@ -20,9 +21,11 @@ from diloco.coordinator.core.membership import (
     Membership,
     decide_lease,
 )
-from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
 PLAN = "ab" * 32
+OPEN = JoinCredential("test", 64, None)
+"""A credential that admits every learner these tests join, credited as they report."""
 
 
 def membership(**cfg) -> Membership:
@@ -36,8 +39,8 @@ def kinds(m: Membership) -> list[tuple[str, str]]:
 
 def test_join_then_first_heartbeat_makes_a_learner_active():
     m = membership()
-    a = m.join("", "host:1", "", PLAN, now=100.0)
-    b = m.join("spot", "host:2", "", "", now=100.5)
+    a = m.join("", "host:1", "", PLAN, now=100.0, credential=OPEN)
+    b = m.join("spot", "host:2", "", "", now=100.5, credential=OPEN)
     assert (a.id, a.state, a.pool) == ("L0", JOINING, "default")
     assert (b.id, b.pool) == ("L1", "spot")
     m.heartbeat("L0", HeartbeatStats(tokens=64, inner_steps=2, version_lag=1), now=101.0)
@@ -49,7 +52,7 @@ def test_join_then_first_heartbeat_makes_a_learner_active():
 
 def test_lease_decision_and_expiry_with_a_fake_clock():
     m = membership(lease_s=5.0)
-    learner = m.join("", "", "", "", now=10.0)
+    learner = m.join("", "", "", "", now=10.0, credential=OPEN)
     assert decide_lease(learner, 14.9, 5.0) == Alive(15.0, "lease ends in 0.1 s")
     assert isinstance(decide_lease(learner, 15.0, 5.0), Expired)
     assert m.next_deadline() == 15.0
@@ -66,7 +69,7 @@ def test_lease_decision_and_expiry_with_a_fake_clock():
 
 def test_heartbeat_after_the_lease_ran_out_fails_the_learner_and_refuses():
     m = membership(lease_s=5.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     with pytest.raises(FailedPrecondition, match="L0 was marked failed .lease expired.*join again"):
         m.heartbeat("L0", HeartbeatStats(), now=7.0)
     # The failure is still announced although the call raised.
@@ -77,7 +80,7 @@ def test_unknown_learner_and_departed_learner():
     m = membership()
     with pytest.raises(NotFound, match="unknown learner 'L7'"):
         m.heartbeat("L7", HeartbeatStats(), now=0.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     m.leave("L0", "done", now=1.0)
     m.leave("L0", "again", now=1.5)  # idempotent
     assert m.learner("L0").state == LEFT and m.learner("L0").reason == "done"
@@ -88,7 +91,7 @@ def test_unknown_learner_and_departed_learner():
 
 def test_plan_hash_must_match():
     with pytest.raises(FailedPrecondition, match="fragment plan"):
-        membership().join("", "", "", "cd" * 32, now=0.0)
+        membership().join("", "", "", "cd" * 32, now=0.0, credential=OPEN)
 
 
 def test_launch_requests_are_checked_and_hold_slots_until_join():
@@ -102,11 +105,11 @@ def test_launch_requests_are_checked_and_hold_slots_until_join():
     assert m.check_launch(2, "") == "default"
     m.add_launch("x1", "default", now=0.0)
     m.add_launch("x2", "default", now=0.0)
-    m.join("", "", "", "", now=1.0)  # a learner started by hand takes the third slot
+    m.join("", "", "", "", now=1.0, credential=OPEN)  # a learner started by hand takes the third slot
     assert m.occupied() == 3
     with pytest.raises(ResourceExhausted, match="cap of 3"):
-        m.join("", "", "", "", now=1.0)
-    learner = m.join("", "", "x1", "", now=2.0)  # a launched learner brings its own slot
+        m.join("", "", "", "", now=1.0, credential=OPEN)
+    learner = m.join("", "", "x1", "", now=2.0, credential=OPEN)  # a launched learner brings its own slot
     assert learner.launch_id == "x1" and m.occupied() == 3
     m.take_changes()
     m.expire(60.0)  # x2 never joined
@@ -119,7 +122,7 @@ def test_a_launched_process_that_ends():
     m = membership()
     m.add_launch("x1", "default", now=0.0)
     m.add_launch("x2", "default", now=0.0)
-    m.join("", "", "x2", "", now=1.0)
+    m.join("", "", "x2", "", now=1.0, credential=OPEN)
     m.take_changes()
     m.launch_ended("x1", "exit code 2", now=2.0)  # before joining: frees its slot
     m.launch_ended("x2", "killed by SIGKILL", now=2.0)  # after: its learner fails now
@@ -131,7 +134,7 @@ def test_a_launched_process_that_ends():
 def test_select_for_removal():
     m = membership()
     for t in range(4):
-        m.join("", "", "", "", now=float(t))
+        m.join("", "", "", "", now=float(t), credential=OPEN)
     assert [l.id for l in m.select([], 2)] == ["L3", "L2"]  # newest first
     assert [l.id for l in m.select(["L1", "L1"], 0)] == ["L1"]
     with pytest.raises(NotFound, match="L9"):
@@ -150,8 +153,8 @@ def test_select_for_removal():
 def test_drain_then_leave_or_time_out():
     m = membership(drain_timeout_s=30.0, lease_s=100.0, credential_lifetime_s=200.0)
     m.add_launch("x0", "default", now=0.0)
-    m.join("", "", "x0", "", now=0.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "x0", "", now=0.0, credential=OPEN)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     m.take_changes()
     m.drain(["L0", "L1"], now=1.0)
     assert m.learner("L0").state == DRAINING
@@ -165,8 +168,8 @@ def test_drain_then_leave_or_time_out():
 
 def test_state_round_trip_and_fresh_leases_after_a_restart():
     m = membership(lease_s=5.0)
-    m.join("", "a", "", "", now=0.0)
-    m.join("spot", "b", "", "", now=0.0)
+    m.join("", "a", "", "", now=0.0, credential=OPEN)
+    m.join("spot", "b", "", "", now=0.0, credential=OPEN)
     m.leave("L1", "bye", now=1.0)
     m.add_launch("x9", "spot", now=1.0)
     state = m.to_state()
@@ -175,7 +178,7 @@ def test_state_round_trip_and_fresh_leases_after_a_restart():
     back.renew_all(1000.0)  # the coordinator was down far longer than a lease
     back.expire(1004.0)
     assert back.learner("L0").state == JOINING
-    assert back.join("", "", "", "", now=1000.0).id == "L2"  # ids are never reused
+    assert back.join("", "", "", "", now=1000.0, credential=OPEN).id == "L2"  # ids are never reused
     back.reset("restored from snapshot 3", now=1001.0)
     assert [l.state for l in back.listing(include_gone=True)] == [LEFT, LEFT, LEFT]
     assert back.launches == {}
@@ -191,8 +194,8 @@ def test_a_leave_carries_the_learner_s_final_counts():
     its final tokens and steps, so members (and the run's final table) match its summary.
     Counts never go down (a stale or hostile Leave cannot shrink them)."""
     m = membership()
-    m.join("", "host:1", "", PLAN, now=100.0)
-    m.join("", "host:2", "", PLAN, now=100.0)
+    m.join("", "host:1", "", PLAN, now=100.0, credential=OPEN)
+    m.join("", "host:2", "", PLAN, now=100.0, credential=OPEN)
     m.heartbeat("L0", HeartbeatStats(tokens=64, inner_steps=2), now=101.0)
     m.heartbeat("L1", HeartbeatStats(tokens=128, inner_steps=4), now=101.0)
     m.leave("L0", "finished", now=102.0, final=(192, 6))
@@ -203,36 +206,51 @@ def test_a_leave_carries_the_learner_s_final_counts():
     assert m.learner("L0").tokens == 192
 
 
-def test_reported_tokens_are_credited_at_most_three_times_as_fast_as_the_others():
-    """A learner claiming 1e12 tokens (in heartbeats, or in its Leave) is credited the
-    multiple of the other learners' median rate times its time in the run: it cannot end a
-    token-budgeted run by itself. The run's first reports, with nobody to compare with, are
-    taken provisionally and taken back once there is a reference."""
+def test_reported_tokens_are_credited_at_most_at_the_credential_s_rate():
+    """A learner claiming 1e12 tokens (in heartbeats, or in its Leave) is credited at most
+    its credential's tokens/s times its time in the run; many ids of one credential,
+    claiming together, raise nobody's credit (each is bounded by the ceiling alone)."""
     m = membership()
+    sybils = JoinCredential("sybils", 4, 1000.0)
     for _ in range(4):
-        m.join("", "host:1", "", PLAN, now=0.0)
-    m.heartbeat("L3", HeartbeatStats(tokens=10**12, inner_steps=1), now=0.5)  # nobody to compare with yet
-    assert m.learner("L3").tokens == 10**12
+        m.join("", "host:1", "", PLAN, now=0.0, credential=sybils)
     for t in (1.0, 2.0, 3.0):
-        for i, rate in enumerate((1000, 1200, 1500)):  # tokens per second
-            m.heartbeat(f"L{i}", HeartbeatStats(tokens=int(rate * t), inner_steps=int(t)), now=t)
-    assert [m.learner(f"L{i}").tokens for i in range(3)] == [3000, 3600, 4500]
-    m.heartbeat("L3", HeartbeatStats(tokens=10**12, inner_steps=1), now=3.5)
-    # Taken back: the median of 1000, 1200, 1500 over the 3 s the others have been reporting.
-    assert m.learner("L3").tokens == 3 * 1200 * 3
-    m.leave("L3", "done", now=3.6)
-    m.join("", "host:1", "", PLAN, now=3.0)
-    m.heartbeat("L4", HeartbeatStats(tokens=10**12, inner_steps=1), now=5.0)
-    assert m.learner("L4").tokens == 3 * 1200 * 2  # L3, gone, still counts: 1000, 1200, 1500, 3600 / 3.5
-    assert m.learner("L4").progress_s == 5.0
-    m.heartbeat("L4", HeartbeatStats(tokens=10**12, inner_steps=1), now=6.0)
-    assert m.learner("L4").tokens == 3 * 1200 * 3
-    m.leave("L4", "done", now=7.0, final=(10**12, 10**7))
-    assert m.learner("L4").tokens == 3 * 1200 * 3.5  # at most as long as L3 (3.5 s), the longest reporter
-    m.heartbeat("L0", HeartbeatStats(tokens=10, inner_steps=1), now=7.0)  # counts never go down
-    assert m.learner("L0").tokens == 3000
-    # The run's total follows every credit, the one taken back included.
+        for i in range(4):
+            m.heartbeat(f"L{i}", HeartbeatStats(tokens=10**10 * int(t), inner_steps=int(t)), now=t)
+        assert [m.learner(f"L{i}").tokens for i in range(4)] == [int(1000 * t)] * 4
+    m.leave("L3", "done", now=3.5, final=(10**12, 10**7))
+    assert m.learner("L3").tokens == 3500
+    m.heartbeat("L0", HeartbeatStats(tokens=10, inner_steps=3), now=4.0)  # its highest claim stands
+    assert m.learner("L0").tokens == 4000
+    honest = m.join("", "host:2", "", PLAN, now=4.0, credential=JoinCredential("h", 1, 1000.0))
+    m.heartbeat(honest.id, HeartbeatStats(tokens=500, inner_steps=1), now=5.0)  # under the ceiling: as claimed
+    assert m.learner(honest.id).tokens == 500
+    nothing = m.join("", "host:3", "", PLAN, now=4.0, credential=JoinCredential("zero", 1, 0.0))
+    m.heartbeat(nothing.id, HeartbeatStats(tokens=500, inner_steps=1), now=5.0)
+    assert m.learner(nothing.id).tokens == 0 and m.learner(nothing.id).claimed == 500
+    launched = m.join("", "host:4", "", PLAN, now=4.0, credential=OPEN)  # no ceiling: as it reports
+    m.heartbeat(launched.id, HeartbeatStats(tokens=10**9, inner_steps=1), now=5.0)
+    assert m.learner(launched.id).tokens == 10**9
     assert m.tokens_total == sum(l.tokens for l in m.learners.values())
+
+
+def test_a_join_credential_admits_its_limit_of_live_learners():
+    m = membership()
+    one = JoinCredential("one", 1, None)
+    first = m.join("", "host:1", "", PLAN, now=0.0, credential=one)
+    with pytest.raises(PermissionDenied, match="'one' admits at most 1 learner at once"):
+        m.join("", "host:2", "", PLAN, now=0.0, credential=one)
+    three = JoinCredential("three", 3, None)
+    for _ in range(3):
+        m.join("", "host:3", "", PLAN, now=0.0, credential=three)
+    with pytest.raises(PermissionDenied, match="admits at most 3 learners at once, and 3 are members"):
+        m.join("", "host:3", "", PLAN, now=0.0, credential=three)
+    m.leave(first.id, "done", now=1.0)  # a learner that left frees its slot
+    again = m.join("", "host:2", "", PLAN, now=1.0, credential=one)
+    back = Membership.from_state(m.cfg, PLAN, m.to_state())  # the counts outlive a restart
+    assert back.learner(again.id).credential == "one"
+    with pytest.raises(PermissionDenied):
+        back.join("", "host:2", "", PLAN, now=2.0, credential=one)
 
 
 def test_the_run_s_token_total_outlives_pruned_learners_and_restarts(monkeypatch):
@@ -241,12 +259,12 @@ def test_the_run_s_token_total_outlives_pruned_learners_and_restarts(monkeypatch
     monkeypatch.setattr(core, "MAX_GONE_KEPT", 1)
     m = membership()
     for i in range(3):
-        m.join("", "host", "", PLAN, now=0.0)
+        m.join("", "host", "", PLAN, now=0.0, credential=OPEN)
         m.heartbeat(f"L{i}", HeartbeatStats(tokens=100 * (i + 1), inner_steps=1), now=1.0)
     m.leave("L0", "done", now=2.0, final=(150, 2))
     m.leave("L1", "done", now=2.0)
     m.take_changes()
-    m.join("", "host", "", PLAN, now=3.0)  # a join prunes the gone beyond the one kept
+    m.join("", "host", "", PLAN, now=3.0, credential=OPEN)  # a join prunes the gone beyond the one kept
     assert "L0" not in m.learners and m.tokens_total == 150 + 200 + 300
     back = Membership.from_state(m.cfg, PLAN, m.to_state())
     assert back.tokens_total == 650
@@ -260,7 +278,7 @@ def test_a_learner_that_leaves_because_it_failed_is_failed_with_its_reason():
     and its reason (what users are shown) is kept, cut to a bound."""
     m = membership()
     for _ in range(3):
-        m.join("", "host:1", "", PLAN, now=100.0)
+        m.join("", "host:1", "", PLAN, now=100.0, credential=OPEN)
     m.leave("L0", "failed to start: task 'x': boom", now=101.0, failed=True)
     m.leave("L1", "finished", now=101.0)
     m.leave("L2", "x" * 10_000, now=101.0, failed=True)
@@ -276,7 +294,7 @@ def test_launches_that_never_join_are_remembered_with_why():
     for launch_id in ("a", "b", "c"):
         m.add_launch(launch_id, "default", 0.0)
     m.launch_ended("a", "exit code 2: diloco: error: bad flag", 5.0)
-    m.join("default", "host:1", "c", "", 6.0)
+    m.join("default", "host:1", "c", "", 6.0, credential=OPEN)
     m.expire(61.0)
     assert {x.launch_id: (x.pool, x.detail) for x in m.failed_launches.values()} == {
         "a": ("default", "ended before joining: exit code 2: diloco: error: bad flag"),
@@ -295,9 +313,9 @@ def test_changes_say_why_and_which_process_to_stop_and_how():
     launch to stop, gently only when the learner left by itself."""
     m = membership(lease_s=5.0)
     m.add_launch("x0", "default", now=0.0)
-    m.join("", "host:1", "x0", "", now=0.0)
-    m.join("spot", "host:2", "", "", now=0.0)
-    m.join("", "host:3", "", "", now=0.0)
+    m.join("", "host:1", "x0", "", now=0.0, credential=OPEN)
+    m.join("spot", "host:2", "", "", now=0.0, credential=OPEN)
+    m.join("", "host:3", "", "", now=0.0, credential=OPEN)
     m.heartbeat("L0", HeartbeatStats(), now=1.0)
     m.heartbeat("L2", HeartbeatStats(), now=1.0)
     m.leave("L0", "", now=2.0)  # no reason given
@@ -321,9 +339,9 @@ def test_changes_say_why_and_which_process_to_stop_and_how():
 def test_remove_makes_live_learners_leave_and_skips_departed_ones():
     m = membership()
     m.add_launch("x1", "default", now=0.0)
-    m.join("", "", "", "", now=0.0)
-    m.join("", "", "x1", "", now=0.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
+    m.join("", "", "x1", "", now=0.0, credential=OPEN)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     m.leave("L0", "done", now=1.0)
     m.take_changes()
     m.remove(["L0", "L1"], "scaled down", now=2.0)
@@ -356,8 +374,8 @@ def test_launch_failures_record_when_they_happened():
 def test_a_launch_ending_that_is_unknown_or_of_a_departed_learner_changes_nothing():
     m = membership()
     m.add_launch("x1", "default", now=0.0)
-    m.join("", "", "x1", "", now=0.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "x1", "", now=0.0, credential=OPEN)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     m.leave("L0", "finished", now=1.0)
     m.take_changes()
     m.launch_ended("zz", "exit code 0", now=2.0)
@@ -370,7 +388,7 @@ def test_a_learner_whose_launch_timed_out_may_still_join():
     m = membership(join_timeout_s=60.0, max_learners=2)
     m.add_launch("x1", "default", now=0.0)
     m.expire(60.0)
-    learner = m.join("", "host:1", "x1", "", now=61.0)  # late, but there is room
+    learner = m.join("", "host:1", "x1", "", now=61.0, credential=OPEN)  # late, but there is room
     assert (learner.id, learner.launch_id) == ("L0", "x1")
 
 
@@ -379,9 +397,9 @@ def test_a_launch_id_is_taken_only_by_the_launch_that_has_not_joined():
     member (or made up) gets none, so its leaving stops nobody's process."""
     m = membership()
     m.add_launch("x1", "default", now=0.0)
-    assert m.join("", "host:1", "x1", "", now=1.0).launch_id == "x1"
-    assert m.join("", "host:2", "x1", "", now=2.0).launch_id == ""
-    assert m.join("", "host:3", "made-up", "", now=2.0).launch_id == ""
+    assert m.join("", "host:1", "x1", "", now=1.0, credential=OPEN).launch_id == "x1"
+    assert m.join("", "host:2", "x1", "", now=2.0, credential=OPEN).launch_id == ""
+    assert m.join("", "host:3", "made-up", "", now=2.0, credential=OPEN).launch_id == ""
     m.take_changes()
     m.leave("L1", "done", now=3.0)
     assert [c.stop_launch for c in m.take_changes()] == [""]
@@ -391,7 +409,7 @@ def test_the_cap_counts_what_is_already_taken():
     m = membership(max_learners=3)
     assert m.check_launch(3, "spot") == "spot"  # exactly the free slots
     m.add_launch("x1", "default", now=0.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     assert m.check_launch(1, "") == "default"
     with pytest.raises(ResourceExhausted, match=r"^cannot add 2 learners: 2 of the cap of 3 are taken$"):
         m.check_launch(2, "")
@@ -399,8 +417,8 @@ def test_the_cap_counts_what_is_already_taken():
 
 def test_drain_sets_a_deadline_once_and_only_for_live_learners():
     m = membership(drain_timeout_s=30.0, lease_s=100.0, credential_lifetime_s=200.0)
-    m.join("", "", "", "", now=0.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     m.leave("L1", "finished", now=1.0)
     m.take_changes()
     m.drain(["L0", "L1"], now=10.0)
@@ -420,8 +438,8 @@ def test_drain_sets_a_deadline_once_and_only_for_live_learners():
 
 def test_expiry_looks_past_departed_learners():
     m = membership(lease_s=5.0)
-    m.join("", "", "", "", now=0.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     m.leave("L0", "finished", now=1.0)
     m.expire(5.0)
     assert m.learner("L1").state == FAILED
@@ -445,7 +463,7 @@ def test_renewing_after_a_restart_gives_pending_launches_a_fresh_join_timeout():
 
 def test_reset_says_why_everyone_left():
     m = membership()
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     m.take_changes()
     m.reset("restored from snapshot 3", now=1.0)
     assert m.learner("L0").reason == "restored from snapshot 3"
@@ -455,7 +473,7 @@ def test_reset_says_why_everyone_left():
 def test_select_edges():
     m = membership()
     for t in range(3):
-        m.join("", "", "", "", now=float(t))
+        m.join("", "", "", "", now=float(t), credential=OPEN)
     assert [l.id for l in m.select([], 1)] == ["L2"]
     assert [l.id for l in m.select([], 3)] == ["L2", "L1", "L0"]  # all of them
     with pytest.raises(InvalidArgument, match=r"^give learner ids or a count, not both$"):
@@ -468,36 +486,36 @@ def test_select_edges():
 
 def test_plan_mismatch_names_both_plans():
     with pytest.raises(FailedPrecondition) as error:
-        membership().join("", "", "", "0123456789abcdef", now=0.0)
+        membership().join("", "", "", "0123456789abcdef", now=0.0, credential=OPEN)
     assert str(error.value) == "fragment plan 0123456789ab differs from the run's abababababab: check the model flags"
 
 
 def test_departed_learners_beyond_the_kept_number_are_forgotten_oldest_first():
     m = membership(max_learners=4)
     for t in range(MAX_GONE_KEPT + 2):
-        m.join("", "", "", "", now=0.0)
+        m.join("", "", "", "", now=0.0, credential=OPEN)
         m.leave(f"L{t}", "", now=0.0)
-    m.join("", "", "", "", now=0.0)  # a live learner is never forgotten
+    m.join("", "", "", "", now=0.0, credential=OPEN)  # a live learner is never forgotten
     ids = [l.id for l in m.listing(include_gone=True)]
     assert len(ids) == MAX_GONE_KEPT + 1 and ids[:2] == ["L2", "L3"] and ids[-1] == f"L{MAX_GONE_KEPT + 2}"
 
 
 def test_state_file_keeps_the_learner_counter_and_the_run_plan():
     m = membership()
-    m.join("", "", "", "", now=0.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     assert m.to_state()["next_learner"] == 2
     cfg = m.cfg
     fresh = Membership.from_state(cfg, PLAN, {})  # a first start: nothing yet
-    assert fresh.join("", "", "", "", now=0.0).id == "L0"
+    assert fresh.join("", "", "", "", now=0.0, credential=OPEN).id == "L0"
     with pytest.raises(FailedPrecondition, match="fragment plan"):
-        fresh.join("", "", "", "cd" * 32, now=0.0)
+        fresh.join("", "", "", "cd" * 32, now=0.0, credential=OPEN)
     # The counter in the file wins over the records (the learners it counted may be gone) ...
-    assert Membership.from_state(cfg, PLAN, {"next_learner": 7}).join("", "", "", "", now=0.0).id == "L7"
+    assert Membership.from_state(cfg, PLAN, {"next_learner": 7}).join("", "", "", "", now=0.0, credential=OPEN).id == "L7"
     # ... and the records win over a counter that is behind: ids are never reused.
     state = m.to_state()
     state["next_learner"] = 0
-    assert Membership.from_state(cfg, PLAN, state).join("", "", "", "", now=0.0).id == "L2"
+    assert Membership.from_state(cfg, PLAN, state).join("", "", "", "", now=0.0, credential=OPEN).id == "L2"
 
 
 def test_a_learner_record_with_a_bad_id_is_refused():
@@ -513,7 +531,7 @@ def test_a_member_that_heartbeats_but_trains_nothing_fails_after_the_idle_timeou
     next_deadline wakes the coordinator for it."""
     m = membership(idle_timeout_s=30.0, lease_s=5.0, credential_lifetime_s=60.0)
     for _ in range(3):
-        m.join("", "host:1", "", PLAN, now=0.0)
+        m.join("", "host:1", "", PLAN, now=0.0, credential=OPEN)
     for t in range(2, 30, 2):  # every learner beats; only L1 trains
         for learner_id in ("L0", "L1", "L2"):
             trained = t * 10 if learner_id == "L1" else 0
@@ -533,12 +551,12 @@ def test_a_member_that_heartbeats_but_trains_nothing_fails_after_the_idle_timeou
     assert m.learner("L1").state == FAILED and m.learner("L1").reason.startswith("trained nothing for 30.0 s")
     # Off with 0, and a coordinator restart gives everyone a fresh start.
     off = membership(idle_timeout_s=0.0, lease_s=5.0, credential_lifetime_s=60.0)
-    off.join("", "host:1", "", PLAN, now=0.0)
+    off.join("", "host:1", "", PLAN, now=0.0, credential=OPEN)
     for t in range(1, 100):
         off.heartbeat("L0", HeartbeatStats(), now=float(t))
     assert off.learner("L0").state == ACTIVE
     again = membership(idle_timeout_s=30.0, lease_s=5.0, credential_lifetime_s=60.0)
-    again.join("", "host:1", "", PLAN, now=0.0)
+    again.join("", "host:1", "", PLAN, now=0.0, credential=OPEN)
     again.renew_all(100.0)
     again.expire(104.0)
     assert again.learner("L0").state == JOINING

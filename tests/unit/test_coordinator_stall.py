@@ -4,7 +4,7 @@ once; a learner that stays silent while the coordinator runs still fails one lea
 
 from diloco.coordinator.core.membership import ACTIVE, FAILED, HeartbeatStats
 from diloco.coordinator.core.stall import STALL_SLACK_S, STALL_TICK_S, StallWatch
-from tests.unit.test_coordinator_membership import membership
+from tests.unit.test_coordinator_membership import OPEN, membership
 
 
 def test_the_watch_reports_a_gap_beyond_a_tick_once():
@@ -21,9 +21,9 @@ def test_the_watch_reports_a_gap_beyond_a_tick_once():
 
 def test_a_pause_moves_live_leases_drains_and_joins_on_by_the_stall():
     m = membership(lease_s=5.0, drain_timeout_s=30.0, join_timeout_s=60.0)
-    m.join("", "", "", "", now=10.0)
+    m.join("", "", "", "", now=10.0, credential=OPEN)
     m.heartbeat("L0", HeartbeatStats(tokens=64, inner_steps=1), now=12.0)  # lease until 17
-    m.join("", "", "", "", now=12.0)
+    m.join("", "", "", "", now=12.0, credential=OPEN)
     m.drain(["L1"], now=12.0)  # drain deadline 42
     m.add_launch("x1", "default", now=12.0)  # join deadline 72
     m.pause(15.0, now=28.0)  # the coordinator did not run from 13 to 28
@@ -39,7 +39,7 @@ def test_a_pause_moves_live_leases_drains_and_joins_on_by_the_stall():
 
 def test_a_pause_never_revives_a_lease_that_had_run_out_before_the_stall():
     m = membership(lease_s=5.0)
-    m.join("", "", "", "", now=0.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
     m.pause(3.0, now=20.0)  # heard of at 0, lease to 5; the stall was later
     assert m.learner("L0").heartbeat_s == 3.0
     m.expire(20.0)

@@ -67,7 +67,7 @@ def test_the_kernels_counts_are_compared_with_each_learners_own(tmp_path):
 def test_a_launcher_without_sites_refuses_a_link_and_adds_no_flag(tmp_path):
     from diloco.coordinator.launcher import LocalProcessLauncher
 
-    launcher = LocalProcessLauncher(LocalLauncherConfig(), "127.0.0.1:1", tmp_path / "token", tmp_path, lambda *_: None)
+    launcher = LocalProcessLauncher(LocalLauncherConfig(), "127.0.0.1:1", lambda _: "token", tmp_path, lambda *_: None)
     with pytest.raises(InvalidArgument, match="no emulated sites"):
         launcher._site("a", {LINK_OVERRIDE: "5"})
     assert launcher._site("a", {"steps": "3"}) == []

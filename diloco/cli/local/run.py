@@ -392,7 +392,7 @@ class Progress:
             self.console.print(line, soft_wrap=True, markup=False)
         events = learner_events(self.run_dir)
         if time.monotonic() - self.last_stats > self.STATS_EVERY_S:
-            steps = {m["id"]: m["inner_steps"] for m in members}
+            steps = {m["id"]: m["inner_steps"] for m in members if m["launch_id"]}  # the run's own, as the summary
             self.step_goodput = tape_stats(self.run_dir, self.fragments, steps)["step_goodput"]
             self.last_stats = time.monotonic()
         statuses = shard_status(self.cluster.shards, self.cluster.secret)

@@ -136,7 +136,11 @@ def build_summary(cfg: LocalConfig, record: RunRecord, events: dict[str, list[di
     steps.update({i: s["inner_steps"] for i, s in summaries.items()})
     tokens = sum(s["tokens"] for s in summaries.values()) + sum(m["tokens"] for m in members if m["id"] not in summaries)
     part = {i: r for i, r in events.items() if i not in record.before}
-    stats = tape_stats(run_dir, cfg.run.fragments, {i: n for i, n in steps.items() if i not in record.before})
+    # Goodput counts the learners whose slots it counts, the ones the run launched: a learner
+    # that joined by itself (an own-loop script, a hostile one) holds no slot, and its own
+    # claims of steps and step times are not the run's work.
+    own = {m["id"] for m in members if m["launch_id"]} if members else set(summaries)
+    stats = tape_stats(run_dir, cfg.run.fragments, {i: n for i, n in steps.items() if i not in record.before and i in own})
     period = expected_period(cfg.run.sync_every_steps / cfg.run.fragments * stats["step_s"])  # a round every H/P steps
     start, stop, end = _training_window(cfg, record, part)
     up, stall = uptime(stats.pop("round_closes"), start, stop, period)

@@ -12,11 +12,11 @@ clock step can at worst fail a learner early, which then joins again.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from dataclasses import dataclass
 
+from diloco.auth import JoinCredential
 from diloco.coordinator.config import CoordinatorConfig
-from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from diloco.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 
 JOINING, ACTIVE, DRAINING, FAILED, LEFT = "joining", "active", "draining", "failed", "left"
 LIVE = (JOINING, ACTIVE, DRAINING)
@@ -25,11 +25,6 @@ STATES = (JOINING, ACTIVE, DRAINING, FAILED, LEFT)
 MAX_GONE_KEPT = 1000
 MAX_REASON_CHARS = 500
 """A learner's own reason for leaving is cut to this (it is stored, listed and shown)."""
-TOKEN_RATE_MULTIPLE = 3.0
-"""A learner's reported tokens are credited at most this many times the median rate of
-the other learners (``credit_tokens``): one learner's claims cannot exhaust a run's token
-budget. The shards bound its influence on the model by the same multiple
-(``SyncerConfig.robust_multiple``)."""
 
 
 @dataclass
@@ -57,10 +52,10 @@ class Learner:
     """When its heartbeats last reported more tokens or steps than before (or it joined)."""
     claimed: int = 0
     """The most tokens it has reported; ``tokens`` is what of them is credited."""
-    vouched: int = 0
-    """Tokens credited while other learners' rates bounded them: never taken back."""
-    token_rate: float = 0.0
-    """Its credited tokens per second since it joined (``credit_tokens``)."""
+    credential: str = ""
+    """The name of the join credential that admitted it (its admissions are counted by it)."""
+    max_tokens_per_s: float | None = None
+    """That credential's ceiling on its credited tokens per second; None: as it reports."""
 
     @property
     def live(self) -> bool:
@@ -194,10 +189,17 @@ class Membership:
 
     # --- learner calls ---------------------------------------------------------------
 
-    def join(self, pool: str, address: str, launch_id: str, plan_hash: str, now: float) -> Learner:
+    def join(self, pool: str, address: str, launch_id: str, plan_hash: str, now: float,
+             credential: JoinCredential) -> Learner:
+        """``credential``: the join credential presented (checked): it admits at most its
+        limit of live learners at once; one that left or failed frees its slot."""
         self.expire(now)
         pool = pool or self.cfg.default_pool
         self._check_pool(pool)
+        admitted = sum(1 for l in self.learners.values() if l.live and l.credential == credential.name)
+        if admitted >= credential.limit:
+            raise PermissionDenied(f"join credential {credential.name!r} admits at most {credential.limit} learner"
+                                   f"{'s' if credential.limit != 1 else ''} at once, and {admitted} are members")
         if plan_hash and self.plan_hash and plan_hash != self.plan_hash:
             raise FailedPrecondition(
                 f"fragment plan {plan_hash[:12]} differs from the run's {self.plan_hash[:12]}: check the model flags"
@@ -210,7 +212,8 @@ class Membership:
         # would have that member's process stopped when this one leaves.
         late = self.failed_launches.pop(launch_id, None) if launch_id and launch is None else None
         owned = launch.launch_id if launch is not None else late.launch_id if late is not None else ""
-        learner = Learner(f"L{self.next_number}", pool, address, owned, JOINING, now, now, progress_s=now)
+        learner = Learner(f"L{self.next_number}", pool, address, owned, JOINING, now, now, progress_s=now,
+                          credential=credential.name, max_tokens_per_s=credential.tokens_per_s)
         self.next_number += 1
         self.learners[learner.id] = learner
         self._emit("joined", learner, f"joined pool {pool}" + (f" (launch {launch_id})" if launch_id else ""))
@@ -256,28 +259,18 @@ class Membership:
             self._depart(learner, FAILED if failed else LEFT, reason, now, gently=True)
 
     def credit_tokens(self, learner: Learner, reported: int, now: float) -> None:
-        """Count the tokens a learner reports it has trained, as far as they are credible:
-        at most ``TOKEN_RATE_MULTIPLE`` x the median rate of the other learners (live or
-        gone: each one's credited tokens over its time in the run) times its own time in the
-        run, counted no longer than the longest of theirs. With no other learner's rate to compare with (the run's first reports), a
-        report is taken as it is, provisionally: once there is a reference, whatever exceeds
-        the bound is taken back. Counts credited under a reference never go down."""
+        """Count the tokens a learner reports it has trained, as far as it could have:
+        at most its credential's ``max_tokens_per_s`` times its time in the run (a ceiling
+        the operator set, never another learner's claim); a learner the coordinator
+        launched itself is credited as it reports. Credited counts never go down."""
         learner.claimed = max(learner.claimed, reported)
         credited = learner.tokens
-        age = max(now - learner.joined_s, 0.0)
-        others = [other for other in self.learners.values() if other is not learner and other.token_rate > 0]
-        if others:
-            # Time in the run counts only while some other learner was there to compare with:
-            # one that joins first cannot bank the time it was alone.
-            span = min(age, max(other.heartbeat_s - other.joined_s for other in others))
-            bound = int(TOKEN_RATE_MULTIPLE * statistics.median_low(o.token_rate for o in others) * span)
-            learner.vouched = max(learner.vouched, min(learner.claimed, bound))
-            learner.tokens = learner.vouched
-        else:
+        if learner.max_tokens_per_s is None:
             learner.tokens = learner.claimed
+        else:
+            bound = int(learner.max_tokens_per_s * max(now - learner.joined_s, 0.0))
+            learner.tokens = max(credited, min(learner.claimed, bound))
         self.tokens_total += learner.tokens - credited
-        if age > 0:
-            learner.token_rate = learner.tokens / age
 
     # --- time ------------------------------------------------------------------------
 
@@ -437,8 +430,10 @@ class Membership:
     def from_state(cls, cfg: CoordinatorConfig, plan_hash: str, state: dict) -> Membership:
         membership = cls(cfg, plan_hash, int(state.get("next_learner", 0)))
         try:
+            known = {f.name for f in dataclasses.fields(Learner)}
             for raw in state.get("learners", []):
-                learner = Learner(**raw)
+                # (a state file from before credentials were recorded: its fields that are gone)
+                learner = Learner(**{k: v for k, v in raw.items() if k in known})
                 if learner.state not in STATES or not learner.id.startswith("L"):
                     raise ValueError(f"bad learner record {raw}")
                 membership.learners[learner.id] = learner

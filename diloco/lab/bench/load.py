@@ -7,7 +7,7 @@ model of ``params`` parameters in ``shards`` fragments (one per shard, one tenso
 ``clients`` client processes then run ``learners`` synthetic learners between them, each
 a coroutine doing what a learner does on the wire:
 
-- Join with the run's join token (its own connections: no subchannel sharing between
+- Join with a join credential for all of them (its own connections: no subchannel sharing between
   learners), RegisterModel, heartbeat every second, Leave at the end.
 - Bootstrap each fragment against the initial values it holds (``have``: the shard answers
   with no values while they are still the initial ones).
@@ -386,7 +386,8 @@ def run_one(cfg: LoadConfig, say=lambda line: None) -> dict:
         sampled = None
         try:
             cluster.start()
-            token = (run_dir / "coordinator" / "join-token").read_text().strip()
+            # (one credential for every synthetic learner: the run's own admits join_learners)
+            token = auth.join_credential((run_dir / "secret").read_text().strip(), "load", cfg.learners)
             ctx = mp.get_context("spawn")
             clients = min(cfg.clients, cfg.learners)
             ready, sampled, results = ctx.Barrier(clients + 1), ctx.Event(), ctx.Queue()
