@@ -783,6 +783,9 @@ class ShardRuntime:
         how many named a fragment this shard holds."""
         if not self.core.cfg.validator:
             raise FailedPrecondition(f"shard {self.core.cfg.shard_id} runs without a validator (SyncerConfig.validator)")
+        for learner_id, _, _, _, trust in scores:  # all or none
+            if not (math.isfinite(trust) and 0.0 <= trust <= 1.0):
+                raise InvalidArgument(f"trust of {learner_id!r} must be in [0, 1], got {trust}")
         applied = 0
         for learner_id, fragment_id, seq, score, trust in scores:
             if self.core.set_trust(learner_id, fragment_id, trust):

@@ -18,9 +18,10 @@ async def running_shard(tmp_path, learners=("L0", "L1", "L2"), run=TINY, shard_i
     merge = rounds.pop("merge", MergeConfig())
     max_push_bytes = rounds.pop("max_push_bytes", 512 * 1024 * 1024)
     idle_s = rounds.pop("stream_idle_timeout_s", 60.0)
+    validator = rounds.pop("validator", False)
     cfg = SyncerConfig(
         shard_id=shard_id, num_shards=num_shards, rounds=RoundConfig(**rounds), merge=merge, max_push_bytes=max_push_bytes,
-        stream_idle_timeout_s=idle_s,
+        stream_idle_timeout_s=idle_s, validator=validator,
     )
     server = ShardServer(run, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=tuple(learners)),
                          seeded_core(run, cfg))
