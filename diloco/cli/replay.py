@@ -178,7 +178,7 @@ class _Replayer:
             raise FailedPrecondition(f"tape {self.tape}: fragment {r['fragment']} is at {job.version - 1}, the tape "
                                      f"closes {r['version']}")
         job = replace(job, weights=tuple(r["weights"]), participation=r.get("participation", 1.0),
-                      clip=tuple(r.get("clip", ())), gate=tuple(r.get("gate", ())),
+                      clip=tuple(r.get("clip", ())), gate=tuple(r.get("gate", ())), trust=tuple(r.get("trust", ())),
                       outer=MomentumStep(*r["outer"]) if "outer" in r else None)
         self.core.finish_round(job, compute_round(job, self.cfg), 0.0)
         self.rounds += 1

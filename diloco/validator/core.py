@@ -10,10 +10,10 @@ on the push's fragment.
 
 A trusted direction, not the loss at ``w - d``: the global values already hold most of
 the pushes the validator sees (rounds close within milliseconds), and from there a second
-step along an honest delta often overshoots, or the gradient has turned: measured on an
-honest run, the first-order loss change ``-g . d / L`` of honest pushes had a median of
--0.0009 and a 95th percentile of +0.0038, so no threshold told them from a negated push
-(docs/results/trust/)."""
+step along an honest delta often overshoots, or the gradient has turned: tried first, the
+loss at ``w - d`` against ``w + d`` and the first-order change ``-g . d`` both scored many
+honest pushes as raising the loss, by as much as a negated push would
+(docs/results/trust/README.md)."""
 
 from __future__ import annotations
 

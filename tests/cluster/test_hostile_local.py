@@ -1,55 +1,91 @@
-"""One hostile learner in a real `diloco local` run (the short version of
-docs/results/influence/): it joins with the run's own join token and TLS credential and
-pushes, every time a push is due, a delta along the model's own values at 95 % of what a
-shard accepts, claiming 10**10 tokens per step. The same run without it, side by side:
-the model still trains, the shards clipped every one of its merged pushes, its tokens are
-credited as at most a few learners' worth, and the rounds replay bit for bit from the
-tapes (the clips are recorded)."""
+"""Hostile learners in a real `diloco local` run: the short version of
+docs/results/influence/ and docs/results/trust/ (tiny model, 80 steps, one seed). Each
+attack of the harness (``diloco.lab.bench.hostile``) joins one learner with the run's own
+join credential and TLS credential beside 2 honest ones: the model still trains as far as
+without it. Three learners of one credential pushing their negated outer gradient
+against 2 honest ones are scored out by the validator. The attacked runs replay bit for
+bit from the tapes (clips, gates and trust are recorded)."""
 
 import json
+import statistics
 import subprocess
 import sys
 
 import pytest
 
 from diloco.lab.bench.hostile import CLAIMED_TOKENS_PER_STEP, one_run
+from diloco.tape import read_tape
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
 TINY = ["--width", "32", "--depth", "1", "--heads", "2", "--context", "32", "--fragments", "4", "--sync-every", "8",
         "--batch-size", "8"]
 STEPS = 80
+ATTACKS = ("grow", "random", "zero", "tiny", "negate")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hostile")
-    return {attack: one_run(out, 0, attack, 3, STEPS, 0.1, TINY) | {"dir": out / f"{attack}-seed0"}
-            for attack in ("none", "grow")}
+    runs = {attack: one_run(out, 0, attack, 2, STEPS, 0.1, TINY) | {"dir": out / f"{attack}-seed0"}
+            for attack in ("none", *ATTACKS)}
+    sybil = tmp_path_factory.mktemp("sybil")
+    for attack in ("none", "negate"):
+        runs[f"sybil-{attack}"] = one_run(sybil, 0, attack, 2, STEPS, 0.1, [*TINY, "--validator"], attackers=3) \
+            | {"dir": sybil / f"{attack}-seed0"}
+    return runs
 
 
-def test_a_learner_pushing_the_largest_accepted_delta_every_time_does_not_ruin_the_run(runs):
-    honest, attacked = runs["none"], runs["grow"]
+def _start(run) -> float:
+    return json.loads((run["dir"] / "summary.json").read_text())["eval_loss_start"]
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_one_hostile_learner_of_three_does_not_ruin_the_run(runs, attack):
+    honest, attacked = runs["none"], runs[attack]
     assert honest["exit"] == 0 and attacked["exit"] == 0
-    assert attacked["attacker"][0].endswith("joined: attack grow"), attacked["attacker"]
-    assert attacked["attacker_pushes_merged"] >= 10
-    assert attacked["attacker_factor_median"] < 0.2  # its deltas are cut to the honest ones' scale and direction
-    start = json.loads((honest["dir"] / "summary.json").read_text())["eval_loss_start"]
-    assert honest["eval_final"] < start - 1.5
-    # Without the bounds this run ends far above its start (the model's norm grows ~10x per merged push).
+    assert attacked["attacker"][0].endswith(f"joined: attack {attack}"), attacked["attacker"]
+    assert attacked["attacker_pushes_merged"] >= 5
+    assert honest["eval_final"] < _start(honest) - 1.5
+    # Without the bounds, grow ends far above its start (the model's norm grows ~10x per merged push).
     assert attacked["eval_final"] < honest["eval_final"] * 1.10
 
 
-def test_its_claimed_tokens_count_as_a_few_learners_worth(runs):
+def test_the_largest_pushes_are_cut_to_the_honest_scale_and_direction(runs):
+    for attack in ("grow", "random"):
+        assert runs[attack]["attacker_factor_median"] < 0.2, attack
+
+
+def test_a_peer_pushing_zeros_or_crumbs_does_not_clip_the_honest_learners_to_nothing(runs):
+    for attack in ("zero", "tiny"):
+        run = runs[attack]
+        assert run["honest_pushes_cut"] <= 0.25 * run["honest_pushes_merged"], run
+
+
+def test_its_claimed_tokens_count_for_nothing(runs):
     honest = json.loads((runs["none"]["dir"] / "summary.json").read_text())["tokens"]
     attacked = json.loads((runs["grow"]["dir"] / "summary.json").read_text())["tokens"]
     assert STEPS * CLAIMED_TOKENS_PER_STEP > 1000 * honest  # what it claimed
-    # The three honest learners' tokens plus at most 3x one's rate over as long as they trained.
-    assert attacked < 2.3 * honest
+    assert attacked < 1.2 * honest  # the honest learners' tokens, give or take their timing
 
 
-def test_the_attacked_run_replays_bit_for_bit(runs):
-    proc = subprocess.run([sys.executable, "-m", "diloco", "replay", str(runs["grow"]["dir"]), "--json", "--check"],
+def test_the_validator_scores_three_sybils_out(runs):
+    honest, attacked = runs["sybil-none"], runs["sybil-negate"]
+    assert honest["exit"] == 0 and attacked["exit"] == 0
+    assert len([line for line in attacked["attacker"] if "joined: attack negate" in line]) == 3
+    records = [r for tape in sorted(attacked["dir"].glob("shard*/tape-*.jsonl")) for r in read_tape(tape)]
+    attackers = {r["learner"] for r in records if r["kind"] == "trust"} - {
+        p.name.removesuffix(".json") for p in (attacked["dir"] / "learners").glob("*.json")}
+    assert len(attackers) == 3
+    judged = [r for r in records if r["kind"] == "trust" and r["learner"] in attackers]
+    assert statistics.median(r["trust"] for r in judged) == 0.0
+    assert attacked["attacker_factor_median"] < 0.1
+    assert attacked["eval_final"] < honest["eval_final"] * 1.15
+
+
+@pytest.mark.parametrize("run", ["grow", "sybil-negate"])
+def test_the_attacked_run_replays_bit_for_bit(runs, run):
+    proc = subprocess.run([sys.executable, "-m", "diloco", "replay", str(runs[run]["dir"]), "--json", "--check"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout)

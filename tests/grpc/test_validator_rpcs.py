@@ -48,7 +48,8 @@ def test_a_distrusted_learner_moves_nothing_and_the_tape_says_so(tmp_path):
             state = server.runtime.core.fragments[0]
             l0, l1 = FakeLearner.of(server, "L0", seed=0), FakeLearner.of(server, "L1", seed=1)
             async with client_for(address, auth.VALIDATOR_ID) as validator:
-                assert await validator.score([("L1", 0, 1, -0.4, 0.0), ("L1", 7, 1, -0.4, 0.0)]) == 1  # no fragment 7
+                assert await validator.score([("L1", 0, 1, -0.4, 0.0), ("L1", 7, 1, -0.4, 0.0),  # no fragment 7
+                                              ("L0", 0, 1, 0.3, 1.0)]) == 2
             before = [p.copy() for p in state.params]
             async with client_for(address, "L1") as client:
                 await l1.push(client)
@@ -64,7 +65,8 @@ def test_a_distrusted_learner_moves_nothing_and_the_tape_says_so(tmp_path):
             assert _moved(before, state.params) > 0
         records = list(read_tape(tmp_path / "tape-S0.jsonl"))
         trusts = [r for r in records if r["kind"] == "trust"]
-        assert [(r["learner"], r["trust"], r["score"]) for r in trusts] == [("L1", 0.0, -0.4), ("L1", 1.0, None)]
+        assert [(r["learner"], r["trust"], r["score"]) for r in trusts] == [("L1", 0.0, -0.4), ("L0", 1.0, 0.3),
+                                                                             ("L1", 1.0, None)]
         rounds = [r for r in records if r["kind"] == "round"]
         assert rounds[0]["participants"] == ["L1"] and rounds[0]["trust"] == [0.0] and rounds[0]["weights"] == [0.0]
         assert "trust" not in rounds[1] and "trust" not in rounds[2]
@@ -116,3 +118,34 @@ def test_a_trust_outside_zero_to_one_is_refused_and_changes_nothing(tmp_path, tr
 
     run(scenario())
 
+
+
+def test_once_the_validator_judges_a_learner_it_has_not_judged_is_on_probation(tmp_path):
+    """Before the validator's first judgement every push counts (the run's first seconds);
+    after it, a learner's pushes of a fragment count once one of them has been judged."""
+    async def scenario():
+        async with running_shard(tmp_path, validator=True) as (server, address):
+            state = server.runtime.core.fragments[0]
+            l0, l2 = FakeLearner.of(server, "L0", seed=0), FakeLearner.of(server, "L2", seed=2)
+            before = [p.copy() for p in state.params]
+            async with client_for(address, "L2") as client:
+                await l2.push(client)
+            counted = _moved(before, state.params)
+            assert counted > 0  # no judgement yet: it counts
+            async with client_for(address, auth.VALIDATOR_ID) as validator:
+                await validator.score([("L2", 0, 1, 0.4, 1.0)])
+            before = [p.copy() for p in state.params]
+            async with client_for(address, "L0") as client:
+                await l0.push(client)
+            # Never judged: on probation (what moves is the int4 rounding the last step left over).
+            assert _moved(before, state.params) < 0.01 * counted
+            async with client_for(address, auth.VALIDATOR_ID) as validator:
+                samples = await validator.samples()
+                assert {s.learner_id for s in samples} == {"L0", "L2"}  # its push is there to be judged
+                await validator.score([("L0", 0, 1, 0.3, 1.0)])
+            before = [p.copy() for p in state.params]
+            async with client_for(address, "L0") as client:
+                await l0.push(client)
+            assert _moved(before, state.params) > 0.5 * counted
+
+    run(scenario())

@@ -1016,3 +1016,23 @@ def test_claimed_tokens_count_at_most_three_times_the_other_learners():
     job = close(shard, 0, now=1.2)
     assert [p.meta.learner_id for p in job.pushes] == ["L0", "L3"]
     assert job.weights == (pytest.approx(0.1), pytest.approx(0.9))
+
+
+def test_a_peer_pushing_zeros_or_a_distrusted_one_does_not_share_an_honest_rounds_step():
+    """A round's step is shared among the live learners whose pushes count: a member whose
+    latest push is under 1 % of the round's largest (zeros, crumbs) or that the validator
+    distrusts is not one of them, so it cannot halve the honest learner's steps."""
+    shard, initial = make_shard(num_fragments=1)
+    shard.set_membership({"L0", "L1", "L2"}, set())
+    honest, zero, sybil = (Learner(f"L{i}", shard, initial, seed=i) for i in range(3))
+    job = (honest.push(0, now=0.0), close(shard, 0, now=0.01))[1]
+    assert job.participation == pytest.approx(1 / 3)  # nothing known of the others yet
+    zero.push(0, now=0.1, deltas=[torch.zeros(p.shape) for p in shard.plan.fragments[0].pieces])
+    close(shard, 0, now=0.11)
+    honest.push(0, now=0.2)
+    assert close(shard, 0, now=0.21).participation == pytest.approx(1 / 2)
+    shard.set_trust("L2", 0, 0.0)
+    shard.set_trust("L0", 0, 1.0)
+    honest.push(0, now=0.3)
+    job = close(shard, 0, now=0.31)
+    assert job.weights[0] > 0 and job.participation == 1.0

@@ -187,6 +187,10 @@ class Cluster:
         })
         status_file = self.dir / "coordinator" / STATUS_URL_FILE
         status_file.unlink(missing_ok=True)  # a resumed run's: its coordinator writes its own
+        if self.cfg.validator:  # first: it builds the task while the others start, and judges the first pushes
+            config = self.dir / "validator.json"
+            atomic_write_json(config, {"shards": ",".join(self.shards), **self.common})
+            self._endpoint("validator", "", self._spawn("validator", ["validator", "--config", str(config)]).pid)
         coord = self._spawn("coordinator", ["coordinator", "--config", str(coordinator_config), *self.restore])
         # Every shard starts at once; then each is waited for.
         self.shard_procs = [self._spawn(f"shard{m}", [*self._shard_args(m), *self.restore]) for m in range(len(self.shards))]
@@ -195,10 +199,6 @@ class Cluster:
             self._endpoint(f"shard{m}", address, shard.pid)
         self._wait_serving(self.coordinator, "the coordinator", coord)
         self._endpoint("coordinator", self.coordinator, coord.pid)
-        if self.cfg.validator:
-            config = self.dir / "validator.json"
-            atomic_write_json(config, {"shards": ",".join(self.shards), **self.common})
-            self._endpoint("validator", "", self._spawn("validator", ["validator", "--config", str(config)]).pid)
         token_file = self.dir / "coordinator" / "admin-token"
         wait_until(lambda: token_file.exists(), self.cfg.startup_timeout_s, "the admin token")
         atomic_write(self.dir / "admin-token", token_file.read_text())

@@ -159,6 +159,10 @@ class Influence:
         if sample is not None and cos is not None:
             self.latest[learner] = dataclasses.replace(sample, cos=cos)
 
+    def negligible(self, floor: float) -> set[str]:
+        """The learners whose latest push's norm is under ``floor``."""
+        return {learner for learner, sample in self.latest.items() if sample.norm < floor}
+
     def forget(self, learner: str) -> None:
         self.latest.pop(learner, None)
 

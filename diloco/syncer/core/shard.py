@@ -45,6 +45,14 @@ DUPLICATE = "duplicate"
 SAMPLES_KEPT = 16
 """With a validator, each fragment keeps the latest push of this many learners (the most
 recent pushers): what the validator scores."""
+PROBATION_TRUST = 0.0
+"""What a learner's pushes of a fragment count for before the validator judged one of
+them, once it has judged anyone (``ShardCore.trust_of``)."""
+NEGLIGIBLE_RATIO = 1e-2
+"""A learner whose latest push to a fragment is under this x the largest push of a round
+(as clipped) is not among the live learners that round's step is shared with: next to it, it moves
+nothing (a peer pushing zeros would halve a lone honest learner's steps). Relative to the
+round, so that honest deltas that all shrink late in a run keep their share."""
 MAX_LEFT_KEPT = 4096
 """Learners that left, remembered (newest) so that their credentials, still valid until
 they expire, no longer read the model; older ones are forgotten."""
@@ -170,7 +178,7 @@ class FragmentState:
     ``SAMPLES_KEPT`` learners that pushed most recently, as it arrived."""
     trust: dict[str, float] = field(default_factory=dict)
     """The validator's latest judgement of each learner's pushes of this fragment: the
-    factor its merge weight and delta are taken at (absent: 1)."""
+    factor its merge weight and delta are taken at (``ShardCore.trust_of``)."""
 
 
 @dataclass(frozen=True)
@@ -390,6 +398,8 @@ class ShardCore:
         self.draining: set[str] = set()
         """Learners the coordinator is draining: they may still push (their last progress
         is merged), but no round waits for them."""
+        self.validating = False
+        """A validator has judged a push here: learners it has not judged yet are on probation."""
         self.left: dict[str, None] = {}
         """The newest ``MAX_LEFT_KEPT`` learners that left, oldest first."""
         self.fragments: dict[int, FragmentState] = {}
@@ -619,9 +629,9 @@ class ShardCore:
             (p.meta.learner_id for p in counted),
             state.influence.bounds(measured, self.cfg.robust_multiple, lambda: self.fragment_norm(state),
                                    frozenset((self.live | self.draining) - self.failed))))
-        trust = tuple(state.trust.get(p.meta.learner_id, 1.0) for p in pushes)
+        trust = tuple(self.trust_of(state, p.meta.learner_id) for p in pushes)
         # A learner the validator doubts vouches for no one: only trusted pushes are references.
-        state.influence.record([m for m in measured if state.trust.get(m.learner, 1.0) == 1.0])
+        state.influence.record([m for m in measured if self.trust_of(state, m.learner) == 1.0])
         contributions = [
             Contribution(
                 p.meta.learner_id,
@@ -641,8 +651,14 @@ class ShardCore:
         # at the end of a run the last learner's final push was merged at 4x its share once
         # the others had left, and the final eval came out worse than an eighth before it.
         state.departed = {d: until for d, until in state.departed.items() if until > state.version}
-        members = ((self.live | self.draining) - self.failed) | set(state.departed)
-        pushed = {p.meta.learner_id for p, w in zip(pushes, weights) if w > 0}
+        # Members whose pushes count for nothing (distrusted, or pushing nothing) are not among
+        # the live learners a round's step is shared with: three Sybils, or one peer pushing
+        # zeros, would otherwise cut every honest round's step to a fifth or a half.
+        largest = max((m.norm * (bounds[m.learner].clip if m.learner in bounds else 1.0) for m in measured), default=0.0)
+        idle = state.influence.negligible(NEGLIGIBLE_RATIO * largest) \
+            | {learner for learner in self.live | self.draining if self.trust_of(state, learner) == 0.0}
+        members = (((self.live | self.draining) - self.failed) | set(state.departed)) - idle
+        pushed = {p.meta.learner_id for p, w in zip(pushes, weights) if w > 0} - idle
         live = len(members | pushed)
         for p, w in zip(pushes, weights):
             if p.meta.final and w > 0:
@@ -893,12 +909,21 @@ class ShardCore:
         state = self.fragments.get(fragment_id)
         if state is None:
             return False
-        if trust == 1.0:
-            state.trust.pop(learner_id, None)
-        else:
-            state.trust[learner_id] = trust
+        self.validating = True
+        state.trust[learner_id] = trust
+        if trust < 1.0:
             state.influence.forget(learner_id)
         return True
+
+    def trust_of(self, state: FragmentState, learner_id: str) -> float:
+        """What a learner's pushes of a fragment count for: the validator's latest judgement;
+        before its first judgement of the learner, 1 until the validator has judged anyone
+        (the run's first seconds: nothing to go on) and ``PROBATION_TRUST`` after (a learner
+        that joins a validated run counts once a push of its own has been judged)."""
+        judged = state.trust.get(learner_id)
+        if judged is not None:
+            return judged
+        return PROBATION_TRUST if self.validating else 1.0
 
     def learner_draining(self, learner_id: str) -> None:
         self.live.discard(learner_id)
