@@ -86,7 +86,7 @@ class Validator:
             loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            total += float(loss)
+            total += loss.item()
         with torch.no_grad():
             self.direction = {f: [g.reshape(-1) - v.reshape(-1) for g, v in zip(values, self._views(f))]
                               for f, values in self.global_values.items()}
