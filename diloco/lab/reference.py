@@ -19,8 +19,9 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.config import RunConfig
 from diloco.learner.config import LearnerConfig
 from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
+from diloco.validator.config import ValidatorConfig
 
-COMMANDS = ("syncer", "learner", "coordinator", "local", "compare", "baseline dp", "baseline torchft")
+COMMANDS = ("syncer", "learner", "coordinator", "validator", "local", "compare", "baseline dp", "baseline torchft")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "SETTINGS.md"
 SCHEMA = Path(__file__).resolve().parents[2] / "k8s" / "diloco" / "values.schema.json"
 """The chart's values schema: each value that sets a config field is described by the
@@ -79,6 +80,9 @@ CHART_VALUES: dict[tuple[type, str], ChartValue] = {
     (LearnerConfig, "steps"): ChartValue("learners.steps", own_default="a deployment trains longer than a local try"),
     (LearnerConfig, "lr"): ChartValue("learners.lr"),
     (LearnerConfig, "warmup_steps"): ChartValue("learners.warmupSteps"),
+    (ValidatorConfig, "interval_s"): ChartValue("validator.intervalSeconds"),
+    (ValidatorConfig, "steps"): ChartValue("validator.steps"),
+    (ValidatorConfig, "agreement"): ChartValue("validator.agreement"),
 }
 
 

@@ -57,6 +57,21 @@ VARIANTS = {
     "tls": merge(EXISTING_SECRET, {"tls": {"enabled": True, "existingSecret": "diloco-tls"}}),
     "tls-cert-manager": merge(EXISTING_SECRET, {"tls": {"certManager": {"issuerName": "run-ca", "issuerKind": "ClusterIssuer"}}}),
     "plaintext": merge(EXISTING_SECRET, {"tls": {"enabled": False}}),
+    # The validator on its own nodes, over three shards, with the task's data mounted as
+    # the learners mount it.
+    "validator": merge(EXISTING_SECRET, {
+        "syncer": {"shards": 3},
+        "run": {"taskOptions": {"data": "/data/corpus"}},
+        "validator": {
+            "enabled": True, "intervalSeconds": 2.5, "steps": 4, "agreement": 0.1,
+            "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "cpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+            "extraVolumes": [{"name": "corpus", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": True,
+                                                     "volumeAttributes": {"bucketName": "corpus"}}}],
+            "extraVolumeMounts": [{"name": "corpus", "mountPath": "/data", "readOnly": True}],
+        },
+    }),
     # Snapshots in object storage on a schedule, credentials from a Secret, restored from.
     "object-storage": merge(EXISTING_SECRET, {
         "restore": "latest",

@@ -86,8 +86,8 @@ def test_the_scan_covered_the_chart_the_launched_pods_and_the_images(checkov, re
     assert set(by_type) == {"kubernetes", "dockerfile"}
     assert all(r["summary"]["parsing_errors"] == 0 for r in by_type.values())
     scanned = {_resource(r) for r in failed + passed}
-    assert {"StatefulSet/diloco-syncer", "Deployment/diloco-coordinator", "Role/diloco-learner-launcher",
-            "Pod/diloco-test-health", *DOCKERFILES} <= scanned
+    assert {"StatefulSet/diloco-syncer", "Deployment/diloco-coordinator", "Deployment/diloco-validator",
+            "Role/diloco-learner-launcher", "Pod/diloco-test-health", *DOCKERFILES} <= scanned
     assert any(r.startswith("Job/diloco-learner-") for r in scanned)
     launched_pods = {f"Pod/{p['metadata']['name']}" for pods, _ in launched.values() for p in pods}
     assert launched_pods <= scanned

@@ -18,7 +18,9 @@ from diloco.coordinator.server import SERVICE_NAME as COORDINATOR_SERVICE
 from diloco import telemetry
 from diloco.command import build_parser
 from diloco.config import RunConfig
+from diloco.cli.settings import from_flags
 from diloco.syncer.server import SERVICE_NAME as SYNCER_SERVICE
+from diloco.validator.config import ValidatorConfig
 from tests.k8s.chart import (
     CLUSTER_DOMAIN,
     NAMESPACE,
@@ -30,11 +32,12 @@ from tests.k8s.chart import (
     container,
     environment,
     ingress_allowed,
+    merge,
     mounted,
     statefulset_pod,
     templated_pod,
 )
-from tests.k8s.conftest import configmap_uid
+from tests.k8s.conftest import VARIANTS, configmap_uid
 
 TPU_PRESETS = {"values-tpu-v5e.yaml": ("tpu-v5-lite-podslice", "2x4"), "values-tpu-v6e.yaml": ("tpu-v6e-slice", "2x4")}
 
@@ -51,6 +54,11 @@ def tls_secret_name(rendered):
 def coordinator_pod(rendered):
     deployment = rendered.one("Deployment", "-coordinator")
     return templated_pod(deployment["spec"]["template"], "diloco-coordinator-5d9f-x2x4z")
+
+
+def validator_pod(rendered):
+    deployment = rendered.one("Deployment", "-validator")
+    return templated_pod(deployment["spec"]["template"], "diloco-validator-6c4f-k2j8q")
 
 
 def job_pod(rendered, index=0):
@@ -372,10 +380,12 @@ def grpc_processes(rendered):
             **{f"template/{k}": (templated_pod(t, "p"), "learner", None) for k, t in rendered.pod_templates().items()}}
     test_pod = next(p for p in rendered.all("Pod") if p["metadata"]["name"].endswith("-test-health"))
     pods["helm test"] = (test_pod, "health", None)
+    if rendered.values["validator"]["enabled"]:
+        pods["validator"] = (validator_pod(rendered), "validator", None)
     return pods
 
 
-@pytest.mark.parametrize("name", ["defaults", "tls", "tls-cert-manager"])
+@pytest.mark.parametrize("name", ["defaults", "tls", "tls-cert-manager", "validator"])
 def test_with_tls_every_process_gets_the_run_s_certificates_and_probes_use_the_health_port(variants, name):
     """tls.enabled (the default; certificates generated, the user's Secret, or
     cert-manager's): every container that opens a gRPC server or channel (coordinator,
@@ -402,10 +412,11 @@ def test_with_tls_every_process_gets_the_run_s_certificates_and_probes_use_the_h
         assert c["livenessProbe"]["grpc"] == {"port": health_port}
 
 
-def test_plaintext_is_asked_for_explicitly_in_every_process(variants):
+def test_plaintext_is_asked_for_explicitly_in_every_process(chart):
     """tls.enabled=false: every gRPC process is told DILOCO_INSECURE=1 (diloco refuses
     plaintext otherwise), mounts no certificates, and is probed on its main port."""
-    rendered = variants["plaintext"]
+    rendered = chart.render(merge(VARIANTS["plaintext"], {"validator": {"enabled": True}}))
+    assert rendered.one("Deployment", "-validator")
     assert not rendered.all("Certificate") and not [s for s in rendered.all("Secret") if s["metadata"]["name"].endswith("-tls")]
     for what, (pod, name, service) in grpc_processes(rendered).items():
         c = container(pod, name)
@@ -467,7 +478,7 @@ def test_cert_manager_is_asked_for_a_certificate_every_process_can_use(variants)
     assert not [s for s in rendered.all("Secret") if s["metadata"]["name"] == spec["secretName"]]
 
 
-@pytest.mark.parametrize("name", [*PRESETS, *MULTIHOST_PRESETS, "observability", "restore-pinned"])
+@pytest.mark.parametrize("name", [*PRESETS, *MULTIHOST_PRESETS, "observability", "restore-pinned", "validator"])
 def test_security_context_and_resources_everywhere(renders, launched, name):
     rendered = renders[name]
     pods = {**rendered.workload_pods(), **{f"template/{k}": v for k, v in rendered.pod_templates().items()}}
@@ -665,3 +676,77 @@ def test_the_owner_flag_and_the_role_name_the_rendered_configmap(variants, name)
     assert parsed.owner_configmap == owner and rule["resourceNames"] == [owner] and rule["verbs"] == ["get"]
     if name == "restore-pinned":
         assert owner == "run-b-pod-templates"
+
+
+# --- the validator -----------------------------------------------------------------------
+
+
+def test_the_validator_s_args_parse_and_name_every_shard_in_shard_order(variants):
+    """What `diloco validator` makes of the rendered args: every shard's stable address at
+    its shard id (the StatefulSet pod of that ordinal, as the coordinator lists them), the
+    values' interval, steps and agreement in its config, the run config and the run secret
+    from their mounts; and every shard runs with --validator."""
+    rendered = variants["validator"]
+    values = rendered.values["validator"]
+    pod = validator_pod(rendered)
+    c = container(pod, "validator")
+    parsed = build_parser().parse_args(args(pod, c))
+    assert parsed.command == "validator" and parsed.log_level == rendered.values["logLevel"]
+    cfg = from_flags(parsed, ValidatorConfig)
+    assert (cfg.interval_s, cfg.steps, cfg.agreement) == (values["intervalSeconds"], values["steps"], values["agreement"])
+    sts = rendered.one("StatefulSet", "-syncer")
+    shards = rendered.values["syncer"]["shards"]
+    assert len(cfg.shards) == shards == 3
+    coordinator = build_parser().parse_args(args(coordinator_pod(rendered), container(coordinator_pod(rendered), "coordinator")))
+    assert list(cfg.shards) == coordinator.shards.split(",")
+    for ordinal in range(shards):
+        shard = statefulset_pod(sts, ordinal)
+        shard_args = build_parser().parse_args(args(shard, container(shard, "syncer")))
+        assert shard_args.shard_id == ordinal and shard_args.validator is True
+        dns = f"{shard['spec']['hostname']}.{shard['spec']['subdomain']}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}"
+        assert cfg.shards[ordinal] == f"{dns}:{shard_args.port}"
+    configmap = rendered.one("ConfigMap", "-run")
+    assert mounted(pod, c, parsed.run_config) == Mounted("configMap", configmap["metadata"]["name"], "run-config.json")
+    assert RunConfig.from_json(configmap["data"]["run-config.json"]).task_options["data"] == "/data/corpus"
+    assert mounted(pod, c, "/data/corpus") == Mounted("csi", "corpus", "corpus"), "the task's data, as the learners read it"
+    assert mounted(pod, c, parsed.secret_file) == Mounted("secret", rendered.values["auth"]["existingSecret"], "secret")
+
+
+def test_the_validator_defaults_are_the_validator_s_own(chart):
+    """The chart's defaults give the validator the config it has without flags."""
+    rendered = chart.render(merge(VARIANTS["defaults"], {"validator": {"enabled": True}}))
+    pod = validator_pod(rendered)
+    cfg = from_flags(build_parser().parse_args(args(pod, container(pod, "validator"))), ValidatorConfig)
+    assert cfg == ValidatorConfig(shards=cfg.shards) and len(cfg.shards) == rendered.values["syncer"]["shards"]
+
+
+def test_the_validator_holds_the_run_secret_and_no_other_credential(variants):
+    """It signs itself V with the run secret: of the auth Secret only that key is
+    projected (not the join or the admin token), beside the TLS Secret."""
+    rendered = variants["validator"]
+    pod = validator_pod(rendered)
+    secrets = {v["secret"]["secretName"]: v["secret"].get("items") for v in pod["spec"]["volumes"] if "secret" in v}
+    assert secrets.pop(rendered.values["auth"]["existingSecret"]) == [{"key": "secret", "path": "secret"}]
+    assert list(secrets) == [tls_secret_name(rendered)]
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert "envFrom" not in container(pod, "validator")
+
+
+def test_network_policy_lets_the_validator_reach_the_shards_only(variants, chart):
+    rendered = variants["validator"]
+    policies = rendered.all("NetworkPolicy")
+    validator = _pod_labels(validator_pod(rendered))
+    shard = _pod_labels(statefulset_pod(rendered.one("StatefulSet"), 0))
+    coordinator = _pod_labels(coordinator_pod(rendered))
+    learner = _pod_labels(job_pod(rendered))
+    grpc_port = ("grpc", rendered.values["syncer"]["port"])
+    assert ingress_allowed(policies, shard, validator, grpc_port)
+    assert not ingress_allowed(policies, coordinator, validator, ("grpc", rendered.values["coordinator"]["port"]))
+    for peer in (shard, coordinator, learner):
+        assert not ingress_allowed(policies, validator, peer, grpc_port), "the validator accepts no connections"
+    assert not ingress_allowed(policies, shard, {**validator, "app.kubernetes.io/instance": "other"}, grpc_port)
+    assert not ingress_allowed(policies, shard, validator, grpc_port, source_namespace="other")
+    # Without the validator the shards admit no pod labelled as one.
+    disabled = chart.render(VARIANTS["defaults"]).all("NetworkPolicy")
+    assert not ingress_allowed(disabled, shard, validator, grpc_port)
+    assert ingress_allowed(disabled, shard, learner, grpc_port)

@@ -5,6 +5,7 @@ unknown fields), on the oldest Kubernetes the chart supports and the newest know
 import helm_python as helm
 import kubernetes_validate
 import pytest
+import yaml
 
 from tests.k8s.chart import (CHART, CRD_KINDS, EXISTING_SECRET, MULTIHOST_PRESETS, PRESETS, REGISTRY, container, merge,
                              preset)
@@ -223,3 +224,48 @@ def test_the_service_monitor_is_rendered_only_when_asked_and_selects_the_metrics
     pods = [*labelled.workload_pods().values(), *labelled.pod_templates().values()]
     selected = [p for p in pods if service["spec"]["selector"].items() <= p["metadata"]["labels"].items()]
     assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in selected} >= {"coordinator", "syncer", "learner"}
+
+
+# --- the validator (validator.enabled) ------------------------------------------------------
+
+
+def _components(rendered) -> set[str]:
+    return {o["metadata"]["labels"].get("app.kubernetes.io/component") for o in rendered.objects}
+
+
+@pytest.mark.parametrize("name", [*PRESETS, *MULTIHOST_PRESETS, *(v for v in VARIANTS if v != "validator")])
+def test_without_the_validator_nothing_of_it_is_rendered_and_shards_keep_no_samples(renders, name):
+    rendered = renders[name]
+    assert rendered.values["validator"]["enabled"] is False
+    assert "validator" not in _components(rendered)
+    assert "validator" not in yaml.safe_dump_all(rendered.all("NetworkPolicy"))
+    for sts in rendered.all("StatefulSet"):
+        assert "--validator" not in container(sts["spec"]["template"], "syncer")["args"]
+
+
+def test_the_validator_is_one_deployment_on_the_nodes_its_values_name(variants):
+    rendered = variants["validator"]
+    values = rendered.values["validator"]
+    deployment = rendered.one("Deployment", "-validator")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert {o["kind"] for o in rendered.objects if o["metadata"]["labels"].get("app.kubernetes.io/component") == "validator"} \
+        == {"Deployment"}, "a client of the shards: no Service, no claim"
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == values["nodeSelector"] and spec["tolerations"] == values["tolerations"]
+    assert spec["affinity"] == values["affinity"] and spec["automountServiceAccountToken"] is False
+    c = container(pod, "validator")
+    assert c["resources"] == values["resources"]
+    assert c["image"] == container(rendered.one("StatefulSet", "-syncer")["spec"]["template"], "syncer")["image"]
+    assert not {"startupProbe", "readinessProbe", "livenessProbe", "ports"} & set(c), "it serves no port (metrics off)"
+    assert {"name": "corpus", "mountPath": "/data", "readOnly": True} in c["volumeMounts"]
+    sts = rendered.one("StatefulSet", "-syncer")
+    assert container(sts["spec"]["template"], "syncer")["args"].count("--validator") == 1
+
+
+def test_the_validator_serves_metrics_when_the_release_does(chart):
+    rendered = chart.render(merge(EXISTING_SECRET, {"validator": {"enabled": True}, "metrics": {"enabled": True}}))
+    pod = rendered.one("Deployment", "-validator")["spec"]["template"]
+    assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in container(pod, "validator")["ports"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9464"

@@ -72,6 +72,14 @@ BAD = {
     "the old learner batch size": ({"learners": {"batchSize": 16}}, "additional properties 'batchSize'"),
     "negative seed": ({"run": {"seed": -1}}, "/run/seed"),
     "unknown reply rule": ({"run": {"replyRule": "average"}}, "/run/replyRule"),
+    "validator switch not a boolean": ({"validator": {"enabled": "yes"}}, "/validator/enabled"),
+    "validator interval of 0": ({"validator": {"intervalSeconds": 0}}, "/validator/intervalSeconds"),
+    "validator without a step": ({"validator": {"steps": 0}}, "/validator/steps"),
+    "validator agreement of 0": ({"validator": {"agreement": 0}}, "/validator/agreement"),
+    "validator agreement over 1": ({"validator": {"agreement": 1.5}}, "/validator/agreement"),
+    "validator value misspelt": ({"validator": {"interval": 2}}, "at '/validator': additional properties 'interval'"),
+    "validator mount without a path": ({"validator": {"extraVolumeMounts": [{"name": "corpus"}]}},
+                                       "at '/validator/extraVolumeMounts/0': missing property 'mountPath'"),
 }
 
 
@@ -107,6 +115,8 @@ def test_presets_and_the_good_values_of_the_bad_cases_pass(chart, name):
         "fullnameOverride": "x" * 40, "networkPolicy": {"adminFrom": [{"podSelector": {}}]},
         "run": {"taskOptions": {"width": "256", "heads": "8", "data": "/data", "eval_batches": "4"}, "seed": 3,
                 "replyRule": "mix"},
+        "validator": {"enabled": True, "intervalSeconds": 0.5, "steps": 1, "agreement": 1, "resources": GOOD_RESOURCES,
+                      "extraVolumeMounts": [{"name": "corpus", "mountPath": "/data"}]},
     }))
     # A task of the user's own: any option names, string values, and null drops a key.
     chart.validate(merge(AUTH, {"run": {"task": "/opt/task/mytask.py:build",
