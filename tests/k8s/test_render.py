@@ -238,6 +238,7 @@ def test_without_the_validator_nothing_of_it_is_rendered_and_shards_keep_no_samp
     rendered = renders[name]
     assert rendered.values["validator"]["enabled"] is False
     assert "validator" not in _components(rendered)
+    assert "validator" not in rendered.notes
     assert "validator" not in yaml.safe_dump_all(rendered.all("NetworkPolicy"))
     for sts in rendered.all("StatefulSet"):
         assert "--validator" not in container(sts["spec"]["template"], "syncer")["args"]
@@ -262,6 +263,7 @@ def test_the_validator_is_one_deployment_on_the_nodes_its_values_name(variants):
     assert {"name": "corpus", "mountPath": "/data", "readOnly": True} in c["volumeMounts"]
     sts = rendered.one("StatefulSet", "-syncer")
     assert container(sts["spec"]["template"], "syncer")["args"].count("--validator") == 1
+    assert "kubectl -n ml logs deploy/diloco-validator" in rendered.notes and "every 2.5 s" in rendered.notes
 
 
 def test_the_validator_serves_metrics_when_the_release_does(chart):
