@@ -750,3 +750,77 @@ def test_network_policy_lets_the_validator_reach_the_shards_only(variants, chart
     disabled = chart.render(VARIANTS["defaults"]).all("NetworkPolicy")
     assert not ingress_allowed(disabled, shard, validator, grpc_port)
     assert ingress_allowed(disabled, shard, learner, grpc_port)
+
+
+def test_the_validator_runs_from_its_rendered_args_and_scores_pushes_on_real_shards(chart, tmp_path):
+    """The rendered container, run: `python -m diloco` with the Deployment's args and
+    environment (the mounted files written where the args name them, under tmp_path; each
+    shard's stable address swapped for a real shard on 127.0.0.1, plaintext as with
+    tls.enabled false) reads the run config from the ConfigMap's JSON, signs itself with
+    the run secret, and scores a learner's push on each shard: the shard's tape records
+    its judgement. SIGTERM ends it with status 0."""
+    import asyncio
+    import os
+    import signal
+
+    from diloco.tape import read_tape
+    from tests.grpc.conftest import SECRET, TINY, client_for, running_shard
+    from tests.grpc.test_syncer_service import FakeLearner
+
+    options = {k: v for k, v in TINY.task_options.items()}
+    rendered = chart.render(merge(VARIANTS["plaintext"], {
+        "run": {"taskOptions": options, "fragments": TINY.fragments}, "syncer": {"shards": 2},
+        "validator": {"enabled": True, "intervalSeconds": 0.2, "steps": 1}}))
+    run_json = rendered.one("ConfigMap", "-run")["data"]["run-config.json"]
+    assert RunConfig.from_json(run_json) == TINY, "the shards below hold TINY's model"
+    pod = validator_pod(rendered)
+    c = container(pod, "validator")
+    argv, env = args(pod, c), environment(pod, c)
+    parsed = build_parser().parse_args(argv)
+    files = {parsed.secret_file: SECRET, parsed.run_config: run_json}
+
+    for shard in ("s0", "s1"):
+        (tmp_path / shard).mkdir()
+
+    async def scenario():
+        async with running_shard(tmp_path / "s0", shard_id=0, num_shards=2, validator=True) as (s0, a0), \
+                running_shard(tmp_path / "s1", shard_id=1, num_shards=2, validator=True) as (s1, a1):
+            local = dict(zip(parsed.shards.split(","), [a0, a1]))
+            assert len(local) == 2
+            command = []
+            for arg in argv:
+                arg = local.get(arg, arg) if arg != parsed.shards else ",".join(local[a] for a in parsed.shards.split(","))
+                if arg in files:
+                    path = tmp_path / "pod" / arg.lstrip("/")
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(files[arg])
+                    arg = str(path)
+                command.append(arg)
+            for fragment, (server, address) in enumerate([(s0, a0), (s1, a1)]):
+                learner = FakeLearner.of(server, "L0", fragment=fragment)
+                async with client_for(address, "L0") as client:
+                    await learner.push(client)
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "diloco", *command, stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, **env, "HOME": str(tmp_path)})
+            try:
+                for server, name in ((s0, "s0"), (s1, "s1")):
+                    def scored():
+                        return any(state.trust for state in server.runtime.core.fragments.values())
+
+                    for _ in range(600):
+                        if scored():
+                            break
+                        await asyncio.sleep(0.1)
+                    assert scored(), f"shard {name} got no score"
+            finally:
+                process.send_signal(signal.SIGTERM)
+                _, stderr = await asyncio.wait_for(process.communicate(), 60)
+            return process.returncode, stderr.decode()
+
+    code, log = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert code == 0, log[-3000:]
+    assert "validator: 2 shards, 1 steps a pass, agreement 0.05, every 0.2 s" in log, log[-3000:]
+    for shard in ("s0", "s1"):
+        judged = [r for r in read_tape(tmp_path / shard / f"tape-S{shard[1]}.jsonl") if r["kind"] == "trust"]
+        assert [r["learner"] for r in judged] == ["L0"], shard
