@@ -33,7 +33,8 @@ from diloco.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAMES = {"learner": "diloco-learner", "syncer": "diloco-syncer", "coordinator": "diloco-coordinator"}
+SERVICE_NAMES = {"learner": "diloco-learner", "syncer": "diloco-syncer", "coordinator": "diloco-coordinator",
+                 "validator": "diloco-validator"}
 """Default ``service.name`` per role; ``OTEL_SERVICE_NAME`` overrides it."""
 
 LEARNER_ID = "diloco.learner.id"

@@ -22,7 +22,10 @@ class ValidatorConfig:
     agreement: float = 0.05
     """A push whose delta has this cosine with the validator's outer gradient, or more,
     counts in full; at 0 and below (against it or unrelated) it counts nothing; linear
-    between. Honest pushes measured here agree at a median of ... (docs/results/trust/)."""
+    between. Measured (docs/results/trust/, 6 runs of 2 honest learners, 3 of them beside 3
+    learners pushing their negated outer gradient): honest pushes at a median of 0.213
+    (5th percentile 0.067; 106 of 3,416 under 0.05, 15 at 0 or below), negated ones at
+    -0.088 (95th percentile -0.038; 11 of 1,717 above 0)."""
     timeout_s: float = 60.0
     """Each call to a shard."""
 

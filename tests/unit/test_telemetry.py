@@ -179,3 +179,19 @@ def test_the_shard_counts_rounds_and_the_coordinator_reports_its_members_by_stat
     assert points("diloco.coordinator.members") == {
         (("diloco.pool", "default"), ("diloco.state", "active")): 2, (("diloco.pool", "spot"), ("diloco.state", "left")): 1}
     assert points("diloco.round.closed") == {(("diloco.fragment", 0),): 1, (("diloco.fragment", 2),): 2}
+
+
+def test_every_process_the_command_line_starts_has_a_service_name():
+    """A role the CLI starts telemetry for but ``SERVICE_NAMES`` lacks would stop that
+    process at start whenever metrics or OTLP are on (the validator once did)."""
+    import ast
+    from pathlib import Path
+
+    from diloco.telemetry import SERVICE_NAMES
+
+    cli = Path(__file__).resolve().parents[2] / "diloco" / "cli"
+    roles = {call.args[1].value for path in cli.rglob("*.py") for call in ast.walk(ast.parse(path.read_text()))
+             if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "start_telemetry"
+             and len(call.args) > 1 and isinstance(call.args[1], ast.Constant)}
+    assert roles >= {"learner", "syncer", "coordinator", "validator"}
+    assert roles <= set(SERVICE_NAMES)
