@@ -150,6 +150,7 @@ def capture(core: ShardCore, snapshot_id: int, now: float) -> dict:
                 "influence": state.influence.to_state(now),
                 "reference": [t.copy() for t in state.reference],
                 "departed": dict(state.departed),
+                "trust": dict(state.trust),
             }
         )
     return {
@@ -167,6 +168,7 @@ def capture(core: ShardCore, snapshot_id: int, now: float) -> dict:
         "draining": sorted(core.draining),
         "pushes_received": core.pushes_received,
         "rounds_closed": core.rounds_closed,
+        "validating": core.validating,
         "fragments": fragments,
     }
 
@@ -216,6 +218,9 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
                 raise FailedPrecondition(f"fragment {fragment_id}: recorded reference shapes do not match the plan")
             target.reference = [np.array(t, dtype=np.float32) for t in raw["reference"]]
             target.departed = {str(k): int(v) for k, v in raw["departed"].items()}
+        # The validator's judgements continue (a snapshot from before they were kept: trusted
+        # until its next pass).
+        target.trust = {str(k): float(v) for k, v in raw.get("trust", {}).items() if 0.0 <= float(v) <= 1.0}
         target.full_cache = None
         target.open, target.next, target.opened_at, target.quorum_at = {}, {}, None, None
         for push in raw["open"]:
@@ -228,3 +233,4 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
     core.clock = VectorClock(state["clock"])
     core.set_membership(set(state["live"]), set(state["failed"]), set(state.get("draining", ())))
     core.pushes_received, core.rounds_closed = state["pushes_received"], state["rounds_closed"]
+    core.validating = bool(state.get("validating", False))
