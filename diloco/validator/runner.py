@@ -23,7 +23,7 @@ from diloco.clients.syncer import DecodedSample, SyncerClient, open_channel
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition
 from diloco.manifest import manifest_of, synced_tensors
-from diloco.task import TaskContext, build_task
+from diloco.task import TaskContext, TaskError, build_task
 from diloco.validator.config import ValidatorConfig
 from diloco.validator.core import cosine, trust
 
@@ -54,7 +54,8 @@ class Validator:
         self.cfg = cfg
         task = build_task(run.task, TaskContext(0, 1, run.seed + VALIDATION_SEED, torch.device("cpu"),
                                                 dict(run.task_options)), run.init)
-        self.task, self.model = task, task.model
+        self.spec, self.task, self.model = run.task, task, task.model
+        self.steps_trained = 0
         self.batches = iter(task.batches)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = task.optimizer(params) if task.optimizer is not None else torch.optim.AdamW(params, lr=LEARNING_RATE)
@@ -82,7 +83,12 @@ class Validator:
         self.model.train()
         total = 0.0
         for _ in range(self.cfg.steps):
-            loss = self.task.loss(self.model, next(self.batches))
+            batch = next(self.batches, None)
+            if batch is None:
+                raise TaskError(f"task {self.spec!r}: its batches ended after {self.steps_trained} steps of the "
+                                "validator's (it draws a stream of its own: give it an endless one)")
+            self.steps_trained += 1
+            loss = self.task.loss(self.model, batch)
             loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -90,6 +96,10 @@ class Validator:
         with torch.no_grad():
             self.direction = {f: [g.reshape(-1) - v.reshape(-1) for g, v in zip(values, self._views(f))]
                               for f, values in self.global_values.items()}
+            if not all(bool(torch.isfinite(t).all()) for ts in self.direction.values() for t in ts):
+                # Its own steps diverged: no learner is judged by that, and its optimizer starts again.
+                self.direction = {}
+                self.optimizer.state.clear()
         return total / self.cfg.steps
 
     def judge(self, sample: DecodedSample) -> Judgement:
@@ -144,6 +154,8 @@ class Validator:
                 try:
                     await self.one_pass(clients)
                     waiting = None
+                except TaskError:
+                    raise  # the validator cannot evaluate: one line, exit 2 (``diloco.cli.main``)
                 except (DilocoError, grpc.RpcError) as error:
                     # A shard with no model yet, restarting or unreachable: the next pass tries again.
                     reason = (f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError)

@@ -9,6 +9,7 @@ import torch
 
 from diloco.clients.syncer import DecodedSample
 from diloco.errors import FailedPrecondition, InvalidArgument
+from diloco.task import TaskError
 from diloco.validator.config import ValidatorConfig
 from diloco.validator.core import cosine, trust
 from diloco.validator.runner import Validator
@@ -55,3 +56,20 @@ def test_an_honest_push_counts_and_a_negated_or_random_one_does_not():
         assert judged([-2.9 * t for t in d]).trust == 0.0
         assert abs(judged([torch.randn(t.shape, generator=g) for t in d]).score) < 0.05
         assert judged([torch.zeros_like(t) for t in d]).score is None
+
+
+def test_a_task_whose_batches_end_stops_the_validator_with_one_line():
+    validator = Validator(RUN, ValidatorConfig(shards=("127.0.0.1:1",), steps=4), "s" * 64)
+    validator.batches = iter([next(iter(validator.task.batches))] * 2)
+    validator.global_values = {f.id: [v.detach().clone().reshape(-1) for v in validator._views(f.id)]
+                               for f in validator.plan.fragments}
+    with pytest.raises(TaskError, match="its batches ended after 2 steps"):
+        validator.train()
+
+
+def test_when_its_own_steps_diverge_the_validator_judges_no_one():
+    validator = Validator(RUN, ValidatorConfig(shards=("127.0.0.1:1",), steps=2), "s" * 64)
+    validator.global_values = {f.id: [torch.full_like(v.reshape(-1), math.nan) for v in validator._views(f.id)]
+                               for f in validator.plan.fragments}
+    validator.train()
+    assert validator.direction == {}  # one_pass scores only fragments with a direction
