@@ -123,7 +123,8 @@ def test_a_coordinator_sigkilled_and_restarted_keeps_its_members_credentials_and
         learners = [run.start_learner(n) for n in range(3)]
         # Training, not only active: a learner heartbeats (and turns active) before its model is
         # registered and bootstrapped, and one removed then leaves with its RegisterModel refused.
-        poll(lambda: sorted(m["id"] for m in admin.members() if m["state"] == "active" and m["tokens"] > 0)
+        # (Steps, not tokens: they joined with the run's join credential, which credits none.)
+        poll(lambda: sorted(m["id"] for m in admin.members() if m["state"] == "active" and m["inner_steps"] > 0)
              == ["L0", "L1", "L2"], "three learners training")
         poll(lambda: min(shard_versions(run.shards[0]).values(), default=0) >= 3, "shard 0 to merge rounds")
         by_id = {m["id"]: next(p for p in learners if p.pid == int(m["address"].rsplit(":", 1)[1]))
