@@ -425,7 +425,7 @@ class Budget:
             monkey.halt()
         todo = [m["id"] for m in members if m["state"] in ("active", "joining") and m["id"] not in self.draining]
         if todo:
-            _patient(lambda: admin.remove_learners(todo, drain=True), "drain the learners")
+            todo = _patient(lambda: _drain(admin, todo), "drain the learners")
             self.draining |= set(todo)
             self.drained_at = self.drained_at or time.time()
 
@@ -537,6 +537,22 @@ after a stall of the whole host (a VM pause, SIGSTOP, a laptop's sleep) a call i
 runs out of its deadline, and every process needs a moment to catch up."""
 
 
+def _drain(admin, learner_ids: list[str]) -> list[str]:
+    """Drain these learners; one that left since they were listed (its own steps done) is
+    not an error. Returns the ids drained."""
+    for _ in range(3):
+        if not learner_ids:
+            return []
+        try:
+            admin.remove_learners(learner_ids, drain=True)
+            return learner_ids
+        except FailedPrecondition:  # "already gone: L1": drain the ones still there
+            live = {m["id"] for m in admin.members() if m["state"] in ("joining", "active", "draining")}
+            learner_ids = [i for i in learner_ids if i in live]
+    admin.remove_learners(learner_ids, drain=True)
+    return learner_ids
+
+
 def _patient(call, what: str):
     """``call()``, retried for ``PATIENCE_S`` while it times out or the coordinator is
     unavailable: a transient after a stall is no reason to abandon the run."""
@@ -573,9 +589,7 @@ def _stop_learners(admin, run_dir: Path, say: Callable[[str], None]) -> list[str
     it writes its summary; wait for those summaries (at most ``LEARNERS_STOP_S``; a second
     Ctrl-C stops waiting). Returns the ids drained."""
     try:
-        live = [m["id"] for m in admin.members()]  # joining, active or draining
-        if live:
-            admin.remove_learners(live, drain=True)
+        live = _drain(admin, [m["id"] for m in admin.members()])  # joining, active or draining
     except DilocoError as error:
         say(f"could not stop the learners through the coordinator: {error}")
         return []
