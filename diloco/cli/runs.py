@@ -14,7 +14,7 @@ from diloco.cli.common import add_grace_flag, add_run_config, build_run_config
 from diloco.cli.local.config import LocalConfig
 from diloco.cli.settings import add_config_flag, add_flag, from_flags
 from diloco.errors import InvalidArgument
-from diloco.learner.config import DELTA_CODECS
+from diloco.learner.config import DELTA_CODECS, INNER_OPTIMIZERS
 from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, SCALE_MODES
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ def _add_learner_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learner-threads", type=int, help="torch threads per learner (default: cores / learners, at least 1)")
     add_flag(p, "--learner-evals", LocalConfig, "learner_evals", type=int, metavar="N")
     add_flag(p, "--lr", LocalConfig, "lr", type=float)
+    add_flag(p, "--inner-optimizer", LocalConfig, "inner_optimizer", choices=INNER_OPTIMIZERS)
     add_flag(p, "--curve-points", LocalConfig, "curve_points", type=int, metavar="N")
     add_flag(p, "--tensorboard", LocalConfig, "tensorboard", type=Path, metavar="DIR")
     add_flag(p, "--status-page", LocalConfig, "status_page", action=argparse.BooleanOptionalAction)

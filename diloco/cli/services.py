@@ -9,7 +9,7 @@ from pathlib import Path
 
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.task import DEFAULT_TASK
-from diloco.learner.config import DELTA_CODECS, DEVICES, PRECISIONS, LearnerConfig
+from diloco.learner.config import DELTA_CODECS, DEVICES, INNER_OPTIMIZERS, PRECISIONS, LearnerConfig
 from diloco.validator.config import ValidatorConfig
 from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
 from diloco.cli.common import (GPT_OPTIONS, add_grace_flag, add_run_config, add_telemetry, build_run_config, run_secret,
@@ -239,6 +239,7 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
              choices=PRECISIONS)
     add_flag(t, "--steps", LearnerConfig, "steps", type=int)
     add_flag(t, "--lr", LearnerConfig, "lr", type=float)
+    add_flag(t, "--inner-optimizer", LearnerConfig, "inner_optimizer", choices=INNER_OPTIMIZERS)
     add_flag(t, "--warmup-steps", LearnerConfig, "warmup_steps", type=int)
     add_flag(t, "--eval-every", LearnerConfig, "eval_every_steps", type=int)
     add_flag(t, "--train-loss-every", LearnerConfig, "train_loss_every_steps", type=int)

@@ -79,6 +79,7 @@ CHART_VALUES: dict[tuple[type, str], ChartValue] = {
         "by a recipe"),
     (LearnerConfig, "steps"): ChartValue("learners.steps", own_default="a deployment trains longer than a local try"),
     (LearnerConfig, "lr"): ChartValue("learners.lr"),
+    (LearnerConfig, "inner_optimizer"): ChartValue("learners.innerOptimizer"),
     (LearnerConfig, "warmup_steps"): ChartValue("learners.warmupSteps"),
     (ValidatorConfig, "interval_s"): ChartValue("validator.intervalSeconds"),
     (ValidatorConfig, "steps"): ChartValue("validator.steps"),

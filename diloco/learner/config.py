@@ -11,6 +11,7 @@ from diloco.errors import InvalidArgument
 DEVICES = ("cpu", "cuda", "xla")
 PRECISIONS = ("fp32", "bf16")
 DELTA_CODECS = ("int4", "fp32")
+INNER_OPTIMIZERS = ("adamw", "adamw-pooled")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class LearnerConfig:
     """Inner steps to train (the learner then leaves)."""
     lr: float = 3e-3
     """Peak inner AdamW learning rate."""
+    inner_optimizer: str = "adamw"
+    """adamw | adamw-pooled (``diloco.learner.core.pooled``): AdamW normalised by the
+    second moment the mean gradient of the run's planned learners would have, its noise
+    estimated from each batch's two halves (two backward passes of half a batch per step).
+    A task's own optimizer replaces either."""
     min_lr_ratio: float = 0.1
     """The cosine schedule decays to lr * min_lr_ratio."""
     warmup_steps: int = 20
@@ -77,6 +83,8 @@ class LearnerConfig:
             raise InvalidArgument(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.precision not in PRECISIONS:
             raise InvalidArgument(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise InvalidArgument(f"inner optimizer must be one of {INNER_OPTIMIZERS}, got {self.inner_optimizer!r}")
         if self.delta_codec not in DELTA_CODECS:
             raise InvalidArgument(f"delta codec must be one of {DELTA_CODECS}, got {self.delta_codec!r}")
         for name in ("steps", "eval_every_steps", "train_loss_every_steps", "max_inflight_pushes"):

@@ -20,6 +20,7 @@ from diloco.task import Task, TaskContext, TaskError, build_task, checked_loss, 
 from diloco.learner.api import Learner, learner_number
 from diloco.learner.summary import Summary
 from diloco.learner.config import LearnerConfig
+from diloco.learner.core.pooled import PooledAdamW
 from diloco.learner.core.schedule import inner_lr
 from diloco.learner.device import Device
 from diloco.learner.membership import Heartbeats, Membership
@@ -28,14 +29,18 @@ from diloco.learner.slice import SliceFollower, SliceLink
 logger = logging.getLogger(__name__)
 
 
-def inner_optimizer(task: Task, cfg: LearnerConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The task's optimizer (default: AdamW with the learner's lr and weight decay) under
-    the learner's warmup + cosine schedule, as a factor of each group's own lr."""
+def inner_optimizer(task: Task, cfg: LearnerConfig, learners: int = 1
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The task's optimizer (default: ``cfg.inner_optimizer`` with the learner's lr and
+    weight decay; ``adamw-pooled`` pools the noise of ``learners`` learners) under the
+    learner's warmup + cosine schedule, as a factor of each group's own lr."""
     params = [p for p in task.model.parameters() if p.requires_grad]
     if task.optimizer is not None:
         optimizer = task.optimizer(params)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TaskError(f"the task's optimizer function returned {type(optimizer).__name__}, not a torch optimizer")
+    elif cfg.inner_optimizer == "adamw-pooled":
+        optimizer = PooledAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, learners=max(learners, 1))
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -55,16 +60,70 @@ def inner_step(spec: str, task: Task, batch, optimizer: torch.optim.Optimizer, s
     tensors (a baseline whose gradients are views of one all-reduce buffer)."""
     device = device or Device("cpu")
     optimizer.zero_grad(set_to_none=set_to_none)
-    with device.autocast():
-        loss = checked_loss(spec, task.loss(task.model, device.place_batch(batch)))
-    loss.backward()
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    if isinstance(optimizer, PooledAdamW):
+        loss, noise = _halves_backward(spec, task, device.place_batch(batch), params, device)
+    else:
+        with device.autocast():
+            loss = checked_loss(spec, task.loss(task.model, device.place_batch(batch)))
+        loss.backward()
+        noise = None
     before_update(loss)
     if grad_clip:
-        torch.nn.utils.clip_grad_norm_([p for p in task.model.parameters() if p.requires_grad], grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        if noise is not None:  # the noise of the gradient as clipped
+            scale = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) ** 2
+            for sample in noise.values():
+                sample.mul_(scale)
+    if noise is not None:
+        optimizer.observe_noise(noise)
     optimizer.step()
     schedule.step()
     device.step_done()
     return loss
+
+
+def _halves_backward(spec: str, task: Task, batch, params: list[torch.nn.Parameter], device: Device
+                     ) -> tuple[torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
+    """The batch's gradient as the mean of its two halves' (in ``.grad``), the loss, and
+    each parameter's noise sample ``(g_a − g_b)²/4`` (``PooledAdamW``)."""
+    first, second = split_batch(spec, batch)
+    with device.autocast():
+        loss_a = checked_loss(spec, task.loss(task.model, first))
+    (loss_a / 2).backward()
+    half_a = {p: p.grad.detach().clone() for p in params if p.grad is not None}
+    with device.autocast():
+        loss_b = checked_loss(spec, task.loss(task.model, second))
+    (loss_b / 2).backward()
+    # .grad = (g_a + g_b)/2 and half_a = g_a/2, so 2·half_a − .grad = (g_a − g_b)/2
+    noise = {p: (2 * half_a[p] - p.grad).square_() for p in params if p in half_a}
+    return (loss_a.detach() + loss_b.detach()) / 2, noise
+
+
+def split_batch(spec: str, batch):
+    """``batch`` cut in two along the first dimension of every tensor in it (tuples,
+    lists and dicts of tensors; anything else goes to both halves unchanged)."""
+    sizes: set[int] = set()
+
+    def cut(value, half: int):
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                return value
+            sizes.add(value.shape[0])
+            n = value.shape[0] // 2
+            return value[:n] if half == 0 else value[n:]
+        if isinstance(value, (tuple, list)):
+            return type(value)(cut(v, half) for v in value)
+        if isinstance(value, dict):
+            return {k: cut(v, half) for k, v in value.items()}
+        return value
+
+    halves = cut(batch, 0), cut(batch, 1)
+    if not sizes or min(sizes) < 2 or len(sizes) > 1:
+        raise TaskError(f"task {spec!r}: inner optimizer adamw-pooled cuts each batch in two along its first "
+                        f"dimension, and this task's batch has first dimensions {sorted(sizes) or 'none'} "
+                        f"(it needs one size, at least 2); use --inner-optimizer adamw")
+    return halves
 
 
 class TrainLoss:
@@ -168,7 +227,7 @@ def _build(run: RunConfig, learner_id: str, num_learners: int, cfg: LearnerConfi
     ctx = TaskContext(learner_number(learner_id), num_learners, run.seed, device.torch, dict(run.task_options))
     task = build_task(run.task, ctx, run.init)
     device.place_model(task.model)
-    return device, task, *inner_optimizer(task, cfg)
+    return device, task, *inner_optimizer(task, cfg, num_learners)
 
 
 def run_task(member: Membership, cfg: LearnerConfig, *, coordinator: str | None = None, num_learners: int = 1,

@@ -26,9 +26,10 @@ def test_a_file_sets_the_defaults_and_the_command_line_wins(tmp_path):
     assert (args.quorum, args.grace, args.outer_lr, args.merge, args.reflection, args.sync_every) == \
         (3, ("fixed", 1.5), 0.7, "mean", True, 16)
     js = tmp_path / "learner.json"
-    js.write_text('{"steps": 7, "precision": "bf16", "task_option": ["a=1", "b=2"]}')
+    js.write_text('{"steps": 7, "precision": "bf16", "task_option": ["a=1", "b=2"], "inner_optimizer": "adamw-pooled"}')
     args = _parse(["learner", "--config", str(js)], js)
-    assert (args.steps, args.precision, args.task_option) == (7, "bf16", ["a=1", "b=2"])
+    assert (args.steps, args.precision, args.task_option, args.inner_optimizer) == \
+        (7, "bf16", ["a=1", "b=2"], "adamw-pooled")
 
 
 def test_a_file_turns_off_a_flag_that_has_a_no_form(tmp_path):

@@ -54,6 +54,8 @@ class LocalConfig:
     """The learners' delta encoding: int4 or fp32 (ablations)."""
     lr: float = LearnerConfig.lr
     """The learners' peak inner learning rate (``LearnerConfig.lr``)."""
+    inner_optimizer: str = LearnerConfig.inner_optimizer
+    """The learners' inner optimizer (``LearnerConfig.inner_optimizer``)."""
     error_feedback: bool = LearnerConfig.error_feedback
     """The learners carry what quantization left out of a push into the next (ablations)."""
     block_size: int = MergeConfig.block_size

@@ -166,7 +166,7 @@ class Cluster:
             else self.learner_steps + 1,
             "num_learners": self.cfg.learners,
             "summary_dir": str(self.dir / "learners"), "events_dir": str(self.dir / "learners"),
-            "lr": self.cfg.lr, "delta_codec": self.cfg.delta_codec, "error_feedback": self.cfg.error_feedback,
+            "lr": self.cfg.lr, "inner_optimizer": self.cfg.inner_optimizer, "delta_codec": self.cfg.delta_codec, "error_feedback": self.cfg.error_feedback,
             "block_size": self.cfg.block_size, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
             **metrics,
         })

@@ -77,8 +77,10 @@ def check_sites_and_limit(link_mbit: float | None, time_limit_s: float | None) -
 def learner_inner(steps: int, lr: float):
     """A worker's inner-loop config: the AdamW weight decay, warmup, cosine schedule and
     clipping of a learner in diloco local (``LearnerConfig`` defaults), for ``steps`` steps
-    at peak learning rate ``lr``. Data, batch size and seed are the task's (``worker_task``)."""
-    return LearnerConfig(steps=steps, lr=lr)
+    at peak learning rate ``lr``, with plain AdamW: a DP worker's gradient is already the
+    workers' mean, and torchft's replicas are the published algorithm. Data, batch size and
+    seed are the task's (``worker_task``)."""
+    return LearnerConfig(steps=steps, lr=lr, inner_optimizer="adamw")
 
 
 def save_torch(path: Path, value: object) -> None:

@@ -379,6 +379,8 @@ spec:
         - {{ $v.steps | int | quote }}
         - --lr
         - {{ $v.lr | toString | quote }}
+        - --inner-optimizer
+        - {{ $v.innerOptimizer | quote }}
         - --warmup-steps
         - {{ $v.warmupSteps | int | quote }}
         - --block-size
