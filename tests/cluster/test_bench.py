@@ -46,3 +46,19 @@ def test_bench_learner_ratio_is_its_parts_and_the_learner_synced():
     # The synced runs really synced: pushes acknowledged, bytes on the wire, none dropped.
     assert r["pushes_acked"] >= 1 and r["pushes_dropped"] == 0 and r["bytes_per_1k_tokens"] > 0, r
     assert r["params"] == sum(p.numel() for p in supervisor_task(RunConfig(), 1).model.parameters())
+
+
+def test_slowpage_bench_runs_against_a_real_coordinator():
+    """``diloco.lab.bench.slowpage``, small: a real coordinator, 40 trickling clients, every
+    figure measured (it once joined with a credential format the coordinator no longer took,
+    and failed at its first step unnoticed)."""
+    proc = subprocess.run([sys.executable, "-m", "diloco.lab.bench.slowpage", "--connections", "40",
+                           "--interval-s", "0.5", "--seconds", "3"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert result["server"] == "current" and result["threads_max"] <= 64
+    for window in ("before", "during"):
+        for key in ("get_ms", "connect_ms", "heartbeat_ms"):
+            figures = result[window][key]
+            assert figures["n"] > 0 and figures["failed"] == 0 and figures["max"] >= figures["p50"] > 0, (window, key)
+    assert result["slow"]["open"] == 40 and result["slow"]["connect_failed"] == 0

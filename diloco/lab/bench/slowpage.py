@@ -9,7 +9,8 @@ object:
 - ``threads_before``, ``threads_max``: the coordinator's thread count (/proc/PID/status)
   before the slow clients and the most sampled while they hang;
 - ``get_ms``: GET /status.json from a fresh connection every 0.5 s, before and during
-  (p50, p99, max in ms; ``failed``: no 200 within 10 s);
+  (p50, p99, max in ms; ``failed``: no 200 within 10 s), and ``connect_ms``, its TCP
+  connect alone (about 1,000 ms: the kernel dropped the first SYN and resent it);
 - ``heartbeat_ms``: a joined learner's Heartbeat RPC every 0.1 s, before and during;
 - ``slow``: the clients' open connections at the end, their connections the server
   closed, and their connects that failed.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import multiprocessing as mp
 import os
@@ -32,8 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from diloco import auth
 from diloco.clients.coordinator import LearnerSession
@@ -118,27 +120,39 @@ class _Heartbeats:
 
 
 async def _window(url: str, heartbeats: _Heartbeats, pid: int, seconds: float) -> dict:
-    gets, get_failed, threads, errors = [], 0, [], set()
+    gets, connects, get_failed, threads, errors = [], [], 0, [], set()
     end = time.monotonic() + seconds
     beats_from, failed_from = heartbeats.mark()
+    where = urlsplit(url)
 
-    def get() -> float:
+    def get() -> tuple[float, float]:
+        """(connect, whole request) in ms: a connect near 1 s is a SYN the kernel dropped and resent."""
         start = time.monotonic()
-        with urllib.request.urlopen(url + "status.json", timeout=10) as reply:
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
+        try:
+            conn.connect()
+            connected = time.monotonic()
+            conn.request("GET", "/status.json")
+            reply = conn.getresponse()
             reply.read()
             assert reply.status == 200
-        return (time.monotonic() - start) * 1000
+        finally:
+            conn.close()
+        return (connected - start) * 1000, (time.monotonic() - start) * 1000
 
     while time.monotonic() < end:
         try:
-            gets.append(await asyncio.to_thread(get))
+            connect_ms, get_ms = await asyncio.to_thread(get)
+            connects.append(connect_ms)
+            gets.append(get_ms)
         except Exception as error:
             get_failed += 1
             errors.add(str(error)[:200])
         threads.append(_threads(pid))
         await asyncio.sleep(0.5)
     heartbeat_ms = _summary(heartbeats.beats[beats_from:], heartbeats.failed - failed_from)
-    return {"get_ms": _summary(gets, get_failed), "heartbeat_ms": heartbeat_ms, "threads": threads,
+    return {"get_ms": _summary(gets, get_failed), "connect_ms": _summary(connects, 0), "heartbeat_ms": heartbeat_ms,
+            "threads": threads,
             "errors": sorted(errors | heartbeats.errors)}
 
 
@@ -161,7 +175,7 @@ async def _measure(name: str, code: Path, args, work: Path) -> dict:
             await asyncio.sleep(0.1)
         url = (data / "status-url").read_text().strip()
         session = LearnerSession((data / "port").read_text().strip(), timeout_s=10)
-        await session.join(auth.join_token((work / "secret").read_text()), address="slowpage")
+        await session.join(auth.join_credential((work / "secret").read_text(), "slowpage", 1), address="slowpage")
         heartbeats = _Heartbeats(session)
         before = await _window(url, heartbeats, proc.pid, args.seconds / 2)
 
