@@ -90,17 +90,23 @@ async def write_all(call, requests) -> None:
         pass
 
 
-def decode_update(first: syncer_pb2.FragmentUpdate, chunks: list[bytes]) -> DecodedUpdate:
-    specs = [[spec_from_proto(t) for t in s.tensors] for s in first.segments]
-    expected = sum(spec.byte_length for seg in specs for spec in seg)
-    payload = unframe(chunks, expected)
-    view, offset, segments = memoryview(payload), 0, []
-    for proto_segment, seg_specs in zip(first.segments, specs):
+def _decode_tensors(groups: list[list], chunks: list[bytes]) -> list[list]:
+    """The tensors of ``groups`` (lists of tensor specs, in wire order) from the framed
+    ``chunks`` that carry them back to back."""
+    view = memoryview(unframe(chunks, sum(spec.byte_length for group in groups for spec in group)))
+    offset, decoded = 0, []
+    for group in groups:
         tensors = []
-        for spec in seg_specs:
+        for spec in group:
             tensors.append(decode(spec, view[offset : offset + spec.byte_length]))
             offset += spec.byte_length
-        segments.append(DecodedSegment(proto_segment.version, _KIND[proto_segment.kind], tensors))
+        decoded.append(tensors)
+    return decoded
+
+
+def decode_update(first: syncer_pb2.FragmentUpdate, chunks: list[bytes]) -> DecodedUpdate:
+    groups = _decode_tensors([[spec_from_proto(t) for t in s.tensors] for s in first.segments], chunks)
+    segments = [DecodedSegment(s.version, _KIND[s.kind], tensors) for s, tensors in zip(first.segments, groups)]
     return DecodedUpdate(
         first.fragment, first.base_version, first.version, segments, first.close_reason, first.participants,
         clock_from_proto(first.clock), sum(len(c) for c in chunks),
@@ -121,11 +127,7 @@ class DecodedSample:
 
 
 def decode_sample(header: syncer_pb2.Sample, chunks: list[bytes]) -> DecodedSample:
-    specs = [spec_from_proto(t) for t in header.tensors]
-    view, offset, tensors = memoryview(unframe(chunks, sum(s.byte_length for s in specs))), 0, []
-    for spec in specs:
-        tensors.append(decode(spec, view[offset : offset + spec.byte_length]))
-        offset += spec.byte_length
+    (tensors,) = _decode_tensors([[spec_from_proto(t) for t in header.tensors]], chunks)
     return DecodedSample(header.learner_id, header.fragment, header.seq, header.base_version, header.version, tensors)
 
 

@@ -898,8 +898,8 @@ class ShardCore:
     def sampled(self, fragments: Sequence[int] = ()) -> list[tuple[int, int, Pending]]:
         """(fragment, its version, a push) for each kept sample of the given fragments
         (empty: every owned one), oldest first per fragment."""
-        wanted = list(fragments) or sorted(self.fragments)
-        return [(f, self.state_of(f).version, pending) for f in wanted for pending in self.state_of(f).samples.values()]
+        states = [(f, self.state_of(f)) for f in (list(fragments) or sorted(self.fragments))]
+        return [(f, state.version, pending) for f, state in states for pending in state.samples.values()]
 
     def set_trust(self, learner_id: str, fragment_id: int, trust: float) -> bool:
         """The validator's judgement of a learner's pushes of a fragment, from the next
