@@ -61,4 +61,7 @@ def test_slowpage_bench_runs_against_a_real_coordinator():
         for key in ("get_ms", "connect_ms", "heartbeat_ms"):
             figures = result[window][key]
             assert figures["n"] > 0 and figures["failed"] == 0 and figures["max"] >= figures["p50"] > 0, (window, key)
-    assert result["slow"]["open"] == 40 and result["slow"]["connect_failed"] == 0
+    # every client connected: it holds its connection, or the page's 5 s deadline closed it
+    # (the clients live about 5.5 s here) and it is connecting again
+    slow = result["slow"]
+    assert slow["connect_failed"] == 0 and 0 < slow["open"] <= 40 and slow["open"] + slow["closed_by_server"] >= 40, slow
