@@ -101,29 +101,17 @@ def _halves_backward(spec: str, task: Task, batch, params: list[torch.nn.Paramet
 
 
 def split_batch(spec: str, batch):
-    """``batch`` cut in two along the first dimension of every tensor in it (tuples,
-    lists and dicts of tensors; anything else goes to both halves unchanged)."""
-    sizes: set[int] = set()
-
-    def cut(value, half: int):
-        if isinstance(value, torch.Tensor):
-            if value.dim() == 0:
-                return value
-            sizes.add(value.shape[0])
-            n = value.shape[0] // 2
-            return value[:n] if half == 0 else value[n:]
-        if isinstance(value, (tuple, list)):
-            return type(value)(cut(v, half) for v in value)
-        if isinstance(value, dict):
-            return {k: cut(v, half) for k, v in value.items()}
-        return value
-
-    halves = cut(batch, 0), cut(batch, 1)
+    """``batch`` cut in two along the first dimension of every tensor in it (any pytree of
+    tensors, as ``Device.place_batch`` takes; anything else goes to both halves unchanged)."""
+    rows = lambda t: isinstance(t, torch.Tensor) and t.dim() > 0  # noqa: E731
+    sizes = {t.shape[0] for t in torch.utils._pytree.tree_leaves(batch) if rows(t)}
     if not sizes or min(sizes) < 2 or len(sizes) > 1:
         raise TaskError(f"task {spec!r}: inner optimizer adamw-pooled cuts each batch in two along its first "
                         f"dimension, and this task's batch has first dimensions {sorted(sizes) or 'none'} "
                         f"(it needs one size, at least 2); use --inner-optimizer adamw")
-    return halves
+    n = sizes.pop() // 2
+    return tuple(torch.utils._pytree.tree_map(lambda t: t[part] if rows(t) else t, batch)
+                 for part in (slice(None, n), slice(n, None)))
 
 
 class TrainLoss:

@@ -1,6 +1,8 @@
 """adamw-pooled: AdamW exactly at one learner, the mean of M learners' second moment
 from the batch's two halves, and the runner's half-batch step."""
 
+import collections
+
 import pytest
 import torch
 
@@ -145,6 +147,9 @@ def test_split_batch():
     first, second = split_batch("t", {"x": x, "y": (y, "keep"), "n": torch.tensor(3)})
     assert first["x"].tolist() == [[0, 1], [2, 3]] and second["y"][0].tolist() == [2, 3]
     assert first["y"][1] == "keep" and int(second["n"]) == 3
+    Pair = collections.namedtuple("Pair", "x y")
+    first, second = split_batch("t", Pair(x, y))
+    assert isinstance(first, Pair) and first.x.tolist() == [[0, 1], [2, 3]] and second.y.tolist() == [2, 3]
     with pytest.raises(TaskError, match=r"first dimensions \[1\].*--inner-optimizer adamw"):
         split_batch("t", (torch.zeros(1, 3),))
     with pytest.raises(TaskError, match=r"first dimensions \[3, 4\]"):
