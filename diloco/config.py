@@ -22,6 +22,12 @@ bytes on the wire at the same eval loss, with error feedback on pushes and repli
 (docs/results/block-size/)."""
 
 
+def check_density(what: str, density: float) -> None:
+    """A sparse codec's density: the fraction of each block it keeps, in (0, 1]."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise InvalidArgument(f"{what} must be in (0, 1] (the fraction of each block's values kept), got {density!r}")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     task: str = DEFAULT_TASK

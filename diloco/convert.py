@@ -12,7 +12,8 @@ from diloco.fragments import FragmentPlan
 from diloco.v1 import common_pb2, syncer_pb2
 from diloco.wire import PushMeta
 
-_ENCODING_TO_PROTO = {"fp32": common_pb2.ENCODING_FP32, "int4": common_pb2.ENCODING_INT4}
+_ENCODING_TO_PROTO = {"fp32": common_pb2.ENCODING_FP32, "int4": common_pb2.ENCODING_INT4,
+                      "sparse": common_pb2.ENCODING_SPARSE}
 _ENCODING_FROM_PROTO = {v: k for k, v in _ENCODING_TO_PROTO.items()}
 
 
@@ -44,7 +45,7 @@ def clock_from_proto(msg: common_pb2.VectorClock) -> VectorClock:
 
 # The fields each message carries unchanged, one list for both directions: a field added
 # to one direction only would not survive a round trip.
-_SPEC_FIELDS = ("name", "dtype", "block_size", "scale_dtype", "byte_length", "checksum")
+_SPEC_FIELDS = ("name", "dtype", "block_size", "scale_dtype", "byte_length", "checksum", "kept")
 _PUSH_FIELDS = ("learner_id", "fragment", "base_version", "tokens", "inner_steps", "step_time_s", "snapshot_epoch",
                 "final")
 

@@ -15,7 +15,7 @@ from diloco.cli.local.config import LocalConfig
 from diloco.cli.settings import add_config_flag, add_flag, from_flags
 from diloco.errors import InvalidArgument
 from diloco.learner.config import DELTA_CODECS, INNER_OPTIMIZERS
-from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, SCALE_MODES
+from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, REPLY_CODECS, SCALE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +97,12 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--merge", LocalConfig, "merge", choices=MERGE_MODES)
     add_flag(p, "--scale-by", LocalConfig, "scale_by", choices=SCALE_MODES)
     add_flag(p, "--downlink", LocalConfig, "downlink", choices=DOWNLINKS)
+    add_flag(p, "--reply-codec", LocalConfig, "reply_codec", choices=REPLY_CODECS)
+    add_flag(p, "--reply-density", LocalConfig, "reply_density", type=float)
     add_flag(p, "--robust-multiple", LocalConfig, "robust_multiple", type=float)
     add_flag(p, "--validator", LocalConfig, "validator", action="store_true")
     add_flag(p, "--delta-codec", LocalConfig, "delta_codec", choices=DELTA_CODECS)
+    add_flag(p, "--delta-density", LocalConfig, "delta_density", type=float)
     add_flag(p, "--error-feedback", LocalConfig, "error_feedback", action=argparse.BooleanOptionalAction)
     add_flag(p, "--block-size", LocalConfig, "block_size", type=int)
 

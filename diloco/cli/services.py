@@ -11,7 +11,7 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.task import DEFAULT_TASK
 from diloco.learner.config import DELTA_CODECS, DEVICES, INNER_OPTIMIZERS, PRECISIONS, LearnerConfig
 from diloco.validator.config import ValidatorConfig
-from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
+from diloco.syncer.config import DOWNLINKS, MERGE_MODES, OUTER_OPTIMIZERS, REPLY_CODECS, SCALE_MODES, MergeConfig, RoundConfig, ShardServerConfig, SyncerConfig
 from diloco.cli.common import (GPT_OPTIONS, add_grace_flag, add_run_config, add_telemetry, build_run_config, run_secret,
                               start_telemetry)
 from diloco.cli.settings import add_config_flag, add_flag, from_flags
@@ -83,6 +83,8 @@ def add_syncer(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--scale-dtype", MergeConfig, "scale_dtype", choices=["float16", "float32"])
     add_flag(p, "--chain", MergeConfig, "update_chain_length", type=int)
     add_flag(p, "--downlink", MergeConfig, "downlink", choices=DOWNLINKS)
+    add_flag(p, "--reply-codec", MergeConfig, "reply_codec", choices=REPLY_CODECS)
+    add_flag(p, "--reply-density", MergeConfig, "reply_density", type=float)
     add_flag(p, "--max-push-mib", SyncerConfig, "max_push_bytes", type=int,
              shown=lambda size: size // 2**20, taken=lambda mib: mib * 2**20)
     add_flag(p, "--anchor-window-s", SyncerConfig, "anchor_window_s",
@@ -245,6 +247,7 @@ def add_learner(commands: argparse._SubParsersAction) -> None:
     add_flag(t, "--train-loss-every", LearnerConfig, "train_loss_every_steps", type=int)
     add_flag(t, "--skip-start-eval", LearnerConfig, "skip_start_eval", action="store_true")
     add_flag(t, "--delta-codec", LearnerConfig, "delta_codec", choices=DELTA_CODECS)
+    add_flag(t, "--delta-density", LearnerConfig, "delta_density", type=float)
     add_flag(t, "--block-size", LearnerConfig, "block_size", type=int)
     add_flag(t, "--error-feedback", LearnerConfig, "error_feedback", action=argparse.BooleanOptionalAction)
     add_flag(t, "--step-delay-s", LearnerConfig, "step_delay_s", type=float)

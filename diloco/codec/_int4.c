@@ -1123,6 +1123,293 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* Sparse 2-bit blocks (format and contract: diloco/codec/sparse.py). Each block keeps  */
+/* its `kept` largest |x| (ties to the lower index), each as a code c in 0..3 standing   */
+/* for (c - 1.5) * scale; the scale is the smallest half (or float) with 1.5 * scale >=  */
+/* the block's largest |x|. The same float32 operations as the numpy reference: one     */
+/* true division, one add, floor; decoding one subtract (exact) and one multiply.       */
+
+typedef struct {
+    const float *x;
+    size_t n, block_size, kept;
+    int scale_size;
+    size_t block_begin, block_end;
+    unsigned char *indices; /* NULL: every value kept (dense), no indices */
+    unsigned char *codes, *scales;
+    int status;
+    size_t bad_block;
+} SparseJob;
+
+/* The value at position k (0-based) of a[0..n) sorted in descending order; reorders a. */
+static uint32_t kth_largest(uint32_t *a, long n, long k) {
+    long lo = 0, hi = n - 1;
+    while (lo < hi) {
+        uint32_t pivot = a[lo + (hi - lo) / 2];
+        long i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                uint32_t t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (k <= j)
+            hi = j;
+        else if (k >= i)
+            lo = i;
+        else
+            return a[k];
+    }
+    return a[lo];
+}
+
+static inline int sparse_scale(float amax, int scale_size, float *scale, uint32_t *bits) {
+    float t = amax / 1.5f;
+    if (scale_size == 2) {
+        uint32_t h = half_ceil(t);
+        if (h < 0x7C00u && half_to_float((uint16_t)h) * 1.5f < amax) h += 1;
+        if (h >= 0x7C00u) return -1;
+        *scale = half_to_float((uint16_t)h);
+        *bits = h;
+    } else {
+        if (t * 1.5f < amax) t = bits_to_float(float_to_bits(t) + 1u);
+        *scale = t;
+        *bits = float_to_bits(t);
+    }
+    return 0;
+}
+
+static const float SPARSE_LEVELS[4] = {-1.5f, -0.5f, 0.5f, 1.5f}; /* (c - 1.5), exact */
+
+/* floor(x / scale + 2) clipped to 0..3, as numpy computes it; the conversion truncates,
+ * which is floor for the non-negative values it is given (no libm call). */
+static inline unsigned sparse_code(float x, float scale) {
+    if (!(scale > 0.0f)) return 2u;
+    float q = x / scale;
+    q = q + 2.0f;
+    return q < 1.0f ? 0u : q >= 3.0f ? 3u : (unsigned)q;
+}
+
+static void sparse_range(SparseJob *job) {
+    uint32_t keys[256], work[256];
+    float ratio = 0.5f;
+    for (size_t b = job->block_begin; b < job->block_end; b++) {
+        size_t lo = b * job->block_size;
+        size_t len = job->n - lo < job->block_size ? job->n - lo : job->block_size;
+        size_t k = job->kept < len ? job->kept : len;
+        size_t offset = b * job->kept; /* every block before the last is full */
+        const float *x = job->x + lo;
+        uint32_t top = 0;
+        for (size_t i = 0; i < len; i++) {
+            keys[i] = ((const u32_alias *)x)[i] & 0x7FFFFFFFu;
+            if (keys[i] >= 0x7F800000u) {
+                job->status = STATUS_NONFINITE;
+                job->bad_block = b;
+                return;
+            }
+            if (keys[i] > top) top = keys[i];
+        }
+        float scale;
+        uint32_t bits;
+        if (sparse_scale(bits_to_float(top), job->scale_size, &scale, &bits) < 0) {
+            job->status = STATUS_SCALE_OVERFLOW;
+            job->bad_block = b;
+            return;
+        }
+        store_scale(job->scales, b, job->scale_size, bits);
+        uint32_t threshold = 0;
+        size_t ties = 0;
+        if (k < len) {
+            /* The k-th largest key, searched for among the keys at or above a guess (the
+             * previous block's threshold as a fraction of its largest key, halved until
+             * at least k are): a few dozen candidates rather than the whole block. The
+             * guess changes only the work, never the result. */
+            uint32_t guess = float_to_bits(bits_to_float(top) * ratio);
+            size_t count = 0;
+            for (;;) {
+                count = 0;
+                for (size_t i = 0; i < len; i++) {
+                    work[count] = keys[i];
+                    count += keys[i] >= guess;
+                }
+                if (count >= k || guess == 0) break;
+                guess = guess > 0x00800000u ? guess - 0x00800000u : 0; /* half the value (one exponent down) */
+            }
+            threshold = kth_largest(work, (long)count, (long)k - 1);
+            size_t greater = 0;
+            for (size_t i = 0; i < len; i++) greater += keys[i] > threshold;
+            ties = k - greater;
+            if (top > 0) ratio = bits_to_float(threshold) / bits_to_float(top);
+        }
+        /* The kept values in index order, then their codes packed a byte at a time. */
+        unsigned char *listed = job->indices ? job->indices + offset : NULL;
+        float chosen[256];
+        if (k < len) {
+            size_t j = 0;
+            for (size_t i = 0; i < len && j < k; i++) {
+                if (keys[i] < threshold || (keys[i] == threshold && ties == 0)) continue;
+                if (keys[i] == threshold) ties--;
+                if (listed) listed[j] = (unsigned char)i;
+                chosen[j++] = x[i];
+            }
+        } else {
+            if (listed)
+                for (size_t i = 0; i < len; i++) listed[i] = (unsigned char)i;
+            memcpy(chosen, x, len * sizeof *chosen);
+        }
+        unsigned acc = 0;
+        for (size_t j = 0; j < k; j++) {
+            size_t at = offset + j;
+            acc |= sparse_code(chosen[j], scale) << (2 * (at & 3));
+            if ((at & 3) == 3 || j + 1 == k) {
+                job->codes[at >> 2] |= (unsigned char)acc;
+                acc = 0;
+            }
+        }
+    }
+}
+
+static void sparse_range_v(void *job) { sparse_range((SparseJob *)job); }
+
+PyDoc_STRVAR(sparse_quantize_doc,
+"sparse_quantize(x, numel, block_size, kept, scale_size, threads) -> (status, bad_block, payload)\n\n"
+"The sparse payload of float32 x (indices unless kept >= block_size, codes, scales).\n"
+"status: 0 ok, 1 non-finite input in bad_block, 2 half scale overflow in bad_block.");
+
+static PyObject *py_sparse_quantize(PyObject *self, PyObject *args) {
+    PyObject *x_obj;
+    Py_ssize_t n, block_size, kept;
+    int scale_size, threads;
+    if (!PyArg_ParseTuple(args, "Onnnii", &x_obj, &n, &block_size, &kept, &scale_size, &threads)) return NULL;
+    if (check_common(n, block_size, scale_size, threads) < 0) return NULL;
+    if (block_size > 256 || kept < 1 || kept > block_size) {
+        PyErr_SetString(PyExc_ValueError, "need block_size <= 256 and 1 <= kept <= block_size");
+        return NULL;
+    }
+    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
+    size_t blocks = full + (rest > 0);
+    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
+    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    Py_buffer xv = {0};
+    PyObject *payload = NULL, *result = NULL;
+    if (PyObject_GetBuffer(x_obj, &xv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (check_len(&xv, n * 4, "x") < 0) goto done;
+    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size));
+    if (!payload) goto done;
+    unsigned char *base = (unsigned char *)PyBytes_AS_STRING(payload);
+    memset(base + index_len, 0, code_len); /* codes are OR-ed in */
+    int status = STATUS_OK;
+    size_t bad_block = 0;
+    if (n > 0) {
+        /* Ranges start at blocks whose first code begins a byte: no byte is shared. */
+        size_t align = 4 / ((size_t)kept % 4 == 0 ? 4 : (size_t)kept % 2 == 0 ? 2 : 1);
+        size_t count = (size_t)threads, per = MIN_ELEMENTS_PER_THREAD / (size_t)block_size + 1;
+        if (count > (blocks + per - 1) / per) count = (blocks + per - 1) / per;
+        if (count > MAX_THREADS) count = MAX_THREADS;
+        if (count < 1) count = 1;
+        size_t step = (blocks + count - 1) / count;
+        step = (step + align - 1) / align * align;
+        SparseJob jobs[MAX_THREADS];
+        size_t used = 0;
+        for (size_t b = 0; b < blocks; b += step, used++) {
+            jobs[used] = (SparseJob){
+                .x = (const float *)xv.buf, .n = (size_t)n, .block_size = (size_t)block_size, .kept = (size_t)kept,
+                .scale_size = scale_size, .block_begin = b, .block_end = b + step < blocks ? b + step : blocks,
+                .indices = index_len ? base : NULL, .codes = base + index_len, .scales = base + index_len + code_len,
+            };
+        }
+        Py_BEGIN_ALLOW_THREADS
+        run_ranges(sparse_range_v, jobs, sizeof(SparseJob), used);
+        Py_END_ALLOW_THREADS
+        for (size_t t = 0; t < used; t++) {
+            if (jobs[t].status != STATUS_OK) {
+                status = jobs[t].status;
+                bad_block = jobs[t].bad_block;
+                break;
+            }
+        }
+    }
+    if (status != STATUS_OK) Py_CLEAR(payload);
+    result = Py_BuildValue("inO", status, (Py_ssize_t)bad_block, payload ? payload : Py_None);
+done:
+    Py_XDECREF(payload);
+    if (xv.obj) PyBuffer_Release(&xv);
+    return result;
+}
+
+PyDoc_STRVAR(sparse_apply_doc,
+"sparse_apply(payload, numel, block_size, kept, scale_size, out, alpha, mode) -> float\n\n"
+"mode 0: out <- the decoded values (zero where nothing was kept); mode 1: out += alpha *\n"
+"decoded at the kept positions; mode 2 (out None): the sum of squares of the decoded\n"
+"values. The caller has checked the payload (indices, scales).");
+
+static PyObject *py_sparse_apply(PyObject *self, PyObject *args) {
+    PyObject *p_obj, *out_obj;
+    Py_ssize_t n, block_size, kept;
+    int scale_size, mode;
+    float alpha;
+    if (!PyArg_ParseTuple(args, "OnnniOfi", &p_obj, &n, &block_size, &kept, &scale_size, &out_obj, &alpha, &mode))
+        return NULL;
+    if (check_common(n, block_size, scale_size, 1) < 0) return NULL;
+    if (block_size > 256 || kept < 1 || kept > block_size || mode < 0 || mode > 2 || (mode == 2) != (out_obj == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "need block_size <= 256, 1 <= kept <= block_size, mode 0-2 (out None for 2)");
+        return NULL;
+    }
+    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
+    size_t blocks = full + (rest > 0);
+    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
+    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    Py_buffer pv = {0}, ov = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(p_obj, &pv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (check_len(&pv, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size), "payload") < 0) goto done;
+    if (mode != 2) {
+        if (PyObject_GetBuffer(out_obj, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+        if (check_len(&ov, n * 4, "out") < 0) goto done;
+    }
+    double sumsq = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *base = (const unsigned char *)pv.buf, *codes = base + index_len;
+    const unsigned char *scales = codes + code_len;
+    float *out = (float *)ov.buf;
+    if (mode == 0) memset(out, 0, (size_t)n * 4);
+    for (size_t b = 0; b < blocks; b++) {
+        size_t lo = b * (size_t)block_size;
+        size_t len = (size_t)n - lo < (size_t)block_size ? (size_t)n - lo : (size_t)block_size;
+        size_t k = (size_t)kept < len ? (size_t)kept : len, offset = b * (size_t)kept;
+        float scale = load_scale(scales, b, scale_size);
+        const unsigned char *where = index_len ? base + offset : NULL;
+        float *o = out ? out + lo : NULL;
+#define SPARSE_VALUE(j) (SPARSE_LEVELS[(codes[(offset + (j)) >> 2] >> (2 * ((offset + (j)) & 3))) & 3u] * scale)
+        if (mode == 2) {
+            for (size_t j = 0; j < k; j++) {
+                float v = SPARSE_VALUE(j);
+                sumsq += (double)v * (double)v;
+            }
+        } else if (mode == 0 && where) {
+            for (size_t j = 0; j < k; j++) o[where[j]] = SPARSE_VALUE(j);
+        } else if (mode == 0) {
+            for (size_t j = 0; j < k; j++) o[j] = SPARSE_VALUE(j);
+        } else if (where) {
+            for (size_t j = 0; j < k; j++) o[where[j]] = o[where[j]] + alpha * SPARSE_VALUE(j);
+        } else {
+            for (size_t j = 0; j < k; j++) o[j] = o[j] + alpha * SPARSE_VALUE(j);
+        }
+#undef SPARSE_VALUE
+    }
+    Py_END_ALLOW_THREADS
+    result = PyFloat_FromDouble(sumsq);
+done:
+    if (pv.obj) PyBuffer_Release(&pv);
+    if (ov.obj) PyBuffer_Release(&ov);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, quantize_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
@@ -1131,6 +1418,8 @@ static PyMethodDef methods[] = {
     {"sumsq", py_sumsq, METH_VARARGS, sumsq_doc},
     {"mirror_store", py_mirror_store, METH_VARARGS, mirror_store_doc},
     {"mirror_load", py_mirror_load, METH_VARARGS, mirror_load_doc},
+    {"sparse_quantize", py_sparse_quantize, METH_VARARGS, sparse_quantize_doc},
+    {"sparse_apply", py_sparse_apply, METH_VARARGS, sparse_apply_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import google_crc32c
 import numpy as np
 
-from diloco.codec import int4
+from diloco.codec import int4, sparse
 from diloco.config import BLOCK_SIZE
 from diloco.errors import CodecError
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENCODINGS = ("int4", "fp32")
+ENCODINGS = ("int4", "sparse", "fp32")
 DTYPE = "float32"
 
 
@@ -47,15 +47,17 @@ class TensorSpec:
     dtype: str
     """Dtype of the decoded tensor; always "float32"."""
     encoding: str
-    """"int4" or "fp32"."""
+    """"int4", "sparse" or "fp32"."""
     block_size: int
-    """Elements per quantization block (int4); 0 for fp32."""
+    """Elements per quantization block (int4, sparse); 0 for fp32."""
     scale_dtype: str
-    """"float16" or "float32" (int4); "" for fp32."""
+    """"float16" or "float32" (int4, sparse); "" for fp32."""
     byte_length: int
     """Length of the uncompressed payload in bytes."""
     checksum: int
     """CRC-32C of the uncompressed payload."""
+    kept: int = 0
+    """Values kept per block (sparse); 0 otherwise."""
 
     @property
     def numel(self) -> int:
@@ -85,11 +87,14 @@ def values_digest(tensors: Sequence[EncodedTensor]) -> bytes:
     return h.digest()
 
 
-def expected_byte_length(shape: tuple[int, ...], encoding: str, block_size: int, scale_dtype: str) -> int:
+def expected_byte_length(shape: tuple[int, ...], encoding: str, block_size: int, scale_dtype: str,
+                         kept: int = 0) -> int:
     """Bytes of the uncompressed payload of a tensor with this shape and encoding."""
     numel = math.prod(shape)
     if encoding == "fp32":
         return 4 * numel
+    if encoding == "sparse":
+        return sparse.nbytes(numel, block_size, kept, scale_dtype)
     return int4.int4_nbytes(numel, block_size, scale_dtype)
 
 
@@ -101,11 +106,13 @@ def encode(
     block_size: int = BLOCK_SIZE,
     scale_dtype: str = "float16",
     generator: torch.Generator | None = None,
+    kept: int = 0,
 ) -> EncodedTensor:
     """Encode ``tensor`` (a torch tensor of any floating dtype on any device, or a numpy
     array; sent as float32).
 
-    int4 quantizes (stochastically when ``generator`` is given); fp32 sends raw
+    int4 quantizes (stochastically when ``generator`` is given); sparse keeps ``kept``
+    values of each block at 2 bits (``diloco.codec.sparse``); fp32 sends raw
     little-endian floats, for ablations and for learners too far behind for a chain of
     int4 updates. NaN or Inf raises CodecError naming the tensor and the element.
     """
@@ -118,6 +125,10 @@ def encode(
     elif encoding == "int4":
         int4.check_params(block_size, scale_dtype, name)
         payload = int4.quantize_to_payload(flat, block_size, scale_dtype, generator, name)
+    elif encoding == "sparse":
+        sparse.check_params(block_size, kept, scale_dtype, name)
+        int4.raise_if_nonfinite(flat, name)
+        payload = sparse.quantize(flat, block_size, kept, scale_dtype, name)
     else:
         raise CodecError(f"tensor {name!r}: unknown encoding {encoding!r}; expected one of {ENCODINGS}")
     spec = TensorSpec(
@@ -129,6 +140,7 @@ def encode(
         scale_dtype=scale_dtype,
         byte_length=len(payload),
         checksum=checksum(payload),
+        kept=kept if encoding == "sparse" else 0,
     )
     return EncodedTensor(spec, payload)
 
@@ -191,6 +203,8 @@ def validate_spec(spec: TensorSpec, *, block_size: int | None = None, scale_dtyp
         isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in spec.shape
     ):
         raise CodecError(f"tensor {name!r}: shape {spec.shape!r} must be a tuple of non-negative integers")
+    if spec.encoding != "sparse" and spec.kept != 0:
+        raise CodecError(f"tensor {name!r}: only sparse payloads keep values per block, got kept {spec.kept!r}")
     if spec.encoding == "fp32":
         if spec.block_size != 0 or spec.scale_dtype != "":
             raise CodecError(
@@ -198,7 +212,10 @@ def validate_spec(spec: TensorSpec, *, block_size: int | None = None, scale_dtyp
                 f"{spec.block_size!r} and scale dtype {spec.scale_dtype!r}"
             )
     else:
-        int4.check_params(spec.block_size, spec.scale_dtype, name)
+        if spec.encoding == "sparse":
+            sparse.check_params(spec.block_size, spec.kept, spec.scale_dtype, name)
+        else:
+            int4.check_params(spec.block_size, spec.scale_dtype, name)
         if block_size is not None and spec.block_size != block_size:
             raise CodecError(
                 f"tensor {name!r}: block size {spec.block_size} does not match the configured {block_size}"
@@ -207,10 +224,11 @@ def validate_spec(spec: TensorSpec, *, block_size: int | None = None, scale_dtyp
             raise CodecError(
                 f"tensor {name!r}: scale dtype {spec.scale_dtype!r} does not match the configured {scale_dtype!r}"
             )
-    expected = expected_byte_length(spec.shape, spec.encoding, spec.block_size, spec.scale_dtype)
+    expected = expected_byte_length(spec.shape, spec.encoding, spec.block_size, spec.scale_dtype, spec.kept)
     if spec.byte_length != expected:
         detail = (
-            "fp32" if spec.encoding == "fp32" else f"int4, block size {spec.block_size}, {spec.scale_dtype} scales"
+            "fp32" if spec.encoding == "fp32" else f"{spec.encoding}, block size {spec.block_size}, {spec.scale_dtype} scales"
+            + (f", {spec.kept} kept per block" if spec.encoding == "sparse" else "")
         )
         raise CodecError(
             f"tensor {name!r}: shape {spec.shape} ({detail}) needs {expected} payload bytes, "
@@ -242,6 +260,9 @@ def check_payload(
         if not finite.all():
             index = int(np.argmin(finite))
             raise CodecError(f"tensor {spec.name!r}: element {index} is {float(values[index])}; expected finite values")
+    elif spec.encoding == "sparse":
+        _check_scales(view[sparse.scales_offset(spec.numel, spec.block_size, spec.kept) :], spec.scale_dtype, spec.name)
+        sparse.check_indices(view, spec.numel, spec.block_size, spec.kept, spec.scale_dtype, spec.name)
     else:
         _check_scales(view[int4.packed_nbytes(spec.numel) :], spec.scale_dtype, spec.name)
     return view
@@ -254,6 +275,8 @@ def norm_of(spec: TensorSpec, payload: bytes | bytearray | memoryview) -> float:
     if spec.encoding == "fp32":
         values = np.frombuffer(view, dtype="<f4").astype(np.float64)
         return float(np.sqrt(np.dot(values, values)))
+    if spec.encoding == "sparse":
+        return math.sqrt(sparse.sumsq(view, spec.numel, spec.block_size, spec.kept, spec.scale_dtype))
     split = int4.packed_nbytes(spec.numel)
     return math.sqrt(int4.sumsq_int4(view[:split], view[split:], spec.numel, spec.block_size, spec.scale_dtype))
 
@@ -264,26 +287,32 @@ def accumulate(
     """``out (+)= sum alpha * decoded`` over (tensor, alpha) pairs of one shape, straight
     from the encoded bytes: int4 inputs in one fused pass over ``out`` (contiguous float32:
     a numpy array or a CPU tensor, written in place). Returns the squared norm of the
-    resulting ``out``. Every payload must have passed ``check_payload``."""
+    resulting ``out``. Every payload must have passed ``check_payload``. Sparse inputs add
+    at their kept positions only."""
     base = int4.as_numpy(out)
     numel = base.size
     if base.dtype != np.float32 or not base.flags.c_contiguous:
         raise CodecError(f"tensor 'accumulator': out must be a contiguous float32 CPU tensor of {numel} elements")
     flat = base.reshape(-1)
     groups: dict[tuple[int, str], list[tuple[EncodedTensor, float]]] = {}
-    fp32 = []
+    fp32, sparse_items = [], []
     for tensor, alpha in items:
         if tensor.spec.numel != numel:
             raise CodecError(f"tensor {tensor.spec.name!r}: {tensor.spec.numel} elements, expected {numel}")
         if tensor.spec.encoding == "fp32":
             fp32.append((tensor, alpha))
+        elif tensor.spec.encoding == "sparse":
+            sparse_items.append((tensor, alpha))
         else:
             groups.setdefault((tensor.spec.block_size, tensor.spec.scale_dtype), []).append((tensor, alpha))
-    if overwrite and (fp32 or not groups):
+    if overwrite and (fp32 or sparse_items or not groups):
         flat.fill(0)
         overwrite = False
     for tensor, alpha in fp32:
         flat += np.float32(alpha) * np.frombuffer(_bytes(tensor.payload), dtype="<f4")
+    for tensor, alpha in sparse_items:
+        s = tensor.spec
+        sparse.axpy(_bytes(tensor.payload), alpha, numel, s.block_size, s.kept, s.scale_dtype, flat)
     sumsq = None
     split = int4.packed_nbytes(numel)
     for (block_size, scale_dtype), group in groups.items():
@@ -324,6 +353,10 @@ def decode(
     if spec.encoding == "fp32":
         values = torch.from_numpy(np.frombuffer(view, dtype="<f4").astype(np.float32))
         return (values if out is None else out.view(-1).copy_(values)).view(spec.shape)
+    if spec.encoding == "sparse":
+        target = np.empty(numel, np.float32) if out is None else out.view(-1).numpy()
+        sparse.decode_into(view, numel, spec.block_size, spec.kept, spec.scale_dtype, target)
+        return (torch.from_numpy(target) if out is None else out).view(spec.shape)
     split = int4.packed_nbytes(numel)
     values = int4._dequantize(view[:split], view[split:], numel, spec.block_size, spec.scale_dtype, out)
     return values.view(spec.shape)

@@ -53,6 +53,13 @@ def _number(kind: type, minimum: float, above: bool = False) -> Callable[[str], 
     return check
 
 
+def _fraction(text: str) -> object:
+    value = _number(float, 0, above=True)(text)
+    if value > 1:
+        raise ValueError("must be at most 1 (a fraction of each block)")
+    return value
+
+
 def _choice(*choices: str) -> Callable[[str], object]:
     def check(text: str) -> object:
         if text not in choices:
@@ -63,7 +70,8 @@ def _choice(*choices: str) -> Callable[[str], object]:
 
 LEARNER_SETTINGS: dict[str, Callable[[str], object]] = {
     "device": _choice("cpu", "cuda", "xla"), "precision": _choice("fp32", "bf16"), "steps": _number(int, 1), "lr": _number(float, 0, above=True),
-    "warmup-steps": _number(int, 0), "eval-every": _number(int, 1), "delta-codec": _choice("int4", "fp32"),
+    "warmup-steps": _number(int, 0), "eval-every": _number(int, 1), "delta-codec": _choice("int4", "sparse", "fp32"),
+    "delta-density": _fraction,
     "block-size": _number(int, 1), "step-delay-s": _number(float, 0), "threads": _number(int, 1),
     "slow-factor": _number(float, 0, above=True), "wire-delay-ms": _number(float, 0),
     "push-timeout-s": _number(float, 0, above=True), "max-inflight": _number(int, 0),

@@ -74,6 +74,10 @@ ABLATIONS = {
     "outer lr 0.7, Nesterov 0.9 (paper)": {"outer_lr": 0.7, "outer_momentum": 0.9},
     "H=8": {"sync_every": 8},
     "H=16": {"sync_every": 16},
+    "sparse deltas 1/8, 2-bit replies": {"delta_codec": "sparse", "delta_density": 0.125, "reply_codec": "sparse",
+                                         "reply_density": 1.0},
+    "sparse deltas 1/16, 2-bit replies": {"delta_codec": "sparse", "delta_density": 0.0625, "reply_codec": "sparse",
+                                          "reply_density": 1.0},
 }
 WORKLOADS = {"standard": 120, "long": 480, "longer": 960}
 """``--workload``: inner steps per worker. Longer workloads keep the workers, batch and

@@ -37,6 +37,7 @@ from diloco import rpc
 from diloco import snapshots as snapshot_store
 from diloco.clock import VectorClock
 from diloco.codec import EncodedTensor, encode, values_digest
+from diloco.codec.sparse import kept_for
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
 from diloco.manifest import Manifest, manifest_of, synced_tensors
@@ -392,10 +393,10 @@ class Learner(LossReports):
 
     def _encode_push(self, fragment_id: int, host: list[torch.Tensor]) -> list[EncodedTensor]:
         state = self.book.fragments[fragment_id]
-        feedback = self.cfg.error_feedback and self.cfg.delta_codec == "int4"
+        feedback = self.cfg.error_feedback and self.cfg.delta_codec != "fp32"
         encoded, left_out = encode_push(
             self.plan.fragments[fragment_id].pieces, host, state.anchor, state.residual,
-            self.cfg.delta_codec, self.cfg.block_size, feedback,
+            self.cfg.delta_codec, self.cfg.block_size, feedback, kept_for(self.cfg.delta_density, self.cfg.block_size),
         )
         if left_out is not None:  # only ever set with feedback on: the residual above is too
             self.book.quantized(fragment_id, left_out)

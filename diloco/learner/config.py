@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from diloco.config import BLOCK_SIZE
+from diloco.config import BLOCK_SIZE, check_density
 from diloco.errors import InvalidArgument
 
 DEVICES = ("cpu", "cuda", "xla")
 PRECISIONS = ("fp32", "bf16")
-DELTA_CODECS = ("int4", "fp32")
+DELTA_CODECS = ("int4", "sparse", "fp32")
 INNER_OPTIMIZERS = ("adamw", "adamw-pooled")
 
 
@@ -48,7 +48,11 @@ class LearnerConfig:
     joining a model others have trained never evaluates there; ``diloco local`` skips it
     for all, its supervisor evaluating the seed model once for the run."""
     delta_codec: str = "int4"
-    """Encoding of outgoing deltas: int4 (default) or fp32 (ablations)."""
+    """Encoding of outgoing deltas: int4 (default), sparse (of each block the
+    ``delta_density`` largest values at 2 bits, ``diloco.codec.sparse``; with error feedback
+    what it drops goes with the next push) or fp32 (ablations)."""
+    delta_density: float = 0.125
+    """With ``delta_codec`` sparse: the fraction of each block's values a push keeps, (0, 1]."""
     block_size: int = BLOCK_SIZE
     """int4 block size of pushes; must be the shards' (``MergeConfig.block_size``)."""
     error_feedback: bool = True
@@ -87,6 +91,7 @@ class LearnerConfig:
             raise InvalidArgument(f"inner optimizer must be one of {INNER_OPTIMIZERS}, got {self.inner_optimizer!r}")
         if self.delta_codec not in DELTA_CODECS:
             raise InvalidArgument(f"delta codec must be one of {DELTA_CODECS}, got {self.delta_codec!r}")
+        check_density("delta density", self.delta_density)
         for name in ("steps", "eval_every_steps", "train_loss_every_steps", "max_inflight_pushes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")

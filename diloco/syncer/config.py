@@ -6,13 +6,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diloco.config import BLOCK_SIZE
+from diloco.config import BLOCK_SIZE, check_density
 from diloco.errors import InvalidArgument
 
 GRACE_MODES = ("auto", "fixed", "off")
 SCALE_MODES = ("live", "round")
 MERGE_MODES = ("rda", "mean")
 DOWNLINKS = ("condensed", "chain")
+REPLY_CODECS = ("int4", "sparse")
 OUTER_OPTIMIZERS = ("nesterov", "delayed-nesterov")
 """``diloco.syncer.core.outer.momentum_step``'s optimizers."""
 MAX_SHARDS = 1024
@@ -115,6 +116,13 @@ class MergeConfig:
     one int4 step of the global values. Costs the shard about a byte per parameter per
     learner (``diloco.syncer.core.mirrors``: an int8 difference from a shared base, its drift
     accounted). Measured in docs/results/compare-condensed/ and docs/results/scale/."""
+    reply_codec: str = "int4"
+    """Encoding of condensed replies: int4, or sparse (of each block the ``reply_density``
+    largest values at 2 bits, ``diloco.codec.sparse``; what a reply leaves out stays in the
+    learner's difference from the global values and goes with a later reply). Chain
+    replies are int4."""
+    reply_density: float = 0.125
+    """With ``reply_codec`` sparse: the fraction of each block's values a reply keeps, (0, 1]."""
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_MODES:
@@ -136,6 +144,12 @@ class MergeConfig:
             raise InvalidArgument(f"scale dtype must be float16 or float32, got {self.scale_dtype!r}")
         if self.downlink not in DOWNLINKS:
             raise InvalidArgument(f"downlink must be one of {DOWNLINKS}, got {self.downlink!r}")
+        if self.reply_codec not in REPLY_CODECS:
+            raise InvalidArgument(f"reply codec must be one of {REPLY_CODECS}, got {self.reply_codec!r}")
+        check_density("reply density", self.reply_density)
+        if self.reply_codec == "sparse" and self.downlink != "condensed":
+            raise InvalidArgument("reply codec sparse needs the condensed downlink: a chain's updates are shared by "
+                                  "every learner, and only a condensed reply sends what the last one left out")
         if self.update_chain_length < 1:
             raise InvalidArgument(f"update chain length must be >= 1, got {self.update_chain_length}")
 

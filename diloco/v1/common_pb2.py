@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64iloco/v1/common.proto\x12\tdiloco.v1\"s\n\x0bVectorClock\x12\x34\n\x07\x65ntries\x18\x01 \x03(\x0b\x32#.diloco.v1.VectorClock.EntriesEntry\x1a.\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb1\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12%\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x13.diloco.v1.Encoding\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bscale_dtype\x18\x06 \x01(\t\x12\x13\n\x0b\x62yte_length\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"n\n\x05Piece\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x11\n\trow_start\x18\x02 \x01(\x03\x12\x10\n\x08row_stop\x18\x03 \x01(\x03\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x11\n\tembedding\x18\x05 \x01(\x08\x12\x0e\n\x06\x62uffer\x18\x06 \x01(\x08\"J\n\x08\x46ragment\x12\n\n\x02id\x18\x01 \x01(\r\x12 \n\x06pieces\x18\x02 \x03(\x0b\x32\x10.diloco.v1.Piece\x12\x10\n\x08shard_id\x18\x03 \x01(\r\"I\n\x0c\x46ragmentPlan\x12&\n\tfragments\x18\x01 \x03(\x0b\x32\x13.diloco.v1.Fragment\x12\x11\n\tplan_hash\x18\x02 \x01(\t\"A\n\tShardInfo\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tfragments\x18\x03 \x03(\r\"\xee\x01\n\x08Topology\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.diloco.v1.FragmentPlan\x12$\n\x06shards\x18\x02 \x03(\x0b\x32\x14.diloco.v1.ShardInfo\x12\x17\n\x0frun_config_json\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x15\n\rmanifest_json\x18\x08 \x01(\t\x12\x16\n\x0einitial_values\x18\t \x03(\x0cJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x10sync_every_stepsR\roverlap_stepsR\x0bmerge_alpha\"\xf4\x02\n\x0bLearnerInfo\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.diloco.v1.LearnerState\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x13\n\x0binner_steps\x18\x07 \x01(\x04\x12\x13\n\x0bversion_lag\x18\x08 \x01(\x04\x12\x16\n\x0ejoined_unix_ms\x18\t \x01(\x03\x12\x11\n\tlaunch_id\x18\n \x01(\t\x12\x0e\n\x06reason\x18\x0b \x01(\t\x12\x17\n\ntrain_loss\x18\x0c \x01(\x01H\x00\x88\x01\x01\x12\x16\n\teval_loss\x18\r \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x0ctokens_per_s\x18\x0e \x01(\x01\x12\x11\n\tloss_unit\x18\x0f \x01(\tB\r\n\x0b_train_lossB\x0c\n\n_eval_loss\"@\n\x0cSnapshotFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t*J\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x11\n\rENCODING_FP32\x10\x01\x12\x11\n\rENCODING_INT4\x10\x02*\xb0\x01\n\x0cLearnerState\x12\x1d\n\x19LEARNER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LEARNER_STATE_JOINING\x10\x01\x12\x18\n\x14LEARNER_STATE_ACTIVE\x10\x02\x12\x1a\n\x16LEARNER_STATE_DRAINING\x10\x03\x12\x18\n\x14LEARNER_STATE_FAILED\x10\x04\x12\x16\n\x12LEARNER_STATE_LEFT\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64iloco/v1/common.proto\x12\tdiloco.v1\"s\n\x0bVectorClock\x12\x34\n\x07\x65ntries\x18\x01 \x03(\x0b\x32#.diloco.v1.VectorClock.EntriesEntry\x1a.\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xbf\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12%\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x13.diloco.v1.Encoding\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bscale_dtype\x18\x06 \x01(\t\x12\x13\n\x0b\x62yte_length\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\x12\x0c\n\x04kept\x18\t \x01(\r\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"n\n\x05Piece\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x11\n\trow_start\x18\x02 \x01(\x03\x12\x10\n\x08row_stop\x18\x03 \x01(\x03\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x11\n\tembedding\x18\x05 \x01(\x08\x12\x0e\n\x06\x62uffer\x18\x06 \x01(\x08\"J\n\x08\x46ragment\x12\n\n\x02id\x18\x01 \x01(\r\x12 \n\x06pieces\x18\x02 \x03(\x0b\x32\x10.diloco.v1.Piece\x12\x10\n\x08shard_id\x18\x03 \x01(\r\"I\n\x0c\x46ragmentPlan\x12&\n\tfragments\x18\x01 \x03(\x0b\x32\x13.diloco.v1.Fragment\x12\x11\n\tplan_hash\x18\x02 \x01(\t\"A\n\tShardInfo\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tfragments\x18\x03 \x03(\r\"\xee\x01\n\x08Topology\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.diloco.v1.FragmentPlan\x12$\n\x06shards\x18\x02 \x03(\x0b\x32\x14.diloco.v1.ShardInfo\x12\x17\n\x0frun_config_json\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x15\n\rmanifest_json\x18\x08 \x01(\t\x12\x16\n\x0einitial_values\x18\t \x03(\x0cJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x10sync_every_stepsR\roverlap_stepsR\x0bmerge_alpha\"\xf4\x02\n\x0bLearnerInfo\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.diloco.v1.LearnerState\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x13\n\x0binner_steps\x18\x07 \x01(\x04\x12\x13\n\x0bversion_lag\x18\x08 \x01(\x04\x12\x16\n\x0ejoined_unix_ms\x18\t \x01(\x03\x12\x11\n\tlaunch_id\x18\n \x01(\t\x12\x0e\n\x06reason\x18\x0b \x01(\t\x12\x17\n\ntrain_loss\x18\x0c \x01(\x01H\x00\x88\x01\x01\x12\x16\n\teval_loss\x18\r \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x0ctokens_per_s\x18\x0e \x01(\x01\x12\x11\n\tloss_unit\x18\x0f \x01(\tB\r\n\x0b_train_lossB\x0c\n\n_eval_loss\"@\n\x0cSnapshotFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t*_\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x11\n\rENCODING_FP32\x10\x01\x12\x11\n\rENCODING_INT4\x10\x02\x12\x13\n\x0f\x45NCODING_SPARSE\x10\x03*\xb0\x01\n\x0cLearnerState\x12\x1d\n\x19LEARNER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LEARNER_STATE_JOINING\x10\x01\x12\x18\n\x14LEARNER_STATE_ACTIVE\x10\x02\x12\x1a\n\x16LEARNER_STATE_DRAINING\x10\x03\x12\x18\n\x14LEARNER_STATE_FAILED\x10\x04\x12\x16\n\x12LEARNER_STATE_LEFT\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VECTORCLOCK_ENTRIESENTRY']._loaded_options = None
   _globals['_VECTORCLOCK_ENTRIESENTRY']._serialized_options = b'8\001'
-  _globals['_ENCODING']._serialized_start=1369
-  _globals['_ENCODING']._serialized_end=1443
-  _globals['_LEARNERSTATE']._serialized_start=1446
-  _globals['_LEARNERSTATE']._serialized_end=1622
+  _globals['_ENCODING']._serialized_start=1383
+  _globals['_ENCODING']._serialized_end=1478
+  _globals['_LEARNERSTATE']._serialized_start=1481
+  _globals['_LEARNERSTATE']._serialized_end=1657
   _globals['_VECTORCLOCK']._serialized_start=37
   _globals['_VECTORCLOCK']._serialized_end=152
   _globals['_VECTORCLOCK_ENTRIESENTRY']._serialized_start=106
   _globals['_VECTORCLOCK_ENTRIESENTRY']._serialized_end=152
   _globals['_TENSORHEADER']._serialized_start=155
-  _globals['_TENSORHEADER']._serialized_end=332
-  _globals['_CHUNK']._serialized_start=334
-  _globals['_CHUNK']._serialized_end=355
-  _globals['_PIECE']._serialized_start=357
-  _globals['_PIECE']._serialized_end=467
-  _globals['_FRAGMENT']._serialized_start=469
-  _globals['_FRAGMENT']._serialized_end=543
-  _globals['_FRAGMENTPLAN']._serialized_start=545
-  _globals['_FRAGMENTPLAN']._serialized_end=618
-  _globals['_SHARDINFO']._serialized_start=620
-  _globals['_SHARDINFO']._serialized_end=685
-  _globals['_TOPOLOGY']._serialized_start=688
-  _globals['_TOPOLOGY']._serialized_end=926
-  _globals['_LEARNERINFO']._serialized_start=929
-  _globals['_LEARNERINFO']._serialized_end=1301
-  _globals['_SNAPSHOTFILE']._serialized_start=1303
-  _globals['_SNAPSHOTFILE']._serialized_end=1367
+  _globals['_TENSORHEADER']._serialized_end=346
+  _globals['_CHUNK']._serialized_start=348
+  _globals['_CHUNK']._serialized_end=369
+  _globals['_PIECE']._serialized_start=371
+  _globals['_PIECE']._serialized_end=481
+  _globals['_FRAGMENT']._serialized_start=483
+  _globals['_FRAGMENT']._serialized_end=557
+  _globals['_FRAGMENTPLAN']._serialized_start=559
+  _globals['_FRAGMENTPLAN']._serialized_end=632
+  _globals['_SHARDINFO']._serialized_start=634
+  _globals['_SHARDINFO']._serialized_end=699
+  _globals['_TOPOLOGY']._serialized_start=702
+  _globals['_TOPOLOGY']._serialized_end=940
+  _globals['_LEARNERINFO']._serialized_start=943
+  _globals['_LEARNERINFO']._serialized_end=1315
+  _globals['_SNAPSHOTFILE']._serialized_start=1317
+  _globals['_SNAPSHOTFILE']._serialized_end=1381
 # @@protoc_insertion_point(module_scope)

@@ -12,6 +12,7 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENCODING_UNSPECIFIED: _ClassVar[Encoding]
     ENCODING_FP32: _ClassVar[Encoding]
     ENCODING_INT4: _ClassVar[Encoding]
+    ENCODING_SPARSE: _ClassVar[Encoding]
 
 class LearnerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ class LearnerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ENCODING_UNSPECIFIED: Encoding
 ENCODING_FP32: Encoding
 ENCODING_INT4: Encoding
+ENCODING_SPARSE: Encoding
 LEARNER_STATE_UNSPECIFIED: LearnerState
 LEARNER_STATE_JOINING: LearnerState
 LEARNER_STATE_ACTIVE: LearnerState
@@ -45,7 +47,7 @@ class VectorClock(_message.Message):
     def __init__(self, entries: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "encoding", "block_size", "scale_dtype", "byte_length", "checksum")
+    __slots__ = ("name", "shape", "dtype", "encoding", "block_size", "scale_dtype", "byte_length", "checksum", "kept")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class TensorHeader(_message.Message):
     SCALE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -62,7 +65,8 @@ class TensorHeader(_message.Message):
     scale_dtype: str
     byte_length: int
     checksum: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., block_size: _Optional[int] = ..., scale_dtype: _Optional[str] = ..., byte_length: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    kept: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., block_size: _Optional[int] = ..., scale_dtype: _Optional[str] = ..., byte_length: _Optional[int] = ..., checksum: _Optional[int] = ..., kept: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data",)

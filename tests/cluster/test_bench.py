@@ -30,6 +30,10 @@ def test_bench_codec_ratios_are_their_parts():
     assert r["dequantize_ratio"] == round(r["dequantize_gbps"] / r["memcpy_gbps"], 3)
     # int4 codes of N(0, 1) data carry under 4 bits of entropy each: zstd shrinks them, a little.
     assert 0.5 < r["zstd_ratio"] < 1.0, r
+    # The sparse codec: 16 of 128 kept (indices, codes, a scale), and all 128 at 2 bits.
+    assert (r["sparse_bits_per_value"], r["dense2_bits_per_value"]) == (1.375, 2.125), r
+    for key in ("sparse_quantize_ratio", "sparse_dequantize_ratio", "dense2_quantize_ratio", "dense2_dequantize_ratio"):
+        assert r[key] > 0, key
 
 
 def test_bench_codec_refuses_a_bad_size():

@@ -36,9 +36,9 @@ class FakeLearner:
         core = server.runtime.core
         return cls(name, core.plan, core.fragments[fragment].params, fragment, seed)
 
-    def next_push(self, tokens=128, steps=4, encoding="int4", deltas=None, step_time_s=0.05):
+    def next_push(self, tokens=128, steps=4, encoding="int4", deltas=None, step_time_s=0.05, kept=0):
         deltas = deltas or [torch.randn(p.shape, generator=self.g) * 0.01 for p in self.pieces]
-        encoded = [encode(p.name, d, encoding=encoding) for p, d in zip(self.pieces, deltas)]
+        encoded = [encode(p.name, d, encoding=encoding, kept=kept) for p, d in zip(self.pieces, deltas)]
         self.clock = self.clock.tick(self.name)
         meta = PushMeta(self.name, self.fragment, self.version, tokens, steps, step_time_s, self.clock,
                         tuple(e.spec for e in encoded))
@@ -409,6 +409,17 @@ def _bad_cases(learner):
     learner.clock = learner.clock.tick(learner.name)
     nan_meta = dataclasses.replace(meta, clock=learner.clock, specs=tuple(e.spec for e in nan_encoded))
     bad_checksum = [dataclasses.replace(e.spec, checksum=(e.spec.checksum + 1) % 2**32) for e in encoded]
+
+    def sparse_push(damage):
+        """A sparse push whose first block's indices are damaged, checksums made to match."""
+        learner.clock = learner.clock.tick(learner.name)
+        sparse_meta, sparse = learner.next_push(encoding="sparse", kept=4)
+        payload = bytearray(sparse[0].payload)
+        payload[1] = 200 if damage == "outside" else payload[0]
+        tensors = [EncodedTensor(dataclasses.replace(sparse[0].spec, checksum=checksum(bytes(payload))), bytes(payload)),
+                   *sparse[1:]]
+        return [header_msg(dataclasses.replace(sparse_meta, specs=tuple(t.spec for t in tensors))), *chunk_msgs(tensors)]
+
     return {
         "unknown fragment": ([header_msg(dataclasses.replace(meta, fragment=9)), *good[1:]], "INVALID_ARGUMENT", "not in the plan"),
         "shape mismatch": (
@@ -428,13 +439,16 @@ def _bad_cases(learner):
         "chunk first": (good[1:], "INVALID_ARGUMENT", "header"),
         "empty stream": ([], "INVALID_ARGUMENT", "empty push stream"),
         "learner mismatch": ([header_msg(dataclasses.replace(meta, learner_id="L1")), *good[1:]], "PERMISSION_DENIED", "claims"),
+        "sparse index outside its block": (sparse_push("outside"), "INVALID_ARGUMENT", "stay below"),
+        "sparse index repeated": (sparse_push("repeat"), "INVALID_ARGUMENT", "ascend strictly"),
     }
 
 
 @pytest.mark.parametrize(
     "case",
     ["unknown fragment", "shape mismatch", "block size", "corrupt chunk", "truncated stream", "checksum",
-     "nan delta", "future base version", "absurd tokens", "chunk first", "empty stream", "learner mismatch"],
+     "nan delta", "future base version", "absurd tokens", "chunk first", "empty stream", "learner mismatch",
+     "sparse index outside its block", "sparse index repeated"],
 )
 def test_bad_push_gets_specific_status_and_changes_nothing(tmp_path, case):
     async def scenario():

@@ -685,7 +685,7 @@ def test_errors_name_the_tensor_or_say_tensor_when_unnamed(path):
             "tensor 'w': block size must be a positive integer, got 0")
         assert _message(encode, "ids", np.arange(4)) == "tensor 'ids': expected a floating point array, got int64"
         assert _message(encode, "w", torch.ones(4), encoding="int8") == (
-            "tensor 'w': unknown encoding 'int8'; expected one of ('int4', 'fp32')")
+            "tensor 'w': unknown encoding 'int8'; expected one of ('int4', 'sparse', 'fp32')")
     assert _message(quantize_int4_reference, torch.arange(4), name="ids") == (
         "tensor 'ids': expected a floating point tensor, got torch.int64")
     assert _message(quantize_int4_reference, torch.ones(4), 0, name="w") == (

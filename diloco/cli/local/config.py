@@ -50,8 +50,14 @@ class LocalConfig:
     """The shards' outer lr scaling: live or round (ablations)."""
     downlink: str = MergeConfig.downlink
     """What the shards' replies carry: condensed or chain (ablations)."""
+    reply_codec: str = MergeConfig.reply_codec
+    """The shards' condensed replies: int4, or sparse (``MergeConfig.reply_codec``)."""
+    reply_density: float = MergeConfig.reply_density
+    """With ``--reply-codec sparse``: the fraction of each block a reply keeps."""
     delta_codec: str = LearnerConfig.delta_codec
-    """The learners' delta encoding: int4 or fp32 (ablations)."""
+    """The learners' delta encoding: int4, sparse (``LearnerConfig.delta_codec``) or fp32 (ablations)."""
+    delta_density: float = LearnerConfig.delta_density
+    """With ``--delta-codec sparse``: the fraction of each block a push keeps."""
     lr: float = LearnerConfig.lr
     """The learners' peak inner learning rate (``LearnerConfig.lr``)."""
     inner_optimizer: str = LearnerConfig.inner_optimizer
@@ -153,8 +159,9 @@ class LocalConfig:
             raise InvalidArgument(f"--chaos {kinds}: network faults act on emulated sites: add --link-mbit R")
         MergeConfig(outer_lr=self.outer_lr, outer_momentum=self.outer_momentum, outer_optimizer=self.outer_optimizer,
                     merge=self.merge, scale_by=self.scale_by, downlink=self.downlink,
-                    block_size=self.block_size)  # the shards' own checks, before any process starts
-        LearnerConfig(lr=self.lr)  # and the learners'
+                    block_size=self.block_size, reply_codec=self.reply_codec,
+                    reply_density=self.reply_density)  # the shards' own checks, before any process starts
+        LearnerConfig(lr=self.lr, delta_density=self.delta_density)  # and the learners'
         # Shards against fragments: checked with the model's own limit (check_cut), in one line.
 
     def check_cut(self, tensors: int, most: int) -> None:

@@ -107,7 +107,8 @@ def start_new_run(run_dir: Path, cfg: LocalConfig, learner_steps: int):
 # What defines a run, kept from its config.json when it is resumed (the rest, such as the
 # number of learners, the chaos and the snapshot schedule, may differ from one part to the next).
 RUN_DEFINING = ("shards", "quorum", "grace", "steps", "tokens", "lr", "inner_optimizer", "outer_lr", "outer_momentum", "outer_optimizer", "merge", "scale_by",
-                "downlink", "delta_codec", "error_feedback", "block_size", "tls", "snapshot_dir")
+                "downlink", "reply_codec", "reply_density", "delta_codec", "delta_density", "error_feedback", "block_size",
+                "tls", "snapshot_dir")
 # Kept from it unless given again.
 RUN_ADJUSTABLE = ("learners", "learner_threads", "snapshot_every_s", "snapshot_keep", "fork_server")
 

@@ -127,6 +127,7 @@ class Cluster:
             "quorum": self.cfg.quorum, "grace": self.cfg.grace, "outer_lr": self.cfg.outer_lr,
             "outer_momentum": self.cfg.outer_momentum, "outer_optimizer": self.cfg.outer_optimizer, "merge": self.cfg.merge, "scale_by": self.cfg.scale_by,
             "downlink": self.cfg.downlink, "block_size": self.cfg.block_size,
+            "reply_codec": self.cfg.reply_codec, "reply_density": self.cfg.reply_density,
             "robust_multiple": self.cfg.robust_multiple, "validator": self.cfg.validator,
             "snapshot_dir": self.snapshot_dir, **self.common,
         })
@@ -166,7 +167,8 @@ class Cluster:
             else self.learner_steps + 1,
             "num_learners": self.cfg.learners,
             "summary_dir": str(self.dir / "learners"), "events_dir": str(self.dir / "learners"),
-            "lr": self.cfg.lr, "inner_optimizer": self.cfg.inner_optimizer, "delta_codec": self.cfg.delta_codec, "error_feedback": self.cfg.error_feedback,
+            "lr": self.cfg.lr, "inner_optimizer": self.cfg.inner_optimizer, "delta_codec": self.cfg.delta_codec,
+            "delta_density": self.cfg.delta_density, "error_feedback": self.cfg.error_feedback,
             "block_size": self.cfg.block_size, "threads": self.cfg.threads_per_learner, "wire_delay_ms": self.cfg.delay_ms,
             **metrics,
         })

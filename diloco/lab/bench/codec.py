@@ -10,8 +10,10 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from diloco.codec import sparse
 from diloco.config import BLOCK_SIZE
 from diloco.errors import InvalidArgument
 from diloco.codec import decode, dequantize_int4, encode, frame, kernel, quantize_int4, unframe
@@ -19,6 +21,8 @@ from diloco.codec import decode, dequantize_int4, encode, frame, kernel, quantiz
 logger = logging.getLogger(__name__)
 
 SCALE_DTYPE = "float16"
+SPARSE_DENSITY = 0.125
+"""The sparse codec's default density (``LearnerConfig.delta_density``)."""
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -45,6 +49,8 @@ def run(size_mib: int = 64, repeats: int = 5) -> dict:
       costs its page faults, about as much as the work; the learner and shard reuse one).
     - encode / decode: the whole per-tensor path, CRC-32C and validation included, fresh
       output each time.
+    - sparse, dense2: the sparse codec's C kernels (``diloco.codec.sparse``) keeping 1/8 of
+      each block, and all of it (2 bits per value); decoding into a preallocated array.
     """
     if size_mib <= 0 or repeats <= 0:
         raise InvalidArgument(f"size and repeats must be positive, got {size_mib} MiB x {repeats}")
@@ -66,6 +72,17 @@ def run(size_mib: int = 64, repeats: int = 5) -> dict:
     encode_s = _best_seconds(lambda: encode("bench", x, block_size=BLOCK_SIZE, scale_dtype=SCALE_DTYPE), repeats)
     decode_s = _best_seconds(lambda: decode(encoded.spec, encoded.payload), repeats)
 
+    flat = x.numpy()
+    target = np.empty(numel, np.float32)
+    sparse_figures = {}
+    for label, kept in (("sparse", sparse.kept_for(SPARSE_DENSITY, BLOCK_SIZE)), ("dense2", BLOCK_SIZE)):
+        quantize_sparse_s = _best_seconds(lambda: sparse.quantize(flat, BLOCK_SIZE, kept, SCALE_DTYPE, "bench"), repeats)
+        packed_sparse = memoryview(sparse.quantize(flat, BLOCK_SIZE, kept, SCALE_DTYPE, "bench"))
+        decode_sparse_s = _best_seconds(
+            lambda: sparse.decode_into(packed_sparse, numel, BLOCK_SIZE, kept, SCALE_DTYPE, target), repeats)
+        sparse_figures[label] = (quantize_sparse_s, decode_sparse_s, len(packed_sparse))
+    del target
+
     payload = encoded.payload
     chunks = list(frame([payload]))
     zstd_s = _best_seconds(lambda: list(frame([payload])), repeats)
@@ -86,6 +103,9 @@ def run(size_mib: int = 64, repeats: int = 5) -> dict:
         "dequantize_ratio": round(dequantize / memcpy, 3),
         "unzstd_gbps": gbps(len(payload), unzstd_s),
         "zstd_ratio": round(sum(map(len, chunks)) / len(payload), 3),
+        **{f"{label}_{what}_ratio": round(gbps(fp32_bytes, seconds) / memcpy, 3)
+           for label, (q, d, _) in sparse_figures.items() for what, seconds in (("quantize", q), ("dequantize", d))},
+        **{f"{label}_bits_per_value": round(8 * nbytes / numel, 3) for label, (_, _, nbytes) in sparse_figures.items()},
         "encode_gbps": gbps(fp32_bytes, encode_s),
         "decode_gbps": gbps(fp32_bytes, decode_s),
         "kernel": kernel(),

@@ -193,13 +193,14 @@ def delta(anchor: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.
 
 def encode_push(
     pieces: Sequence[Piece], params: list[torch.Tensor], anchor: list[torch.Tensor],
-    residual: list[torch.Tensor] | None, codec: str, block_size: int, feedback: bool,
+    residual: list[torch.Tensor] | None, codec: str, block_size: int, feedback: bool, kept: int = 0,
 ) -> tuple[list[EncodedTensor], list[torch.Tensor] | None]:
     """A push's tensors and, with ``feedback``, what their quantization left out (else
     None). A parameter travels as its
     delta against the anchor plus its ``residual`` (error feedback), in ``codec``; what the
     int4 encoding drops becomes the next residual (``SyncBook.quantized``), so the sum of
-    the decoded pushes trails the sum of the deltas by one residual, never by more. A
+    the decoded pushes trails the sum of the deltas by one residual, never by more (a sparse
+    encoding, ``kept`` values per block, drops more, and sends it as it grows). A
     buffer (running statistics) travels as its value, in fp32: the shard averages values
     (``diloco.syncer.core.shard._merge_buffer_values``); its residual is zero."""
     encoded, left_out = [], [] if feedback else None
@@ -211,7 +212,7 @@ def encode_push(
             continue
         if residual is not None:
             d += residual[i]
-        encoded.append(encode(piece.name, d, encoding=codec, block_size=block_size))
+        encoded.append(encode(piece.name, d, encoding=codec, block_size=block_size, kept=kept if codec == "sparse" else 0))
         if left_out is not None:
             left_out.append(d.sub_(decode(encoded[-1].spec, encoded[-1].payload).view_as(d)))
     return encoded, left_out

@@ -29,6 +29,8 @@ from diloco.codec import (
     int4_scales,
     norm_of,
 )
+from diloco.codec import sparse
+from diloco.codec.sparse import kept_for
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import Fragment, FragmentPlan
 from diloco.wire import MAX_VERSION, PushMeta
@@ -327,11 +329,13 @@ def condense_replies(job: RoundJob, cfg: SyncerConfig) -> tuple[dict[str, tuple[
 def condense(fragment: Fragment, target: Sequence[np.ndarray], mirror: Mirror, base: Base, scratch: np.ndarray,
              anchor: np.ndarray, cfg: SyncerConfig) -> tuple[EncodedTensor, ...]:
     """One update taking a learner's anchor (as ``mirror`` holds it) to the ``target``
-    values (int4; buffers fp32), and ``mirror`` advanced by exactly what the learner will
-    add (``dequantize_payload`` is the learner's ``decode``; both add in float32), stored
-    against ``base``. What int4 rounds away stays in the difference the next update sends
-    (``mirror.rounding_sq``). ``scratch``, ``anchor``: float32, as large as the largest piece."""
+    values (``MergeConfig.reply_codec``; buffers fp32), and ``mirror`` advanced by exactly
+    what the learner will add (the codec's decode is the learner's; both add in float32),
+    stored against ``base``. What the codec leaves out stays in the difference the next
+    update sends (``mirror.rounding_sq``: int4's expected rounding, or exactly what a sparse
+    reply left out). ``scratch``, ``anchor``: float32, as large as the largest piece."""
     m = cfg.merge
+    kept = kept_for(m.reply_density, m.block_size)
     tensors = []
     rounding_sq = 0.0
     for index, piece in enumerate(fragment.pieces):
@@ -341,6 +345,16 @@ def condense(fragment: Fragment, target: Sequence[np.ndarray], mirror: Mirror, b
         np.subtract(goal, values, out=update)
         if piece.buffer:
             encoded = encode(piece.name, update.reshape(piece.shape), encoding="fp32")
+        elif m.reply_codec == "sparse":
+            encoded = encode(piece.name, update.reshape(piece.shape), encoding="sparse", block_size=m.block_size,
+                             scale_dtype=m.scale_dtype, kept=kept)
+            positions, sent = sparse.positions_values(memoryview(encoded.payload), piece.numel, m.block_size, kept,
+                                                      m.scale_dtype)
+            wide = update.astype(np.float64)
+            kept_wide = sent.astype(np.float64)
+            rounding_sq += float(np.dot(wide, wide) - 2 * np.dot(wide[positions], kept_wide) + np.dot(kept_wide, kept_wide))
+            update.fill(0)
+            update[positions] = sent
         else:
             encoded = encode(piece.name, update.reshape(piece.shape), encoding="int4", block_size=m.block_size,
                              scale_dtype=m.scale_dtype)
@@ -525,11 +539,13 @@ class ShardCore:
                 raise InvalidArgument(f"tensor {piece.name!r}: dtype {spec.dtype!r}, expected 'float32'")
             if piece.buffer and spec.encoding != "fp32":
                 raise InvalidArgument(f"tensor {piece.name!r} is a buffer: its values travel in fp32, not {spec.encoding}")
-            if spec.encoding == "int4" and spec.block_size != cfg.merge.block_size:
+            if spec.encoding != "fp32" and spec.block_size != cfg.merge.block_size:
                 raise InvalidArgument(
                     f"tensor {piece.name!r}: block size {spec.block_size} != shard's {cfg.merge.block_size}"
                 )
-            expected = expected_byte_length(spec.shape, spec.encoding, spec.block_size, spec.scale_dtype)
+            if spec.encoding == "sparse" and not 1 <= spec.kept <= spec.block_size:
+                raise InvalidArgument(f"tensor {piece.name!r}: {spec.kept} values kept per block of {spec.block_size}")
+            expected = expected_byte_length(spec.shape, spec.encoding, spec.block_size, spec.scale_dtype, spec.kept)
             if spec.byte_length != expected:
                 raise InvalidArgument(
                     f"tensor {piece.name!r}: byte length {spec.byte_length} != {expected} for its shape and encoding"
