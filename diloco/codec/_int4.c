@@ -1207,12 +1207,12 @@ static void sparse_range(SparseJob *job) {
         uint32_t top = 0;
         for (size_t i = 0; i < len; i++) {
             keys[i] = ((const u32_alias *)x)[i] & 0x7FFFFFFFu;
-            if (keys[i] >= 0x7F800000u) {
-                job->status = STATUS_NONFINITE;
-                job->bad_block = b;
-                return;
-            }
-            if (keys[i] > top) top = keys[i];
+            top = keys[i] > top ? keys[i] : top;
+        }
+        if (top >= 0x7F800000u) { /* a NaN or an infinity: the largest key says so */
+            job->status = STATUS_NONFINITE;
+            job->bad_block = b;
+            return;
         }
         float scale;
         uint32_t bits;
@@ -1248,15 +1248,21 @@ static void sparse_range(SparseJob *job) {
         }
         /* The kept values in index order, then their codes packed a byte at a time. */
         unsigned char *listed = job->indices ? job->indices + offset : NULL;
-        float chosen[256];
+        float chosen[257];
+        unsigned char where[257];
         if (k < len) {
+            /* Branch-free compaction: every value is written at j, which moves on only for a
+             * kept one (the kept set is unpredictable, a branch would mispredict). */
             size_t j = 0;
-            for (size_t i = 0; i < len && j < k; i++) {
-                if (keys[i] < threshold || (keys[i] == threshold && ties == 0)) continue;
-                if (keys[i] == threshold) ties--;
-                if (listed) listed[j] = (unsigned char)i;
-                chosen[j++] = x[i];
+            for (size_t i = 0; i < len; i++) {
+                size_t equal = keys[i] == threshold;
+                size_t keep = (keys[i] > threshold) | (equal & (ties > 0));
+                ties -= equal & keep;
+                where[j] = (unsigned char)i;
+                chosen[j] = x[i];
+                j += keep;
             }
+            if (listed) memcpy(listed, where, k);
         } else {
             if (listed)
                 for (size_t i = 0; i < len; i++) listed[i] = (unsigned char)i;
@@ -1377,7 +1383,7 @@ static PyObject *py_sparse_apply(PyObject *self, PyObject *args) {
     const unsigned char *base = (const unsigned char *)pv.buf, *codes = base + index_len;
     const unsigned char *scales = codes + code_len;
     float *out = (float *)ov.buf;
-    if (mode == 0) memset(out, 0, (size_t)n * 4);
+    if (mode == 0 && index_len) memset(out, 0, (size_t)n * 4); /* dense: every value is written below */
     for (size_t b = 0; b < blocks; b++) {
         size_t lo = b * (size_t)block_size;
         size_t len = (size_t)n - lo < (size_t)block_size ? (size_t)n - lo : (size_t)block_size;

@@ -300,7 +300,7 @@ def run_ablations(cfg: CompareConfig, scenarios: tuple[str, ...] = ABLATION_SCEN
             if name == DEFAULT_VARIANT and scenario in ran:  # the same runs as the scenario's own
                 results.setdefault(scenario, {})[name] = ran[scenario]
                 continue
-            out = cfg.out / "ablations" / scenario / name.replace(" ", "_").replace(",", "").replace("=", "")
+            out = cfg.out / "ablations" / scenario / name.replace(" ", "_").replace(",", "").replace("=", "").replace("/", "-")
             change = dict(change)
             run = cfg.run
             if "alpha" in change:

@@ -91,7 +91,7 @@ class LearnerConfig:
             raise InvalidArgument(f"inner optimizer must be one of {INNER_OPTIMIZERS}, got {self.inner_optimizer!r}")
         if self.delta_codec not in DELTA_CODECS:
             raise InvalidArgument(f"delta codec must be one of {DELTA_CODECS}, got {self.delta_codec!r}")
-        check_density("delta density", self.delta_density)
+        check_density("--delta-density", self.delta_density)
         for name in ("steps", "eval_every_steps", "train_loss_every_steps", "max_inflight_pushes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")

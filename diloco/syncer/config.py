@@ -146,9 +146,9 @@ class MergeConfig:
             raise InvalidArgument(f"downlink must be one of {DOWNLINKS}, got {self.downlink!r}")
         if self.reply_codec not in REPLY_CODECS:
             raise InvalidArgument(f"reply codec must be one of {REPLY_CODECS}, got {self.reply_codec!r}")
-        check_density("reply density", self.reply_density)
+        check_density("--reply-density", self.reply_density)
         if self.reply_codec == "sparse" and self.downlink != "condensed":
-            raise InvalidArgument("reply codec sparse needs the condensed downlink: a chain's updates are shared by "
+            raise InvalidArgument("--reply-codec sparse needs --downlink condensed: a chain's updates are shared by "
                                   "every learner, and only a condensed reply sends what the last one left out")
         if self.update_chain_length < 1:
             raise InvalidArgument(f"update chain length must be >= 1, got {self.update_chain_length}")

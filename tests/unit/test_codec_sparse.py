@@ -163,12 +163,68 @@ def test_specs_a_sparse_payload_cannot_have_are_refused():
 
 @pytest.mark.parametrize("density", [0, -0.5, 1.5, float("nan")])
 def test_a_density_outside_0_1_is_refused_by_learners_and_shards(density):
-    with pytest.raises(InvalidArgument, match=r"delta density must be in \(0, 1\]"):
+    with pytest.raises(InvalidArgument, match=r"--delta-density must be in \(0, 1\]"):
         LearnerConfig(delta_density=density)
-    with pytest.raises(InvalidArgument, match=r"reply density must be in \(0, 1\]"):
+    with pytest.raises(InvalidArgument, match=r"--reply-density must be in \(0, 1\]"):
         MergeConfig(reply_density=density)
 
 
 def test_sparse_replies_need_the_condensed_downlink():
-    with pytest.raises(InvalidArgument, match="needs the condensed downlink"):
+    with pytest.raises(InvalidArgument, match="--reply-codec sparse needs --downlink condensed"):
         MergeConfig(reply_codec="sparse", downlink="chain")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--delta-codec", "sparse", "--delta-density", "2"], "diloco: error: --delta-density must be in (0, 1]"),
+    (["--reply-codec", "sparse", "--downlink", "chain"], "diloco: error: --reply-codec sparse needs --downlink condensed"),
+    (["--delta-codec", "int2"], "argument --delta-codec: invalid choice: 'int2'"),
+])
+def test_diloco_local_refuses_a_bad_codec_setting_in_one_line_before_anything_starts(tmp_path, flags, message):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "diloco", "local", *flags, "--out", str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].count("error") == 1 and not out.exists(), proc.stderr
+
+
+@pytest.mark.parametrize("size,block,kept,scale_dtype", [
+    (1000, 128, 16, "float16"), (128 * 333 + 77, 128, 16, "float16"), (5000, 128, 128, "float16"),
+    (4099, 256, 40, "float32"), (77, 2, 1, "float16"), (3, 128, 16, "float16"), (1 << 18, 128, 13, "float16"),
+    (1 << 18, 128, 16, "float32"), (2 * 128 + 5, 128, 127, "float16")])
+def test_the_c_kernel_writes_and_reads_the_bytes_the_numpy_reference_does(size, block, kept, scale_dtype):
+    from diloco.codec.int4 import native
+
+    assert native() is not None, "the C kernel is not built"
+    rng = np.random.default_rng(size)
+    x = (rng.standard_normal(size) * rng.uniform(1e-6, 3, size)).astype(np.float32)
+    x[:50] = x[0]  # ties
+    x[60:70] = 0
+    x[200:300] = 1e-30  # subnormal scales
+    c = sparse.quantize(x, block, kept, scale_dtype, "w")
+    assert c == sparse.quantize_reference(x, block, kept, scale_dtype, "w")
+    view = memoryview(c)
+    positions, values = sparse.positions_values(view, size, block, kept, scale_dtype)
+    want = np.zeros(size, np.float32)
+    want[positions] = values
+    got = sparse.decode_into(view, size, block, kept, scale_dtype, np.full(size, 7, np.float32))
+    assert np.array_equal(got, want)
+    base = rng.standard_normal(size).astype(np.float32)
+    added = base.copy()
+    sparse.axpy(view, 0.37, size, block, kept, scale_dtype, added)
+    reference = base.copy()
+    reference[positions] += np.float32(0.37) * values
+    assert np.array_equal(added, reference)
+    assert sparse.sumsq(view, size, block, kept, scale_dtype) == pytest.approx(
+        float(np.dot(values.astype(np.float64), values.astype(np.float64))), rel=1e-12)
+
+
+def test_the_c_kernel_refuses_what_the_reference_refuses():
+    x = _values(1000)
+    x[300] = np.inf
+    with pytest.raises(CodecError, match="element 300 is inf"):
+        encode("w", x, encoding="sparse", kept=16)
+    with pytest.raises(CodecError, match="overflows float16"):
+        sparse.quantize(np.full(256, 1e6, np.float32), 128, 16, "float16", "w")
