@@ -78,6 +78,8 @@ ABLATIONS = {
                                          "reply_density": 1.0},
     "sparse deltas 1/16, 2-bit replies": {"delta_codec": "sparse", "delta_density": 0.0625, "reply_codec": "sparse",
                                           "reply_density": 1.0},
+    "sparse deltas 1/32, 2-bit replies": {"delta_codec": "sparse", "delta_density": 0.03125, "reply_codec": "sparse",
+                                          "reply_density": 1.0},
 }
 WORKLOADS = {"standard": 120, "long": 480, "longer": 960}
 """``--workload``: inner steps per worker. Longer workloads keep the workers, batch and
