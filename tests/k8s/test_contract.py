@@ -191,6 +191,19 @@ def test_every_process_reads_the_same_run_config(presets, name):
         assert (source.kind, source.source, source.key) == ("configMap", configmap["metadata"]["name"], "run-config.json")
 
 
+def test_the_codecs_chosen_in_values_reach_learners_and_shards(chart):
+    from tests.k8s.test_schema import AUTH, merge
+
+    rendered = chart.render(merge(AUTH, {"learners": {"deltaCodec": "sparse", "deltaDensity": 0.0625},
+                                         "syncer": {"replyCodec": "sparse", "replyDensity": 1}}))
+    pod = job_pod(rendered)
+    learner = build_parser().parse_args(args(pod, container(pod, "learner")))
+    assert (learner.delta_codec, learner.delta_density) == ("sparse", 0.0625)
+    shard = statefulset_pod(rendered.one("StatefulSet"), 0)
+    syncer = build_parser().parse_args(args(shard, container(shard, "syncer")))
+    assert (syncer.reply_codec, syncer.reply_density) == ("sparse", 1.0)
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_static_learners_join_the_coordinator_with_the_join_token(presets, name):
     rendered = presets[name]

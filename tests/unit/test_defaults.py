@@ -45,6 +45,8 @@ SETTINGS = [
      [("syncer", "outer_momentum"), ("local", "outer_momentum"), ("baseline torchft", "outer_momentum")]),
     (MergeConfig, "scale_by", [("syncer", "scale_by"), ("local", "scale_by")]),
     (MergeConfig, "block_size", [("syncer", "block_size"), ("learner", "block_size")]),
+    (MergeConfig, "reply_codec", [("syncer", "reply_codec"), ("local", "reply_codec")]),
+    (MergeConfig, "reply_density", [("syncer", "reply_density"), ("local", "reply_density")]),
     (MergeConfig, "update_chain_length", [("syncer", "chain")]),
     (CoordinatorConfig, "lease_s", [("coordinator", "lease_s")]),
     (CoordinatorConfig, "idle_timeout_s", [("coordinator", "idle_timeout_s")]),
@@ -64,6 +66,7 @@ SETTINGS = [
     (LearnerConfig, "inner_optimizer", [("learner", "inner_optimizer"), ("local", "inner_optimizer")]),
     (LearnerConfig, "warmup_steps", [("learner", "warmup_steps")]),
     (LearnerConfig, "delta_codec", [("learner", "delta_codec"), ("local", "delta_codec")]),
+    (LearnerConfig, "delta_density", [("learner", "delta_density"), ("local", "delta_density")]),
     (LearnerConfig, "device", [("learner", "device")]),
     (LearnerConfig, "precision", [("learner", "precision")]),
 ]

@@ -381,6 +381,10 @@ spec:
         - {{ $v.lr | toString | quote }}
         - --inner-optimizer
         - {{ $v.innerOptimizer | quote }}
+        - --delta-codec
+        - {{ $v.deltaCodec | quote }}
+        - --delta-density
+        - {{ $v.deltaDensity | toString | quote }}
         - --warmup-steps
         - {{ $v.warmupSteps | int | quote }}
         - --block-size
