@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from diloco.codec.int4 import native
+from diloco.codec.int4 import SCALE_BYTES, native
 from diloco.codec.threads import math_threads
 from diloco.errors import CodecError
 
 MAX_BLOCK = 256
 """In-block indices are one byte each."""
-SCALE_BYTES = {"float16": 2, "float32": 4}
 LEVEL = np.float32(1.5)
 """The largest code's magnitude in scales: codes 0..3 stand for -1.5, -0.5, 0.5, 1.5."""
 
@@ -220,9 +219,3 @@ def sumsq(view: memoryview, numel: int, block_size: int, kept: int, scale_dtype:
     _, values = positions_values(view, numel, block_size, kept, scale_dtype)
     wide = values.astype(np.float64)
     return float(np.dot(wide, wide))
-
-
-def rounding_sq(delta: np.ndarray, decoded: np.ndarray) -> float:
-    """What an encoding left out of ``delta``, squared (exact, not expected)."""
-    left = (delta - decoded).astype(np.float64)
-    return float(np.dot(left, left))
