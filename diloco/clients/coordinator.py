@@ -8,7 +8,7 @@ Imports no torch: a learner's heartbeat path and the admin CLI stay light.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
@@ -161,17 +161,16 @@ class LearnerSession:
         await self.channel.close()
 
 
-def _interruptible(call: grpc.Future):
-    """The reply of a call started with ``.future()``. A Ctrl-C (KeyboardInterrupt: Python
-    raises it in the main thread, wherever that thread is) then lands in this Python-level
-    wait, and the call is cancelled. A blocking call (``method(request)``) polls gRPC's
-    completion queue on the calling thread, and an interrupt raised inside that poll left
-    the channel's C state corrupted: the next call on it aborted the process ("corrupted
-    double-linked list", about 1 in 60 interrupted ``diloco local`` runs)."""
+def _interruptible(start: Callable[[], grpc.Future]):
+    """The reply of the call ``start()`` begins (a ``.future()``), with no gRPC code on the
+    main thread (``rpc.shielded``): a Ctrl-C lands in the wait, and the call is cancelled."""
+    call = rpc.shielded(start)
     try:
-        return call.result()
+        return rpc.shielded(call.result)
+    except grpc.RpcError:
+        raise
     except BaseException:
-        call.cancel()
+        rpc.in_background(call.cancel)
         raise
 
 
@@ -182,7 +181,7 @@ class AdminClient:
         """``unreachable_hint``: said when no coordinator answers (what the run directory
         knows about the run)."""
         self.address = address
-        self.channel = rpc.blocking_channel(address, rpc.channel_options(_MAX_MESSAGE_BYTES, SERVICE))
+        self.channel = rpc.shielded(rpc.blocking_channel, address, rpc.channel_options(_MAX_MESSAGE_BYTES, SERVICE))
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.metadata = ((auth.ADMIN_METADATA, token),)
         self.timeout_s = timeout_s
@@ -190,7 +189,7 @@ class AdminClient:
 
     def _call(self, what: str, method, request):
         try:
-            return _interruptible(method.future(request, metadata=self.metadata, timeout=self.timeout_s))
+            return _interruptible(lambda: method.future(request, metadata=self.metadata, timeout=self.timeout_s))
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 hint = self.unreachable_hint or ("is it running, and is this its address (--coordinator, or the "
@@ -248,14 +247,15 @@ class AdminClient:
 
     def export_model(self, timeout_s: float = 600.0) -> list[coordinator_pb2.ExportModelReply]:
         """The global model as relayed from the shards (``diloco.cli.export`` assembles it)."""
-        replies = self.stub.ExportModel(coordinator_pb2.ExportModelRequest(), metadata=self.metadata, timeout=timeout_s)
+        replies = rpc.shielded(self.stub.ExportModel, coordinator_pb2.ExportModelRequest(), metadata=self.metadata,
+                               timeout=timeout_s)
         try:
-            return list(replies)  # (each message is waited for in Python, as in _interruptible)
+            return rpc.shielded(list, replies)  # (as _interruptible's call)
         except grpc.RpcError as error:
             raise error_from_rpc(error, f"ExportModel at {self.address}") from None
         except BaseException:
-            replies.cancel()
+            rpc.in_background(replies.cancel)
             raise
 
     def close(self) -> None:
-        self.channel.close()
+        rpc.shielded(self.channel.close)

@@ -319,7 +319,7 @@ def shard_status(addresses: list[str], secret: str) -> list:
     async def all_():
         return await asyncio.gather(*(one(a) for a in addresses), return_exceptions=True)
 
-    return asyncio.run(all_())
+    return rpc.shielded_run(all_)  # (a Ctrl-C must not land inside grpc.aio's code: rpc.shielded)
 
 
 def take_snapshot(admin, timeout_s: float = 60.0) -> tuple[int, str]:
