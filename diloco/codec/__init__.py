@@ -1,5 +1,5 @@
-"""The wire format: int4 block quantization (or raw fp32), a CRC-32C per tensor, and
-zstd framing into chunks. Pure: no grpc, no protos (diloco/convert.py maps specs to
+"""The wire format: int4 block quantization, sparse 2-bit blocks (``sparse``) or raw fp32,
+a CRC-32C per tensor, and zstd framing into chunks. Pure: no grpc, no protos (diloco/convert.py maps specs to
 ``TensorHeader``).
 
 A learner and a shard must dequantize the same bytes to bit-identical float32 values;
