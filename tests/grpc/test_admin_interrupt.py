@@ -22,6 +22,9 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 CLIENT = """
 import os, signal, sys, threading, time, traceback
+# Ctrl-C's own handler, whatever the test runner inherited: a shell without job control
+# starts background commands with SIGINT ignored, and this process would inherit that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from diloco.clients.coordinator import AdminClient
 admin = AdminClient(sys.argv[1], "token", timeout_s=30)
 threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()

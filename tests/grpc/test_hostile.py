@@ -298,7 +298,8 @@ def test_launch_override_values_are_checked_as_the_learner_would_before_anything
     parser = build_parser()
     for flag, check in LEARNER_SETTINGS.items():
         dest = flag.replace("-", "_")
-        choices = {"device": ("cpu", "xla"), "delta-codec": ("int4", "fp32"), "precision": ("fp32", "bf16")}
+        choices = {"device": ("cpu", "xla"), "delta-codec": ("int4", "sparse", "fp32"), "precision": ("fp32", "bf16"),
+                   "delta-density": ("0.0625", "1")}
         for good in choices.get(flag, ("1", "3")):
             assert getattr(parser.parse_args(["learner", f"--{flag}", good]), dest) == check(good), flag
         for bad in ("abc", "1.5x", ""):
@@ -308,6 +309,6 @@ def test_launch_override_values_are_checked_as_the_learner_would_before_anything
                 parser.parse_args(["learner", f"--{flag}", bad])
     for key, value, why in (("steps", "abc", "not an integer"), ("steps", "0", "must be >= 1"), ("lr", "-1", "must be > 0"),
                             ("lr", "nan", "must be > 0"), ("device", "tpu", "must be one of cpu, cuda, xla"),
-                            ("threads", "2.5", "not an integer")):
+                            ("threads", "2.5", "not an integer"), ("delta-density", "2", "must be at most 1")):
         with pytest.raises(InvalidArgument, match=f"--set {key}={value}: {why}"):
             override_args({key: value})
