@@ -10,7 +10,8 @@ keep whatever was done to it:
   marker recorded, and its later versions belong to epoch n (learners re-sync to it);
 - ``merged_once``: every learner in a round brings a push of its own to that fragment
   that no earlier round merged (a push is merged at most once; a round from nothing is
-  caught too);
+  caught too); after a restore, the pushes the snapshot held in open rounds and those in
+  its channels count as brought;
 - ``no_merge_after_failure``: once a shard has heard that a learner failed or left, it
   accepts no push of that learner, and no round after its failure gives it weight;
   every learner failed at the coordinator is known as failed by every shard that ran to
@@ -151,6 +152,8 @@ def check_merged_once(shard: int, records: list[dict]) -> None:
                 for c in r.get("channel", ()):
                     if c["outcome"] != "duplicate":
                         unmerged[(c["learner"], c["fragment"])] += 1
+                for p in r.get("pending", ()):  # held in the recorded state's open rounds
+                    unmerged[(p["learner"], p["fragment"])] += 1
             elif r["kind"] in ("round", "round_failed"):
                 if len(set(r["participants"])) != len(r["participants"]):
                     raise Violation(f"shard {shard} fragment {r['fragment']} version {r['version']} lists a learner "

@@ -755,6 +755,9 @@ class ShardRuntime:
         """Load a recorded state, then accept the pushes that were in flight at the cut."""
         now = self._monotonic()
         snapshot.restore(self.core, state, now)
+        # The pushes the recorded state held in open rounds: this life merges them, as the
+        # one that recorded the state would have (the checker counts them with the channel's).
+        pending = [{"learner": learner, "fragment": f} for f, s in sorted(self.core.fragments.items()) for learner in s.open]
         self.anchors_only = False
         self._track()
         self.snapshot_epoch = snapshot_id
@@ -762,7 +765,7 @@ class ShardRuntime:
         versions = {f: s.version for f, s in self.core.fragments.items()}
         for fragment_id, version in versions.items():
             self.ceiling.advance(fragment_id, version)
-        self._record("restore", snapshot=snapshot_id, versions=versions,
+        self._record("restore", snapshot=snapshot_id, versions=versions, pending=pending,
                      channel=[{"learner": m.learner_id, "fragment": m.fragment, "outcome": a.outcome,
                                "target_version": a.target_version} for m, a in acks])
         for fragment_id, version in sorted(versions.items()):

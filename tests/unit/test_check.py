@@ -169,6 +169,22 @@ def test_channel_pushes_of_a_restore_count_as_pushes(tmp_path):
     assert "merged_once" in failing(check(write_run(tmp_path / "bad", tape), replay_fn=exact))
 
 
+def test_pushes_a_snapshot_held_in_open_rounds_count_as_pushes_after_its_restore(tmp_path):
+    """The recorded state held L0's push in an open round (accepted before the marker, its
+    round closed after): the restored life merges it, with no push record of its own. Seen
+    in a fresh-clone CI run (shard restart with S3 snapshots) before restores listed them."""
+    tape = history()[:6]
+    tape += [{"kind": "start", "t": 3.0, "shard": 0},
+             {"kind": "restore", "t": 3.1, "snapshot": 1, "versions": {"0": 1},
+              "pending": [{"learner": "L0", "fragment": 0}],
+              "channel": [{"learner": "L1", "fragment": 0, "outcome": "accepted", "target_version": 2}]},
+             {"kind": "round", "t": 3.2, "fragment": 0, "version": 2, "participants": ["L0", "L1"], "weights": [1.0, 1.0]},
+             {"kind": "stop", "t": 3.5}]
+    assert "merged_once" not in failing(check(write_run(tmp_path / "ok", tape), replay_fn=exact))
+    tape[7]["pending"] = []
+    assert "merged_once" in failing(check(write_run(tmp_path / "bad", tape), replay_fn=exact))
+
+
 def test_a_push_accepted_after_its_learners_failure_fails(tmp_path):
     tape = history()
     tape.insert(tape.index(next(r for r in tape if r["kind"] == "push" and r["t"] == 6.0)),
