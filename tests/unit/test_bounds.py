@@ -173,6 +173,23 @@ def test_a_push_is_gated_against_the_median_of_the_other_learners_agreement():
     assert influence.latest["L0"].cos == 0.3
 
 
+def test_a_learner_counts_for_nothing_when_its_latest_push_was_merged_at_nothing():
+    """``negligible`` looks at a push as merged (its raw norm x the factor its round gave it),
+    and a new push counts in full until its own round has judged it."""
+    influence = history(Push("L0", 1.0, 1.0, 0.0), Push("L1", 2.9, 1.0, 0.0), Push("L2", 0.001, 1.0, 0.0))
+    assert influence.negligible(0.01) == {"L2"}  # crumbs
+    influence.agreed("L1", -0.9, 0.0)  # gated out: a large raw push that moved nothing
+    influence.agreed("L0", None, 0.5)  # no cosine measured: the last one stays
+    assert influence.negligible(0.01) == {"L1", "L2"} and influence.latest["L1"].cos == -0.9
+    influence.record([Push("L1", 1.0, 1.0, 1.0)])
+    assert influence.negligible(0.01) == {"L2"} and influence.latest["L1"].counted == 1.0
+    # Snapshots carry it; one written before it existed (six fields) counts in full.
+    state = influence.to_state(now=2.0)
+    assert Influence.from_state(state, now=7.0).latest["L0"].counted == 0.5
+    state["latest"] = [row[:6] for row in state["latest"]]
+    assert {s.counted for s in Influence.from_state(state, now=7.0).latest.values()} == {1.0}
+
+
 def anchors(*offers):
     return [AnchorOffer(*o) for o in offers]
 

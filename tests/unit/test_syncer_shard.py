@@ -999,6 +999,34 @@ def test_a_learner_pushing_against_where_the_fragment_goes_is_gated_out(attack):
     honest_round(shard, honest, direction, 10, g)
 
 
+def test_a_learner_gated_to_nothing_does_not_share_the_honest_rounds_step():
+    """A learner whose latest push was gated out (the honest direction negated: the negate
+    attack) counts for nothing, as a zero-pushing peer does: the honest rounds after it
+    share the step among the three honest learners, not the four members. Once its push
+    passes the gate again it shares again."""
+    shard, initial, honest, direction, g, latest = hostile_setup()
+    attacker = Learner("L3", shard, initial, seed=3)
+    job = (honest[0].push(0, now=3.0, deltas=direction), close(shard, 0, now=3.01))[1]
+    assert job.participation == pytest.approx(1 / 4)  # L3 is a member and not judged yet
+    honest[0].apply(shard.update_for(0, honest[0].version[0], honest[0].name))
+    norm = math.sqrt(sum(float(d.pow(2).sum()) for d in direction))
+    attacker.push(0, now=3.1, deltas=[-2.9 * d for d in direction])
+    job = close(shard, 0, now=3.11)
+    assert job.measured[0][1] == 0.0 and job.clip == (1.0,)  # within 3x the others' norm: only the gate stops it
+    assert shard.fragments[0].influence.latest["L3"].norm > 2 * norm  # its record is the raw push
+    attacker.apply(shard.update_for(0, attacker.version[0], attacker.name))
+    for i, learner in enumerate(honest):
+        learner.push(0, now=4.0 + i * 0.1, deltas=direction)
+        assert close(shard, 0, now=4.01 + i * 0.1).participation == pytest.approx(1 / 3)
+        learner.apply(shard.update_for(0, learner.version[0], learner.name))
+    attacker.push(0, now=5.0, deltas=direction)
+    job = close(shard, 0, now=5.01)
+    assert job.measured[0][1] == 1.0 and job.participation == pytest.approx(1 / 4)
+    honest[0].apply(shard.update_for(0, honest[0].version[0], honest[0].name))
+    honest[0].push(0, now=5.1, deltas=direction)
+    assert close(shard, 0, now=5.11).participation == pytest.approx(1 / 4)
+
+
 def test_claimed_tokens_count_at_most_three_times_the_other_learners():
     """A learner claiming 1e12 tokens in one step shares a round with an honest one: its
     weight is capped at 3**2 x the others' (tokens count 3x), so the honest learner keeps a

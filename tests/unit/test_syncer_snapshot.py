@@ -304,7 +304,8 @@ def test_a_snapshot_carries_the_influence_bounds_and_a_restored_shard_continues_
     restore(fresh, saved, now=5000.0)  # another process: its clock is its own
     back = fresh.fragments[0]
     for (learner, mine), (_, theirs) in zip(back.influence.latest.items(), state.influence.latest.items()):
-        assert (mine.norm, mine.weight, mine.interval, mine.cos) == (theirs.norm, theirs.weight, theirs.interval, theirs.cos)
+        assert (mine.norm, mine.weight, mine.interval, mine.cos, mine.counted) \
+            == (theirs.norm, theirs.weight, theirs.interval, theirs.cos, theirs.counted)
         assert mine.at - 5000.0 == pytest.approx(theirs.at - 100.0)
     assert list(back.influence.latest) == list(state.influence.latest)
     assert back.influence.last_at - 5000.0 == pytest.approx(state.influence.last_at - 100.0)

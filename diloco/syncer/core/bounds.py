@@ -98,6 +98,10 @@ class Sample:
     """Seconds since the learner's previous merged push to the fragment (None: its first)."""
     cos: float | None = None
     """Its latest push's agreement with the reference direction (None: not measured)."""
+    counted: float = 1.0
+    """The factor it was merged at (norm clip x direction gate x trust; 1 until its round has
+    judged it): a learner whose pushes are gated to nothing counts for nothing
+    (``negligible``)."""
 
 
 @dataclass(frozen=True)
@@ -153,15 +157,16 @@ class Influence:
             while len(self.latest) > LEARNERS_REMEMBERED:
                 self.latest.popitem(last=False)
 
-    def agreed(self, learner: str, cos: float | None) -> None:
-        """The agreement measured for the learner's latest push (after its round)."""
+    def agreed(self, learner: str, cos: float | None, counted: float = 1.0) -> None:
+        """The agreement measured for the learner's latest push and the factor it was merged
+        at (after its round)."""
         sample = self.latest.get(learner)
-        if sample is not None and cos is not None:
-            self.latest[learner] = dataclasses.replace(sample, cos=cos)
+        if sample is not None:
+            self.latest[learner] = dataclasses.replace(sample, cos=sample.cos if cos is None else cos, counted=counted)
 
     def negligible(self, floor: float) -> set[str]:
-        """The learners whose latest push's norm is under ``floor``."""
-        return {learner for learner, sample in self.latest.items() if sample.norm < floor}
+        """The learners whose latest push, as merged (clipped and gated), is under ``floor``."""
+        return {learner for learner, sample in self.latest.items() if sample.norm * sample.counted < floor}
 
     def forget(self, learner: str) -> None:
         self.latest.pop(learner, None)
@@ -170,7 +175,8 @@ class Influence:
         """As plain data for a snapshot: each sample's time as its age at ``now`` (a shard's
         clock is its process's, which a restored shard does not share)."""
         return {
-            "latest": [[learner, s.norm, s.weight, now - s.at, s.interval, s.cos] for learner, s in self.latest.items()],
+            "latest": [[learner, s.norm, s.weight, now - s.at, s.interval, s.cos, s.counted]
+                       for learner, s in self.latest.items()],
             "last_age": None if self.last_at is None else now - self.last_at,
         }
 
@@ -180,10 +186,12 @@ class Influence:
         shard's bounds continue where they were instead of starting from the lone-learner
         fallback."""
         influence = cls()
-        for learner, norm, weight, age, interval, cos in state["latest"][-LEARNERS_REMEMBERED:]:
+        for learner, norm, weight, age, interval, cos, *counted in state["latest"][-LEARNERS_REMEMBERED:]:
+            # Snapshots written before ``counted`` existed have six fields: counted in full.
             influence.latest[str(learner)] = Sample(float(norm), float(weight), now - float(age),
                                                     None if interval is None else float(interval),
-                                                    None if cos is None else float(cos))
+                                                    None if cos is None else float(cos),
+                                                    float(counted[0]) if counted else 1.0)
         influence.last_at = None if state["last_age"] is None else now - float(state["last_age"])
         return influence
 

@@ -51,9 +51,10 @@ PROBATION_TRUST = 0.0
 """What a learner's pushes of a fragment count for before the validator judged one of
 them, once it has judged anyone (``ShardCore.trust_of``)."""
 NEGLIGIBLE_RATIO = 1e-2
-"""A learner whose latest push to a fragment is under this x the largest push of a round
-(as clipped) is not among the live learners that round's step is shared with: next to it, it moves
-nothing (a peer pushing zeros would halve a lone honest learner's steps). Relative to the
+"""A learner whose latest push to a fragment, as merged (clipped and gated), is under this x
+the largest push of a round (as clipped) is not among the live learners that round's step is
+shared with: next to it, it moves nothing (a peer pushing zeros would halve a lone honest
+learner's steps; one gated out cut three honest learners' steps to a quarter). Relative to the
 round, so that honest deltas that all shrink late in a run keep their share."""
 MAX_LEFT_KEPT = 4096
 """Learners that left, remembered (newest) so that their credentials, still valid until
@@ -667,7 +668,7 @@ class ShardCore:
         # at the end of a run the last learner's final push was merged at 4x its share once
         # the others had left, and the final eval came out worse than an eighth before it.
         state.departed = {d: until for d, until in state.departed.items() if until > state.version}
-        # Members whose pushes count for nothing (distrusted, or pushing nothing) are not among
+        # Members whose pushes count for nothing (distrusted, gated out, or pushing nothing) are not among
         # the live learners a round's step is shared with: three Sybils, or one peer pushing
         # zeros, would otherwise cut every honest round's step to a fifth or a half.
         largest = max((m.norm * (bounds[m.learner].clip if m.learner in bounds else 1.0) for m in measured), default=0.0)
@@ -753,8 +754,8 @@ class ShardCore:
         state.last_reason = job.reason
         state.last_participants = len(job.pushes)
         state.last_round_at = now
-        for push, (cos, _) in zip(job.pushes, job.measured):
-            state.influence.agreed(push.meta.learner_id, cos)
+        for push, clip, (cos, gated) in zip(job.pushes, job.clip, job.measured):
+            state.influence.agreed(push.meta.learner_id, cos, clip * gated)
         state.timings.observe("sync_time_s", now - job.closed_at, self.cfg.rounds.ema_factor)
         self.rounds_closed += 1
         self.clock = self.clock.tick(self.process)

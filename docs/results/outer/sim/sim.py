@@ -1,5 +1,6 @@
 """Single-process model of DP against M averaged AdamW learners on the byte GPT (no wire, no quantization):
 docs/results/outer/README.md, "A model without the wire". Run from the repository root with PYTHONPATH=. (run.sh).
+"""
 import argparse, copy, json, sys, time
 import torch
 from diloco.config import RunConfig
