@@ -214,8 +214,12 @@ class AdminClient:
         reply = self._call("AddLearners", self.stub.AddLearners, request)
         return [{"launch_id": r.launch_id, "ok": r.ok, "detail": r.detail} for r in reply.launches]
 
-    def remove_learners(self, learner_ids: Sequence[str] = (), count: int = 0, drain: bool = False) -> list[str]:
-        request = coordinator_pb2.RemoveLearnersRequest(learner_ids=list(learner_ids), count=count, drain=drain)
+    def remove_learners(self, learner_ids: Sequence[str] = (), count: int = 0, drain: bool = False,
+                        after_tokens: dict[str, int] | None = None) -> list[str]:
+        """``after_tokens`` (with ``drain``): learner -> the token count (its own) it trains
+        to before it leaves; one not listed leaves now."""
+        request = coordinator_pb2.RemoveLearnersRequest(learner_ids=list(learner_ids), count=count, drain=drain,
+                                                        after_tokens=after_tokens or {})
         return list(self._call("RemoveLearners", self.stub.RemoveLearners, request).learner_ids)
 
     def start_snapshot(self) -> int:

@@ -59,6 +59,8 @@ class Directive:
     kind: str
     """drain | snapshot"""
     reason: str = ""
+    after_tokens: int = 0
+    """drain: leave once the learner's own token count reaches this (0: now)."""
     snapshot_id: int = 0
     directory: str = ""
 
@@ -484,7 +486,7 @@ class CoordinatorRuntime:
             self.curves.add(learner_id, now, self.membership.tokens_total, stats.train_loss)
         directives = []
         if learner.state == DRAINING:
-            directives.append(Directive("drain", learner.reason))
+            directives.append(Directive("drain", learner.reason, after_tokens=learner.drain_after_tokens))
         snapshot = self.snapshots.running()
         if snapshot is not None and learner_id in snapshot.learners and learner_id not in snapshot.reports:
             # Sent on every heartbeat until the learner reports: a lost reply costs nothing.
@@ -573,12 +575,18 @@ class CoordinatorRuntime:
                 logger.warning("launch %s into pool %s failed: %s", result.launch_id, pool, result.detail)
         return results
 
-    def remove_learners(self, learner_ids: list[str], count: int, drain: bool) -> list[str]:
+    def remove_learners(self, learner_ids: list[str], count: int, drain: bool,
+                        after_tokens: dict[str, int] | None = None) -> list[str]:
+        """``after_tokens`` (with ``drain``): learner -> the token count it trains to first."""
         now = self._now()
         self.membership.expire(now)
         chosen = [l.id for l in self.membership.select(learner_ids, count)]
+        if after_tokens and not drain:
+            raise InvalidArgument("after_tokens is for a drain: set drain too")
+        if unknown := sorted(set(after_tokens or ()) - set(chosen)):
+            raise InvalidArgument(f"after_tokens names learners not drained by this call: {', '.join(unknown)}")
         if drain:
-            self.membership.drain(chosen, now)
+            self.membership.drain(chosen, now, after_tokens)
         else:
             self.membership.remove(chosen, "removed by an operator", now)
         self._settle()

@@ -177,7 +177,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @_status_on_error
     async def RemoveLearners(self, request, context):
         self._admin(context)
-        removed = self.runtime.remove_learners(list(request.learner_ids), request.count, request.drain)
+        removed = self.runtime.remove_learners(list(request.learner_ids), request.count, request.drain,
+                                               dict(request.after_tokens))
         return coordinator_pb2.RemoveLearnersReply(learner_ids=removed)
 
     @_status_on_error
@@ -283,7 +284,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 def _directive(directive) -> coordinator_pb2.Directive:
     if directive.kind == "drain":
-        return coordinator_pb2.Directive(drain=coordinator_pb2.DrainDirective(reason=directive.reason))
+        return coordinator_pb2.Directive(drain=coordinator_pb2.DrainDirective(reason=directive.reason,
+                                                                              after_tokens=directive.after_tokens))
     if directive.kind == "snapshot":
         return coordinator_pb2.Directive(
             snapshot=coordinator_pb2.SnapshotMarker(snapshot_id=directive.snapshot_id, directory=directive.directory)

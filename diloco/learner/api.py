@@ -99,6 +99,8 @@ class Learner(LossReports):
         self.events = events
         self.stop = stop or threading.Event()
         self.stop_reason = ""
+        self._drain_at: tuple[int, str] | None = None
+        """A drain that waits for this token count (the run's budget, ``_drain``)."""
         self.summary = Summary(self.learner_id)
         self.telemetry = LearnerTelemetry(self.learner_id)
         self.clock = VectorClock()
@@ -213,6 +215,8 @@ class Learner(LossReports):
         s.inner_steps += 1
         s.tokens += tokens
         s.wall_s = s.train_s = time.monotonic() - self._started
+        if self._drain_at is not None and s.tokens >= self._drain_at[0]:
+            self._drain(self._drain_at[1])
         self.book.count_step(tokens)
         self.telemetry.step(tokens, self.plan.num_fragments, s.tokens / s.wall_s if s.wall_s else 0.0)
         self._send_due(step)
@@ -275,7 +279,16 @@ class Learner(LossReports):
                 "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0, "version_lag": self.version_lag,
                 "train_loss": s.train_loss, "eval_loss": s.eval_loss_final, "loss_unit": s.eval_unit}
 
-    def _drain(self, reason: str) -> None:
+    def _drain(self, reason: str, after_tokens: int = 0) -> None:
+        """Leave (the training loop sees ``should_stop``), or with ``after_tokens`` once this
+        learner's own token count reaches it: the step that reaches it is its last."""
+        if after_tokens > self.summary.tokens:
+            if self._drain_at is None:  # the directive repeats on every heartbeat
+                logger.warning("%s: will leave at %s tokens: %s", self.learner_id, f"{after_tokens:,}", reason)
+                self._drain_at = (after_tokens, reason)
+            return
+        if self.stop.is_set():
+            return
         logger.warning("%s: leaving: %s", self.learner_id, reason)
         self.stop_reason = reason
         self.stop.set()

@@ -110,11 +110,12 @@ def register_model(address: str, member: Membership, manifest_json: str, timeout
 
 
 class Heartbeats:
-    """Heartbeat every ``interval_s`` from a thread; ``on_drain`` is called once when the
-    coordinator asks this learner to leave."""
+    """Heartbeat every ``interval_s`` from a thread; ``on_drain(reason, after_tokens)`` is
+    called when the coordinator asks this learner to leave (on every heartbeat while it
+    does), ``after_tokens`` being the token count to train to first (0: now)."""
 
     def __init__(self, address: str, member: Membership, interval_s: float, stats: Callable[[], dict],
-                 on_drain: Callable[[str], None], on_snapshot: Callable[[int, str], None] = lambda *_: None,
+                 on_drain: Callable[[str, int], None], on_snapshot: Callable[[int, str], None] = lambda *_: None,
                  loss_timeout_s: float = 300.0) -> None:
         """``loss_timeout_s``: after this long with every heartbeat failing (the coordinator
         unreachable), ``on_drain`` is called: the learner leaves."""
@@ -147,7 +148,8 @@ class Heartbeats:
                     for directive in reply.directives:
                         kind = directive.WhichOneof("kind")
                         if kind == "drain":
-                            self.on_drain(directive.drain.reason or "asked by the coordinator")
+                            self.on_drain(directive.drain.reason or "asked by the coordinator",
+                                          directive.drain.after_tokens)
                         elif kind == "snapshot":
                             self.on_snapshot(directive.snapshot.snapshot_id, directive.snapshot.directory)
                     last_ok = time.monotonic()
@@ -155,14 +157,14 @@ class Heartbeats:
                     # No longer a member (lease expired, removed): stop; a launcher starts a
                     # fresh learner if the run wants one.
                     self.failures += 1
-                    self.on_drain(f"the coordinator refused our heartbeat: {error}")
+                    self.on_drain(f"the coordinator refused our heartbeat: {error}", 0)
                     return
                 except DilocoError as error:
                     self.failures += 1
                     lost_s = time.monotonic() - last_ok
                     if lost_s > self.loss_timeout_s:
                         self.on_drain(f"lost the coordinator at {self.address} for {lost_s:.0f} s "
-                                      f"(--coordinator-loss-timeout-s {self.loss_timeout_s:g})")
+                                      f"(--coordinator-loss-timeout-s {self.loss_timeout_s:g})", 0)
                         return
                     logger.warning("heartbeat failed (coordinator unreachable for %.0f s of %g): %s", lost_s,
                                    self.loss_timeout_s, error)

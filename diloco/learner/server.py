@@ -47,7 +47,7 @@ def run_learner(
     stopping = threading.Event()
     heartbeats = None
     if coordinator:
-        heartbeats = Heartbeats(coordinator, member, cfg.heartbeat_interval_s, dict, lambda reason: stopping.set(),
+        heartbeats = Heartbeats(coordinator, member, cfg.heartbeat_interval_s, dict, _drain_before_start(stopping),
                                 loss_timeout_s=cfg.coordinator_loss_timeout_s)
         heartbeats.start()
     events = None
@@ -100,6 +100,16 @@ def run_slice_follower(cfg: LearnerConfig, link: SliceLink) -> Summary:
     summary = follow_slice(cfg, link).summary
     logger.info("%s done: %d inner steps, %d tokens", summary.learner_id, summary.inner_steps, summary.tokens)
     return summary
+
+
+def _drain_before_start(stopping: threading.Event):
+    """Until the learner exists a drain stops it from starting, unless it comes with tokens
+    to train first (a budget's allotment): the learner takes that on from the heartbeat
+    after it exists (the directive rides every heartbeat)."""
+    def drain(reason: str, after_tokens: int = 0) -> None:
+        if not after_tokens:
+            stopping.set()
+    return drain
 
 
 def _fmt(value: float | None) -> str:

@@ -94,10 +94,12 @@ class Directive(_message.Message):
     def __init__(self, drain: _Optional[_Union[DrainDirective, _Mapping]] = ..., snapshot: _Optional[_Union[SnapshotMarker, _Mapping]] = ...) -> None: ...
 
 class DrainDirective(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "after_tokens")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    after_tokens: int
+    def __init__(self, reason: _Optional[str] = ..., after_tokens: _Optional[int] = ...) -> None: ...
 
 class SnapshotMarker(_message.Message):
     __slots__ = ("snapshot_id", "directory")
@@ -293,14 +295,23 @@ class AddLearnersReply(_message.Message):
     def __init__(self, launches: _Optional[_Iterable[_Union[LaunchResult, _Mapping]]] = ...) -> None: ...
 
 class RemoveLearnersRequest(_message.Message):
-    __slots__ = ("learner_ids", "count", "drain")
+    __slots__ = ("learner_ids", "count", "drain", "after_tokens")
+    class AfterTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LEARNER_IDS_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     learner_ids: _containers.RepeatedScalarFieldContainer[str]
     count: int
     drain: bool
-    def __init__(self, learner_ids: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ..., drain: _Optional[bool] = ...) -> None: ...
+    after_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, learner_ids: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ..., drain: _Optional[bool] = ..., after_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RemoveLearnersReply(_message.Message):
     __slots__ = ("learner_ids",)

@@ -169,6 +169,24 @@ async def _remove_unknown(server):
     await _admin(server, "RemoveLearners", coordinator_pb2.RemoveLearnersRequest(learner_ids=["L9"]))
 
 
+async def _after_tokens_without_drain(server):
+    await joined(server.address)
+    try:
+        await _admin(server, "RemoveLearners", coordinator_pb2.RemoveLearnersRequest(learner_ids=["L0"], after_tokens={"L0": 5}))
+    finally:
+        assert server.runtime.membership.learner("L0").state == "joining"  # refused whole: nothing changed
+
+
+async def _after_tokens_for_another(server):
+    await joined(server.address)
+    await joined(server.address)
+    try:
+        await _admin(server, "RemoveLearners", coordinator_pb2.RemoveLearnersRequest(
+            learner_ids=["L0"], drain=True, after_tokens={"L0": 5, "L1": 7}))
+    finally:
+        assert [server.runtime.membership.learner(i).state for i in ("L0", "L1")] == ["joining", "joining"]
+
+
 async def _snapshot_already_running(server):
     await joined(server.address)  # a participant that never reports keeps snapshot 1 running
     await _admin(server, "StartSnapshot", coordinator_pb2.StartSnapshotRequest())
@@ -194,6 +212,8 @@ async def _report_for_someone_else(server):
         (_above_the_cap, grpc.StatusCode.RESOURCE_EXHAUSTED, "cannot add 5 learners: 0 of the cap of 4", {"launcher": "local", "max_learners": 4}),
         (_unknown_pool, grpc.StatusCode.NOT_FOUND, "unknown pool 'gpu'; pools: default", {"launcher": "local"}),
         (_remove_unknown, grpc.StatusCode.NOT_FOUND, "unknown learner 'L9'", {}),
+        (_after_tokens_without_drain, grpc.StatusCode.INVALID_ARGUMENT, "after_tokens is for a drain: set drain too", {}),
+        (_after_tokens_for_another, grpc.StatusCode.INVALID_ARGUMENT, "after_tokens names learners not drained by this call: L1", {}),
         (_snapshot_already_running, grpc.StatusCode.ALREADY_EXISTS, "snapshot 1 is already running (waiting for L0", {}),
         (_report_for_someone_else, grpc.StatusCode.PERMISSION_DENIED, "credential is for 'L0', the request is for 'S0'", {}),
     ],
@@ -209,6 +229,28 @@ def test_bad_input(tmp_path, call, code, message, cfg):
             assert f"({code.name})" in str(error) and message in str(error), str(error)
         else:
             assert error.code() == code and message in error.details(), error.details()
+
+    run(scenario())
+
+
+def test_a_drain_after_tokens_rides_every_heartbeat_until_the_learner_leaves(tmp_path):
+    """How a token budget ends exactly: RemoveLearners(drain, after_tokens) makes each
+    heartbeat's drain directive carry the token count the learner trains to first (0 for a
+    learner drained without one: leave now); the learner stays a draining member meanwhile."""
+    async def scenario():
+        async with running_coordinator(tmp_path) as server:
+            a, b = await joined(server.address), await joined(server.address)
+            drained = await _admin(server, "RemoveLearners", coordinator_pb2.RemoveLearnersRequest(
+                learner_ids=["L0", "L1"], drain=True, after_tokens={"L0": 5000}))
+            assert list(drained.learner_ids) == ["L0", "L1"]
+            for tokens in (1000, 4000):
+                (directive,) = (await a.heartbeat(tokens=tokens)).directives
+                assert directive.drain.after_tokens == 5000 and "drained at 5,000 tokens" in directive.drain.reason
+            (directive,) = (await b.heartbeat()).directives
+            assert directive.drain.after_tokens == 0 and directive.drain.reason == "removed by an operator (drain)"
+            assert server.runtime.membership.learner("L0").state == "draining"
+            await a.leave("drained", tokens=5000)
+            assert server.runtime.membership.learner("L0").drain_after_tokens == 0  # a departure ends the drain
 
     run(scenario())
 

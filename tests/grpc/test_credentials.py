@@ -89,7 +89,7 @@ def test_heartbeats_renew_a_learner_s_credential_and_an_expired_one_is_refused_e
             reply = await session.join(auth.join_credential(SECRET, "test", 64))
             member = Membership(reply.learner_id, auth.Credential(reply.learner_id, reply.credential), TINY, {0: shard}, 1.0)
             drained = threading.Event()
-            beats = Heartbeats(coordinator.address, member, 0.2, stats=dict, on_drain=lambda reason: drained.set())
+            beats = Heartbeats(coordinator.address, member, 0.2, stats=dict, on_drain=lambda reason, after_tokens: drained.set())
             beats.start()
             try:
                 while time.time() < auth.expiry(reply.credential) + 1.0:  # past the first credential's expiry

@@ -17,6 +17,7 @@ from diloco.files import atomic_write
 from diloco.telemetry import prometheus_target
 from diloco.cli.local.config import PROMETHEUS_TARGETS, LocalConfig
 from diloco.cli.local.supervisor import Cluster
+from diloco.cli.local.run import allot
 from diloco.cli.metrics import (MIN_PERIOD_S, PERIOD_SLACK, bytes_per_1k_tokens, curve_marks, curve_path, expected_period,
                            goodput, slot_seconds, start_s, tape_stats, uptime, wire_bytes)
 from diloco.tape import TapeWriter
@@ -97,6 +98,19 @@ def test_learner_pid_comes_from_the_address_it_reported():
 def test_token_budget_sizes_the_learners():
     cfg = LocalConfig(learners=3, tokens=3 * 16 * 128 * 10)
     assert cfg.learner_steps(16 * 128) == 15 and LocalConfig(steps=7).learner_steps(16 * 128) == 7  # 1.5x the share of 10
+
+
+def test_what_is_left_of_the_budget_is_allotted_by_rate_and_sums_to_it_exactly():
+    members = [{"id": "L0", "state": "active", "tokens": 1000}, {"id": "L1", "state": "active", "tokens": 900},
+               {"id": "L2", "state": "joining", "tokens": 0}]  # no rate yet: leaves at once
+    rates = {"L0": 300.0, "L1": 100.0, "L2": 0.0}
+    after = allot(1001, members, rates)
+    assert after == {"L0": 1000 + 751, "L1": 900 + 250}  # 3:1, the faster one takes the rounding
+    assert sum(after[m["id"]] - m["tokens"] for m in members[:2]) == 1001
+    assert allot(0, members, rates) == allot(-5, members, rates) == allot(100, members[2:], rates) == {}
+    # Active without a rate (it has just started training): at the others' mean, 200.
+    started = [*members[:2], {"id": "L3", "state": "active", "tokens": 0}]
+    assert allot(600, started, rates) == {"L0": 1000 + 300, "L1": 900 + 100, "L3": 200}
 
 
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():

@@ -66,8 +66,12 @@ from diloco.telemetry import require_prometheus
 
 logger = logging.getLogger(__name__)
 
-DRAIN_LEAD_S = LearnerConfig.heartbeat_interval_s
-"""How long before the budget is reached (at the current token rate) the drain is sent."""
+DRAIN_LEAD_S = 5 * LearnerConfig.heartbeat_interval_s
+"""How long before the budget is reached (at the current token rate) the drain is sent:
+the counts it sees are up to an interval old, the directive rides the next heartbeat, and
+a learner speeds up when others stop on a shared host, so five intervals leave each
+learner some of its allotment still to train (at three, 2 of 6 chaos runs here had a
+learner past its allotment when the directive reached it: 2,816 tokens over)."""
 EXPORT_ATTEMPTS = 3
 """Tries of the final export (a shard that stops sending fails one in 30 s)."""
 LEARNERS_STOP_S = 8.0
@@ -404,29 +408,38 @@ class Progress:
 
 
 class Budget:
-    """The run's token budget (``--tokens``): every learner is drained once together they
-    have trained it. A drain takes effect about a heartbeat interval after it is sent (the
-    counts are half an interval old, the directive rides the next heartbeat): sent that
-    early, at the current rate, the learners stop at the budget on average instead of past it."""
+    """The run's token budget (``--tokens``), met to within a step per learner: shortly
+    before it is reached (``DRAIN_LEAD_S`` at the current rate), what is left of it is
+    allotted to the training learners by their rates, and each is drained after its own
+    token count reaches its allotment (``allot``; the learner counts its own steps, so
+    neither the counts' age nor the directive's delay adds tokens). A learner that joins
+    later is drained at once; one that dies before spending its allotment leaves the run
+    that much short."""
 
     def __init__(self, tokens: int | None) -> None:
         self.tokens = tokens
         self.pace = Pace()
         self.rate = 0.0
+        self.paces: dict[str, Pace] = collections.defaultdict(Pace)
+        """Each learner's: a learner's own tokens/s is its average since it started, and
+        learners on a shared host speed up as others stop."""
         self.draining: set[str] = set()
         self.drained_at: float | None = None
         """Unix time of the first drain."""
 
     def spend(self, trained: int, members: list[dict], admin, monkey: ChaosMonkey | None) -> None:
-        self.rate = self.pace.add(time.monotonic(), trained)
+        now = time.monotonic()
+        self.rate = self.pace.add(now, trained)
+        rates = {m["id"]: self.paces[m["id"]].add(now, m["tokens"]) for m in members if m["state"] in ("active", "joining")}
         if self.tokens is None or trained + self.rate * DRAIN_LEAD_S < self.tokens:
             return
         if monkey is not None:  # the budget is spent: no more faults, drain everyone (and anyone who joins late)
             monkey.halt()
-        todo = [m["id"] for m in members if m["state"] in ("active", "joining") and m["id"] not in self.draining]
+        todo = [m for m in members if m["state"] in ("active", "joining") and m["id"] not in self.draining]
         if todo:
-            todo = _patient(lambda: _drain(admin, todo), "drain the learners")
-            self.draining |= set(todo)
+            after = {} if self.draining else allot(self.tokens - trained, todo, rates)
+            drained = _patient(lambda: _drain(admin, [m["id"] for m in todo], after), "drain the learners")
+            self.draining |= set(drained)
             self.drained_at = self.drained_at or time.time()
 
     def pause(self, trained: int) -> float:
@@ -537,19 +550,43 @@ after a stall of the whole host (a VM pause, SIGSTOP, a laptop's sleep) a call i
 runs out of its deadline, and every process needs a moment to catch up."""
 
 
-def _drain(admin, learner_ids: list[str]) -> list[str]:
-    """Drain these learners; one that left since they were listed (its own steps done) is
-    not an error. Returns the ids drained."""
+def allot(left: int, members: list[dict], rates: dict[str, float]) -> dict[str, int]:
+    """What is ``left`` of the budget, shared among ``members`` by their current token
+    ``rates``: learner -> the token count (its own, as last reported) to train to before it
+    leaves. The shares sum to ``left`` exactly (the largest takes the rounding). An active
+    member with no rate yet (it has just started training: what it trains until the drain
+    reaches it counts) shares at the others' mean rate; a joining one, and everyone once
+    nothing is left, gets none: they leave at once."""
+    known = [rates[m["id"]] for m in members if rates.get(m["id"], 0) > 0]
+    if left <= 0 or not known:
+        return {}
+    rates = {m["id"]: rates.get(m["id"], 0) or sum(known) / len(known)
+             for m in members if rates.get(m["id"], 0) > 0 or m["state"] == "active"}
+    total = sum(rates.values())
+    shares = {i: int(left * r / total) for i, r in rates.items()}
+    shares[max(rates, key=rates.get)] += left - sum(shares.values())
+    tokens = {m["id"]: m["tokens"] for m in members}
+    return {i: tokens[i] + share for i, share in shares.items()}
+
+
+def _drain(admin, learner_ids: list[str], after_tokens: dict[str, int] | None = None) -> list[str]:
+    """Drain these learners (``after_tokens``: see ``allot``); one that left since they were
+    listed (its own steps done) is not an error. Returns the ids drained."""
+    after_tokens = after_tokens or {}
+
+    def drain(ids: list[str]) -> None:
+        admin.remove_learners(ids, drain=True, after_tokens={i: after_tokens[i] for i in ids if i in after_tokens})
+
     for _ in range(3):
         if not learner_ids:
             return []
         try:
-            admin.remove_learners(learner_ids, drain=True)
+            drain(learner_ids)
             return learner_ids
         except FailedPrecondition:  # "already gone: L1": drain the ones still there
             live = {m["id"] for m in admin.members() if m["state"] in ("joining", "active", "draining")}
             learner_ids = [i for i in learner_ids if i in live]
-    admin.remove_learners(learner_ids, drain=True)
+    drain(learner_ids)
     return learner_ids
 
 

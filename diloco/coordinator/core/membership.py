@@ -48,6 +48,8 @@ class Learner:
     reason: str = ""
     """Why the learner is draining, failed or left."""
     drain_deadline_s: float | None = None
+    drain_after_tokens: int = 0
+    """Draining: it trains until its own token count reaches this, then leaves (0: now)."""
     progress_s: float = 0.0
     """When its heartbeats last reported more tokens or steps than before (or it joined)."""
     claimed: int = 0
@@ -373,11 +375,16 @@ class Membership:
             raise FailedPrecondition(f"cannot remove {count} learners: {len(candidates)} are live and not draining")
         return sorted(candidates, key=lambda l: (l.joined_s, l.number), reverse=True)[:count]
 
-    def drain(self, learner_ids: list[str], now: float) -> None:
+    def drain(self, learner_ids: list[str], now: float, after_tokens: dict[str, int] | None = None) -> None:
+        """``after_tokens``: learner -> the token count it trains to before it leaves (not
+        listed: it leaves now). A learner already draining keeps its drain."""
+        after_tokens = after_tokens or {}
         for learner in map(self.learner, learner_ids):
             if learner.live and learner.state != DRAINING:
                 learner.state = DRAINING
-                learner.reason = "removed by an operator (drain)"
+                learner.drain_after_tokens = after_tokens.get(learner.id, 0)
+                learner.reason = "removed by an operator (drain)" if not learner.drain_after_tokens else \
+                    f"drained at {learner.drain_after_tokens:,} tokens (the run's budget)"
                 learner.drain_deadline_s = now + self.cfg.drain_timeout_s
                 self._emit("draining", learner, learner.reason)
 
@@ -401,7 +408,7 @@ class Membership:
             raise NotFound(f"unknown pool {pool!r}; pools: {', '.join(self.cfg.pools)}")
 
     def _depart(self, learner: Learner, state: str, reason: str, now: float, gently: bool = False) -> None:
-        learner.state, learner.reason, learner.drain_deadline_s = state, reason, None
+        learner.state, learner.reason, learner.drain_deadline_s, learner.drain_after_tokens = state, reason, None, 0
         self._emit(state, learner, reason, stop_launch=learner.launch_id, gently=gently)
         self._prune()
 
