@@ -45,12 +45,13 @@ class RunConfig:
     gives it its values."""
     fragments: int = 4
     """P: fragments the model is cut into."""
-    sync_every_steps: int = 8
+    sync_every_steps: int = 4
     """H: inner steps between two sends of the same fragment (with outer Nesterov 0.7 / 0.9
     take H >= 16).
 
-    8 from a seeded sweep (docs/results/compare-condensed/): against H = 4, half the bytes
-    with the no-fault eval inside its spread; H = 16 fell below 0.9 goodput under kills."""
+    4 with the sparse codec and pooled AdamW (docs/results/default-h4/: on the long
+    workload 4x as close to DP as H = 8 with int4, at fewer bytes); H = 16 fell below 0.9
+    goodput under kills (docs/results/compare-condensed/)."""
     overlap_steps: int = 2
     """tau: inner steps between sending a fragment and applying its reply."""
     merge_alpha: float = 0.0

@@ -26,7 +26,7 @@ class LearnerConfig:
     """Inner steps to train (the learner then leaves)."""
     lr: float = 3e-3
     """Peak inner AdamW learning rate."""
-    inner_optimizer: str = "adamw"
+    inner_optimizer: str = "adamw-pooled"
     """adamw | adamw-pooled (``diloco.learner.core.pooled``): AdamW normalised by the
     second moment the mean gradient of the run's planned learners would have, its noise
     estimated from each batch's two halves (two backward passes of half a batch per step).
@@ -47,10 +47,10 @@ class LearnerConfig:
     """No evaluation before the first inner step (it would delay the first step). A learner
     joining a model others have trained never evaluates there; ``diloco local`` skips it
     for all, its supervisor evaluating the seed model once for the run."""
-    delta_codec: str = "int4"
-    """Encoding of outgoing deltas: int4 (default), sparse (of each block the
-    ``delta_density`` largest values at 2 bits, ``diloco.codec.sparse``; with error feedback
-    what it drops goes with the next push) or fp32 (ablations)."""
+    delta_codec: str = "sparse"
+    """Encoding of outgoing deltas: sparse (of each block the ``delta_density`` largest
+    values at 2 bits, ``diloco.codec.sparse``; with error feedback what it drops goes with
+    the next push), int4 or fp32 (ablations)."""
     delta_density: float = 0.125
     """With ``delta_codec`` sparse: the fraction of each block's values a push keeps, (0, 1]."""
     block_size: int = BLOCK_SIZE

@@ -116,13 +116,15 @@ class MergeConfig:
     one int4 step of the global values. Costs the shard about a byte per parameter per
     learner (``diloco.syncer.core.mirrors``: an int8 difference from a shared base, its drift
     accounted). Measured in docs/results/compare-condensed/ and docs/results/scale/."""
-    reply_codec: str = "int4"
+    reply_codec: str = "sparse"
     """Encoding of condensed replies: int4, or sparse (of each block the ``reply_density``
     largest values at 2 bits, ``diloco.codec.sparse``; what a reply leaves out stays in the
-    learner's difference from the global values and goes with a later reply). Chain
-    replies are int4."""
-    reply_density: float = 0.125
-    """With ``reply_codec`` sparse: the fraction of each block's values a reply keeps, (0, 1]."""
+    learner's difference from the global values and goes with a later reply). A chain
+    downlink's replies are its int4 updates whatever this says: they are shared by every
+    learner, and only a condensed reply can send what the last one left out."""
+    reply_density: float = 1.0
+    """With ``reply_codec`` sparse: the fraction of each block's values a reply keeps, (0, 1]
+    (1: every value at 2 bits, no indices; fewer lost quality, docs/results/sparse/)."""
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_MODES:
@@ -147,9 +149,6 @@ class MergeConfig:
         if self.reply_codec not in REPLY_CODECS:
             raise InvalidArgument(f"reply codec must be one of {REPLY_CODECS}, got {self.reply_codec!r}")
         check_density("--reply-density", self.reply_density)
-        if self.reply_codec == "sparse" and self.downlink != "condensed":
-            raise InvalidArgument("--reply-codec sparse needs --downlink condensed: a chain's updates are shared by "
-                                  "every learner, and only a condensed reply sends what the last one left out")
         if self.update_chain_length < 1:
             raise InvalidArgument(f"update chain length must be >= 1, got {self.update_chain_length}")
 

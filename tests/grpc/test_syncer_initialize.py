@@ -97,7 +97,7 @@ def test_a_learner_joining_late_downloads_one_int4_update_from_the_seed(tmp_path
     fragment's initial values (kept on disk) and mirrors the result, which the learner
     reaches (up to the drift the shard accounts), so its next reply is condensed too; with chains, full values."""
     async def scenario():
-        async with empty_shard(tmp_path, learners=("L0", "L1", "L2"), merge=MergeConfig(downlink=downlink)) as (server, address):
+        async with empty_shard(tmp_path, learners=("L0", "L1", "L2"), merge=MergeConfig(downlink=downlink, reply_codec="int4")) as (server, address):
             seed = [t.float().clone() for t in PLAN.gather(0, STATE)]
             core = server.runtime.core
             async with client_for(address, "L0") as c0, client_for(address, "L2") as c2:

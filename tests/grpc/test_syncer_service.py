@@ -229,9 +229,10 @@ def test_condensed_replies_bring_a_learner_that_missed_rounds_to_the_global_valu
     """Condensed downlink (the default): however many rounds a learner missed, its reply
     is one int4 update, the size of a push. It lands the learner on the shard's mirror of
     its anchor (up to the drift the shard accounts), which stays within one int4 rounding
-    of the global values: what one reply rounds away, the next one sends (error feedback)."""
+    of the global values: what one reply rounds away, the next one sends (error feedback).
+    (int4 replies here; the sparse codec's replies: tests/unit/test_codec_sparse.py.)"""
     async def scenario():
-        async with running_shard(tmp_path, quorum=1, grace_mode="off") as (server, address):
+        async with running_shard(tmp_path, quorum=1, grace_mode="off", merge=MergeConfig(reply_codec="int4")) as (server, address):
             core = server.runtime.core
             state = core.fragments[0]
             learners = [FakeLearner.of(server, f"L{i}", seed=i) for i in range(3)]

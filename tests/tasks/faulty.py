@@ -25,23 +25,26 @@ def build(ctx: diloco.TaskContext) -> diloco.Task:
         model.requires_grad_(False)
     target = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
 
+    # The inner step is the number of the batch drawn last (a step draws one batch and may
+    # call the loss more than once: adamw-pooled calls it on each half).
+    drawn = {"step": -1}
+
     def batches():
         g = torch.Generator().manual_seed(ctx.learner_index)
         step = 0
         while not (failing and mode == "short" and step == 5):
             x = torch.randn(32, 4, generator=g)
+            drawn["step"] = step
             yield x, x @ target
             step += 1
-
-    calls = {"n": 0}
 
     def loss(model, batch):
         x, y = batch
         value = torch.nn.functional.mse_loss(model(x), y)
-        calls["n"] += model.training
-        if failing and mode == "step" and model.training and calls["n"] == fail_step + 1:
-            raise ValueError(f"the batch of inner step {calls['n'] - 1} is corrupt")
-        if failing and mode == "nan" and calls["n"] > 3 and model.training:
+        step = drawn["step"]
+        if failing and mode == "step" and model.training and step == fail_step:
+            raise ValueError(f"the batch of inner step {step} is corrupt")
+        if failing and mode == "nan" and step >= 3 and model.training:
             return value * float("nan")
         if failing and mode == "scalar":
             return (model(x) - y) ** 2

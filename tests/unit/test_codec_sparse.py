@@ -169,14 +169,14 @@ def test_a_density_outside_0_1_is_refused_by_learners_and_shards(density):
         MergeConfig(reply_density=density)
 
 
-def test_sparse_replies_need_the_condensed_downlink():
-    with pytest.raises(InvalidArgument, match="--reply-codec sparse needs --downlink condensed"):
-        MergeConfig(reply_codec="sparse", downlink="chain")
+def test_the_reply_codec_is_the_condensed_replies_a_chain_sends_its_int4_updates():
+    """Sparse replies are the default; a chain downlink (shared int4 updates, which cannot
+    carry what a learner's last reply left out) is still a valid choice beside it."""
+    assert MergeConfig().reply_codec == "sparse" and MergeConfig(downlink="chain").reply_codec == "sparse"
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--delta-codec", "sparse", "--delta-density", "2"], "diloco: error: --delta-density must be in (0, 1]"),
-    (["--reply-codec", "sparse", "--downlink", "chain"], "diloco: error: --reply-codec sparse needs --downlink condensed"),
     (["--delta-codec", "int2"], "argument --delta-codec: invalid choice: 'int2'"),
 ])
 def test_diloco_local_refuses_a_bad_codec_setting_in_one_line_before_anything_starts(tmp_path, flags, message):

@@ -98,7 +98,7 @@ def test_inner_step_takes_the_whole_batch_gradient_from_its_halves():
     batch (clipping included), so at M = 1 the step is AdamW's on the full batch; the noise
     sample is (g_a − g_b)²/4, scaled by the clip's factor squared."""
     ref, model = _pair()
-    cfg = LearnerConfig(lr=1e-2, warmup_steps=0, steps=10)
+    cfg = LearnerConfig(lr=1e-2, warmup_steps=0, steps=10, inner_optimizer="adamw")
     ref_opt, ref_sched = inner_optimizer(_task(ref), cfg)
     opt, sched = inner_optimizer(_task(model), LearnerConfig(lr=1e-2, warmup_steps=0, steps=10,
                                                              inner_optimizer="adamw-pooled"), 1)

@@ -501,6 +501,27 @@ def test_a_final_push_is_merged_at_its_share_of_the_cycle_after_the_others_left(
     assert shares == [pytest.approx(1 / 3), 0.5, 1.0]
 
 
+def test_at_a_runs_end_the_learners_gone_keep_their_share_until_the_last_has_left():
+    """Every learner draining (a met budget), they leave one by one, each after its own
+    allotment: the last one keeps pushing its share of the step for as many rounds as it
+    trains on, not the whole step once the cycle after the others' final pushes is over."""
+    shard, initial = make_shard()
+    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
+    for learner in learners:
+        shard.learner_draining(learner.name)
+    for t, learner in enumerate(learners[:2]):
+        learner.push(0, now=t, final=True)
+        close(shard, 0, now=t)
+        shard.learner_left(learner.name)
+    last = learners[2]
+    shares = []
+    for t in range(5):
+        last.push(0, now=10 + t, final=t == 4)
+        shares.append(close(shard, 0, now=10 + t).participation)
+        last.apply(shard.update_for(0, last.version[0], last.name))
+    assert shares == [pytest.approx(1 / 3)] * 5  # before: 1/3, 1/2, then the whole step
+
+
 def test_a_failed_learner_s_final_push_leaves_no_share_behind():
     shard, initial = make_shard()
     learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]

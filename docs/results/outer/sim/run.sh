@@ -18,3 +18,9 @@ $S --mode dp --M 8
 $S --mode avg --H 1 --noise-m 4 --split        # noise from the batch's two halves (adamw-pooled)
 $S --mode avg --H 8 --noise-m 4 --split
 $S --mode avg --H 8 --noise-m 4 --split --gain # plain AdamW locally, the pooled gain on the averaged delta
+# Later (docs/results/default-h4/ era): averaging the learners' AdamW state at each sync, and
+# classic DiLoCo's lower inner lr with outer Nesterov, H = 8 (the batch-size runs were stopped).
+$S --mode avg --H 8 --avg-m                    # the first moments averaged too
+$S --mode avg --H 8 --avg-m --avg-v            # both moments
+$S --mode avg --H 8 --lr 1.5e-3 --outer-lr 1.0 --outer-mom 0.5
+$S --mode avg --H 8 --outer-lr 1.5

@@ -25,9 +25,12 @@ ap.add_argument("--points", type=int, default=8)
 ap.add_argument("--noise-m", type=float, default=0)
 ap.add_argument("--split", action="store_true")
 ap.add_argument("--gain", action="store_true")
+ap.add_argument("--batch", type=int, default=16)
+ap.add_argument("--avg-m", action="store_true")
+ap.add_argument("--avg-v", action="store_true")
 a = ap.parse_args()
 torch.manual_seed(a.seed)
-run = RunConfig(seed=a.seed)
+run = RunConfig(seed=a.seed, task_options={"batch_size": str(a.batch)})
 tasks = [worker_task(run, i, a.M) for i in range(a.M)]
 for t in tasks[1:]:
     t.model.load_state_dict(tasks[0].model.state_dict())
@@ -107,6 +110,12 @@ else:
                     g.sub_(a.outer_lr * (delta + a.outer_mom * buf[k]) if a.outer_mom else a.outer_lr * delta)
                     for t in tasks:
                         list(t.model.parameters())[k].copy_(g)
+                    for key, on in (("exp_avg", a.avg_m), ("exp_avg_sq", a.avg_v)):
+                        if on:
+                            sts = [opts[i2][0].state[list(tasks[i2].model.parameters())[k]] for i2 in range(a.M)]
+                            mean = sum(st[key] for st in sts) / a.M
+                            for st in sts:
+                                st[key].copy_(mean)
         if step + 1 in marks:
             curve.append(round(evaluate("x", tasks[0]), 4))
 print(json.dumps(dict(args=vars(a), final=curve[-1], curve=curve, wall=round(time.time() - t0))), flush=True)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The runs of README.md (one after another, about 2 min each on 2 cores). The flags are
+# spelled out, so they mean the same before and after the defaults changed.
+R=docs/results/default-h4/run.sh
+SP8="--delta-codec sparse --delta-density 0.125 --reply-codec sparse --reply-density 1"
+$R base-h8-s0 --seed 0 --sync-every 8 --delta-codec int4 --reply-codec int4 --inner-optimizer adamw
+for s in 0 1 2; do
+  $R sp8h4-s$s --seed $s --sync-every 4 $SP8 --inner-optimizer adamw
+  $R sp8h4p-s$s --seed $s --sync-every 4 $SP8 --inner-optimizer adamw-pooled
+done
+$R sp16h2-s0 --seed 0 --sync-every 2 --delta-codec sparse --delta-density 0.0625 --reply-codec sparse --reply-density 1 --inner-optimizer adamw
