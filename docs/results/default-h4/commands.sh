@@ -9,3 +9,5 @@ for s in 0 1 2; do
   $R sp8h4p-s$s --seed $s --sync-every 4 $SP8 --inner-optimizer adamw-pooled
 done
 $R sp16h2-s0 --seed 0 --sync-every 2 --delta-codec sparse --delta-density 0.0625 --reply-codec sparse --reply-density 1 --inner-optimizer adamw
+# longer (8x the standard tokens), the new defaults spelled out:
+TOKENS="--tokens 7864320" $R longer-s0 --seed 0 --sync-every 4 $SP8 --inner-optimizer adamw-pooled
