@@ -11,3 +11,6 @@ done
 $R sp16h2-s0 --seed 0 --sync-every 2 --delta-codec sparse --delta-density 0.0625 --reply-codec sparse --reply-density 1 --inner-optimizer adamw
 # longer (8x the standard tokens), the new defaults spelled out:
 TOKENS="--tokens 7864320" $R longer-s0 --seed 0 --sync-every 4 $SP8 --inner-optimizer adamw-pooled
+for s in 1 2; do TOKENS="--tokens 7864320" $R longer-s$s --seed $s --sync-every 4 $SP8 --inner-optimizer adamw-pooled; done
+# DP's third longer run (its seeds 0 and 1: ../long/longer/, ../outer/longer-dp-s1/):
+python -m diloco compare --workload longer --scenario nofault --systems dp --seeds 1 --seed 2 --out runs/longer-dp-s2
