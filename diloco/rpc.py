@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import signal
@@ -319,7 +320,25 @@ def channel(address: str, options: Iterable[tuple[str, object]] = ()) -> grpc.ai
     return grpc.aio.secure_channel(address, _credentials(), options=_tls_options(options), interceptors=interceptors)
 
 
-_SHIELD = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="diloco-grpc-shield")
+def _on_daemon(fn: Callable[..., T], *args, lock: threading.Lock | None = None, **kwargs) -> concurrent.futures.Future:
+    """``fn(*args, **kwargs)`` on a daemon thread of its own (holding ``lock`` while it runs),
+    its outcome in the future returned. Daemon, not a pool's worker: a pool's workers are
+    joined at the interpreter's exit, so a call an interrupt left running held a stopped
+    ``diloco compare`` for its whole deadline after its last line (90 s and more, 3 of 10
+    SIGTERMs on a loaded machine)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        with lock or contextlib.nullcontext():
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(error)
+
+    threading.Thread(target=run, name="diloco-grpc-shield", daemon=True).start()
+    return future
 
 
 def shielded(fn: Callable[..., T], *args, **kwargs) -> T:
@@ -333,24 +352,24 @@ def shielded(fn: Callable[..., T], *args, **kwargs) -> T:
     worker, untouched. Off the main thread ``fn`` runs where it is called."""
     if threading.current_thread() is not threading.main_thread():
         return fn(*args, **kwargs)
-    return _SHIELD.submit(fn, *args, **kwargs).result()
+    return _on_daemon(fn, *args, **kwargs).result()
 
 
 def in_background(fn: Callable[..., object], *args) -> None:
     """``fn(*args)`` on a worker thread, not waited for (a call's cancel after an interrupt)."""
-    _SHIELD.submit(fn, *args)
+    _on_daemon(fn, *args)
 
 
-_SHIELD_LOOP = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-grpc-aio-shield")
+_LOOP_LOCK = threading.Lock()
 
 
 def shielded_run(coroutine: Callable[[], Awaitable[T]]) -> T:
-    """``asyncio.run(coroutine())``, shielded as ``shielded`` is: from the main thread, on one
-    worker thread that runs these event loops one after another (an interrupted one goes on
-    to its end before the next starts, so grpc.aio never sees two loops at once)."""
+    """``asyncio.run(coroutine())``, shielded as ``shielded`` is: from the main thread, on a
+    worker thread, these event loops one after another (an interrupted one goes on to its
+    end before the next starts, so grpc.aio never sees two loops at once)."""
     if threading.current_thread() is not threading.main_thread():
         return asyncio.run(coroutine())
-    return _SHIELD_LOOP.submit(lambda: asyncio.run(coroutine())).result()
+    return _on_daemon(lambda: asyncio.run(coroutine()), lock=_LOOP_LOCK).result()
 
 
 def blocking_channel(address: str, options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
