@@ -430,8 +430,10 @@ class Budget:
     def spend(self, trained: int, members: list[dict], admin, monkey: ChaosMonkey | None) -> None:
         now = time.monotonic()
         self.rate = self.pace.add(now, trained)
+        if self.tokens is None:
+            return
         rates = {m["id"]: self.paces[m["id"]].add(now, m["tokens"]) for m in members if m["state"] in ("active", "joining")}
-        if self.tokens is None or trained + self.rate * DRAIN_LEAD_S < self.tokens:
+        if trained + self.rate * DRAIN_LEAD_S < self.tokens:
             return
         if monkey is not None:  # the budget is spent: no more faults, drain everyone (and anyone who joins late)
             monkey.halt()
@@ -560,11 +562,11 @@ def allot(left: int, members: list[dict], rates: dict[str, float]) -> dict[str, 
     known = [rates[m["id"]] for m in members if rates.get(m["id"], 0) > 0]
     if left <= 0 or not known:
         return {}
-    rates = {m["id"]: rates.get(m["id"], 0) or sum(known) / len(known)
-             for m in members if rates.get(m["id"], 0) > 0 or m["state"] == "active"}
-    total = sum(rates.values())
-    shares = {i: int(left * r / total) for i, r in rates.items()}
-    shares[max(rates, key=rates.get)] += left - sum(shares.values())
+    weights = {m["id"]: rates.get(m["id"], 0) or sum(known) / len(known)
+               for m in members if rates.get(m["id"], 0) > 0 or m["state"] == "active"}
+    total = sum(weights.values())
+    shares = {i: int(left * w / total) for i, w in weights.items()}
+    shares[max(weights, key=weights.get)] += left - sum(shares.values())
     tokens = {m["id"]: m["tokens"] for m in members}
     return {i: tokens[i] + share for i, share in shares.items()}
 

@@ -384,7 +384,7 @@ class Membership:
                 learner.state = DRAINING
                 learner.drain_after_tokens = after_tokens.get(learner.id, 0)
                 learner.reason = "removed by an operator (drain)" if not learner.drain_after_tokens else \
-                    f"drained at {learner.drain_after_tokens:,} tokens (the run's budget)"
+                    f"drained at {learner.drain_after_tokens:,} tokens"
                 learner.drain_deadline_s = now + self.cfg.drain_timeout_s
                 self._emit("draining", learner, learner.reason)
 
