@@ -113,6 +113,45 @@ def test_what_is_left_of_the_budget_is_allotted_by_rate_and_sums_to_it_exactly()
     assert allot(600, started, rates) == {"L0": 1000 + 300, "L1": 900 + 100, "L3": 200}
 
 
+def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_slow_nor_shrink_the_run(monkeypatch):
+    """A loaded host delays heartbeats: the look sees the same counts again and again. The
+    rates are each learner's over its own heartbeats' times, and what it trained since its
+    last one counts as spent, so the drain comes in time and every allotment is ahead of
+    the learner's count (a chaos run on a loaded machine once ran 213,760 tokens over a
+    768,000 budget: the look's own clock had read the repeated counts as a slowdown)."""
+    import time
+
+    from diloco.cli.local.run import DRAIN_LEAD_S, Budget
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+
+    class Admin:
+        calls = []
+
+        def remove_learners(self, ids, drain, after_tokens):
+            self.calls.append((ids, drain, after_tokens))
+
+    def look(beat):  # two learners at 1,000 and 3,000 tokens/s since 1000.0, heartbeats at `beat`
+        members = [{"id": "L0", "state": "active", "tokens": int(1000 * (beat - 1000)), "last_heartbeat_unix_ms": int(beat * 1000)},
+                   {"id": "L1", "state": "active", "tokens": int(3000 * (beat - 1000)), "last_heartbeat_unix_ms": int(beat * 1000)},
+                   {"id": "L9", "state": "left", "tokens": 5000, "last_heartbeat_unix_ms": 0}]
+        budget.spend(sum(m["tokens"] for m in members), members, admin, None)
+
+    admin, budget = Admin(), Budget(5000 + 4000 * 20)
+    for beat in range(1001, 1011):
+        for lag in (0.2, 0.9, 1.6, 2.3):  # four looks see each heartbeat's counts, the last ones 2.3 s old
+            clock[0] = beat + lag
+            look(beat)
+            assert budget.rate == (0.0 if beat == 1001 else 4000.0) and not admin.calls
+            assert abs(budget.spent - (5000 + 4000 * (beat - 1000 + (0 if beat == 1001 else lag)))) <= 2
+    clock[0] = 1015.5
+    look(1015)  # 15.5 s of 20: within the lead
+    assert 20 - 15.5 <= DRAIN_LEAD_S and admin.calls
+    [(ids, drain, after)] = admin.calls
+    assert ids == ["L0", "L1"] and drain and after == {"L0": 1000 * 20, "L1": 3000 * 20}
+
+
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():
     assert slot_seconds([0.0, 2.0], 10.0, []) == 18.0
     assert slot_seconds([0.0], 10.0, [(4.0, 2), (12.0, 1)]) == 10.0 + 12.0
@@ -252,6 +291,7 @@ def test_the_pace_is_tokens_per_second_over_the_last_three_seconds():
     assert pace.add(0.0, 0) == 0.0  # one count: no rate yet
     assert [pace.add(t, 100 * t) for t in (1.0, 2.0, 3.0, 4.0)] == [100.0] * 4
     assert pace.add(5.0, 600) == 400 / 3  # 200 -> 600 over 2.0 .. 5.0: the old counts drop out
+    assert pace.add(5.0, 600) == pace.add(4.5, 550) == 400 / 3  # a count seen again, or older: no new point
 
 
 def test_a_summary_is_strict_json_with_a_reason_for_every_missing_figure():

@@ -259,7 +259,7 @@ class LocalRun:
                 if ending.reached([m for m in members if m["id"] not in record.before], trained, self.monkey,
                                   self.console):
                     break
-                time.sleep(self.budget.pause(trained))
+                time.sleep(self.budget.pause())
 
     def stop(self, record: RunRecord) -> None:
         """Learners first, while the shards serve (their final pushes land, they write their
@@ -418,39 +418,49 @@ class Budget:
 
     def __init__(self, tokens: int | None) -> None:
         self.tokens = tokens
-        self.pace = Pace()
         self.rate = 0.0
+        """The training learners' tokens/s, together."""
+        self.spent = 0
+        """Tokens trained, as of the last look (``spend``)."""
         self.paces: dict[str, Pace] = collections.defaultdict(Pace)
-        """Each learner's: a learner's own tokens/s is its average since it started, and
-        learners on a shared host speed up as others stop."""
+        """Each learner's, over its heartbeats' counts at their own times: a count the look
+        sees again adds nothing, so a heartbeat that a loaded host delays does not read as a
+        learner that slowed down; and learners on a shared host speed up as others stop."""
         self.draining: set[str] = set()
         self.drained_at: float | None = None
         """Unix time of the first drain."""
 
     def spend(self, trained: int, members: list[dict], admin, monkey: ChaosMonkey | None) -> None:
-        now = time.monotonic()
-        self.rate = self.pace.add(now, trained)
         if self.tokens is None:
             return
-        rates = {m["id"]: self.paces[m["id"]].add(now, m["tokens"]) for m in members if m["state"] in ("active", "joining")}
-        if trained + self.rate * DRAIN_LEAD_S < self.tokens:
+        now = time.time()
+        training = [m for m in members if m["state"] in ("active", "joining")]
+        beats = {m["id"]: m["last_heartbeat_unix_ms"] / 1000 for m in training}  # 0: none yet
+        rates = {m["id"]: self.paces[m["id"]].add(beats[m["id"]], m["tokens"]) if beats[m["id"]] else 0.0
+                 for m in training}
+        self.rate = sum(rates.values())
+        # A count is its learner's as of its last heartbeat, up to an interval old (more on
+        # a loaded host): what each has trained since, at its rate, is spent too.
+        counts = {m["id"]: m["tokens"] + int(rates[m["id"]] * max(now - beats[m["id"]], 0.0)) for m in training}
+        self.spent = spent = trained + sum(counts[m["id"]] - m["tokens"] for m in training)
+        if spent + self.rate * DRAIN_LEAD_S < self.tokens:
             return
         if monkey is not None:  # the budget is spent: no more faults, drain everyone (and anyone who joins late)
             monkey.halt()
-        todo = [m for m in members if m["state"] in ("active", "joining") and m["id"] not in self.draining]
+        todo = [{**m, "tokens": counts[m["id"]]} for m in training if m["id"] not in self.draining]
         if todo:
-            after = {} if self.draining else allot(self.tokens - trained, todo, rates)
+            after = {} if self.draining else allot(self.tokens - spent, todo, rates)
             drained = _patient(lambda: _drain(admin, [m["id"] for m in todo], after), "drain the learners")
             self.draining |= set(drained)
             self.drained_at = self.drained_at or time.time()
 
-    def pause(self, trained: int) -> float:
+    def pause(self) -> float:
         """Seconds to the next look: near the budget, just in time for the drain; once
         drained, often enough to see the end soon."""
         if self.draining:
             return 0.25
         if self.tokens is not None and self.rate > 0:
-            return min(1.0, max((self.tokens - trained) / self.rate - DRAIN_LEAD_S, 0.05))
+            return min(1.0, max((self.tokens - self.spent) / self.rate - DRAIN_LEAD_S, 0.05))
         return 1.0
 
 
@@ -539,7 +549,8 @@ class Pace:
         self.points: collections.deque[tuple[float, int]] = collections.deque()
 
     def add(self, t: float, tokens: int) -> float:
-        self.points.append((t, tokens))
+        if not self.points or t > self.points[-1][0]:  # a count seen again is no new point
+            self.points.append((t, tokens))
         while len(self.points) > 2 and t - self.points[1][0] >= self.WINDOW_S:
             self.points.popleft()
         (t0, n0), (t1, n1) = self.points[0], self.points[-1]
