@@ -36,10 +36,15 @@ LEARNER_EXIT_WAIT_S = 5.0
 coordinator are stopped (the coordinator then SIGTERMs any still running)."""
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct free ports on ``host``, each held until all are picked: a port let go
+    at once may be handed out again (a bandwidth sweep's cell once gave both shards
+    198.18.0.1:45421; the second could not listen, and the first answered for both)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 class Cluster:
@@ -62,10 +67,11 @@ class Cluster:
         self.endpoints: list[dict] = []
         self._targets = ""
         """What RUN_DIR/prometheus-targets.json holds (``--prometheus``)."""
-        self.coordinator = f"{self.host}:{_free_port(self.host)}"
+        coordinator, *shards = _free_ports(self.host, 1 + cfg.shards)
+        self.coordinator = f"{self.host}:{coordinator}"
         self.status_url: str | None = None
         """The coordinator's status page, once it serves (``LocalConfig.status_page``)."""
-        self.shards = [f"{self.host}:{_free_port(self.host)}" for _ in range(cfg.shards)]
+        self.shards = [f"{self.host}:{port}" for port in shards]
 
     def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
         log = open(self.dir / "logs" / f"{role}.log", "ab")
