@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from diloco.clock import VectorClock
-from diloco.codec import TensorSpec
+from diloco.codec import EncodedTensor, TensorSpec, frame
 from diloco.errors import InvalidArgument
 from diloco.fragments import FragmentPlan
 from diloco.v1 import common_pb2, syncer_pb2
@@ -110,3 +110,17 @@ def push_meta_to_proto(meta: PushMeta) -> syncer_pb2.PushHeader:
         tensors=[spec_to_proto(s) for s in meta.specs],
         **_fields(meta, _PUSH_FIELDS),
     )
+
+
+def initialize_requests(sender: str, fragment: int, manifest_json: str, plan_hash: str, encoded: list[EncodedTensor],
+                        anchor_version: int | None = None) -> list[syncer_pb2.InitializeRequest]:
+    """An Initialize stream: its header, then the fp32 pieces framed in chunks. Slow for a
+    large fragment (framing copies it): off the event loop."""
+    header = syncer_pb2.InitializeHeader(
+        learner_id=sender, fragment=fragment, manifest_json=manifest_json, plan_hash=plan_hash,
+        tensors=[spec_to_proto(e.spec) for e in encoded],
+        anchor=anchor_version is not None, anchor_version=anchor_version or 0,
+    )
+    chunks = frame([e.payload for e in encoded])
+    return [syncer_pb2.InitializeRequest(header=header), *(syncer_pb2.InitializeRequest(chunk=common_pb2.Chunk(data=c))
+                                                           for c in chunks)]

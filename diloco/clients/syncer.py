@@ -16,7 +16,7 @@ import torch
 
 from diloco import auth, rpc
 from diloco.codec import EncodedTensor, decode, frame, unframe
-from diloco.convert import clock_from_proto, spec_from_proto, spec_to_proto, push_meta_to_proto
+from diloco.convert import clock_from_proto, initialize_requests, spec_from_proto, push_meta_to_proto
 from diloco.errors import InvalidArgument
 from diloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
 from diloco.wire import PushMeta
@@ -226,14 +226,8 @@ class SyncerClient:
         """Offer fp32 values of a fragment the shard holds none of: this learner's initial
         values, or (``anchor_version``) its anchor, the global values at that version. True
         if the shard took them, False if the fragment already had values."""
-        chunks = await asyncio.to_thread(lambda: list(frame([e.payload for e in encoded])))
-        header = syncer_pb2.InitializeHeader(
-            learner_id=self.credential.id, fragment=fragment, manifest_json=manifest_json, plan_hash=plan_hash,
-            tensors=[spec_to_proto(e.spec) for e in encoded],
-            anchor=anchor_version is not None, anchor_version=anchor_version or 0,
-        )
-        requests = [syncer_pb2.InitializeRequest(header=header)]
-        requests += [syncer_pb2.InitializeRequest(chunk=common_pb2.Chunk(data=data)) for data in chunks]
+        requests = await asyncio.to_thread(initialize_requests, self.credential.id, fragment, manifest_json, plan_hash,
+                                           list(encoded), anchor_version)
         reply = await self.stub.Initialize(iter(requests), metadata=self.credential.metadata(), timeout=self.timeout_s)
         return reply.initialized
 

@@ -144,8 +144,9 @@ class CoordinatorConfig:
     pin_model: bool = False
     """Build the run's model from the run config (task, task options, seed, ``--init``)
     once at start and pin it (``diloco.coordinator.pin``): RegisterModel accepts only its manifest and
-    the shards only its initial values, whoever calls first. Off: the first learner that
-    registers fixes the manifest, and the first to reach a shard a fragment's values."""
+    the shards only its initial values, which the coordinator seeds them with itself (no
+    learner sends them). Off: the first learner that registers fixes the manifest, and the
+    first to reach a shard a fragment's values."""
     model_sha256: str = ""
     """Pin only the manifest, by the hex SHA-256 of its JSON: for a coordinator that cannot
     build the task (its code is only in the learner image). The first manifest with this

@@ -138,17 +138,19 @@ def snapshot_to_proto(snapshot: Snapshot) -> coordinator_pb2.SnapshotInfo:
 
 def topology_to_proto(
     run: RunConfig, shards: tuple[str, ...], epoch: int, plan: FragmentPlan | None = None, manifest_json: str = "",
-    initial_values: tuple[bytes, ...] = (),
+    initial_values: tuple[bytes, ...] = (), seeds_shards: bool = False,
 ) -> common_pb2.Topology:
     """Without shards (a coordinator used for membership only) the plan is laid out
     for one shard and the shard list is empty. Before the first learner registered its
     model there is no plan (unless the model is pinned): the shards are listed without
-    their fragments. ``initial_values``: the pinned initial values' digests."""
+    their fragments. ``initial_values``: the pinned initial values' digests;
+    ``seeds_shards``: the coordinator seeds the shards with them."""
     num_shards = max(1, len(shards))
     return common_pb2.Topology(
         plan=plan_to_proto(plan, num_shards) if plan is not None else None,
         manifest_json=manifest_json,
         initial_values=list(initial_values),
+        seeds_shards=seeds_shards,
         shards=[
             common_pb2.ShardInfo(
                 shard_id=m, address=address,

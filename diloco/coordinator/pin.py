@@ -12,6 +12,11 @@ init draws from a seeded CPU generator), or any task started from ``--init``, ge
 same digests on every learner. The coordinator hands both to the shards
 (``Topology.manifest_json`` and ``Topology.initial_values``), which refuse anything else.
 
+The coordinator keeps the values themselves too (``VALUES_FILE``, beside the pin) and
+seeds the shards with them before any learner offers its own: on a scarce link a learner
+then sends none of the model at start, and downloads none of it while the shards are at
+the values it built.
+
 A coordinator that cannot build the task (a user's task only in the learner image) may
 pin the manifest alone, by the SHA-256 of its JSON (``manifest_sha256``); the initial
 values then stay the first learner's.
@@ -22,13 +27,18 @@ Importable without torch: ``pin_of`` and ``build_pin`` import it when called.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from diloco.config import RunConfig
 from diloco.errors import FailedPrecondition, InvalidArgument
+from diloco.files import atomic_write
+from diloco.fragments import FragmentPlan
 from diloco.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -37,6 +47,8 @@ if TYPE_CHECKING:
 PIN_FILE = "model-pin.json"
 """In a coordinator's data directory: the pin it built (or ``diloco local`` built for it),
 with the run config it was built for; a restart with the same run config reuses it."""
+VALUES_FILE = "model-pin-values.npz"
+"""Beside ``PIN_FILE``: each fragment's initial values (``ModelPin.values``)."""
 
 
 def manifest_sha256(manifest_json: str) -> str:
@@ -51,6 +63,9 @@ class ModelPin:
     """The run's manifest, canonical (``Manifest.to_json``)."""
     initial_values: tuple[bytes, ...]
     """``values_digest`` of each fragment's initial values, by fragment id."""
+    values: tuple[tuple[np.ndarray, ...], ...] | None = field(default=None, compare=False, repr=False)
+    """Each fragment's initial values, its pieces in plan order (fp32), when the pin was
+    built from the model or kept with them; what the coordinator seeds the shards with."""
 
     @property
     def manifest_sha256(self) -> str:
@@ -60,10 +75,19 @@ class ModelPin:
         return json.dumps({"run_config": run.to_json(), "manifest": self.manifest_json,
                            "initial_values": [d.hex() for d in self.initial_values]})
 
+    def save(self, path: Path, run: RunConfig) -> None:
+        """Keep the pin at ``path`` and its values (if it has them) beside it."""
+        if self.values is not None:
+            buffer = io.BytesIO()
+            np.savez(buffer, **{f"f{f}p{i}": piece for f, pieces in enumerate(self.values) for i, piece in enumerate(pieces)})
+            atomic_write(path.parent / VALUES_FILE, buffer.getvalue())
+        atomic_write(path, self.to_json(run))
+
     @classmethod
     def read(cls, path: Path, run: RunConfig) -> ModelPin | None:
         """The pin kept at ``path`` if it was built for ``run`` (None if absent or built for
-        another run config)."""
+        another run config), with the values kept beside it when they are there and are
+        the pinned ones."""
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
@@ -79,7 +103,47 @@ class ModelPin:
         manifest = Manifest.from_json(pin.manifest_json).check_size(run.max_model_bytes)
         if len(pin.initial_values) != run.fragments or manifest.to_json() != pin.manifest_json:
             raise FailedPrecondition(f"model pin {path} does not describe this run's {run.fragments} fragments")
-        return pin
+        values = _read_values(path.parent / VALUES_FILE, manifest, run.fragments)
+        if values is None:
+            return pin
+        if tuple(_digest(pieces) for pieces in values) != pin.initial_values:
+            raise FailedPrecondition(f"{path.parent / VALUES_FILE} does not hold the values pinned in {path}")
+        return cls(pin.manifest_json, pin.initial_values, values)
+
+    def encoded(self, plan: FragmentPlan, fragment_id: int):
+        """A fragment's values as a learner encodes them for Initialize (fp32 pieces);
+        ``plan``: the run's, cut from this pin's manifest."""
+        from diloco.codec import encode
+
+        pieces = plan.fragments[fragment_id].pieces
+        return [encode(p.name, values, encoding="fp32") for p, values in zip(pieces, self.values[fragment_id])]
+
+
+def _digest(pieces) -> bytes:
+    """``values_digest`` of a fragment's pieces: their raw fp32 bytes in order."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(np.ascontiguousarray(piece, dtype="<f4").tobytes())
+    return h.digest()
+
+
+def _read_values(path: Path, manifest: Manifest, fragments: int) -> tuple[tuple[np.ndarray, ...], ...] | None:
+    """The values file at ``path``, each piece shaped as the plan cuts it (None if absent;
+    FailedPrecondition if it does not fit the plan)."""
+    plan = manifest.plan(fragments)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            values = tuple(tuple(archive[f"f{f.id}p{i}"] for i in range(len(f.pieces))) for f in plan.fragments)
+    except FileNotFoundError:
+        return None
+    except (KeyError, ValueError, OSError) as error:
+        raise FailedPrecondition(f"{path} is corrupt: {error}") from None
+    for fragment, pieces in zip(plan.fragments, values):
+        for piece, array in zip(fragment.pieces, pieces):
+            if array.dtype != np.float32 or tuple(array.shape) != tuple(piece.shape):
+                raise FailedPrecondition(f"{path}: piece {piece.name} of fragment {fragment.id} is {array.dtype} "
+                                         f"{tuple(array.shape)}, the plan cuts it {tuple(piece.shape)}")
+    return values
 
 
 def pin_of(model: torch.nn.Module, fragments: int) -> ModelPin:
@@ -93,12 +157,14 @@ def pin_of(model: torch.nn.Module, fragments: int) -> ModelPin:
     manifest = manifest_of(model)
     plan = manifest.plan(fragments)
     tensors = synced_tensors(model, manifest)
-    digests = []
+    digests, kept = [], []
     for fragment in plan.fragments:
         whole = {p.tensor: tensors[p.tensor].detach().to("cpu", torch.float32) for p in fragment.pieces}
         values = plan.gather(fragment.id, whole)
-        digests.append(values_digest([encode(p.name, t, encoding="fp32") for p, t in zip(fragment.pieces, values)]))
-    return ModelPin(manifest.to_json(), tuple(digests))
+        encoded = [encode(p.name, t, encoding="fp32") for p, t in zip(fragment.pieces, values)]
+        digests.append(values_digest(encoded))
+        kept.append(tuple(np.frombuffer(e.payload, dtype="<f4").reshape(e.spec.shape) for e in encoded))
+    return ModelPin(manifest.to_json(), tuple(digests), tuple(kept))
 
 
 def build_pin(run: RunConfig) -> ModelPin:

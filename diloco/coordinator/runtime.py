@@ -99,6 +99,11 @@ class RunInfo:
         """The pinned initial values' digests, by fragment (empty: not pinned)."""
         return self.pin.initial_values if self.pin is not None else ()
 
+    @property
+    def seeds_shards(self) -> bool:
+        """The coordinator holds the pinned values and seeds the shards with them."""
+        return self.pin is not None and self.pin.values is not None
+
     def adopt(self, manifest_json: str, manifest: Manifest | None = None, plan: FragmentPlan | None = None) -> None:
         """Make ``manifest_json`` the run's (``manifest`` and ``plan``: already parsed and
         planned off the event loop)."""

@@ -28,6 +28,8 @@ from diloco.coordinator.status import StatusPage
 from diloco import auth, rpc
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
+from diloco.errors import FailedPrecondition
+from diloco.convert import initialize_requests
 from diloco.files import atomic_write, private_dir
 from diloco.coordinator.pin import PIN_FILE, ModelPin, build_pin
 from diloco.v1 import coordinator_pb2_grpc, syncer_pb2, syncer_pb2_grpc
@@ -76,9 +78,16 @@ def pinned_model(run: RunConfig, data_dir: Path) -> ModelPin:
     if pin is None:
         started = time.monotonic()
         pin = build_pin(run)
-        atomic_write(path, pin.to_json(run))
+        pin.save(path, run)
         logger.info("built the run's model to pin it in %.1f s (kept in %s)", time.monotonic() - started, path)
     return pin
+
+
+SEED_TIMEOUT_S = 60.0
+"""Deadline of each call that seeds a shard (a Status, a fragment's Initialize)."""
+SEED_RETRY_MAX_S = 1.0
+"""The longest wait between tries to seed a shard that is not up yet: learners that find
+it empty wait for the seed."""
 
 
 class ShardCalls:
@@ -109,6 +118,14 @@ class ShardCalls:
     def bootstrap(self, address: str, timeout_s: float):
         """A shard's Bootstrap stream (every fragment it owns)."""
         return self.stub(address).Bootstrap(syncer_pb2.BootstrapRequest(), metadata=self.metadata, timeout=timeout_s)
+
+    async def initialize(self, address: str, fragment: int, manifest_json: str, plan_hash: str, encoded,
+                         timeout_s: float) -> bool:
+        """Offer a fragment's initial values as the coordinator; True if the shard took them."""
+        requests = await asyncio.to_thread(initialize_requests, auth.COORDINATOR_ID, fragment, manifest_json, plan_hash,
+                                           encoded)
+        reply = await self.stub(address).Initialize(iter(requests), metadata=self.metadata, timeout=timeout_s)
+        return reply.initialized
 
     async def accept_initial_values(self, address: str, reason: str, timeout_s: float) -> syncer_pb2.AcceptInitialValuesReply:
         return await self.stub(address).AcceptInitialValues(
@@ -162,6 +179,9 @@ class CoordinatorServer:
         self.status_page: StatusPage | None = None
         self.port = 0
         self._stopped = False
+        self._seeding: asyncio.Task | None = None
+        self.seeded: dict[int, list[int]] = {}
+        """Shard -> the fragments it took from this coordinator's seed (empty: it had them all)."""
 
     def launch_credential(self, launch_id: str) -> str:
         """The join credential of the learner of one launch: it admits that learner alone,
@@ -203,6 +223,8 @@ class CoordinatorServer:
         if self.status_page is not None:
             self.status_page.start()
         self.runtime.start()
+        if self.runtime.run.seeds_shards and self.cfg.shards:
+            self._seeding = asyncio.get_running_loop().create_task(self._seed_shards())
         logger.info("coordinator listening on %s (%d shards)", self.address, len(self.cfg.shards))
         return self.port
 
@@ -211,6 +233,8 @@ class CoordinatorServer:
             return
         self._stopped = True
         await rpc.mark_serving(self.health, [SERVICE_NAME], serving=False)
+        if self._seeding is not None:
+            self._seeding.cancel()
         if self.status_page is not None:
             await asyncio.to_thread(self.status_page.stop)  # its requests wait on this loop
         await self.runtime.close()
@@ -218,6 +242,51 @@ class CoordinatorServer:
         if self._probes is not None:
             await self._probes.stop(0)
         await self.shard_calls.close()
+
+    async def _seed_shards(self) -> None:
+        """Every shard takes the pinned initial values of the fragments it owns and lacks
+        from here, as soon as it serves, so that no learner sends them over its own link
+        (and none downloads them: its seed model has them bit for bit). A shard that is not
+        up yet is tried again until it is. One that recovers its fragments from the
+        learners' anchors, or refuses the seed, is left to the learners (logged); a
+        fragment that already has values is not touched (Initialize takes none then)."""
+        run = self.runtime.run
+        pending = dict(enumerate(self.cfg.shards))
+        backoff = 0.1
+        while pending:
+            for m, address in list(pending.items()):
+                try:
+                    self.seeded[m] = await self._seed(m, address, run)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        continue
+                    logger.warning("shard %d refused the pinned initial values (%s: %s): its learners offer theirs",
+                                   m, error.code().name, error.details())
+                except FailedPrecondition as error:
+                    logger.warning("shard %d not seeded with the pinned initial values: %s", m, error)
+                del pending[m]
+            await asyncio.sleep(backoff if pending else 0)
+            backoff = min(backoff * 2, SEED_RETRY_MAX_S)
+
+    async def _seed(self, m: int, address: str, run: RunInfo) -> list[int]:
+        status = await self.shard_calls.status(address, SEED_TIMEOUT_S)
+        if status.shard_id != m:
+            raise FailedPrecondition(f"{address} is shard {status.shard_id}, not shard {m}: the shard list is wrong")
+        if status.anchors_only:
+            logger.info("shard %d recovers its fragments from the learners' anchors: not seeded", m)
+            return []
+        have = {f.fragment for f in status.fragments}
+        taken = []
+        for fragment in run.plan.owned_by(m, len(self.cfg.shards)):
+            if fragment.id in have:
+                continue
+            encoded = await asyncio.to_thread(run.pin.encoded, run.plan, fragment.id)
+            if await self.shard_calls.initialize(address, fragment.id, run.manifest_json, run.plan_hash, encoded,
+                                                 SEED_TIMEOUT_S):
+                taken.append(fragment.id)
+        if taken:
+            logger.info("shard %d seeded with the pinned initial values of fragments %s", m, taken)
+        return taken
 
     async def _send_marker(
         self, name: str, address: str, snapshot_id: int, directory: str, learners: list[str], clock: VectorClock

@@ -277,7 +277,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         key = (self.runtime.topology_epoch, run.plan_hash)
         if self._topology is None or self._topology[0] != key:
             topology = convert.topology_to_proto(run.run, self.runtime.cfg.shards, self.runtime.topology_epoch,
-                                                 run.plan, run.manifest_json, run.initial_values)
+                                                 run.plan, run.manifest_json, run.initial_values, run.seeds_shards)
             self._topology = (key, topology)
         return self._topology[1]
 

@@ -50,7 +50,7 @@ from diloco.learner.device import Device
 from diloco.learner.membership import Heartbeats, Membership, join, register_model
 from diloco.learner.slice import SliceLink, SliceStep, host_state
 from diloco.learner.summary import LossReports, Summary
-from diloco.learner.streamer import PushJob, Streamer
+from diloco.learner.streamer import SEED_WAIT_S, PushJob, Streamer
 from diloco.learner.telemetry import LearnerTelemetry, SyncTrace
 
 FINAL_PUSH_WAIT_S = 5.0
@@ -119,6 +119,8 @@ class Learner(LossReports):
         self._stopping = False
         """The stop decided at the last step boundary (a slice stops on the same step everywhere)."""
         self._bootstrapped = False
+        self._seed_wait_s = 0.0
+        """How long to wait for the coordinator's seed of an empty shard (it seeds them)."""
         self.joined_in_progress = False
         """Bootstrapped a model other learners have trained (a replacement or a scavenged
         learner), on its own: its runner then skips the evaluation at step 0, which would
@@ -138,6 +140,7 @@ class Learner(LossReports):
             self.manifest_json = self.manifest.to_json()
             if coordinator:
                 topology = register_model(coordinator, member, self.manifest_json)
+                self._seed_wait_s = SEED_WAIT_S if topology.seeds_shards else 0.0
                 if topology.manifest_json != self.manifest_json:  # the run's model: check we train the same
                     difference = self.manifest.first_difference(Manifest.from_json(topology.manifest_json))
                     if difference is not None:
@@ -329,7 +332,7 @@ class Learner(LossReports):
 
         for shard, fragments in by_shard.items():
             taken = self.streamer.initialize(shard, self.manifest_json, self.plan.plan_hash, fragments, encode_own,
-                                             stop=self.stop)
+                                             stop=self.stop, seed_wait_s=self._seed_wait_s)
             self.summary.initialized_fragments += taken
         # A shard still at values we hold (the run's seed, which every learner builds alike)
         # sends their version alone; one that has moved on from them, one int4 update (with

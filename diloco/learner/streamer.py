@@ -35,6 +35,11 @@ from diloco.learner.telemetry import SyncTrace
 
 logger = logging.getLogger(__name__)
 
+SEED_WAIT_S = 30.0
+"""How long a starting learner waits for the coordinator's seed of a shard it finds empty
+(the coordinator seeds each shard as soon as it serves) before it offers its own values."""
+SEED_POLL_S = 0.1
+
 
 @dataclass(frozen=True)
 class PushJob:
@@ -132,9 +137,11 @@ class Streamer:
 
     def initialize(self, shard: int, manifest_json: str, plan_hash: str, fragments: list[int],
                    encode: Callable[[int], list[EncodedTensor]], timeout_s: float = 300.0,
-                   stop: threading.Event | None = None) -> list[int]:
+                   stop: threading.Event | None = None, seed_wait_s: float = 0.0) -> list[int]:
         """Offer our values (``encode(fragment)``, fp32) of the shard's fragments that have
-        none yet; returns those that took ours. Blocks (only used before training starts)."""
+        none yet; returns those that took ours. ``seed_wait_s``: the coordinator seeds the
+        shards (``Topology.seeds_shards``): wait this long for its seed first, and offer
+        ours only for what it did not bring. Blocks (only used before training starts)."""
 
         async def offer() -> list[int]:
             client = self._client(shard)
@@ -150,6 +157,13 @@ class Streamer:
                     await asyncio.sleep(0.5)
                     status = await self._until_up(shard, client.status)
             have = {f.fragment for f in status.fragments}
+            deadline = time.monotonic() + seed_wait_s
+            while not set(fragments) <= have and time.monotonic() < deadline:
+                await asyncio.sleep(SEED_POLL_S)
+                have = {f.fragment for f in (await self._until_up(shard, client.status)).fragments}
+            if seed_wait_s and not set(fragments) <= have:
+                logger.warning("shard %d: the coordinator's seed of fragments %s did not come in %.0f s: offering ours",
+                               shard, sorted(set(fragments) - have), seed_wait_s)
             taken = []
             for fragment in fragments:
                 if fragment in have:

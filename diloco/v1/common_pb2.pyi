@@ -119,20 +119,22 @@ class ShardInfo(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., address: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("plan", "shards", "run_config_json", "epoch", "manifest_json", "initial_values")
+    __slots__ = ("plan", "shards", "run_config_json", "epoch", "manifest_json", "initial_values", "seeds_shards")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     INITIAL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_SHARDS_FIELD_NUMBER: _ClassVar[int]
     plan: FragmentPlan
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     run_config_json: str
     epoch: int
     manifest_json: str
     initial_values: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, plan: _Optional[_Union[FragmentPlan, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., run_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., manifest_json: _Optional[str] = ..., initial_values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    seeds_shards: bool
+    def __init__(self, plan: _Optional[_Union[FragmentPlan, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., run_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., manifest_json: _Optional[str] = ..., initial_values: _Optional[_Iterable[bytes]] = ..., seeds_shards: _Optional[bool] = ...) -> None: ...
 
 class LearnerInfo(_message.Message):
     __slots__ = ("learner_id", "state", "pool", "address", "last_heartbeat_unix_ms", "tokens", "inner_steps", "version_lag", "joined_unix_ms", "launch_id", "reason", "train_loss", "eval_loss", "tokens_per_s", "loss_unit")

@@ -7,12 +7,14 @@ import contextlib
 import json
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from diloco import auth
 from diloco.codec import encode
 from diloco.convert import push_meta_to_proto
+from diloco.errors import FailedPrecondition
 from diloco.v1 import common_pb2, coordinator_pb2, syncer_pb2
 from diloco.v1.syncer_pb2_grpc import SyncerStub
 from diloco.wire import MAX_VERSION
@@ -313,11 +315,18 @@ def test_shards_take_only_the_pinned_model_and_its_initial_values(tmp_path):
     """Whichever learner reached a shard first gave a fragment its values (honest learners
     then trained from all-0.5 values), and the shard planned from the manifest it was sent.
     Now the shard plans from the coordinator's manifest and takes fresh values only with
-    the pinned digest; refused offers leave it as it was."""
+    the pinned digest; refused offers leave it as it was. (The coordinator here kept the
+    digests alone, as one of an earlier version did: it does not seed the shard, whose
+    fragments stay for the learners to offer.)"""
+    from diloco.coordinator.pin import PIN_FILE, build_pin
     from tests.grpc.test_syncer_initialize import MANIFEST, PLAN, raw_initialize
+
+    (tmp_path / "coordinator").mkdir(mode=0o700)
+    (tmp_path / "coordinator" / PIN_FILE).write_text(build_pin(TINY).to_json(TINY))
 
     async def scenario():
         async with _shard_following(tmp_path, pin_model=True) as (shard, address, coordinator):
+            assert not coordinator.runtime.run.seeds_shards
             attacker, honest = await joined(coordinator.address), await joined(coordinator.address)
             await honest.register_model(MANIFEST.to_json())
             halves = fp32(0, [torch.full_like(t, 0.5) for t in PLAN.gather(0, model_plan(TINY)[2])])
@@ -338,6 +347,51 @@ def test_shards_take_only_the_pinned_model_and_its_initial_values(tmp_path):
                 assert_same_tensors(update.segments[-1].tensors, PLAN.gather(0, model_plan(TINY)[2]))
             for session in (attacker, honest):
                 await session.close()
+    run(scenario())
+
+
+def test_the_coordinator_seeds_an_empty_shard_with_the_pinned_values_and_a_learner_offers_none(tmp_path):
+    """Every starting learner offered its fp32 initial values of each fragment it found
+    empty (4.70 MB crossed the links for a 1.91 MB model in one measured run). Now the
+    coordinator, which holds the pinned values, seeds each shard as soon as it serves; a
+    hostile offer after that changes nothing."""
+    from diloco.coordinator.pin import PIN_FILE, VALUES_FILE, ModelPin
+    from tests.grpc.test_syncer_initialize import MANIFEST, PLAN, raw_initialize
+
+    async def scenario():
+        async with _shard_following(tmp_path, pin_model=True) as (shard, address, coordinator):
+            pin = coordinator.runtime.run.pin
+            assert coordinator.runtime.run.seeds_shards and pin.values is not None
+            owned = {f.id for f in PLAN.owned_by(0, 1)}
+            deadline = asyncio.get_running_loop().time() + 20
+            while set(shard.runtime.core.fragments) != owned:
+                assert asyncio.get_running_loop().time() < deadline, f"not seeded: {sorted(shard.runtime.core.fragments)}"
+                await asyncio.sleep(0.05)
+            assert coordinator.seeded == {0: sorted(owned)}
+            for f in owned:
+                assert_same_tensors(shard.runtime.core.fragments[f].params, pin.values[f])
+            attacker = await joined(coordinator.address)
+            async with client_for(address, attacker.learner_id, attacker.credential) as client:
+                topology = await attacker.register_model(MANIFEST.to_json())
+                assert topology.seeds_shards and list(topology.initial_values) == list(pin.initial_values)
+                halves = fp32(0, [torch.full_like(t, 0.5) for t in PLAN.gather(0, model_plan(TINY)[2])])
+                assert not await client.initialize(0, MANIFEST.to_json(), PLAN.plan_hash, halves)
+            assert_same_tensors(shard.runtime.core.fragments[0].params, pin.values[0])
+            await attacker.close()
+            # Kept beside the pin: a restarted coordinator seeds from the file, checked against the digests.
+            kept = ModelPin.read(tmp_path / "coordinator" / PIN_FILE, TINY)
+            assert kept == pin
+            for f in owned:
+                assert_same_tensors(kept.values[f], pin.values[f])
+        tape = [json.loads(line) for line in (tmp_path / "shard" / "tape-S0.jsonl").read_text().splitlines()]
+        assert {(r["fragment"], r["learner"]) for r in tape if r["kind"] == "initialize"} == {(f, "C") for f in owned}
+        path = tmp_path / "coordinator" / VALUES_FILE
+        with np.load(path) as archive:
+            values = {k: archive[k] for k in archive.files}
+        values["f0p0"] = values["f0p0"] + 1
+        np.savez(path, **values)
+        with pytest.raises(FailedPrecondition, match="does not hold the values pinned"):
+            ModelPin.read(tmp_path / "coordinator" / PIN_FILE, TINY)
     run(scenario())
 
 

@@ -219,6 +219,50 @@ def test_join_a_coordinator_train_leave_and_a_different_model_is_refused(tmp_pat
     run(scenario())
 
 
+def test_a_learner_of_a_seeding_coordinator_sends_and_fetches_none_of_the_model(tmp_path):
+    """On a scarce link a learner's start was its upload of the fp32 initial values of each
+    fragment it found empty. The pinning coordinator seeds the shards itself, and a
+    learner that finds a shard empty waits for the seed: here the shard starts only after
+    the learner has joined, and the learner sends none of the model, and downloads none
+    (the shard is at the values it built)."""
+    import socket
+
+    from diloco.syncer.config import ShardServerConfig, SyncerConfig
+    from diloco.syncer.server import ShardServer
+    from tests.grpc.conftest import TINY
+    from tests.grpc.coordinator_fixtures import running_coordinator, wait_for
+    from tests.seeded import task_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+
+    async def scenario():
+        async with running_coordinator(tmp_path, shards=(address,), pin_model=True) as coordinator:
+            joining = asyncio.ensure_future(asyncio.to_thread(
+                diloco.Learner.join, task_model(TINY, learner_index=3), coordinator.address,
+                auth.join_credential(SECRET, "test", 64), insecure=True))
+            await wait_for(lambda: coordinator.runtime.membership.learners, "the learner's join")
+            shard = ShardServer(TINY, SyncerConfig(), ShardServerConfig(secret=SECRET, data_dir=tmp_path / "shard",
+                                                                        port=port, coordinator=coordinator.address))
+            await shard.start()
+            try:
+                learner = await joining
+                try:
+                    stats = learner.streamer.stats
+                    assert (stats.bytes_initialize, learner.summary.initialized_fragments) == (0, [])
+                    assert stats.bytes_down == 0
+                    assert {f: s.base_version for f, s in learner.book.fragments.items()} == {0: 0, 1: 0}
+                    assert coordinator.seeded == {0: [0, 1]}
+                finally:
+                    await asyncio.to_thread(learner.close, "done")
+            finally:
+                await shard.stop()
+
+    run(scenario())
+
+
 def test_a_learner_records_snapshots_through_fsspec_and_survives_a_failed_write(tmp_path):
     """A marker's directory may be any fsspec URL (memory:// here: this process's store).
     A write that fails is logged and leaves the snapshot unreported (it fails at the

@@ -181,7 +181,7 @@ class Cluster:
         learner_cmd = f"{sys.executable} -m diloco --exit-with-parent --log-level INFO {tls}learner --config {shlex.quote(str(learner_config))}"
         coordinator_config = self.dir / "coordinator" / "coordinator.json"
         if self.pin is not None:  # the coordinator pins it (a resumed run's coordinator checks its state against it)
-            atomic_write(self.dir / "coordinator" / PIN_FILE, self.pin.to_json(self.cfg.run))
+            self.pin.save(self.dir / "coordinator" / PIN_FILE, self.cfg.run)
         atomic_write_json(coordinator_config, {
             "pin_model": True, "host": self.host,
             "port": int(self.coordinator.rsplit(":", 1)[1]), "data_dir": str(self.dir / "coordinator"),
