@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import random
 import signal
 import socket
 import threading
@@ -103,6 +104,33 @@ async def health_server(health_servicer, address: str) -> tuple[grpc.aio.Server,
         raise Unavailable(f"cannot listen on {address} for health probes: the port is in use or not available")
     await probe_server.start()
     return probe_server, port
+
+
+LISTEN_PORTS = range(20000, 32768)
+"""Where ``free_ports`` looks: below Linux's ephemeral range (32768-60999 by default),
+from which every outgoing connection of every process takes its local port."""
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct ports on ``host`` that nothing listens on, for servers to be told
+    their address before they start. Chosen at random in ``LISTEN_PORTS``, not by the
+    kernel's port 0: that gives an ephemeral port, which any process's next outgoing
+    connection may take before the server binds it (a coordinator of the cluster suite
+    once could not listen on 127.0.0.1:40495, "Address already in use"). Each is held
+    until all are picked."""
+    rng = random.SystemRandom()
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        for port in rng.sample(LISTEN_PORTS, min(len(LISTEN_PORTS), 64 * n)):
+            probe = held.enter_context(socket.socket())
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise errors.Unavailable(f"no {n} free ports on {host} in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1}")
 
 
 def _check_free(address: str, purpose: str = "") -> None:

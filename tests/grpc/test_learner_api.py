@@ -225,17 +225,14 @@ def test_a_learner_of_a_seeding_coordinator_sends_and_fetches_none_of_the_model(
     learner that finds a shard empty waits for the seed: here the shard starts only after
     the learner has joined, and the learner sends none of the model, and downloads none
     (the shard is at the values it built)."""
-    import socket
-
+    from diloco import rpc
     from diloco.syncer.config import ShardServerConfig, SyncerConfig
     from diloco.syncer.server import ShardServer
     from tests.grpc.conftest import TINY
     from tests.grpc.coordinator_fixtures import running_coordinator, wait_for
     from tests.seeded import task_model
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    [port] = rpc.free_ports("127.0.0.1", 1)
     address = f"127.0.0.1:{port}"
 
     async def scenario():

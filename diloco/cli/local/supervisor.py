@@ -36,17 +36,6 @@ LEARNER_EXIT_WAIT_S = 5.0
 coordinator are stopped (the coordinator then SIGTERMs any still running)."""
 
 
-def _free_ports(host: str, n: int) -> list[int]:
-    """``n`` distinct free ports on ``host``, each held until all are picked: a port let go
-    at once may be handed out again (a bandwidth sweep's cell once gave both shards
-    198.18.0.1:45421; the second could not listen, and the first answered for both)."""
-    with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 class Cluster:
     """The processes of one local run; every one of them ends when the run does."""
 
@@ -67,7 +56,7 @@ class Cluster:
         self.endpoints: list[dict] = []
         self._targets = ""
         """What RUN_DIR/prometheus-targets.json holds (``--prometheus``)."""
-        coordinator, *shards = _free_ports(self.host, 1 + cfg.shards)
+        coordinator, *shards = rpc.free_ports(self.host, 1 + cfg.shards)
         self.coordinator = f"{self.host}:{coordinator}"
         self.status_url: str | None = None
         """The coordinator's status page, once it serves (``LocalConfig.status_page``)."""
