@@ -585,3 +585,34 @@ def test_the_chart_caps_learners_as_the_coordinator_does():
 
     schema = json.loads((Path(__file__).resolve().parents[2] / "k8s" / "diloco" / "values.schema.json").read_text())
     assert schema["properties"]["coordinator"]["properties"]["maxLearners"]["maximum"] == MAX_LEARNERS
+
+
+def test_expiry_looks_at_every_learner_only_once_a_deadline_may_have_come():
+    """``expire`` runs on every call; it scanned every learner each time (with 256 learners,
+    half of a heartbeat's cost). It now keeps the earliest deadline: a heartbeat moves only
+    its own learner's later and keeps it; a join, a drain, a launch or a pause, which may
+    bring one earlier, make it look again. Each step below would go wrong if it did not."""
+    m = membership(lease_s=10.0, drain_timeout_s=2.0, join_timeout_s=4.0)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
+    m.join("", "", "", "", now=0.0, credential=OPEN)
+    assert m.next_deadline() == 10.0
+    m.heartbeat("L1", HeartbeatStats(tokens=1), now=5.0)  # L1's lease runs to 15: the earliest is still L0's
+    m.expire(9.9)
+    assert all(l.live for l in m.learners.values()) and m.next_deadline() == 10.0
+    m.expire(10.0)
+    assert (m.learner("L0").state, m.learner("L1").state) == (FAILED, ACTIVE) and m.next_deadline() == 15.0
+    m.drain(["L1"], now=11.0)  # its drain ends at 13, before its lease
+    assert m.next_deadline() == 13.0
+    m.expire(13.0)
+    assert m.learner("L1").state == LEFT and m.learner("L1").reason == "drain timed out after 2 s"
+    assert m.next_deadline() is None
+    m.join("", "", "", "", now=20.0, credential=OPEN)  # no deadline before: one now
+    assert m.next_deadline() == 30.0
+    m.add_launch("x0", "default", now=21.0)  # its join times out at 25, before L2's lease
+    assert m.next_deadline() == 25.0
+    m.expire(25.0)
+    assert "x0" not in m.launches and m.learner("L2").live
+    m.pause(3.0, now=29.0)  # the coordinator stalled 3 s: L2's lease moves on by it
+    assert m.next_deadline() == 33.0
+    m.expire(32.9)
+    assert m.learner("L2").live
