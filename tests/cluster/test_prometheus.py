@@ -192,14 +192,19 @@ def test_a_real_prometheus_scrapes_every_process_of_a_local_run(tmp_path):
                 assert values and all(math.isfinite(v) for v in values), (panel["title"], query["expr"], result)
 
         # Each learner's training loss: its own series (the target's learner and the
-        # process's resource agree), finite, in a sane range, falling over the run.
+        # process's resource agree), finite, in a sane range, ending well below the untrained loss.
         losses = prometheus.query(f"diloco_learner_train_loss{WHOLE_RUN}")
         assert {s["metric"]["learner"] for s in losses} == learners
         for series in losses:
             assert series["metric"]["diloco_learner_id"] == series["metric"]["learner"], series["metric"]
             values = [v for _, v in samples(series)]
             assert len(values) >= 3 and all(math.isfinite(v) and 0 < v < 10 for v in values), values
-            assert values[-1] < values[0], values
+            # Below the untrained model's loss (the run's start eval, same unit), by a margin. Not
+            # "below its own first sample": learners start training before Prometheus first
+            # scrapes them (it applies target changes every 5 s), and since the coordinator
+            # seeds the shards they start sooner, so that sample may come after the loss levelled
+            # off (the fresh-clone CI of 799191b: 3.1995 first, 3.2156 last).
+            assert values[-1] < summary["eval_loss_start"] - 2.0, (values, summary["eval_loss_start"])
         rates = prometheus.query(f"diloco_learner_tokens_per_second{WHOLE_RUN}")
         assert {s["metric"]["learner"] for s in rates} == learners
         for series in rates:
