@@ -103,12 +103,16 @@ class ModelPin:
         manifest = Manifest.from_json(pin.manifest_json).check_size(run.max_model_bytes)
         if len(pin.initial_values) != run.fragments or manifest.to_json() != pin.manifest_json:
             raise FailedPrecondition(f"model pin {path} does not describe this run's {run.fragments} fragments")
-        values = _read_values(path.parent / VALUES_FILE, manifest, run.fragments)
+        plan = manifest.plan(run.fragments)
+        values = _read_values(path.parent / VALUES_FILE, plan)
         if values is None:
             return pin
-        if tuple(_digest(pieces) for pieces in values) != pin.initial_values:
+        kept = cls(pin.manifest_json, pin.initial_values, values)
+        from diloco.codec import values_digest
+
+        if tuple(values_digest(kept.encoded(plan, f.id)) for f in plan.fragments) != pin.initial_values:
             raise FailedPrecondition(f"{path.parent / VALUES_FILE} does not hold the values pinned in {path}")
-        return cls(pin.manifest_json, pin.initial_values, values)
+        return kept
 
     def encoded(self, plan: FragmentPlan, fragment_id: int):
         """A fragment's values as a learner encodes them for Initialize (fp32 pieces);
@@ -119,18 +123,9 @@ class ModelPin:
         return [encode(p.name, values, encoding="fp32") for p, values in zip(pieces, self.values[fragment_id])]
 
 
-def _digest(pieces) -> bytes:
-    """``values_digest`` of a fragment's pieces: their raw fp32 bytes in order."""
-    h = hashlib.sha256()
-    for piece in pieces:
-        h.update(np.ascontiguousarray(piece, dtype="<f4").tobytes())
-    return h.digest()
-
-
-def _read_values(path: Path, manifest: Manifest, fragments: int) -> tuple[tuple[np.ndarray, ...], ...] | None:
+def _read_values(path: Path, plan: FragmentPlan) -> tuple[tuple[np.ndarray, ...], ...] | None:
     """The values file at ``path``, each piece shaped as the plan cuts it (None if absent;
     FailedPrecondition if it does not fit the plan)."""
-    plan = manifest.plan(fragments)
     try:
         with np.load(path, allow_pickle=False) as archive:
             values = tuple(tuple(archive[f"f{f.id}p{i}"] for i in range(len(f.pieces))) for f in plan.fragments)

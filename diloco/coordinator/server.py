@@ -265,8 +265,9 @@ class CoordinatorServer:
                 except FailedPrecondition as error:
                     logger.warning("shard %d not seeded with the pinned initial values: %s", m, error)
                 del pending[m]
-            await asyncio.sleep(backoff if pending else 0)
-            backoff = min(backoff * 2, SEED_RETRY_MAX_S)
+            if pending:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, SEED_RETRY_MAX_S)
 
     async def _seed(self, m: int, address: str, run: RunInfo) -> list[int]:
         status = await self.shard_calls.status(address, SEED_TIMEOUT_S)
