@@ -137,10 +137,7 @@ def _fork_server(argv: list[str]) -> int:
 
     answers = forks.claim_stdout()
     started = time.monotonic()
-    import torch
-
-    importlib.import_module("diloco.learner.server")
-    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    importlib.import_module("diloco.learner.server").preload()
     logger.info("fork server: loaded in %.1f s, waiting for launches", time.monotonic() - started)
     given = forks.serve(answers)
     if given is None:  # stdin closed: the launcher is gone

@@ -155,7 +155,7 @@ def _learner(args: argparse.Namespace) -> int:
 
         enter(args.netns)
 
-    from diloco.learner.server import joined_membership, run_learner, run_slice_follower, static_membership
+    from diloco.learner.server import joined_membership, preload, run_learner, run_slice_follower, static_membership
     from diloco.learner.slice import SliceLink
 
     if args.prometheus:
@@ -190,6 +190,7 @@ def _learner(args: argparse.Namespace) -> int:
             token = Path(args.join_token_file).read_text().strip()
         except OSError as error:
             raise NotFound(f"cannot read join token {args.join_token_file}: {error.strerror}") from None
+        preload()  # a fork server's learner has it already
         member = joined_membership(args.coordinator, token, args.pool, args.launch_id)
     else:
         if not args.shards or not args.learner_id:

@@ -91,6 +91,15 @@ def run_learner(
     return summary
 
 
+def preload() -> None:
+    """Load what a learner's first optimizer loads, torch's compiler front end (dynamo,
+    sympy: 1.3 s of CPU here, over 15 s on a loaded host, mostly holding the GIL): called
+    before joining, so that it is not paid while a lease runs and heartbeats wait on it."""
+    import torch
+
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
 def run_slice_follower(cfg: LearnerConfig, link: SliceLink) -> Summary:
     """A follower host of a slice: signals are the leader's to act on (it decides the step
     the whole slice stops at); this host trains until the leader says stop."""

@@ -53,6 +53,7 @@ CLAIMING = ("random", "grow")
 """The attacks that claim ``CLAIMED_TOKENS_PER_STEP``."""
 TINY_RATIO = 1e-4
 NEGATE_GAIN = 2.9
+LOADED = "attacker loaded"
 
 
 def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, stop: threading.Event,
@@ -72,19 +73,22 @@ def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, 
     run = RunConfig.from_json((run_dir / "run.json").read_text())
     task = supervisor_task(run, 1)
     claimed = CLAIMED_TOKENS_PER_STEP if attack in CLAIMING else tokens_per_step(run, task)
+    # Built before joining, as a learner loads before it joins: a first optimizer loads
+    # torch's compiler front end, seconds of CPU (15 s on a loaded host) that would hold
+    # up the heartbeats while the lease runs.
+    shadow = Shadow(run.task, task) if attack == "negate" else None
     ratio = SyncerConfig().max_delta_ratio
     # fp32 deltas: at 10x a fragment's norm, an int4 block's fp16 scale can overflow.
     learner = diloco.Learner.join(copy.deepcopy(task.model), coordinator=coordinator, tls_dir=str(run_dir / "tls"),
                                   config=LearnerConfig(delta_codec="fp32"),
                                   join_token=(run_dir / "coordinator" / "join-token").read_text().strip())
     g = torch.Generator().manual_seed(10_000 + seed)
-    shadow = Shadow(run.task, task, learner) if attack == "negate" else None
     log.append(f"{learner.learner_id} joined: attack {attack}")
     print(log[-1], flush=True)
     with learner:
         while not (learner.should_stop or stop.is_set() or _honest_done(run_dir, honest)):
             if shadow is not None:
-                shadow.train()
+                shadow.train(learner)
             with torch.no_grad():
                 for fragment_id, anchor in learner.anchors().items():
                     pieces = learner.plan.fragments[fragment_id].pieces
@@ -125,21 +129,22 @@ class Shadow:
     own batches with its own optimizer, moved by the global values as an honest learner's
     model is (each fragment by its anchor's change since last seen)."""
 
-    def __init__(self, spec: str, task, learner) -> None:
+    def __init__(self, spec: str, task) -> None:
         from diloco.learner.config import LearnerConfig
         from diloco.learner.runner import inner_optimizer
 
-        self.spec, self.task, self.model, self.learner = spec, task, task.model, learner
+        self.spec, self.task, self.model = spec, task, task.model
         self.cfg = LearnerConfig()
         self.params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         self.optimizer, self.schedule = inner_optimizer(task, self.cfg)
         self.batches = iter(task.batches)
         self.seen: dict[int, list[torch.Tensor]] = {}
 
-    def train(self) -> None:
+    def train(self, learner) -> None:
+        """One inner step, after moving the model by what ``learner``'s anchors moved."""
         with torch.no_grad():
-            for fragment_id, anchor in self.learner.anchors().items():
-                pieces = self.learner.plan.fragments[fragment_id].pieces
+            for fragment_id, anchor in learner.anchors().items():
+                pieces = learner.plan.fragments[fragment_id].pieces
                 before = self.seen.get(fragment_id)
                 for piece, a, b in zip(pieces, anchor, before or anchor):
                     target = piece.view(self.params[piece.tensor])
@@ -185,11 +190,12 @@ def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s
     hostile = out / f"{attack}-seed{seed}.attacker.log"
     started = time.monotonic()
     with open(out / f"{attack}-seed{seed}.log", "w") as output, open(hostile, "w") as attacker_output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         intruders = [subprocess.Popen([sys.executable, "-m", "diloco.lab.bench.hostile", "attacker", str(run_dir), attack,
                                        str(seed * 100 + k), str(step_s), str(learners)],
                                       stdout=attacker_output, stderr=subprocess.STDOUT)
                      for k in range(attackers if attack != "none" else 0)]
+        _wait_until_loaded(hostile, intruders)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         code = process.wait()
         for intruder in intruders:
             intruder.terminate()
@@ -210,6 +216,15 @@ def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s
             "attacker_pushes_merged": len(theirs), "honest_pushes_merged": len(ours),
             "honest_pushes_cut": sum(1 for f in ours if f < 1),
             "honest_cut_factor_median": statistics.median([f for f in ours if f < 1] or [1.0])}
+
+
+def _wait_until_loaded(log: Path, intruders: list[subprocess.Popen], timeout_s: float = 300.0) -> None:
+    """Until every attacker has loaded what a learner loads (``LOADED`` in its output), so
+    the run starts with attackers ready to join it, however loaded the host."""
+    deadline = time.monotonic() + timeout_s
+    while (log.read_text().count(LOADED) < len(intruders) and time.monotonic() < deadline
+           and all(i.poll() is None for i in intruders)):
+        time.sleep(0.1)
 
 
 def _factors(shard: Path) -> list[tuple[bool, float]]:
@@ -233,8 +248,12 @@ def attacker_process(argv: list[str]) -> int:
     """``attacker RUN_DIR ATTACK SEED STEP_S HONEST``: the attacker, in this process, until
     drained or SIGTERM."""
     run_dir, attack, seed, step_s, honest = Path(argv[0]), argv[1], int(argv[2]), float(argv[3]), int(argv[4])
+    from diloco.learner.server import preload
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    preload()
+    print(LOADED, flush=True)
     attacker(run_dir, attack, seed, step_s, honest, stop, [])
     return 0
 
