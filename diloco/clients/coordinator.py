@@ -75,7 +75,8 @@ def snapshot_dict(info: coordinator_pb2.SnapshotInfo) -> dict:
 
 class LearnerSession:
     """One learner's conversation with the coordinator. Keeps its vector clock (ticked
-    on every send, merged on every reply) and, after Join, its credential."""
+    on every send, merged on every reply: the learner's entry and the coordinator's, all
+    the coordinator's replies carry) and, after Join, its credential."""
 
     def __init__(self, address: str, timeout_s: float = 10.0, channel_options=()) -> None:
         """``channel_options``: more gRPC channel arguments (a benchmark's own connection per session)."""
@@ -147,8 +148,8 @@ class LearnerSession:
                               clock: VectorClock | None = None) -> None:
         """``files``: (path relative to the snapshot directory, size in bytes, hex SHA-256).
         ``clock``: the learner's clock when it recorded (default: this session's, ticked)."""
-        if clock is not None:
-            self.clock = self.clock.merge(clock)
+        if clock is not None:  # its own entry only: heartbeats stay two entries long
+            self.clock = self.clock.merge(VectorClock({self.learner_id: clock[self.learner_id]}))
         request = coordinator_pb2.ReportSnapshotRequest(
             snapshot_id=snapshot_id,
             participant=self.learner_id,

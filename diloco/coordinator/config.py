@@ -109,7 +109,9 @@ class CoordinatorConfig:
     pools: tuple[str, ...] = ("default",)
     """Pools learners may join and be launched into; the first is the default."""
     lease_s: float = 5.0
-    """A learner that has not heartbeated for this long is marked failed."""
+    """A learner that has not heartbeated for this long is marked failed. Learners heartbeat
+    every fifth of it unless told an interval: thousands of learners want a longer one
+    (at 2,048, 45 s: docs/results/heartbeat/)."""
     idle_timeout_s: float = 300.0
     """A learner whose heartbeats report no new trained token or step for this long is
     marked failed, as a dead one (a slow start, an XLA compile, fit in it; 0: never)."""

@@ -158,7 +158,11 @@ class CoordinatorRuntime:
         """How long this coordinator did not run (``diloco.coordinator.core.stall``)."""
         self._new_launch_id = new_launch_id
         self.launcher: Launcher | None = None
-        self.vector_clock = VectorClock()
+        self._clock_entries: dict[str, int] = {}
+        """The coordinator's vector clock, updated in place by every call (``received``)."""
+        self._clock_value: VectorClock | None = VectorClock()
+        """It as a value, built when read (``vector_clock``) and dropped by the next change."""
+        self._shard_ids = frozenset(f"S{m}" for m in range(len(cfg.shards)))
         self.topology_epoch = 1
         self.restored_from: int | None = None
         self.membership = Membership(cfg, run.plan_hash)
@@ -260,19 +264,47 @@ class CoordinatorRuntime:
 
     # --- after every call --------------------------------------------------------------
 
+    @property
+    def vector_clock(self) -> VectorClock:
+        """The coordinator's clock: the markers, the snapshot manifests, the state file and
+        the shards' membership stream carry it whole. Only the run's processes are in it
+        (``known_processes``)."""
+        if self._clock_value is None:
+            known = self.known_processes()
+            self._clock_entries = {k: v for k, v in self._clock_entries.items() if k in known}
+            self._clock_value = VectorClock(self._clock_entries)
+        return self._clock_value
+
+    @vector_clock.setter
+    def vector_clock(self, clock: VectorClock) -> None:
+        self._clock_entries, self._clock_value = dict(clock.entries), clock
+
     def received(self, clock: VectorClock) -> VectorClock:
-        """Merge a caller's clock; returns the clock to send back. Entries of ids this run
-        did not issue, or issued to learners membership no longer holds, are dropped: a
-        caller naming thousands of fresh processes cannot grow the clock that every reply
-        (and every learner's next message) carries."""
-        self.vector_clock = self.vector_clock.receive(auth.COORDINATOR_ID, clock, self.known_processes())
-        return self.vector_clock
+        """Merge a caller's clock and tick the coordinator's entry; returns what a reply to a
+        learner carries, that entry alone. A learner's session with the coordinator
+        (heartbeats, joins) is apart from its pushes, and nothing of the other learners'
+        entries that a reply could carry reaches its pushes: a whole clock each way was
+        O(learners) per heartbeat, O(learners²) per interval, for nothing. Entries of ids
+        this run did not issue, or issued to learners membership no longer holds, are
+        dropped: a caller naming thousands of fresh processes cannot grow the clock."""
+        entries = self._clock_entries
+        for process, count in clock.entries.items():
+            if count > entries.get(process, 0) and self._known(process):
+                entries[process] = count
+        count = entries[auth.COORDINATOR_ID] = entries.get(auth.COORDINATOR_ID, 0) + 1
+        self._clock_value = None
+        if len(entries) > 2 * (len(self.membership.learners) + len(self._shard_ids) + 1):
+            _ = self.vector_clock  # learners membership forgot: their entries go
+        return VectorClock({auth.COORDINATOR_ID: count})
+
+    def _known(self, process: str) -> bool:
+        return process == auth.COORDINATOR_ID or process in self._shard_ids or process in self.membership.learners
 
     def known_processes(self) -> set[str]:
         """The ids a clock of this run may name: the coordinator, each shard ``S<m>`` and
         the learners membership holds (joining, live, draining and the most recent
         ``MAX_GONE_KEPT`` gone)."""
-        return {auth.COORDINATOR_ID, *(f"S{m}" for m in range(len(self.cfg.shards))), *self.membership.learners}
+        return {auth.COORDINATOR_ID, *self._shard_ids, *self.membership.learners}
 
     def check_member(self, caller: str) -> None:
         """A learner's credential stays valid until it expires, but reads the run only

@@ -87,6 +87,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         auth.check_admin(self._admin_token, _metadata(context).get(auth.ADMIN_METADATA))
 
     def _clock(self, msg) -> common_pb2.VectorClock:
+        """Merge a learner's clock; the reply's: the coordinator's own entry (``received``)."""
         return convert.clock_to_proto(self.runtime.received(convert.clock_from_proto(msg)))
 
     # --- learner calls ---------------------------------------------------------------
@@ -142,7 +143,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             watcher = self._member(context, request.watcher or None)
             if len(request.incarnation) > MAX_INCARNATION_CHARS:
                 raise InvalidArgument(f"incarnation has more than {MAX_INCARNATION_CHARS} characters")
-            clock = self._clock(request.clock)
+            self.runtime.received(convert.clock_from_proto(request.clock))
         except DilocoError as error:
             await rpc.abort_with(context, error)
             return
@@ -150,7 +151,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.runtime.watcher_connected(watcher, request.incarnation)
         queue, learners = self.runtime.watch()
         try:
-            yield convert.membership_snapshot(learners, convert.clock_from_proto(clock))
+            yield convert.membership_snapshot(learners, self.runtime.vector_clock)  # a shard's: the whole clock
             while (change := await queue.get()) is not None:
                 yield convert.change_to_proto(change, self.runtime.vector_clock)
         finally:

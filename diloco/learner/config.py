@@ -71,9 +71,11 @@ class LearnerConfig:
     """Deadline of one push RPC (upload + waiting for the round to close)."""
     max_inflight_pushes: int = 16
     """Pushes queued or in flight; beyond it a send is dropped and counted, never waited for."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float | None = None
     """Seconds between two heartbeats to the coordinator (its own small channel, never
-    behind bulk traffic)."""
+    behind bulk traffic). Default: a fifth of the lease the coordinator announces (1 s at
+    its default 5 s), so a run of thousands of learners lengthens its lease
+    (``--lease-s``) and their heartbeats follow. At most half the lease."""
     slice_timeout_s: float = 900.0
     """A host of a multi-host slice waits this long for the others at any step (the leader's
     bootstrap included) before it fails (diloco.learner.slice)."""
@@ -97,6 +99,8 @@ class LearnerConfig:
                 raise InvalidArgument(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
         for name in ("lr", "push_timeout_s", "heartbeat_interval_s", "coordinator_loss_timeout_s", "slice_timeout_s"):
             value = getattr(self, name)
+            if name == "heartbeat_interval_s" and value is None:
+                continue
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgument(f"{name} must be a positive number, got {value}")
         if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):

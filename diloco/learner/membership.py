@@ -17,7 +17,8 @@ from diloco import auth, rpc
 from diloco.clients.coordinator import LearnerSession
 from diloco.clock import VectorClock
 from diloco.config import RunConfig
-from diloco.errors import DilocoError, FailedPrecondition, NotFound, PermissionDenied, Unauthenticated, Unavailable
+from diloco.errors import (DilocoError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated,
+                           Unavailable)
 from diloco.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ class Membership:
     lease_s: float
 
 
+HEARTBEATS_PER_LEASE = 5
+"""A learner heartbeats every lease / 5 unless told an interval: four heartbeats in a row
+may be lost, or wait on a loaded host, before its lease runs out."""
 HANDSHAKE_FAILURES_TO_GIVE_UP = 3
 """Join attempts in a row that fail as the two ends disagreeing on TLS before joining
 stops retrying: a coordinator that is starting refuses connections, and one that restarts
@@ -114,12 +118,19 @@ class Heartbeats:
     called when the coordinator asks this learner to leave (on every heartbeat while it
     does), ``after_tokens`` being the token count to train to first (0: now)."""
 
-    def __init__(self, address: str, member: Membership, interval_s: float, stats: Callable[[], dict],
+    def __init__(self, address: str, member: Membership, interval_s: float | None, stats: Callable[[], dict],
                  on_drain: Callable[[str, int], None], on_snapshot: Callable[[int, str], None] = lambda *_: None,
                  loss_timeout_s: float = 300.0) -> None:
-        """``loss_timeout_s``: after this long with every heartbeat failing (the coordinator
+        """``interval_s``: None for the lease's (``HEARTBEATS_PER_LEASE``, following the
+        lease each reply announces); one longer than half the lease is refused.
+        ``loss_timeout_s``: after this long with every heartbeat failing (the coordinator
         unreachable), ``on_drain`` is called: the learner leaves."""
-        self.address, self.member, self.interval_s = address, member, interval_s
+        if interval_s is not None and interval_s > member.lease_s / 2:
+            raise InvalidArgument(f"--heartbeat-s {interval_s:g} is longer than half the coordinator's lease "
+                                  f"({member.lease_s:g} s): its lease would run out between heartbeats; leave it "
+                                  f"unset for a fifth of the lease")
+        self.address, self.member, self._given_interval_s = address, member, interval_s
+        self.interval_s = interval_s or member.lease_s / HEARTBEATS_PER_LEASE
         self.loss_timeout_s = loss_timeout_s
         self.stats, self.on_drain, self.on_snapshot = stats, on_drain, on_snapshot
         self.reports: queue.SimpleQueue[tuple[int, VectorClock, list[tuple[str, int, str]]]] = queue.SimpleQueue()
@@ -145,6 +156,9 @@ class Heartbeats:
                 try:
                     reply = await session.heartbeat(**self.stats())
                     self.member.credential.renew(reply.credential)  # every channel uses it from now on
+                    if self._given_interval_s is None and reply.lease_s > 0:  # a restarted coordinator's may differ
+                        self.interval_s = reply.lease_s / HEARTBEATS_PER_LEASE
+                        session.timeout_s = max(self.interval_s, 1.0)
                     for directive in reply.directives:
                         kind = directive.WhichOneof("kind")
                         if kind == "drain":

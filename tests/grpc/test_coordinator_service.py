@@ -9,6 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.clients.coordinator import LearnerSession
+from diloco.clock import VectorClock
+from diloco.learner.membership import Heartbeats, Membership
 from diloco import auth
 from diloco.config import RunConfig
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
@@ -251,6 +253,64 @@ def test_a_drain_after_tokens_rides_every_heartbeat_until_the_learner_leaves(tmp
             assert server.runtime.membership.learner("L0").state == "draining"
             await a.leave("drained", tokens=5000)
             assert server.runtime.membership.learner("L0").drain_after_tokens == 0  # a departure ends the drain
+
+    run(scenario())
+
+
+def test_a_heartbeat_carries_two_clock_entries_each_way_however_many_learners_the_run_has(tmp_path, monkeypatch):
+    """A learner's session clock is its own entry and the coordinator's: every reply carries
+    the coordinator's entry alone, so a heartbeat costs the same at 3 learners as at 2,048
+    (docs/results/heartbeat/). The coordinator's clock still merges each learner's entry
+    (markers and snapshot manifests carry it whole), never a process the run did not issue,
+    and drops learners membership forgot."""
+    from diloco.coordinator.core import membership
+
+    monkeypatch.setattr(membership, "MAX_GONE_KEPT", 0)  # a learner that leaves is forgotten at once
+
+    async def scenario():
+        async with running_coordinator(tmp_path) as server:
+            sessions = [await joined(server.address) for _ in range(3)]
+            for _ in range(3):
+                for session in sessions:
+                    reply = await session.heartbeat()
+                    assert set(reply.clock.entries) == {"C"}
+                    assert set(session.clock.entries) == {session.learner_id, "C"}
+            hostile = sessions[0]
+            hostile.clock = hostile.clock.merge(VectorClock({"L999": 7, "S5": 3}))
+            await hostile.heartbeat()
+            clock = server.runtime.vector_clock
+            assert set(clock.entries) == {"C", "L0", "L1", "L2"}
+            assert [clock[s.learner_id] for s in sessions] == [s.clock[s.learner_id] for s in sessions]
+            assert clock["C"] == sessions[-1].clock["C"] + 1  # every call ticked it: the last reply's, then L0's beat
+            for _ in range(20):  # learners come and go: the clock keeps the members' entries
+                churn = await joined(server.address)
+                await churn.heartbeat()
+                await churn.leave("done")
+            assert set(server.runtime.vector_clock.entries) == {"C", "L0", "L1", "L2"}
+            assert len(server.runtime._clock_entries) <= 2 * (3 + 1 + 1)
+
+    run(scenario())
+
+
+def test_heartbeats_come_every_fifth_of_the_lease_the_coordinator_announces(tmp_path):
+    """Unless told an interval, a learner heartbeats every fifth of the lease, as the
+    coordinator's replies announce it (a coordinator restarted with another lease is
+    followed); an interval longer than half the lease is refused before any beat."""
+    async def scenario():
+        async with running_coordinator(tmp_path, lease_s=1.0) as server:
+            session = await joined(server.address)
+            member = Membership(session.learner_id, auth.Credential(session.learner_id, session.credential), TINY, {}, 5.0)
+            with pytest.raises(InvalidArgument, match=r"--heartbeat-s 3 is longer than half the coordinator's lease"):
+                Heartbeats(server.address, member, 3.0, stats=dict, on_drain=lambda *_: None)
+            beats = Heartbeats(server.address, member, None, stats=dict, on_drain=lambda *_: None)
+            assert beats.interval_s == 1.0  # what Join said: 5 s
+            beats.start()
+            try:
+                await wait_for(lambda: beats.interval_s == 0.2, "the interval to follow the announced 1 s lease")
+                await asyncio.sleep(2.5)  # 2.5 leases
+                assert server.runtime.membership.learner(session.learner_id).state == "active"
+            finally:
+                await asyncio.to_thread(beats.stop_and_leave, "done")
 
     run(scenario())
 

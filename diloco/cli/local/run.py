@@ -56,18 +56,20 @@ from diloco.cli.local.supervisor import Cluster, shard_status, take_snapshot
 from diloco.cli.metrics import (curve_marks, curve_path, eval_task, learner_events, run_tokens, supervisor_task,
                                 tape_stats, tokens_per_step)
 from diloco.coordinator import sites
+from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.launcher import LINK_OVERRIDE
 from diloco.coordinator.pin import pin_of
 from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition, Unavailable
 from diloco.files import missing_dirs
-from diloco.learner.config import LearnerConfig
+from diloco.learner.membership import HEARTBEATS_PER_LEASE
 from diloco.manifest import manifest_of
 from diloco.telemetry import require_prometheus
 
 logger = logging.getLogger(__name__)
 
-DRAIN_LEAD_S = 5 * LearnerConfig.heartbeat_interval_s
-"""How long before the budget is reached (at the current token rate) the drain is sent:
+DRAIN_LEAD_S = 5 * CoordinatorConfig.lease_s / HEARTBEATS_PER_LEASE
+"""How long before the budget is reached (at the current token rate) the drain is sent,
+five of its learners' heartbeat intervals (a fifth of the coordinator's lease each):
 the counts it sees are up to an interval old, the directive rides the next heartbeat, and
 a learner speeds up when others stop on a shared host, so five intervals leave each
 learner some of its allotment still to train (at three, 2 of 6 chaos runs here had a

@@ -8,7 +8,7 @@ model of ``params`` parameters in ``shards`` fragments (one per shard, one tenso
 a coroutine doing what a learner does on the wire:
 
 - Join with a join credential for all of them (its own connections: no subchannel sharing between
-  learners), RegisterModel, heartbeat every second, Leave at the end.
+  learners), RegisterModel, heartbeat every fifth of the lease (1 s), Leave at the end.
 - Bootstrap each fragment against the initial values it holds (``have``: the shard answers
   with no values while they are still the initial ones).
 - Push each fragment every ``sync_every x step_s`` seconds (the cadence of H inner steps
@@ -35,7 +35,7 @@ measured window of ``seconds``. Per configuration (one JSON object each):
   ``rss_bytes_per_param`` = that / the model's parameters; ``rss_now_bytes`` their RSS
   at the window's end (what they hold, without the peaks of pushes arriving together).
 - ``coordinator_cpu_s_per_s``: the coordinator's CPU share over the window (every
-  learner heartbeats once a second, as learners do).
+  learner heartbeats every fifth of the coordinator's lease, 1 s, as learners do).
 - ``errors``: every failed call of any learner (join, heartbeat, bootstrap, push, leave),
   by kind and status; ``late``: pushes started after their due time; ``full_replies``.
 """
@@ -282,16 +282,19 @@ class _Learner:
 
     async def _heartbeats(self) -> None:
         from diloco.errors import DilocoError
+        from diloco.learner.membership import HEARTBEATS_PER_LEASE
 
+        interval_s = 1.0
         while not self.stop.is_set():
             try:
                 reply = await self.session.heartbeat(tokens=self.steps * TOKENS_PER_STEP, inner_steps=self.steps,
                                                      tokens_per_s=TOKENS_PER_STEP / self.cfg.step_time_s)
                 self.credential.renew(reply.credential)
+                interval_s = reply.lease_s / HEARTBEATS_PER_LEASE  # as a learner's
             except DilocoError as error:
                 self._error("heartbeat", error)
             try:
-                await asyncio.wait_for(self.stop.wait(), 1.0)
+                await asyncio.wait_for(self.stop.wait(), interval_s)
             except asyncio.TimeoutError:
                 pass
 

@@ -11,7 +11,10 @@ round per push).
   fragment's values, optimizer state and update buffers; per learner its int8 mirror and
   what its pushes in flight hold, and its connection's buffers).
 - The coordinator: ``heartbeat_s + heartbeat_s_per_learner x N`` CPU-seconds per
-  heartbeat, one per learner per second.
+  heartbeat, one per learner per second (a fifth of the default lease). The stored fit
+  predates heartbeats of two clock entries (docs/results/heartbeat/): its per-learner
+  term, the clock's, is gone since, and the figure it gives is high by about 2x at 256
+  learners until the sweeps are run again.
 - Wire: ``wire_per_param`` bytes per parameter per push, the same again for its reply (int4
   blocks with their scales, framed).
 
@@ -43,7 +46,7 @@ class Costs:
     heartbeat_s: float
     heartbeat_s_per_learner: float
     """The coordinator's CPU seconds per heartbeat, ``heartbeat_s + heartbeat_s_per_learner x
-    N`` with N learners (each heartbeat carries a vector clock of every learner)."""
+    N`` with N learners (the stored sweeps' heartbeats carried a vector clock of every learner)."""
 
 
 def fit_rows(rows: Iterable[Mapping]) -> list[Mapping]:
