@@ -53,7 +53,6 @@ CLAIMING = ("random", "grow")
 """The attacks that claim ``CLAIMED_TOKENS_PER_STEP``."""
 TINY_RATIO = 1e-4
 NEGATE_GAIN = 2.9
-LOADED = "attacker loaded"
 
 
 def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, stop: threading.Event,
@@ -190,12 +189,11 @@ def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s
     hostile = out / f"{attack}-seed{seed}.attacker.log"
     started = time.monotonic()
     with open(out / f"{attack}-seed{seed}.log", "w") as output, open(hostile, "w") as attacker_output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         intruders = [subprocess.Popen([sys.executable, "-m", "diloco.lab.bench.hostile", "attacker", str(run_dir), attack,
                                        str(seed * 100 + k), str(step_s), str(learners)],
                                       stdout=attacker_output, stderr=subprocess.STDOUT)
                      for k in range(attackers if attack != "none" else 0)]
-        _wait_until_loaded(hostile, intruders)
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         code = process.wait()
         for intruder in intruders:
             intruder.terminate()
@@ -216,15 +214,6 @@ def one_run(out: Path, seed: int, attack: str, learners: int, steps: int, step_s
             "attacker_pushes_merged": len(theirs), "honest_pushes_merged": len(ours),
             "honest_pushes_cut": sum(1 for f in ours if f < 1),
             "honest_cut_factor_median": statistics.median([f for f in ours if f < 1] or [1.0])}
-
-
-def _wait_until_loaded(log: Path, intruders: list[subprocess.Popen], timeout_s: float = 300.0) -> None:
-    """Until every attacker has loaded what a learner loads (``LOADED`` in its output), so
-    the run starts with attackers ready to join it, however loaded the host."""
-    deadline = time.monotonic() + timeout_s
-    while (log.read_text().count(LOADED) < len(intruders) and time.monotonic() < deadline
-           and all(i.poll() is None for i in intruders)):
-        time.sleep(0.1)
 
 
 def _factors(shard: Path) -> list[tuple[bool, float]]:
@@ -252,8 +241,7 @@ def attacker_process(argv: list[str]) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    preload()
-    print(LOADED, flush=True)
+    preload()  # before joining, as a learner does: no lease runs while it loads
     attacker(run_dir, attack, seed, step_s, honest, stop, [])
     return 0
 
