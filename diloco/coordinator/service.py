@@ -87,7 +87,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         auth.check_admin(self._admin_token, _metadata(context).get(auth.ADMIN_METADATA))
 
     def _clock(self, msg) -> common_pb2.VectorClock:
-        """Merge a learner's clock; the reply's: the coordinator's own entry (``received``)."""
+        """Merge a learner's clock; returns the reply's, the coordinator's entry alone (``received``)."""
         return convert.clock_to_proto(self.runtime.received(convert.clock_from_proto(msg)))
 
     # --- learner calls ---------------------------------------------------------------

@@ -72,9 +72,8 @@ def attacker(run_dir: Path, attack: str, seed: int, step_s: float, honest: int, 
     run = RunConfig.from_json((run_dir / "run.json").read_text())
     task = supervisor_task(run, 1)
     claimed = CLAIMED_TOKENS_PER_STEP if attack in CLAIMING else tokens_per_step(run, task)
-    # Built before joining, as a learner loads before it joins: a first optimizer loads
-    # torch's compiler front end, seconds of CPU (15 s on a loaded host) that would hold
-    # up the heartbeats while the lease runs.
+    # Everything set up before joining (``attacker_process`` preloaded torch's compiler
+    # front end already): nothing slow runs while the lease does.
     shadow = Shadow(run.task, task) if attack == "negate" else None
     ratio = SyncerConfig().max_delta_ratio
     # fp32 deltas: at 10x a fragment's norm, an int4 block's fp16 scale can overflow.
