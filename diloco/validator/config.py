@@ -12,9 +12,13 @@ from diloco.errors import InvalidArgument
 class ValidatorConfig:
     shards: tuple[str, ...] = ()
     """The run's shards (HOST:PORT, in shard order)."""
-    interval_s: float = 1.0
+    interval_s: float = 0.25
     """Seconds between two scoring passes: each reads the global model and the pushes kept
-    since, and scores the new ones."""
+    since, and scores the new ones against the outer gradient it trained last pass. A pass
+    that takes longer starts the next at once. The direction a push is judged by is about
+    one pass older than the push: at 1 s on the CI's tiny model (about 12 rounds a second
+    per fragment), honest pushes scored a median cosine of 0.06 and one in ten of them 0 or
+    below; at 0.25 s, 0.08-0.22 and one in 20 to 40 (docs/results/trust/judge-order/)."""
     steps: int = 8
     """Inner steps the validator trains each pass, from the current global values, on the
     task's batches at a seed no learner uses: its trusted outer gradient (about a

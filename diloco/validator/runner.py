@@ -1,9 +1,10 @@
-"""The validator's process: every ``interval_s`` it reads the global model from the shards,
-trains ``steps`` inner steps of its own from it (its trusted outer gradient), takes the
-pushes the shards kept since its last pass (``Samples``), scores each new one by its
-agreement with that gradient (``diloco.validator.core``) and sends the shards what each
-learner's pushes of each fragment count for from then on (``Score``; the shards record it
-on their tapes, so replay stays exact).
+"""The validator's process: every ``interval_s`` it reads the global model from the shards
+and the pushes they kept since its last pass (``Samples``), scores each new push by its
+agreement with the outer gradient it trained last pass, from values read before that push
+arrived (``diloco.validator.core``), sends the shards what each learner's pushes of each
+fragment count for from then on (``Score``; the shards record it on their tapes, so replay
+stays exact), and trains ``steps`` inner steps of its own from the values just read: the
+trusted outer gradient of the next pass.
 
 It needs the run's task (the model, its loss and its data) and the run secret (it signs
 itself as ``V``, like the shards): an operator's process, never a learner's."""
@@ -64,10 +65,10 @@ class Validator:
         self.tensors = synced_tensors(self.model, manifest)
         self.global_values: dict[int, list[torch.Tensor]] = {}
         self.direction: dict[int, list[torch.Tensor]] = {}
-        """Each fragment's trusted outer gradient this pass: global - trained."""
+        """Each fragment's trusted outer gradient from the values read last: global - trained."""
         self.credential = auth.Credential(auth.VALIDATOR_ID, secret=secret)
-        self.scored: dict[tuple[str, int], int] = {}
-        """(learner, fragment) -> the seq of its push scored last."""
+        self.seen: dict[tuple[str, int], int] = {}
+        """(learner, fragment) -> the seq of its latest push read, judged or not."""
         self.judged = 0
 
     def _views(self, fragment_id: int) -> list[torch.Tensor]:
@@ -103,7 +104,7 @@ class Validator:
         return total / self.cfg.steps
 
     def judge(self, sample: DecodedSample) -> Judgement:
-        """Score one push against this pass's trusted outer gradient."""
+        """Score one push against the trusted outer gradient trained last (``train``)."""
         pieces = self.plan.fragments[sample.fragment].pieces
         dot = norm_v = norm_d = 0.0
         for piece, v, d in zip(pieces, self.direction[sample.fragment], sample.tensors):
@@ -118,24 +119,32 @@ class Validator:
         return Judgement(sample.learner_id, sample.fragment, sample.seq, score, trust(score, self.cfg.agreement))
 
     async def one_pass(self, clients: list[SyncerClient]) -> list[list[Judgement]]:
-        """Read the model, train, score the new samples; returns each shard's judgements."""
+        """Read each shard's model, then the pushes it kept; score the new ones against the
+        direction trained last pass; then train this pass's from the values just read.
+        Returns each shard's judgements.
+
+        A push is judged against a direction trained from global values that do not hold
+        it: a push new since the last pass's read of the samples arrived after the last
+        pass's read of the values. Judged from values that already hold it, a push that
+        overshoots looks like descent: early in a run the loss falls on both sides of a
+        ridge, and a negated outer gradient x2.9, once merged, is past it
+        (docs/results/trust/README.md: its cosine -0.95 judged before its merge, +0.80
+        after). A push that arrived before the validator had a direction for its fragment
+        (its first pass, or after its own steps diverged) is not judged."""
+        per_shard = []
         for client in clients:
             for update in await client.bootstrap():
                 self.global_values[update.fragment] = update.apply_to([])
-        loss = await asyncio.to_thread(self.train)
-        per_shard = []
-        for client in clients:
-            fresh = [s for s in await client.samples()
-                     if self.scored.get((s.learner_id, s.fragment)) != s.seq and s.fragment in self.direction]
-            judged = [self.judge(s) for s in fresh]
-            for j in judged:
-                self.scored[(j.learner_id, j.fragment)] = j.seq
+            fresh = [s for s in await client.samples() if self.seen.get((s.learner_id, s.fragment)) != s.seq]
+            for s in fresh:
+                self.seen[(s.learner_id, s.fragment)] = s.seq
+            judged = [self.judge(s) for s in fresh if s.fragment in self.direction]
             if judged:
-                await client.score([(j.learner_id, j.fragment, j.seq, j.score, j.trust)
-                                    for j in judged])
+                await client.score([(j.learner_id, j.fragment, j.seq, j.score, j.trust) for j in judged])
             per_shard.append(judged)
         judged = [j for shard in per_shard for j in shard]
         self.judged += len(judged)
+        loss = await asyncio.to_thread(self.train)
         doubted = [j for j in judged if j.trust < 1]
         if doubted:
             logger.info("loss %.4f; doubted: %s", loss, ", ".join(

@@ -9,7 +9,6 @@ outer gradient against 2 honest ones for 1500 steps are scored out by the valida
 bit from the tapes (clips, gates and trust are recorded)."""
 
 import json
-import statistics
 import subprocess
 import sys
 
@@ -74,15 +73,29 @@ def test_the_validator_scores_three_sybils_out(runs):
     honest, attacked = runs["sybil-none"], runs["sybil-negate"]
     assert honest["exit"] == 0 and attacked["exit"] == 0
     assert len([line for line in attacked["attacker"] if "joined: attack negate" in line]) == 3
-    records = [r for tape in sorted(attacked["dir"].glob("shard*/tape-*.jsonl")) for r in read_tape(tape)]
-    attackers = {r["learner"] for r in records if r["kind"] == "trust"} - {
+    tapes = [list(read_tape(tape)) for tape in sorted(attacked["dir"].glob("shard*/tape-*.jsonl"))]
+    attackers = {r["learner"] for tape in tapes for r in tape if r["kind"] == "trust"} - {
         p.name.removesuffix(".json") for p in (attacked["dir"] / "learners").glob("*.json")}
     assert len(attackers) == 3
-    judged = [r["trust"] for r in records if r["kind"] == "trust" and r["learner"] in attackers]
-    # Scored out: most of their pushes count for nothing, none for much on average (a short
-    # run's 10 or so judgements: one CI run had 6 at 0 and 6 between 0.01 and 0.46, median
-    # 0.006; attackers trusted as honest ones are score 1: docs/results/ci/sybil-trust-8f03c26.txt).
-    assert statistics.median(judged) < 0.05 and statistics.mean(judged) < 0.25, judged
+    # On probation from the run's first push: every push of theirs merged before the validator
+    # had judged one of their pushes of that fragment counted for nothing (run with the
+    # attackers first, trusted until the first judgement, they once ruined it: 6.1 bits/byte,
+    # docs/results/trust/judge-order/).
+    unjudged = []
+    for tape in tapes:
+        judged = set()
+        for r in tape:
+            if r["kind"] == "trust":
+                judged.add((r["learner"], r["fragment"]))
+            elif r["kind"] == "round":
+                trust = r.get("trust") or [1.0] * len(r["participants"])
+                unjudged += [t for learner, t in zip(r["participants"], trust)
+                             if learner in attackers and (learner, r["fragment"]) not in judged]
+    assert unjudged and set(unjudged) == {0.0}, unjudged
+    # Their pushes merged at a median factor of nothing (norm clip x direction gate x trust):
+    # probation first, then the validator's judgement of their pushes (a short run's few
+    # judgements, of pushes from a cold optimizer, some near a cosine of 0:
+    # docs/results/trust/judge-order/).
     assert attacked["attacker_factor_median"] < 0.1
     # At 600 steps of the default model the attacked runs end at -1.3 % (docs/results/trust/);
     # this short run on a loaded CI machine is noisier (4.01 against 3.21 once). With the

@@ -120,9 +120,10 @@ def test_a_trust_outside_zero_to_one_is_refused_and_changes_nothing(tmp_path, tr
 
 
 
-def test_once_the_validator_judges_a_learner_it_has_not_judged_is_on_probation(tmp_path):
-    """Before the validator's first judgement every push counts (the run's first seconds);
-    after it, a learner's pushes of a fragment count once one of them has been judged."""
+def test_with_a_validator_a_learner_it_has_not_judged_is_on_probation(tmp_path):
+    """From the run's first push, a learner's pushes of a fragment count once one of them
+    has been judged (without a validator every push counts: ``test_a_shard_without_a_
+    validator_keeps_no_samples_and_takes_no_scores``)."""
     async def scenario():
         async with running_shard(tmp_path, validator=True) as (server, address):
             state = server.runtime.core.fragments[0]
@@ -130,10 +131,14 @@ def test_once_the_validator_judges_a_learner_it_has_not_judged_is_on_probation(t
             before = [p.copy() for p in state.params]
             async with client_for(address, "L2") as client:
                 await l2.push(client)
-            counted = _moved(before, state.params)
-            assert counted > 0  # no judgement yet: it counts
+            assert _moved(before, state.params) == 0.0  # the run's first push, not judged yet: nothing
             async with client_for(address, auth.VALIDATOR_ID) as validator:
                 await validator.score([("L2", 0, 1, 0.4, 1.0)])
+            before = [p.copy() for p in state.params]
+            async with client_for(address, "L2") as client:
+                await l2.push(client)
+            counted = _moved(before, state.params)
+            assert counted > 0  # judged: it counts
             before = [p.copy() for p in state.params]
             async with client_for(address, "L0") as client:
                 await l0.push(client)

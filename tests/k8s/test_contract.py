@@ -809,21 +809,23 @@ def test_the_validator_runs_from_its_rendered_args_and_scores_pushes_on_real_sha
                     path.write_text(files[arg])
                     arg = str(path)
                 command.append(arg)
-            for fragment, (server, address) in enumerate([(s0, a0), (s1, a1)]):
-                learner = FakeLearner.of(server, "L0", fragment=fragment)
-                async with client_for(address, "L0") as client:
-                    await learner.push(client)
+            learners = [FakeLearner.of(server, "L0", fragment=f) for f, server in enumerate((s0, s1))]
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "diloco", *command, stderr=asyncio.subprocess.PIPE,
                 env={**os.environ, **env, "HOME": str(tmp_path)})
             try:
-                for server, name in ((s0, "s0"), (s1, "s1")):
+                for server, address, learner, name in ((s0, a0, learners[0], "s0"), (s1, a1, learners[1], "s1")):
                     def scored():
                         return any(state.trust for state in server.runtime.core.fragments.values())
 
-                    for _ in range(600):
+                    # A push every second: the validator judges those that arrive after its first
+                    # pass (it judges by the direction it trained from values read before them).
+                    for tick in range(600):
                         if scored():
                             break
+                        if tick % 10 == 0:
+                            async with client_for(address, "L0") as client:
+                                await learner.push(client)
                         await asyncio.sleep(0.1)
                     assert scored(), f"shard {name} got no score"
             finally:
@@ -836,4 +838,4 @@ def test_the_validator_runs_from_its_rendered_args_and_scores_pushes_on_real_sha
     assert "validator: 2 shards, 1 steps a pass, agreement 0.05, every 0.2 s" in log, log[-3000:]
     for shard in ("s0", "s1"):
         judged = [r for r in read_tape(tmp_path / shard / f"tape-S{shard[1]}.jsonl") if r["kind"] == "trust"]
-        assert [r["learner"] for r in judged] == ["L0"], shard
+        assert judged and {r["learner"] for r in judged} == {"L0"}, shard

@@ -31,14 +31,14 @@ from tests.checks import assert_same_tensors
 PARAMS = [("tok_embed.weight", (16, 8)), ("block.w", (24, 8)), ("block.b", (24,))]
 
 
-def make_shard(quorum=1, grace_mode="off", chain=4, num_fragments=2, **merge):
+def make_shard(quorum=1, grace_mode="off", chain=4, num_fragments=2, validator=False, **merge):
     plan = plan_fragments(PARAMS, num_fragments)
     g = torch.Generator().manual_seed(0)
     model = {n: torch.randn(s, generator=g) for n, s in PARAMS}
     initial = {f.id: [t.clone() for t in plan.gather(f.id, model)] for f in plan.fragments}
     cfg = SyncerConfig(
         rounds=RoundConfig(quorum=quorum, grace_mode=grace_mode),
-        merge=MergeConfig(update_chain_length=chain, **merge),
+        merge=MergeConfig(update_chain_length=chain, **merge), validator=validator,
     )
     shard = ShardCore(cfg, plan, initial)
     shard.set_membership({"L0", "L1", "L2"}, set())  # pushes come only from live members

@@ -318,23 +318,23 @@ def test_a_snapshot_carries_the_influence_bounds_and_a_restored_shard_continues_
 
 
 def test_a_snapshot_carries_the_validators_judgements():
-    """What the validator said of each learner, and that it has judged: a restored shard
-    keeps distrusting a learner it distrusted and keeps the unjudged on probation."""
-    shard, initial = make_shard()
+    """What the validator said of each learner: a restored shard keeps distrusting a
+    learner it distrusted, and keeps the unjudged on probation."""
+    shard, initial = make_shard(validator=True)
     shard.set_trust("L1", 0, 0.0)
     shard.set_trust("L0", 0, 0.75)
     saved = capture(shard, snapshot_id=1, now=100.0)
-    fresh, _ = make_shard()
-    assert not fresh.validating
+    fresh, _ = make_shard(validator=True)
     restore(fresh, saved, now=5000.0)
     state = fresh.fragments[0]
-    assert fresh.validating and state.trust == {"L1": 0.0, "L0": 0.75}
-    assert fresh.trust_of(state, "L1") == 0.0 and fresh.trust_of(state, "L2") == 0.0  # L2: never judged
-    # A snapshot from before judgements were kept: everyone trusted until the validator's next pass.
-    del saved["validating"], saved["fragments"][0]["trust"]
-    older, _ = make_shard()
+    assert state.trust == {"L1": 0.0, "L0": 0.75}
+    assert fresh.trust_of(state, "L0") == 0.75 and fresh.trust_of(state, "L1") == 0.0
+    assert fresh.trust_of(state, "L2") == 0.0  # never judged
+    # A snapshot from before judgements were kept: everyone on probation until judged again.
+    del saved["fragments"][0]["trust"]
+    older, _ = make_shard(validator=True)
     restore(older, saved, now=5000.0)
-    assert older.trust_of(older.fragments[0], "L1") == 1.0
+    assert older.trust_of(older.fragments[0], "L0") == 0.0
 
 
 def dataclasses_replace(push, **changes):

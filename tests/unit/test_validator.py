@@ -73,3 +73,55 @@ def test_when_its_own_steps_diverge_the_validator_judges_no_one():
                                for f in validator.plan.fragments}
     validator.train()
     assert validator.direction == {}  # one_pass scores only fragments with a direction
+
+
+class _Shard:
+    """A shard as the validator's pass sees it: its values, then the pushes it kept."""
+
+    @dataclasses.dataclass
+    class _Values:
+        fragment: int
+        values: list
+
+        def apply_to(self, held):
+            return [v.clone() for v in self.values]
+
+    def __init__(self, values, samples):
+        self.values, self.kept, self.scores = values, samples, []
+
+    async def bootstrap(self):
+        return [self._Values(f, v) for f, v in self.values.items()]
+
+    async def samples(self):
+        return self.kept
+
+    async def score(self, scores):
+        self.scores.append(list(scores))
+        return len(scores)
+
+
+def test_a_push_is_judged_against_the_direction_from_values_read_before_it_arrived():
+    import asyncio
+
+    cfg = ValidatorConfig(shards=("127.0.0.1:1",), steps=4)
+    validator = Validator(RUN, cfg, "s" * 64)
+    start = {f.id: [v.detach().clone().reshape(-1) for v in validator._views(f.id)] for f in validator.plan.fragments}
+    shard = _Shard(start, [])
+    assert asyncio.run(validator.one_pass([shard])) == [[]] and shard.scores == []  # its first pass: a direction
+    # A push arrives and is merged; the next pass reads values that hold it, then the push.
+    g = torch.Generator().manual_seed(3)
+    push = [torch.randn(v.shape, generator=g) for v in start[0]]
+    sample = DecodedSample("L1", 0, 7, 0, 1, [t.reshape(p.shape) for t, p in zip(push, validator.plan.fragments[0].pieces)])
+    shard.values = {f: [v - t for v, t in zip(vs, push)] if f == 0 else vs for f, vs in start.items()}
+    shard.kept = [sample]
+    (judged,), = asyncio.run(validator.one_pass([shard]))
+    # The same validator's direction from the values before the push, and from after it.
+    before = Validator(RUN, cfg, "s" * 64)
+    before.global_values = start
+    before.train()
+    assert judged == before.judge(sample) and shard.scores == [[("L1", 0, 7, judged.score, judged.trust)]]
+    before.global_values = shard.values
+    before.train()
+    assert before.judge(sample).score != judged.score
+    # Read again, it is not judged again.
+    assert asyncio.run(validator.one_pass([shard])) == [[]] and len(shard.scores) == 1

@@ -48,8 +48,8 @@ SAMPLES_KEPT = 16
 """With a validator, each fragment keeps the latest push of this many learners (the most
 recent pushers): what the validator scores."""
 PROBATION_TRUST = 0.0
-"""What a learner's pushes of a fragment count for before the validator judged one of
-them, once it has judged anyone (``ShardCore.trust_of``)."""
+"""What a learner's pushes of a fragment count for, in a run with a validator, before the
+validator judged one of them (``ShardCore.trust_of``)."""
 NEGLIGIBLE_RATIO = 1e-2
 """A learner whose latest push to a fragment, as merged (clipped and gated), is under this x
 the largest push of a round (as clipped) is not among the live learners that round's step is
@@ -413,8 +413,6 @@ class ShardCore:
         self.draining: set[str] = set()
         """Learners the coordinator is draining: they may still push (their last progress
         is merged), but no round waits for them."""
-        self.validating = False
-        """A validator has judged a push here: learners it has not judged yet are on probation."""
         self.left: dict[str, None] = {}
         """The newest ``MAX_LEFT_KEPT`` learners that left, oldest first."""
         self.fragments: dict[int, FragmentState] = {}
@@ -933,7 +931,6 @@ class ShardCore:
         state = self.fragments.get(fragment_id)
         if state is None:
             return False
-        self.validating = True
         state.trust[learner_id] = trust
         if trust < 1.0:
             state.influence.forget(learner_id)
@@ -941,13 +938,14 @@ class ShardCore:
 
     def trust_of(self, state: FragmentState, learner_id: str) -> float:
         """What a learner's pushes of a fragment count for: the validator's latest judgement;
-        before its first judgement of the learner, 1 until the validator has judged anyone
-        (the run's first seconds: nothing to go on) and ``PROBATION_TRUST`` after (a learner
-        that joins a validated run counts once a push of its own has been judged)."""
+        before its first judgement of the learner, ``PROBATION_TRUST`` in a run with a
+        validator (from the run's first push: a holder of several learners that pushes
+        before the validator has judged anyone would otherwise move the model in full,
+        docs/results/trust/README.md) and 1 without one."""
         judged = state.trust.get(learner_id)
         if judged is not None:
             return judged
-        return PROBATION_TRUST if self.validating else 1.0
+        return PROBATION_TRUST if self.cfg.validator else 1.0
 
     def learner_draining(self, learner_id: str) -> None:
         self.live.discard(learner_id)

@@ -168,7 +168,6 @@ def capture(core: ShardCore, snapshot_id: int, now: float) -> dict:
         "draining": sorted(core.draining),
         "pushes_received": core.pushes_received,
         "rounds_closed": core.rounds_closed,
-        "validating": core.validating,
         "fragments": fragments,
     }
 
@@ -233,4 +232,3 @@ def restore(core: ShardCore, state: dict, now: float) -> None:
     core.clock = VectorClock(state["clock"])
     core.set_membership(set(state["live"]), set(state["failed"]), set(state.get("draining", ())))
     core.pushes_received, core.rounds_closed = state["pushes_received"], state["rounds_closed"]
-    core.validating = bool(state.get("validating", False))
