@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from diloco.auth import COORDINATOR_ID
 from diloco.config import RunConfig
+from diloco.coordinator.sites import ETHERNET_HEADER_BYTES, SEGMENT_HEADER_BYTES
 from diloco.errors import InvalidArgument
 from diloco.tape import read_tape
 from diloco.task import Task, TaskContext, TaskError, build_task, checked_tokens, evaluate
@@ -265,7 +266,33 @@ def link_bytes(sites_file: Path, summaries: dict[str, dict], learner_of: dict[st
             "payload_up": totals["payload_up"], "payload_down": totals["payload_down"],
             "overhead_up": overhead(totals["up"], totals["payload_up"]),
             "overhead_down": overhead(totals["down"], totals["payload_down"]),
+            "breakdown_up": link_breakdown(counted, "up"), "breakdown_down": link_breakdown(counted, "down"),
             "not_counted": [s["learner"] or s["launch_id"] for s in sites if s not in counted]}
+
+
+def link_breakdown(sites: list[dict], way: str) -> dict | None:
+    """What the kernel counted on the links one way beyond the learners' payloads, by
+    cause, summed over ``sites`` (records of ``Sites.counters`` with the learner's
+    ``payload_<way>``): ``ethernet`` (14 bytes a frame), ``not_ip`` (frames that carry no
+    IP: ARP), ``segment_headers`` (IPv4 and TCP, ``SEGMENT_HEADER_BYTES`` a segment:
+    the acknowledgements that carry nothing are all header), and ``above_payload``, the
+    TCP payload beyond the learners' own count (TLS records and handshakes, HTTP/2 frames,
+    gRPC message headers and metadata, the calls a learner does not count as payload:
+    joins, heartbeats; segments sent twice). Each in bytes and as a share of the payload
+    (``*_share``); ``resent_segments``: TCP segments the sites sent again (up only; the
+    hub's are counted in its own namespace). None when a site's record predates these
+    counters."""
+    keys = (way, f"frames_{way}", f"ip_{way}", f"segments_{way}", f"payload_{way}")
+    if not sites or any(k not in s for s in sites for k in keys):
+        return None
+    kernel, frames, ip, segments, payload = (sum(s[k] for s in sites) for k in keys)
+    parts = {"ethernet": frames * ETHERNET_HEADER_BYTES, "not_ip": kernel - frames * ETHERNET_HEADER_BYTES - ip,
+             "segment_headers": segments * SEGMENT_HEADER_BYTES,
+             "above_payload": ip - segments * SEGMENT_HEADER_BYTES - payload}
+    shares = {f"{k}_share": round(v / payload, 4) if payload else None for k, v in parts.items()}
+    resent = {"resent_segments": sum(s["resent_up"] for s in sites)} if way == "up" and all(
+        "resent_up" in s for s in sites) else {}
+    return {"kernel": kernel, "payload": payload, "frames": frames, "segments": segments, **parts, **shares, **resent}
 
 
 def link_load(links: dict | None, tokens: int) -> dict:

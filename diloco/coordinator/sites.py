@@ -53,6 +53,25 @@ MIN_MBIT = 0.01
 _CLONE_NEWNET = 0x40000000
 
 
+ETHERNET_HEADER_BYTES = 14
+SEGMENT_HEADER_BYTES = 20 + 32
+"""Per TCP segment on a site's link: an IPv4 header without options and a TCP header with
+the timestamps option (Linux's default; a SYN's and a SACK's options are longer, and are
+counted as the segment's payload)."""
+
+
+def proc_net_counters(text: str) -> dict[str, dict[str, int]]:
+    """``/proc/net/snmp`` and ``/proc/net/netstat`` (each group a line of names, then a line
+    of values) as {group: {name: value}}."""
+    lines = [line.split() for line in text.splitlines() if line.strip()]
+    counters: dict[str, dict[str, int]] = {}
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names[0] != values[0] or not names[0].endswith(":"):
+            raise FailedPrecondition(f"unreadable network counters: {' '.join(names[:3])} / {' '.join(values[:3])}")
+        counters[names[0].rstrip(":")] = {n: int(v) for n, v in zip(names[1:], values[1:])}
+    return counters
+
+
 def check_mbit(value: float, what: str = "--link-mbit") -> float:
     if not (MIN_MBIT <= value <= MAX_MBIT):
         raise InvalidArgument(f"{what} must be between {MIN_MBIT:g} and {MAX_MBIT:g} Mbit/s, got {value:g}")
@@ -184,6 +203,11 @@ class Sites:
         self.sites[number], self.last = site, number
         try:
             _run("ip", "link", "add", site.host_iface, "type", "veth", "peer", "name", inner, "netns", site.netns)
+            # One TCP segment a frame, as on a wire: a veth otherwise passes segmentation-offload
+            # packets of up to 64 KiB with one set of headers, and its counts hold fewer
+            # header bytes than the link would carry.
+            _run("ip", "link", "set", site.host_iface, "gso_max_segs", "1")
+            _run("ip", "-n", site.netns, "link", "set", inner, "gso_max_segs", "1")
             _run("ip", "link", "set", site.host_iface, "master", self.hub.bridge, "up")
             _run("ip", "-n", site.netns, "link", "set", inner, "name", SITE_IFACE)
             _run("ip", "-n", site.netns, "addr", "add", f"{site.address}/{prefix_len}", "dev", SITE_IFACE)
@@ -198,10 +222,19 @@ class Sites:
         return site
 
     def counters(self, site: Site) -> dict[str, int]:
-        """Bytes the kernel counted on the site's link (Ethernet frames: every header
-        included): ``up`` from the site to the hub, ``down`` from the hub to the site."""
+        """What the kernel counted on the site's link, ``up`` from the site to the hub and
+        ``down`` from the hub to the site: bytes (Ethernet frames, every header included)
+        and frames, from the hub's end of the veth; and from the site's namespace (one
+        learner's), the IP bytes and TCP segments each way and the TCP segments it sent
+        again (``SEGMENT_HEADER_BYTES``: what they add up to)."""
         stats = Path("/sys/class/net") / site.host_iface / "statistics"
-        return {"up": int((stats / "rx_bytes").read_text()), "down": int((stats / "tx_bytes").read_text())}
+        counted = {"up": int((stats / "rx_bytes").read_text()), "down": int((stats / "tx_bytes").read_text()),
+                   "frames_up": int((stats / "rx_packets").read_text()),
+                   "frames_down": int((stats / "tx_packets").read_text())}
+        proc = proc_net_counters(_run("ip", "netns", "exec", site.netns, "cat", "/proc/net/snmp", "/proc/net/netstat"))
+        return counted | {"ip_up": proc["IpExt"]["OutOctets"], "ip_down": proc["IpExt"]["InOctets"],
+                          "segments_up": proc["Tcp"]["OutSegs"], "segments_down": proc["Tcp"]["InSegs"],
+                          "resent_up": proc["Tcp"]["RetransSegs"]}
 
     def remove(self, site: Site) -> None:
         """Delete the site's veth pair (both qdiscs go with it), then its namespace. The pair

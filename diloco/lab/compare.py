@@ -194,6 +194,13 @@ def _decoupled(cfg: CompareConfig, scenario: str, out: Path, reference_wall_s: f
     return _decoupled_metrics(summary)
 
 
+def _beyond_headers(links: dict | None) -> dict | None:
+    """Of the links' overhead, the TCP stream beyond the learners' payloads, each direction
+    (the Ethernet, IP and TCP headers the kernel counted taken out: ``link_breakdown``)."""
+    shares = {way: b["above_payload_share"] for way in ("up", "down") if links and (b := links.get(f"breakdown_{way}"))}
+    return shares or None
+
+
 def _decoupled_metrics(summary: dict) -> dict:
     wire = summary["bytes_up"] + summary["bytes_down"]
     return {
@@ -212,6 +219,7 @@ def _decoupled_metrics(summary: dict) -> dict:
         # (kernel / the learners' own payload counts - 1, each direction: the protocol's overhead)
         "links_overhead": {"up": links["overhead_up"], "down": links["overhead_down"]}
         if (links := summary.get("links")) else None,
+        "links_beyond_headers": _beyond_headers(summary.get("links")),
         "run_dir": summary["run_dir"],
     }
 

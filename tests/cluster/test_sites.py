@@ -42,6 +42,13 @@ def test_a_site_link_is_shaped_both_ways_and_the_kernel_counts_its_bytes(hub):
     # Every frame: the payload plus TCP/IP and Ethernet headers (and the acks the other way).
     assert nbytes <= after["up"] - before["up"] <= 1.1 * nbytes
     assert nbytes <= after["down"] - before["down"] <= 1.1 * nbytes
+    # Told apart: the frames' Ethernet headers, the segments' IP and TCP headers, and the stream
+    # each way, which is the transfer (a SYN's, a FIN's and SACKs' longer options within 1 %).
+    for way in ("up", "down"):
+        kernel, frames, ip, segments = (after[k] - before[k] for k in (way, f"frames_{way}", f"ip_{way}", f"segments_{way}"))
+        assert 0 <= kernel - frames * sites.ETHERNET_HEADER_BYTES - ip < 1000, way  # ARP at most
+        stream = ip - segments * sites.SEGMENT_HEADER_BYTES
+        assert nbytes <= stream <= 1.01 * nbytes, (way, stream)
     on.close()
     assert site.netns not in namespaces()
 

@@ -14,9 +14,9 @@ def test_rates_are_checked_and_fastest_first():
             parse_rates(bad)
 
 
-def _cell(tokens_per_s, wall_s=40.0, eval_final=2.5, limited=False, overhead=None):
+def _cell(tokens_per_s, wall_s=40.0, eval_final=2.5, limited=False, overhead=None, beyond=None):
     run = {"tokens_per_s": tokens_per_s, "wall_s": wall_s, "eval_loss_final": None if limited else eval_final,
-           "time_limited": limited, "links_overhead": overhead}
+           "time_limited": limited, "links_overhead": overhead, "links_beyond_headers": beyond}
     return {**run, "spread": {}, "seeds": [run]}
 
 
@@ -32,7 +32,8 @@ def test_targets_are_read_from_the_cells_and_missed_ones_say_so():
         "1000": {"decoupled": _cell(100, 40, 2.50, overhead={"up": 0.03, "down": 0.05}), "dp": _cell(100),
                  "torchft": _cell(100)},
         "100": {"decoupled": _cell(99), "dp": _cell(95), "torchft": _cell(98)},
-        "5": {"decoupled": _cell(95, 44, 2.52, overhead={"up": 0.02, "down": 0.12}), "dp": _cell(10, limited=True),
+        "5": {"decoupled": _cell(95, 44, 2.52, overhead={"up": 0.02, "down": 0.12}, beyond={"up": 0.05, "down": 0.04}),
+              "dp": _cell(10, limited=True),
               "torchft": _cell(60)},
     }}
     checks = {name: (ok, said) for name, ok, said in targets(results)}
@@ -44,5 +45,6 @@ def test_targets_are_read_from_the_cells_and_missed_ones_say_so():
     assert checks["... and lower than torchft's"][0] is True
     counters = next(v for k, v in checks.items() if k.startswith("kernel byte counters"))
     assert counters == (False, "worst +12.0% (down, 5 Mbit/s)")
+    assert next(v for k, v in checks.items() if k.startswith("... or, the Ethernet")) == (True, "worst +5.0% (up, 5 Mbit/s)")
     lines = table(results).splitlines()
     assert "| 5 | dp | 1 | 1 | 40 | 10 | – |" in "\n".join(lines)

@@ -7,7 +7,7 @@ import pytest
 
 from diloco.coordinator.config import LocalLauncherConfig
 from diloco.coordinator.launcher import LINK_OVERRIDE, override_args
-from diloco.errors import InvalidArgument
+from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.coordinator.sites import HubSpec, check_mbit
 from diloco.cli.chaos import parse_link
 from diloco.cli.local.config import LocalConfig
@@ -87,3 +87,30 @@ def test_without_root_sites_are_refused_in_one_line_before_anything_starts(monke
     with pytest.raises(FailedPrecondition, match="need root"):
         run_local(LocalConfig(link_mbit=20, out=out))
     assert not out.exists()
+
+
+def test_what_the_kernel_counted_beyond_the_payload_is_told_apart_by_cause(tmp_path):
+    from diloco.coordinator.sites import proc_net_counters
+
+    sites_file = tmp_path / "sites.jsonl"
+    # Up: 1,000 frames holding 42 bytes that are not IP, 1,000 segments, 60,000 bytes of payload the
+    # learner counted and 2,000 more in its TCP stream.
+    record = {"launch_id": "a", "netns": "n", "address": "198.18.0.2", "mbit": 5.0,
+              "up": 14_000 + 52_000 + 62_000 + 42, "frames_up": 1000, "ip_up": 52_000 + 62_000, "segments_up": 1000,
+              "resent_up": 3, "down": 1400 + 5200, "frames_down": 100, "ip_down": 5200, "segments_down": 100}
+    sites_file.write_text(json.dumps(record) + "\n")
+    links = link_bytes(sites_file, {"L0": {"bytes_up": 60_000, "bytes_down": 0}}, {"a": "L0"})
+    up = links["breakdown_up"]
+    assert (up["ethernet"], up["not_ip"], up["segment_headers"], up["above_payload"]) == (14_000, 42, 52_000, 2000)
+    assert up["above_payload_share"] == round(2000 / 60_000, 4) and up["resent_segments"] == 3
+    assert up["ethernet"] + up["not_ip"] + up["segment_headers"] + up["above_payload"] + up["payload"] == up["kernel"]
+    assert links["breakdown_down"]["payload"] == 0 and links["breakdown_down"]["ethernet_share"] is None
+    # A record from before these counters: the totals, no breakdown.
+    sites_file.write_text(json.dumps({k: record[k] for k in ("launch_id", "netns", "address", "mbit", "up", "down")}) + "\n")
+    assert link_bytes(sites_file, {"L0": {"bytes_up": 1, "bytes_down": 1}}, {"a": "L0"})["breakdown_up"] is None
+    # /proc/net/snmp's and /proc/net/netstat's pairs of lines; anything else is refused.
+    text = "Tcp: InSegs OutSegs RetransSegs\nTcp: 5 7 1\nIpExt: InOctets OutOctets\nIpExt: 300 400\n"
+    assert proc_net_counters(text) == {"Tcp": {"InSegs": 5, "OutSegs": 7, "RetransSegs": 1},
+                                       "IpExt": {"InOctets": 300, "OutOctets": 400}}
+    with pytest.raises(FailedPrecondition, match="unreadable network counters"):
+        proc_net_counters("Tcp: InSegs\nIp: 5\n")
