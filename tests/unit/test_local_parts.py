@@ -113,7 +113,7 @@ def test_what_is_left_of_the_budget_is_allotted_by_rate_and_sums_to_it_exactly()
     assert allot(600, started, rates) == {"L0": 1000 + 300, "L1": 900 + 100, "L3": 200}
 
 
-def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_slow_nor_shrink_the_run(monkeypatch):
+def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_slow_nor_shrink_the_run(monkeypatch, tmp_path):
     """A loaded host delays heartbeats: the look sees the same counts again and again. The
     rates are each learner's over its own heartbeats' times, and what it trained since its
     last one counts as spent, so the drain comes in time and every allotment is ahead of
@@ -138,7 +138,7 @@ def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_sl
                    {"id": "L9", "state": "left", "tokens": 5000, "last_heartbeat_unix_ms": 0}]
         budget.spend(sum(m["tokens"] for m in members), members, admin, None)
 
-    admin, budget = Admin(), Budget(5000 + 4000 * 20)
+    admin, budget = Admin(), Budget(5000 + 4000 * 20, tmp_path / "drain.json")
     for beat in range(1001, 1011):
         for lag in (0.2, 0.9, 1.6, 2.3):  # four looks see each heartbeat's counts, the last ones 2.3 s old
             clock[0] = beat + lag
@@ -150,6 +150,11 @@ def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_sl
     assert 20 - 15.5 <= DRAIN_LEAD_S and admin.calls
     [(ids, drain, after)] = admin.calls
     assert ids == ["L0", "L1"] and drain and after == {"L0": 1000 * 20, "L1": 3000 * 20}
+    # The decision, as the run's drain.json keeps it: what each count was estimated from.
+    decided = json.loads((tmp_path / "drain.json").read_text())
+    assert decided["budget"] == 85_000 and decided["unix_s"] == 1015.5 and decided["rate"] == 4000.0
+    assert decided["learners"]["L1"] == {"reported": 45_000, "rate": 3000.0, "heartbeat_age_s": 0.5,
+                                         "estimated": 46_500, "allotment": 60_000}
 
 
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():

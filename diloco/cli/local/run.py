@@ -60,7 +60,7 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.launcher import LINK_OVERRIDE
 from diloco.coordinator.pin import pin_of
 from diloco.errors import DeadlineExceeded, DilocoError, FailedPrecondition, Unavailable
-from diloco.files import missing_dirs
+from diloco.files import atomic_write_json, missing_dirs
 from diloco.learner.membership import HEARTBEATS_PER_LEASE
 from diloco.manifest import manifest_of
 from diloco.telemetry import require_prometheus
@@ -74,6 +74,9 @@ the counts it sees are up to an interval old, the directive rides the next heart
 a learner speeds up when others stop on a shared host, so five intervals leave each
 learner some of its allotment still to train (at three, 2 of 6 chaos runs here had a
 learner past its allotment when the directive reached it: 2,816 tokens over)."""
+DRAIN_FILE = "drain.json"
+"""The budget's drain as decided (``Budget.spend``): each training learner's reported count,
+its heartbeat's age, its rate, the count estimated from them and its allotment."""
 EXPORT_ATTEMPTS = 3
 """Tries of the final export (a shard that stops sending fails one in 30 s)."""
 LEARNERS_STOP_S = 8.0
@@ -103,7 +106,7 @@ class LocalRun:
         # The parts, made as the run starts:
         self.hub = self.cluster = self.admin = self.monkey = self.curves = None
         self.progress: Progress | None = None
-        self.budget = Budget(cfg.tokens)
+        self.budget = Budget(cfg.tokens, self.run_dir / DRAIN_FILE)
         self.interrupted_at: float | None = None
 
     def say(self, line: str) -> None:
@@ -418,8 +421,10 @@ class Budget:
     later is drained at once; one that dies before spending its allotment leaves the run
     that much short."""
 
-    def __init__(self, tokens: int | None) -> None:
+    def __init__(self, tokens: int | None, record: Path | None = None) -> None:
         self.tokens = tokens
+        self.record = record
+        """Where the first drain's decision is written (``DRAIN_FILE``); None: nowhere."""
         self.rate = 0.0
         """The training learners' tokens/s, together."""
         self.spent = 0
@@ -452,6 +457,13 @@ class Budget:
         todo = [{**m, "tokens": counts[m["id"]]} for m in training if m["id"] not in self.draining]
         if todo:
             after = {} if self.draining else allot(self.tokens - spent, todo, rates)
+            if not self.draining and self.record is not None:
+                atomic_write_json(self.record, {"unix_s": now, "budget": self.tokens, "spent": spent, "rate": self.rate,
+                                                "learners": {m["id"]: {
+                                                    "reported": m["tokens"], "rate": rates[m["id"]],
+                                                    "heartbeat_age_s": round(now - beats[m["id"]], 3) if beats[m["id"]] else None,
+                                                    "estimated": counts[m["id"]], "allotment": after.get(m["id"])}
+                                                    for m in training}})
             drained = _patient(lambda: _drain(admin, [m["id"] for m in todo], after), "drain the learners")
             self.draining |= set(drained)
             self.drained_at = self.drained_at or time.time()
