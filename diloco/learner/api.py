@@ -49,7 +49,7 @@ from diloco.learner.core.sync import FragmentSync, Reply, SyncBook, Write, encod
 from diloco.learner.device import Device
 from diloco.learner.membership import Heartbeats, Membership, join, register_model
 from diloco.learner.slice import SliceLink, SliceStep, host_state
-from diloco.learner.summary import LossReports, Summary
+from diloco.learner.summary import LossReports, Pace, Summary
 from diloco.learner.streamer import SEED_WAIT_S, PushJob, Streamer
 from diloco.learner.telemetry import LearnerTelemetry, SyncTrace
 
@@ -102,6 +102,8 @@ class Learner(LossReports):
         self._drain_at: tuple[int, str] | None = None
         """A drain that waits for this token count (the run's budget, ``_drain``)."""
         self.summary = Summary(self.learner_id)
+        self.pace = Pace()
+        """Tokens per second over the last few seconds of steps: the heartbeats' rate."""
         self.telemetry = LearnerTelemetry(self.learner_id)
         self.clock = VectorClock()
         # Chandy-Lamport: markers from the coordinator, recorded at the next step boundary.
@@ -221,7 +223,7 @@ class Learner(LossReports):
         if self._drain_at is not None and s.tokens >= self._drain_at[0]:
             self._drain(self._drain_at[1])
         self.book.count_step(tokens)
-        self.telemetry.step(tokens, self.plan.num_fragments, s.tokens / s.wall_s if s.wall_s else 0.0)
+        self.telemetry.step(tokens, self.plan.num_fragments, self.pace.add(s.wall_s, s.tokens))
         self._send_due(step)
         self._step = step + 1
         self._record_snapshots()
@@ -279,7 +281,7 @@ class Learner(LossReports):
     def _stats(self) -> dict:
         s = self.summary
         return {"tokens": s.tokens, "inner_steps": s.inner_steps,
-                "tokens_per_s": s.tokens / s.wall_s if s.wall_s else 0.0, "version_lag": self.version_lag,
+                "tokens_per_s": self.pace.rate, "version_lag": self.version_lag,
                 "train_loss": s.train_loss, "eval_loss": s.eval_loss_final, "loss_unit": s.eval_unit}
 
     def _drain(self, reason: str, after_tokens: int = 0) -> None:

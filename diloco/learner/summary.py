@@ -4,6 +4,7 @@ evaluations. Kept apart from ``diloco.learner.api`` so that the slice follower, 
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 
@@ -50,6 +51,27 @@ class Summary:
     sync_latency_s_p50: float | None = None
     initialized_fragments: list[int] = field(default_factory=list)
     """Fragments whose version 0 is this learner's values (it found them empty)."""
+
+
+class Pace:
+    """Tokens per second over the last few seconds of a learner's steps, on its own clock:
+    what its heartbeats report as its rate."""
+
+    WINDOW_S = 3.0
+
+    def __init__(self) -> None:
+        self.points: collections.deque[tuple[float, int]] = collections.deque()
+        self.rate = 0.0
+        """As of the last count added (another thread may read it)."""
+
+    def add(self, t: float, tokens: int) -> float:
+        if not self.points or t > self.points[-1][0]:  # a count seen again is no new point
+            self.points.append((t, tokens))
+        while len(self.points) > 2 and t - self.points[1][0] >= self.WINDOW_S:
+            self.points.popleft()
+        (t0, n0), (t1, n1) = self.points[0], self.points[-1]
+        self.rate = max(n1 - n0, 0) / (t1 - t0) if t1 > t0 else 0.0
+        return self.rate
 
 
 class LossReports:

@@ -115,10 +115,10 @@ def test_what_is_left_of_the_budget_is_allotted_by_rate_and_sums_to_it_exactly()
 
 def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_slow_nor_shrink_the_run(monkeypatch, tmp_path):
     """A loaded host delays heartbeats: the look sees the same counts again and again. The
-    rates are each learner's over its own heartbeats' times, and what it trained since its
-    last one counts as spent, so the drain comes in time and every allotment is ahead of
-    the learner's count (a chaos run on a loaded machine once ran 213,760 tokens over a
-    768,000 budget: the look's own clock had read the repeated counts as a slowdown)."""
+    rates are each learner's own, and what it trained since its last heartbeat counts as
+    spent, so the drain comes in time and every allotment is ahead of the learner's count
+    (a chaos run on a loaded machine once ran 213,760 tokens over a 768,000 budget: the
+    look's own clock had read the repeated counts as a slowdown)."""
     import time
 
     from diloco.cli.local.run import DRAIN_LEAD_S, Budget
@@ -133,28 +133,53 @@ def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_sl
             self.calls.append((ids, drain, after_tokens))
 
     def look(beat):  # two learners at 1,000 and 3,000 tokens/s since 1000.0, heartbeats at `beat`
-        members = [{"id": "L0", "state": "active", "tokens": int(1000 * (beat - 1000)), "last_heartbeat_unix_ms": int(beat * 1000)},
-                   {"id": "L1", "state": "active", "tokens": int(3000 * (beat - 1000)), "last_heartbeat_unix_ms": int(beat * 1000)},
-                   {"id": "L9", "state": "left", "tokens": 5000, "last_heartbeat_unix_ms": 0}]
+        members = [{"id": f"L{i}", "state": "active", "tokens": int(rate * (beat - 1000)),
+                    "tokens_per_s": rate if beat > 1001 else 0.0, "last_heartbeat_unix_ms": int(beat * 1000)}
+                   for i, rate in enumerate((1000.0, 3000.0))]
+        members.append({"id": "L9", "state": "left", "tokens": 5000, "tokens_per_s": 0.0, "last_heartbeat_unix_ms": 0})
         budget.spend(sum(m["tokens"] for m in members), members, admin, None)
 
     admin, budget = Admin(), Budget(5000 + 4000 * 20, tmp_path / "drain.json")
-    for beat in range(1001, 1011):
+    for beat in range(1001, 1020 - int(DRAIN_LEAD_S) - 2):
         for lag in (0.2, 0.9, 1.6, 2.3):  # four looks see each heartbeat's counts, the last ones 2.3 s old
             clock[0] = beat + lag
             look(beat)
             assert budget.rate == (0.0 if beat == 1001 else 4000.0) and not admin.calls
             assert abs(budget.spent - (5000 + 4000 * (beat - 1000 + (0 if beat == 1001 else lag)))) <= 2
-    clock[0] = 1015.5
-    look(1015)  # 15.5 s of 20: within the lead
-    assert 20 - 15.5 <= DRAIN_LEAD_S and admin.calls
+    clock[0] = 1010.5
+    look(1010)  # 10.5 s of 20: within the lead
+    assert 20 - 10.5 <= DRAIN_LEAD_S and admin.calls
     [(ids, drain, after)] = admin.calls
     assert ids == ["L0", "L1"] and drain and after == {"L0": 1000 * 20, "L1": 3000 * 20}
     # The decision, as the run's drain.json keeps it: what each count was estimated from.
     decided = json.loads((tmp_path / "drain.json").read_text())
-    assert decided["budget"] == 85_000 and decided["unix_s"] == 1015.5 and decided["rate"] == 4000.0
-    assert decided["learners"]["L1"] == {"reported": 45_000, "rate": 3000.0, "heartbeat_age_s": 0.5,
-                                         "estimated": 46_500, "allotment": 60_000}
+    assert decided["budget"] == 85_000 and decided["unix_s"] == 1010.5 and decided["rate"] == 4000.0
+    assert decided["learners"]["L1"] == {"reported": 30_000, "rate": 3000.0, "heartbeat_age_s": 0.5,
+                                         "estimated": 31_500, "allotment": 60_000}
+
+
+def test_counts_all_as_stale_still_sum_the_allotments_to_the_budget_and_each_ahead_of_its_learner(monkeypatch):
+    """A coordinator that stopped answering delivers counts all some seconds old, their
+    heartbeats' times fresh: each estimate falls short by its learner's rate times that, and
+    the shares of what the estimates leave make it up, so each allotment is where the
+    learner stands plus its share of what is truly left."""
+    import time
+
+    from diloco.cli.local.run import Budget
+
+    monkeypatch.setattr(time, "time", lambda: 2000.0)
+    calls = []
+
+    class Admin:
+        def remove_learners(self, ids, drain, after_tokens):
+            calls.append(after_tokens)
+
+    true = {"L0": 50_000, "L1": 90_000}  # at 1,000 and 3,000 tokens/s; the counts are 4 s old
+    members = [{"id": i, "state": "active", "tokens": true[i] - 4 * rate, "tokens_per_s": float(rate),
+                "last_heartbeat_unix_ms": 2_000_000} for i, rate in (("L0", 1000), ("L1", 3000))]
+    budget = Budget(sum(true.values()) + 5 * 4000)  # 5 s of training truly left, 9 s as estimated
+    budget.spend(sum(m["tokens"] for m in members), members, Admin(), None)
+    assert calls == [{"L0": true["L0"] + 5 * 1000, "L1": true["L1"] + 5 * 3000}]
 
 
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():
@@ -290,13 +315,14 @@ def test_the_shared_definitions():
 
 
 def test_the_pace_is_tokens_per_second_over_the_last_three_seconds():
-    from diloco.cli.local.run import Pace
+    from diloco.learner.summary import Pace
 
     pace = Pace()
     assert pace.add(0.0, 0) == 0.0  # one count: no rate yet
     assert [pace.add(t, 100 * t) for t in (1.0, 2.0, 3.0, 4.0)] == [100.0] * 4
     assert pace.add(5.0, 600) == 400 / 3  # 200 -> 600 over 2.0 .. 5.0: the old counts drop out
     assert pace.add(5.0, 600) == pace.add(4.5, 550) == 400 / 3  # a count seen again, or older: no new point
+    assert pace.rate == 400 / 3
 
 
 def test_a_summary_is_strict_json_with_a_reason_for_every_missing_figure():

@@ -25,7 +25,6 @@ loads it.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import importlib.util
 import json
@@ -67,13 +66,16 @@ from diloco.telemetry import require_prometheus
 
 logger = logging.getLogger(__name__)
 
-DRAIN_LEAD_S = 5 * CoordinatorConfig.lease_s / HEARTBEATS_PER_LEASE
+DRAIN_LEAD_S = 10 * CoordinatorConfig.lease_s / HEARTBEATS_PER_LEASE
 """How long before the budget is reached (at the current token rate) the drain is sent,
-five of its learners' heartbeat intervals (a fifth of the coordinator's lease each):
-the counts it sees are up to an interval old, the directive rides the next heartbeat, and
-a learner speeds up when others stop on a shared host, so five intervals leave each
-learner some of its allotment still to train (at three, 2 of 6 chaos runs here had a
-learner past its allotment when the directive reached it: 2,816 tokens over)."""
+ten of its learners' heartbeat intervals (a fifth of the coordinator's lease each). The
+allotments hold however stale the counts are when they are all as stale (an allotment is
+the estimated count plus a share of what the estimates leave), so a learner overshoots
+only when the budget has less left than its directive takes to arrive: the lead must
+cover a heartbeat interval and a coordinator that stops answering for a while. At five,
+a coordinator stopped 5 s across the drain (SIGSTOP, docs/results/budget) let the run
+train up to 160,000 tokens over a 768,000 budget, and one CI run whose heartbeats had
+all been 5 s old at the drain 33,280 over."""
 DRAIN_FILE = "drain.json"
 """The budget's drain as decided (``Budget.spend``): each training learner's reported count,
 its heartbeat's age, its rate, the count estimated from them and its allotment."""
@@ -429,10 +431,6 @@ class Budget:
         """The training learners' tokens/s, together."""
         self.spent = 0
         """Tokens trained, as of the last look (``spend``)."""
-        self.paces: dict[str, Pace] = collections.defaultdict(Pace)
-        """Each learner's, over its heartbeats' counts at their own times: a count the look
-        sees again adds nothing, so a heartbeat that a loaded host delays does not read as a
-        learner that slowed down; and learners on a shared host speed up as others stop."""
         self.draining: set[str] = set()
         self.drained_at: float | None = None
         """Unix time of the first drain."""
@@ -443,8 +441,10 @@ class Budget:
         now = time.time()
         training = [m for m in members if m["state"] in ("active", "joining")]
         beats = {m["id"]: m["last_heartbeat_unix_ms"] / 1000 for m in training}  # 0: none yet
-        rates = {m["id"]: self.paces[m["id"]].add(beats[m["id"]], m["tokens"]) if beats[m["id"]] else 0.0
-                 for m in training}
+        # Each learner's rate as it measures it, over its last steps on its own clock: not
+        # over the times its heartbeats arrived, which a stalled coordinator bunches (a count
+        # sent before a 5 s stall and the next one after it read as six times the rate).
+        rates = {m["id"]: m["tokens_per_s"] if beats[m["id"]] else 0.0 for m in training}
         self.rate = sum(rates.values())
         # A count is its learner's as of its last heartbeat, up to an interval old (more on
         # a loaded host): what each has trained since, at its rate, is spent too.
@@ -552,23 +552,6 @@ class CurveExports:
         """Wait for the export in flight (before the cluster stops), then let go."""
         self._pool.shutdown(wait=True)
         self.admin.close()
-
-
-class Pace:
-    """Tokens per second over the last few seconds of the learners' (heartbeat) counts."""
-
-    WINDOW_S = 3.0
-
-    def __init__(self) -> None:
-        self.points: collections.deque[tuple[float, int]] = collections.deque()
-
-    def add(self, t: float, tokens: int) -> float:
-        if not self.points or t > self.points[-1][0]:  # a count seen again is no new point
-            self.points.append((t, tokens))
-        while len(self.points) > 2 and t - self.points[1][0] >= self.WINDOW_S:
-            self.points.popleft()
-        (t0, n0), (t1, n1) = self.points[0], self.points[-1]
-        return max(n1 - n0, 0) / (t1 - t0) if t1 > t0 else 0.0
 
 
 PATIENCE_S = 60.0
