@@ -47,6 +47,7 @@ def learner_dict(info: common_pb2.LearnerInfo) -> dict:
         "pool": info.pool,
         "address": info.address,
         "last_heartbeat_unix_ms": info.last_heartbeat_unix_ms,
+        "counted_unix_ms": info.counted_unix_ms,
         "joined_unix_ms": info.joined_unix_ms,
         "launch_id": info.launch_id,
         "reason": info.reason,
@@ -115,10 +116,12 @@ class LearnerSession:
         return reply
 
     async def heartbeat(self, tokens: int = 0, inner_steps: int = 0, version_lag: int = 0, tokens_per_s: float = 0.0,
-                        train_loss: float | None = None, eval_loss: float | None = None, loss_unit: str = ""):
+                        train_loss: float | None = None, eval_loss: float | None = None, loss_unit: str = "",
+                        counted_unix_ms: int = 0):
         request = coordinator_pb2.HeartbeatRequest(
             learner_id=self.learner_id, tokens=tokens, inner_steps=inner_steps, version_lag=version_lag,
             tokens_per_s=tokens_per_s, train_loss=train_loss, eval_loss=eval_loss, loss_unit=loss_unit,
+            counted_unix_ms=counted_unix_ms,
             clock=self._send(),
         )
         reply = await self._call("Heartbeat", self.stub.Heartbeat, request, self.metadata)

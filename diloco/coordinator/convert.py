@@ -51,6 +51,7 @@ def learner_to_proto(learner: Learner) -> common_pb2.LearnerInfo:
         pool=learner.pool,
         address=learner.address,
         last_heartbeat_unix_ms=_ms(learner.heartbeat_s),
+        counted_unix_ms=_ms(learner.counted_s),
         tokens=learner.tokens,
         inner_steps=learner.inner_steps,
         version_lag=learner.version_lag,
@@ -104,7 +105,7 @@ def stats_from_proto(msg: coordinator_pb2.HeartbeatRequest) -> HeartbeatStats:
     if len(msg.loss_unit) > MAX_UNIT_CHARS or not msg.loss_unit.isprintable():
         raise InvalidArgument(f"loss_unit must be at most {MAX_UNIT_CHARS} printable characters, got {msg.loss_unit[:40]!r}")
     return HeartbeatStats(msg.tokens, msg.inner_steps, msg.version_lag, msg.tokens_per_s, **losses,
-                          loss_unit=msg.loss_unit)
+                          loss_unit=msg.loss_unit, counted_s=msg.counted_unix_ms / 1000 if msg.counted_unix_ms > 0 else None)
 
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")

@@ -623,7 +623,8 @@ class CoordinatorRuntime:
         if unknown := sorted(set(after_tokens or ()) - set(chosen)):
             raise InvalidArgument(f"after_tokens names learners not drained by this call: {', '.join(unknown)}")
         if drain:
-            self.membership.drain(chosen, now, after_tokens)
+            for learner in self.membership.drain(chosen, now, after_tokens):
+                logger.info("learner %s drains sooner: %s", learner.id, learner.reason)
         else:
             self.membership.remove(chosen, "removed by an operator", now)
         self._settle()

@@ -282,13 +282,15 @@ class Learner(LossReports):
         s = self.summary
         return {"tokens": s.tokens, "inner_steps": s.inner_steps,
                 "tokens_per_s": self.pace.rate, "version_lag": self.version_lag,
-                "train_loss": s.train_loss, "eval_loss": s.eval_loss_final, "loss_unit": s.eval_unit}
+                "train_loss": s.train_loss, "eval_loss": s.eval_loss_final, "loss_unit": s.eval_unit,
+                "counted_unix_ms": int(time.time() * 1000)}
 
     def _drain(self, reason: str, after_tokens: int = 0) -> None:
         """Leave (the training loop sees ``should_stop``), or with ``after_tokens`` once this
         learner's own token count reaches it: the step that reaches it is its last."""
         if after_tokens > self.summary.tokens:
-            if self._drain_at is None:  # the directive repeats on every heartbeat
+            # The directive repeats on every heartbeat; a later one may move the drain sooner.
+            if self._drain_at is None or after_tokens < self._drain_at[0]:
                 logger.warning("%s: will leave at %s tokens: %s", self.learner_id, f"{after_tokens:,}", reason)
                 self._drain_at = (after_tokens, reason)
             return

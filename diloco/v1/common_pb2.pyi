@@ -137,7 +137,7 @@ class Topology(_message.Message):
     def __init__(self, plan: _Optional[_Union[FragmentPlan, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., run_config_json: _Optional[str] = ..., epoch: _Optional[int] = ..., manifest_json: _Optional[str] = ..., initial_values: _Optional[_Iterable[bytes]] = ..., seeds_shards: _Optional[bool] = ...) -> None: ...
 
 class LearnerInfo(_message.Message):
-    __slots__ = ("learner_id", "state", "pool", "address", "last_heartbeat_unix_ms", "tokens", "inner_steps", "version_lag", "joined_unix_ms", "launch_id", "reason", "train_loss", "eval_loss", "tokens_per_s", "loss_unit")
+    __slots__ = ("learner_id", "state", "pool", "address", "last_heartbeat_unix_ms", "tokens", "inner_steps", "version_lag", "joined_unix_ms", "launch_id", "reason", "train_loss", "eval_loss", "tokens_per_s", "loss_unit", "counted_unix_ms")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class LearnerInfo(_message.Message):
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     LOSS_UNIT_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     state: LearnerState
     pool: str
@@ -168,7 +169,8 @@ class LearnerInfo(_message.Message):
     eval_loss: float
     tokens_per_s: float
     loss_unit: str
-    def __init__(self, learner_id: _Optional[str] = ..., state: _Optional[_Union[LearnerState, str]] = ..., pool: _Optional[str] = ..., address: _Optional[str] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., version_lag: _Optional[int] = ..., joined_unix_ms: _Optional[int] = ..., launch_id: _Optional[str] = ..., reason: _Optional[str] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., loss_unit: _Optional[str] = ...) -> None: ...
+    counted_unix_ms: int
+    def __init__(self, learner_id: _Optional[str] = ..., state: _Optional[_Union[LearnerState, str]] = ..., pool: _Optional[str] = ..., address: _Optional[str] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., version_lag: _Optional[int] = ..., joined_unix_ms: _Optional[int] = ..., launch_id: _Optional[str] = ..., reason: _Optional[str] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., loss_unit: _Optional[str] = ..., counted_unix_ms: _Optional[int] = ...) -> None: ...
 
 class SnapshotFile(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")

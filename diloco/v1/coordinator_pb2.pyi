@@ -64,7 +64,7 @@ class JoinReply(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., credential: _Optional[str] = ..., topology: _Optional[_Union[_common_pb2.Topology, _Mapping]] = ..., lease_s: _Optional[float] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "tokens", "inner_steps", "version_lag", "tokens_per_s", "clock", "train_loss", "eval_loss", "loss_unit")
+    __slots__ = ("learner_id", "tokens", "inner_steps", "version_lag", "tokens_per_s", "clock", "train_loss", "eval_loss", "loss_unit", "counted_unix_ms")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class HeartbeatRequest(_message.Message):
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     LOSS_UNIT_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     tokens: int
     inner_steps: int
@@ -83,7 +84,8 @@ class HeartbeatRequest(_message.Message):
     train_loss: float
     eval_loss: float
     loss_unit: str
-    def __init__(self, learner_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., version_lag: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., loss_unit: _Optional[str] = ...) -> None: ...
+    counted_unix_ms: int
+    def __init__(self, learner_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., version_lag: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., clock: _Optional[_Union[_common_pb2.VectorClock, _Mapping]] = ..., train_loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., loss_unit: _Optional[str] = ..., counted_unix_ms: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("drain", "snapshot")

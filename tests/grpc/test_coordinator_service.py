@@ -44,7 +44,9 @@ def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
             assert RunConfig.from_json(topology.run_config_json) == TINY
             assert reply.clock.entries["C"] >= 1
 
-            beat = await session.heartbeat(tokens=1024, inner_steps=8, version_lag=2, tokens_per_s=99.0)
+            counted_ms = int(time.time() * 1000) - 1  # taken just before it was sent
+            beat = await session.heartbeat(tokens=1024, inner_steps=8, version_lag=2, tokens_per_s=99.0,
+                                           counted_unix_ms=counted_ms)
             assert list(beat.directives) == [] and beat.lease_s == 5.0 and beat.topology_epoch == 1
             assert (await session.topology()).plan.plan_hash == topology.plan.plan_hash
             async with admin_stub(server.address) as (stub, md):
@@ -52,6 +54,7 @@ def test_join_heartbeat_list_leave_and_the_topology(tmp_path):
                 assert (info.learner_id, info.state, info.pool, info.address) == ("L0", common_pb2.LEARNER_STATE_ACTIVE, "spot", "host:42")
                 assert (info.tokens, info.inner_steps, info.version_lag) == (1024, 8, 2)
                 assert abs(info.last_heartbeat_unix_ms / 1000 - time.time()) < 60
+                assert (info.tokens_per_s, info.counted_unix_ms) == (99.0, counted_ms)
                 await session.leave("done")
                 assert list((await stub.ListLearners(coordinator_pb2.ListLearnersRequest(), metadata=md)).learners) == []
                 failing = LearnerSession(server.address)
@@ -251,6 +254,12 @@ def test_a_drain_after_tokens_rides_every_heartbeat_until_the_learner_leaves(tmp
             (directive,) = (await b.heartbeat()).directives
             assert directive.drain.after_tokens == 0 and directive.drain.reason == "removed by an operator (drain)"
             assert server.runtime.membership.learner("L0").state == "draining"
+            await _admin(server, "RemoveLearners", coordinator_pb2.RemoveLearnersRequest(
+                learner_ids=["L0"], drain=True, after_tokens={"L0": 4500}))  # sooner: taken
+            await _admin(server, "RemoveLearners", coordinator_pb2.RemoveLearnersRequest(
+                learner_ids=["L0"], drain=True, after_tokens={"L0": 9000}))  # later: not
+            (directive,) = (await a.heartbeat(tokens=4200)).directives
+            assert directive.drain.after_tokens == 4500 and "drained at 4,500 tokens" in directive.drain.reason
             await a.leave("drained", tokens=5000)
             assert server.runtime.membership.learner("L0").drain_after_tokens == 0  # a departure ends the drain
 

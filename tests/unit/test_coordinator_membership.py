@@ -50,6 +50,21 @@ def test_join_then_first_heartbeat_makes_a_learner_active():
     assert kinds(m) == []  # already active: nothing to announce
 
 
+def test_a_heartbeats_counts_are_dated_when_taken_within_its_previous_heartbeat_and_its_arrival():
+    """A heartbeat a stalled coordinator held arrives with counts older than its arrival; a
+    learner's clock may say anything, so the date is bounded by what the coordinator saw."""
+    m = membership(lease_s=30.0)
+    m.join("", "host:1", "", "", now=100.0, credential=OPEN)
+    m.heartbeat("L0", HeartbeatStats(tokens=64, counted_s=100.4), now=106.0)  # sent before a 5 s stall
+    assert m.learner("L0").counted_s == 100.4 and m.learner("L0").heartbeat_s == 106.0
+    m.heartbeat("L0", HeartbeatStats(tokens=96), now=107.0)  # not said: when it arrived
+    assert m.learner("L0").counted_s == 107.0
+    m.heartbeat("L0", HeartbeatStats(tokens=128, counted_s=50.0), now=108.0)  # before its previous heartbeat
+    assert m.learner("L0").counted_s == 107.0
+    m.heartbeat("L0", HeartbeatStats(tokens=160, counted_s=1e12), now=109.0)  # in the future
+    assert m.learner("L0").counted_s == 109.0
+
+
 def test_lease_decision_and_expiry_with_a_fake_clock():
     m = membership(lease_s=5.0)
     learner = m.join("", "", "", "", now=10.0, credential=OPEN)
@@ -413,6 +428,24 @@ def test_the_cap_counts_what_is_already_taken():
     assert m.check_launch(1, "") == "default"
     with pytest.raises(ResourceExhausted, match=r"^cannot add 2 learners: 2 of the cap of 3 are taken$"):
         m.check_launch(2, "")
+
+
+def test_a_drain_moves_sooner_never_later():
+    """A token budget lowers an allotment when another learner trained past its own; an
+    operator's drain now ends an allotment's wait. A later count, or the same, changes nothing."""
+    m = membership(drain_timeout_s=30.0, lease_s=100.0, credential_lifetime_s=200.0)
+    for _ in range(3):
+        m.join("", "", "", "", now=0.0, credential=OPEN)
+    m.drain(["L0", "L1", "L2"], now=10.0, after_tokens={"L0": 5000, "L1": 7000})
+    m.take_changes()
+    assert m.drain(["L0", "L1"], now=12.0, after_tokens={"L0": 6000, "L1": 7000}) == []
+    assert (m.learner("L0").drain_after_tokens, m.learner("L1").drain_after_tokens) == (5000, 7000)
+    assert [l.id for l in m.drain(["L0", "L2"], now=13.0, after_tokens={"L0": 4500, "L2": 100})] == ["L0"]
+    assert (m.learner("L0").drain_after_tokens, m.learner("L0").reason) == (4500, "drained at 4,500 tokens")
+    assert m.learner("L2").drain_after_tokens == 0  # already leaving now: nothing sooner
+    assert [l.id for l in m.drain(["L1"], now=14.0)] == ["L1"]
+    assert (m.learner("L1").drain_after_tokens, m.learner("L1").reason) == (0, "removed by an operator (drain)")
+    assert m.take_changes() == [] and m.learner("L0").drain_deadline_s == 40.0  # no new event, the same deadline
 
 
 def test_drain_sets_a_deadline_once_and_only_for_live_learners():

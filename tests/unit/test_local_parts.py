@@ -134,9 +134,10 @@ def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_sl
 
     def look(beat):  # two learners at 1,000 and 3,000 tokens/s since 1000.0, heartbeats at `beat`
         members = [{"id": f"L{i}", "state": "active", "tokens": int(rate * (beat - 1000)),
-                    "tokens_per_s": rate if beat > 1001 else 0.0, "last_heartbeat_unix_ms": int(beat * 1000)}
-                   for i, rate in enumerate((1000.0, 3000.0))]
-        members.append({"id": "L9", "state": "left", "tokens": 5000, "tokens_per_s": 0.0, "last_heartbeat_unix_ms": 0})
+                    "tokens_per_s": rate if beat > 1001 else 0.0, "last_heartbeat_unix_ms": int(beat * 1000),
+                    "counted_unix_ms": int(beat * 1000)} for i, rate in enumerate((1000.0, 3000.0))]
+        members.append({"id": "L9", "state": "left", "tokens": 5000, "tokens_per_s": 0.0, "last_heartbeat_unix_ms": 0,
+                        "counted_unix_ms": 0})
         budget.spend(sum(m["tokens"] for m in members), members, admin, None)
 
     admin, budget = Admin(), Budget(5000 + 4000 * 20, tmp_path / "drain.json")
@@ -154,15 +155,15 @@ def test_the_budget_reads_each_count_at_its_heartbeat_so_stale_counts_neither_sl
     # The decision, as the run's drain.json keeps it: what each count was estimated from.
     decided = json.loads((tmp_path / "drain.json").read_text())
     assert decided["budget"] == 85_000 and decided["unix_s"] == 1010.5 and decided["rate"] == 4000.0
-    assert decided["learners"]["L1"] == {"reported": 30_000, "rate": 3000.0, "heartbeat_age_s": 0.5,
+    assert decided["learners"]["L1"] == {"reported": 30_000, "rate": 3000.0, "count_age_s": 0.5,
                                          "estimated": 31_500, "allotment": 60_000}
 
 
-def test_counts_all_as_stale_still_sum_the_allotments_to_the_budget_and_each_ahead_of_its_learner(monkeypatch):
-    """A coordinator that stopped answering delivers counts all some seconds old, their
-    heartbeats' times fresh: each estimate falls short by its learner's rate times that, and
-    the shares of what the estimates leave make it up, so each allotment is where the
-    learner stands plus its share of what is truly left."""
+def test_counts_a_stalled_coordinator_held_are_read_at_the_time_they_were_taken(monkeypatch):
+    """A coordinator stopped for a while answers, as it resumes, the heartbeats it held: their
+    counts are seconds older than their arrival. Each count is read at the time its learner
+    took it, so the estimates, and with them the allotments, are where the learners stand
+    (timed by arrival, L0 here would be allotted 4,000 tokens too few, L1 4,000 too many)."""
     import time
 
     from diloco.cli.local.run import Budget
@@ -174,12 +175,53 @@ def test_counts_all_as_stale_still_sum_the_allotments_to_the_budget_and_each_ahe
         def remove_learners(self, ids, drain, after_tokens):
             calls.append(after_tokens)
 
-    true = {"L0": 50_000, "L1": 90_000}  # at 1,000 and 3,000 tokens/s; the counts are 4 s old
-    members = [{"id": i, "state": "active", "tokens": true[i] - 4 * rate, "tokens_per_s": float(rate),
-                "last_heartbeat_unix_ms": 2_000_000} for i, rate in (("L0", 1000), ("L1", 3000))]
-    budget = Budget(sum(true.values()) + 5 * 4000)  # 5 s of training truly left, 9 s as estimated
+    now = {"L0": 50_000, "L1": 90_000}  # at 4,000 and 1,000 tokens/s; counted 6 and 1 s ago, both just arrived
+    members = [{"id": i, "state": "active", "tokens": now[i] - age * rate, "tokens_per_s": float(rate),
+                "last_heartbeat_unix_ms": 2_000_000, "counted_unix_ms": (2000 - age) * 1000}
+               for i, rate, age in (("L0", 4000, 6), ("L1", 1000, 1))]
+    budget = Budget(sum(now.values()) + 5 * 5000)  # 5 s of training left
     budget.spend(sum(m["tokens"] for m in members), members, Admin(), None)
-    assert calls == [{"L0": true["L0"] + 5 * 1000, "L1": true["L1"] + 5 * 3000}]
+    assert calls == [{"L0": now["L0"] + 5 * 4000, "L1": now["L1"] + 5 * 1000}]
+
+
+def test_what_a_learner_trains_past_its_allotment_is_taken_from_those_short_of_theirs(monkeypatch, tmp_path):
+    """A learner whose directive came late trains over; the others' allotments are lowered
+    by that, beyond the step that crossed, in proportion to what each has left, so the run
+    still meets its budget; each lowering is kept in drain.json."""
+    import time
+
+    from diloco.cli.local.run import Budget
+
+    clock = [3000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    calls = []
+
+    class Admin:
+        def remove_learners(self, ids, drain, after_tokens):
+            calls.append(dict(after_tokens))
+
+    def member(i, tokens, rate, state="draining"):
+        return {"id": i, "state": state, "tokens": tokens, "inner_steps": tokens // 100, "tokens_per_s": rate,
+                "last_heartbeat_unix_ms": int(clock[0] * 1000), "counted_unix_ms": int(clock[0] * 1000)}
+
+    budget = Budget(60_000, tmp_path / "drain.json")
+    first = [member(i, 10_000, 1000.0, "active") for i in ("L0", "L1", "L2")]
+    budget.spend(30_000, first, Admin(), None)  # 30,000 left, 10 s at 3,000 tokens/s
+    assert calls == [{"L0": 20_000, "L1": 20_000, "L2": 20_000}]
+    # L0 heard of it late: at 26,100, 6,000 over beyond its last step; L1 has 7,000 left less
+    # 2 s at its rate, L2 3,000 less 2 s.
+    clock[0] += 1
+    budget.spend(0, [member("L0", 26_100, 1000.0), member("L1", 13_000, 1000.0), member("L2", 15_000, 1000.0)],
+                 Admin(), None)
+    assert calls[1] == {"L1": 20_000 - 3_750, "L2": 20_000 - 2_250}  # 6,000 taken of 5,000 and 3,000 left: 5:3
+    assert budget.allotments == {"L0": 20_000, "L1": 16_250, "L2": 17_750} and budget.taken == 6_000
+    clock[0] += 1
+    budget.spend(0, [member("L0", 26_100, 0.0, "left"), member("L1", 14_000, 1000.0), member("L2", 16_000, 1000.0)],
+                 Admin(), None)
+    assert len(calls) == 2  # nothing more over: nothing more taken
+    assert 26_100 + 16_250 + 17_750 - 60_000 == 100  # the run, once L1 and L2 reach theirs: within a step
+    decided = json.loads((tmp_path / "drain.json").read_text())
+    assert decided["lowered"] == [{"unix_s": 3001.0, "over": 6_000, "allotments": {"L1": 16_250, "L2": 17_750}}]
 
 
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():

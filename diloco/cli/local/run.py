@@ -78,7 +78,7 @@ train up to 160,000 tokens over a 768,000 budget, and one CI run whose heartbeat
 all been 5 s old at the drain 33,280 over."""
 DRAIN_FILE = "drain.json"
 """The budget's drain as decided (``Budget.spend``): each training learner's reported count,
-its heartbeat's age, its rate, the count estimated from them and its allotment."""
+that count's age, its rate, the count estimated from them and its allotment."""
 EXPORT_ATTEMPTS = 3
 """Tries of the final export (a shard that stops sending fails one in 30 s)."""
 LEARNERS_STOP_S = 8.0
@@ -419,14 +419,17 @@ class Budget:
     before it is reached (``DRAIN_LEAD_S`` at the current rate), what is left of it is
     allotted to the training learners by their rates, and each is drained after its own
     token count reaches its allotment (``allot``; the learner counts its own steps, so
-    neither the counts' age nor the directive's delay adds tokens). A learner that joins
-    later is drained at once; one that dies before spending its allotment leaves the run
-    that much short."""
+    neither the counts' age nor the directive's delay adds tokens). A learner whose
+    directive reached it past its allotment (a coordinator that stopped answering across
+    the drain) trains that much over: as long as others are short of theirs, their
+    allotments are lowered by it (``rebalance``). A learner that joins later is drained at
+    once; one that dies before spending its allotment leaves the run that much short."""
 
     def __init__(self, tokens: int | None, record: Path | None = None) -> None:
         self.tokens = tokens
         self.record = record
-        """Where the first drain's decision is written (``DRAIN_FILE``); None: nowhere."""
+        """Where the drain's decisions are written (``DRAIN_FILE``); None: nowhere."""
+        self.decisions: dict = {}
         self.rate = 0.0
         """The training learners' tokens/s, together."""
         self.spent = 0
@@ -434,21 +437,23 @@ class Budget:
         self.draining: set[str] = set()
         self.drained_at: float | None = None
         """Unix time of the first drain."""
+        self.allotments: dict[str, int] = {}
+        """Each allotted learner's current allotment."""
+        self.taken = 0
+        """What the allotments were lowered by so far (``rebalance``)."""
 
     def spend(self, trained: int, members: list[dict], admin, monkey: ChaosMonkey | None) -> None:
         if self.tokens is None:
             return
         now = time.time()
+        if self.allotments:
+            self.rebalance(members, admin, now)
         training = [m for m in members if m["state"] in ("active", "joining")]
-        beats = {m["id"]: m["last_heartbeat_unix_ms"] / 1000 for m in training}  # 0: none yet
-        # Each learner's rate as it measures it, over its last steps on its own clock: not
-        # over the times its heartbeats arrived, which a stalled coordinator bunches (a count
-        # sent before a 5 s stall and the next one after it read as six times the rate).
-        rates = {m["id"]: m["tokens_per_s"] if beats[m["id"]] else 0.0 for m in training}
+        rates = {m["id"]: _rate(m) for m in training}
         self.rate = sum(rates.values())
-        # A count is its learner's as of its last heartbeat, up to an interval old (more on
-        # a loaded host): what each has trained since, at its rate, is spent too.
-        counts = {m["id"]: m["tokens"] + int(rates[m["id"]] * max(now - beats[m["id"]], 0.0)) for m in training}
+        # A count is up to a heartbeat interval old (more on a loaded host): what each learner
+        # has trained since, at its rate, is spent too.
+        counts = {m["id"]: _estimate(m, now) for m in training}
         self.spent = spent = trained + sum(counts[m["id"]] - m["tokens"] for m in training)
         if spent + self.rate * DRAIN_LEAD_S < self.tokens:
             return
@@ -457,16 +462,47 @@ class Budget:
         todo = [{**m, "tokens": counts[m["id"]]} for m in training if m["id"] not in self.draining]
         if todo:
             after = {} if self.draining else allot(self.tokens - spent, todo, rates)
-            if not self.draining and self.record is not None:
-                atomic_write_json(self.record, {"unix_s": now, "budget": self.tokens, "spent": spent, "rate": self.rate,
-                                                "learners": {m["id"]: {
-                                                    "reported": m["tokens"], "rate": rates[m["id"]],
-                                                    "heartbeat_age_s": round(now - beats[m["id"]], 3) if beats[m["id"]] else None,
-                                                    "estimated": counts[m["id"]], "allotment": after.get(m["id"])}
-                                                    for m in training}})
+            if not self.draining:
+                self._write({"unix_s": now, "budget": self.tokens, "spent": spent, "rate": self.rate, "learners": {
+                    m["id"]: {"reported": m["tokens"], "rate": rates[m["id"]], "count_age_s": _age(m, now),
+                              "estimated": counts[m["id"]], "allotment": after.get(m["id"])} for m in training},
+                    "lowered": []})
             drained = _patient(lambda: _drain(admin, [m["id"] for m in todo], after), "drain the learners")
             self.draining |= set(drained)
+            self.allotments.update({i: a for i, a in after.items() if i in drained})
             self.drained_at = self.drained_at or time.time()
+
+    def rebalance(self, members: list[dict], admin, now: float) -> None:
+        """What learners have trained past their allotments, beyond the step that crosses
+        one, taken from the allotments of those still short of theirs, in proportion to what
+        each has left (its estimated count when a new directive reaches it, two heartbeat
+        intervals on, kept as is)."""
+        by_id = {m["id"]: m for m in members}
+        over = sum(max(by_id[i]["tokens"] - a - by_id[i]["tokens"] // max(by_id[i]["inner_steps"], 1), 0)
+                   for i, a in self.allotments.items() if i in by_id)
+        excess = over - self.taken
+        if excess <= 0:
+            return
+        reach_s = 2 * CoordinatorConfig.lease_s / HEARTBEATS_PER_LEASE
+        room = {i: int(a - _estimate(by_id[i], now) - _rate(by_id[i]) * reach_s) for i, a in self.allotments.items()
+                if i in by_id and by_id[i]["state"] == "draining"}
+        room = {i: r for i, r in room.items() if r > 0}
+        if not room:
+            return
+        take = min(excess, sum(room.values()))
+        cuts = {i: take * r // sum(room.values()) for i, r in room.items()}
+        cuts[max(room, key=room.get)] += take - sum(cuts.values())
+        lowered = {i: self.allotments[i] - c for i, c in cuts.items() if c > 0}
+        _patient(lambda: admin.remove_learners(list(lowered), drain=True, after_tokens=lowered), "lower the allotments")
+        self.allotments.update(lowered)
+        self.taken += take
+        self.decisions.setdefault("lowered", []).append({"unix_s": now, "over": over, "allotments": lowered})
+        self._write(self.decisions)
+
+    def _write(self, decisions: dict) -> None:
+        self.decisions = decisions
+        if self.record is not None:
+            atomic_write_json(self.record, decisions)
 
     def pause(self) -> float:
         """Seconds to the next look: near the budget, just in time for the drain; once
@@ -577,6 +613,28 @@ def allot(left: int, members: list[dict], rates: dict[str, float]) -> dict[str, 
     shares[max(weights, key=weights.get)] += left - sum(shares.values())
     tokens = {m["id"]: m["tokens"] for m in members}
     return {i: tokens[i] + share for i, share in shares.items()}
+
+
+def _counted_s(member: dict) -> float:
+    """When a member's counts were taken (0: no heartbeat yet), not when they arrived: a
+    heartbeat a stalled coordinator held arrives with counts from before the stall."""
+    return (member["counted_unix_ms"] or member["last_heartbeat_unix_ms"]) / 1000
+
+
+def _rate(member: dict) -> float:
+    """Its rate as it measures it, over its last steps on its own clock: not over the times
+    its heartbeats arrived, which a stalled coordinator bunches (a count sent before a 5 s
+    stall and the next one after it read as six times the rate)."""
+    return member["tokens_per_s"] if _counted_s(member) else 0.0
+
+
+def _age(member: dict, now: float) -> float | None:
+    return round(max(now - _counted_s(member), 0.0), 3) if _counted_s(member) else None
+
+
+def _estimate(member: dict, now: float) -> int:
+    """Its count now: as last reported, plus what it has trained since at its rate."""
+    return member["tokens"] + int(_rate(member) * (_age(member, now) or 0.0))
 
 
 def _drain(admin, learner_ids: list[str], after_tokens: dict[str, int] | None = None) -> list[str]:

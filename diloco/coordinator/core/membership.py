@@ -59,6 +59,8 @@ class Learner:
     """The name of the join credential that admitted it (its admissions are counted by it)."""
     max_tokens_per_s: float | None = None
     """That credential's ceiling on its credited tokens per second; None: as it reports."""
+    counted_s: float = 0.0
+    """When its last heartbeat's counts were taken (``HeartbeatStats.counted_s``, bounded)."""
 
     @property
     def live(self) -> bool:
@@ -115,6 +117,12 @@ class HeartbeatStats:
     train_loss: float | None = None
     eval_loss: float | None = None
     loss_unit: str = ""
+    counted_s: float | None = None
+    """When the learner took these counts, by its clock (None: unknown)."""
+
+
+def _drain_reason(after_tokens: int) -> str:
+    return f"drained at {after_tokens:,} tokens" if after_tokens else "removed by an operator (drain)"
 
 
 @dataclass(frozen=True)
@@ -250,6 +258,9 @@ class Membership:
         if stats.tokens > learner.tokens or stats.inner_steps > learner.inner_steps:
             learner.progress_s = now
         self.credit_tokens(learner, stats.tokens, now)
+        # Taken after its previous heartbeat was answered, before this one arrived (a
+        # heartbeat held by a stalled coordinator arrives with counts from before the stall).
+        learner.counted_s = min(max(stats.counted_s or now, learner.heartbeat_s), now)
         learner.heartbeat_s = now
         learner.inner_steps = max(learner.inner_steps, stats.inner_steps)
         learner.version_lag, learner.tokens_per_s = stats.version_lag, stats.tokens_per_s
@@ -399,19 +410,26 @@ class Membership:
             raise FailedPrecondition(f"cannot remove {count} learners: {len(candidates)} are live and not draining")
         return sorted(candidates, key=lambda l: (l.joined_s, l.number), reverse=True)[:count]
 
-    def drain(self, learner_ids: list[str], now: float, after_tokens: dict[str, int] | None = None) -> None:
+    def drain(self, learner_ids: list[str], now: float, after_tokens: dict[str, int] | None = None) -> list[Learner]:
         """``after_tokens``: learner -> the token count it trains to before it leaves (not
-        listed: it leaves now). A learner already draining keeps its drain."""
+        listed: it leaves now). A learner already draining keeps its drain unless this one
+        comes sooner (a lower count, or now): returns those whose drain moved so."""
         after_tokens = after_tokens or {}
+        moved = []
         for learner in map(self.learner, learner_ids):
-            if learner.live and learner.state != DRAINING:
-                learner.state = DRAINING
-                learner.drain_after_tokens = after_tokens.get(learner.id, 0)
-                learner.reason = "removed by an operator (drain)" if not learner.drain_after_tokens else \
-                    f"drained at {learner.drain_after_tokens:,} tokens"
-                learner.drain_deadline_s = now + self.cfg.drain_timeout_s
-                self._forget_deadline()
-                self._emit("draining", learner, learner.reason)
+            after = after_tokens.get(learner.id, 0)
+            if not learner.live:
+                continue
+            if learner.state == DRAINING:
+                if learner.drain_after_tokens and after < learner.drain_after_tokens:
+                    learner.drain_after_tokens, learner.reason = after, _drain_reason(after)
+                    moved.append(learner)
+                continue
+            learner.state, learner.drain_after_tokens, learner.reason = DRAINING, after, _drain_reason(after)
+            learner.drain_deadline_s = now + self.cfg.drain_timeout_s
+            self._forget_deadline()
+            self._emit("draining", learner, learner.reason)
+        return moved
 
     def remove(self, learner_ids: list[str], reason: str, now: float) -> None:
         for learner in map(self.learner, learner_ids):
