@@ -624,7 +624,7 @@ class CoordinatorRuntime:
             raise InvalidArgument(f"after_tokens names learners not drained by this call: {', '.join(unknown)}")
         if drain:
             for learner in self.membership.drain(chosen, now, after_tokens):
-                logger.info("learner %s drains sooner: %s", learner.id, learner.reason)
+                logger.info("learner %s's drain moved: %s", learner.id, learner.reason)
         else:
             self.membership.remove(chosen, "removed by an operator", now)
         self._settle()

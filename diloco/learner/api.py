@@ -289,8 +289,8 @@ class Learner(LossReports):
         """Leave (the training loop sees ``should_stop``), or with ``after_tokens`` once this
         learner's own token count reaches it: the step that reaches it is its last."""
         if after_tokens > self.summary.tokens:
-            # The directive repeats on every heartbeat; a later one may move the drain sooner.
-            if self._drain_at is None or after_tokens < self._drain_at[0]:
+            # The directive repeats on every heartbeat; a token budget may move its count.
+            if self._drain_at is None or after_tokens != self._drain_at[0]:
                 logger.warning("%s: will leave at %s tokens: %s", self.learner_id, f"{after_tokens:,}", reason)
                 self._drain_at = (after_tokens, reason)
             return

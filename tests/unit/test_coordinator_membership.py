@@ -430,21 +430,21 @@ def test_the_cap_counts_what_is_already_taken():
         m.check_launch(2, "")
 
 
-def test_a_drain_moves_sooner_never_later():
-    """A token budget lowers an allotment when another learner trained past its own; an
-    operator's drain now ends an allotment's wait. A later count, or the same, changes nothing."""
+def test_a_drain_to_a_count_takes_a_new_count_and_a_drain_now_is_final():
+    """A token budget moves allotments as learners over- or undershoot theirs; an
+    operator's drain now ends an allotment's wait, and nothing moves it after that."""
     m = membership(drain_timeout_s=30.0, lease_s=100.0, credential_lifetime_s=200.0)
     for _ in range(3):
         m.join("", "", "", "", now=0.0, credential=OPEN)
     m.drain(["L0", "L1", "L2"], now=10.0, after_tokens={"L0": 5000, "L1": 7000})
     m.take_changes()
-    assert m.drain(["L0", "L1"], now=12.0, after_tokens={"L0": 6000, "L1": 7000}) == []
-    assert (m.learner("L0").drain_after_tokens, m.learner("L1").drain_after_tokens) == (5000, 7000)
+    assert [l.id for l in m.drain(["L0", "L1"], now=12.0, after_tokens={"L0": 6000, "L1": 7000})] == ["L0"]
+    assert (m.learner("L0").drain_after_tokens, m.learner("L0").reason) == (6000, "drained at 6,000 tokens")
     assert [l.id for l in m.drain(["L0", "L2"], now=13.0, after_tokens={"L0": 4500, "L2": 100})] == ["L0"]
-    assert (m.learner("L0").drain_after_tokens, m.learner("L0").reason) == (4500, "drained at 4,500 tokens")
-    assert m.learner("L2").drain_after_tokens == 0  # already leaving now: nothing sooner
+    assert m.learner("L0").drain_after_tokens == 4500 and m.learner("L2").drain_after_tokens == 0  # L2: now, final
     assert [l.id for l in m.drain(["L1"], now=14.0)] == ["L1"]
     assert (m.learner("L1").drain_after_tokens, m.learner("L1").reason) == (0, "removed by an operator (drain)")
+    assert m.drain(["L1"], now=15.0, after_tokens={"L1": 9000}) == [] and m.learner("L1").drain_after_tokens == 0
     assert m.take_changes() == [] and m.learner("L0").drain_deadline_s == 40.0  # no new event, the same deadline
 
 

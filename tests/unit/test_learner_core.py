@@ -341,10 +341,10 @@ def test_quantized_without_a_push_being_sent_is_a_programming_error():
         b.quantized(0, [torch.zeros(1, 64)])
 
 
-def test_a_drain_after_tokens_waits_for_the_count_and_a_later_directive_moves_it_sooner():
+def test_a_drain_after_tokens_waits_for_the_count_and_a_later_directive_moves_it():
     """The budget's allotment: the learner leaves at the step that reaches it; a directive
-    with a lower count (the budget took from it what another trained over) moves it sooner,
-    one with a higher count does not move it; a count already passed leaves now."""
+    with another count (the budget moved what others over- or undershot onto it) moves it;
+    a count already passed leaves now."""
     import threading
     from types import SimpleNamespace
 
@@ -353,10 +353,10 @@ def test_a_drain_after_tokens_waits_for_the_count_and_a_later_directive_moves_it
     me = SimpleNamespace(summary=SimpleNamespace(tokens=1000), _drain_at=None, stop=threading.Event(),
                          learner_id="L0", stop_reason="")
     Learner._drain(me, "drained at 5,000 tokens", 5000)
-    Learner._drain(me, "drained at 9,000 tokens", 9000)
-    assert me._drain_at == (5000, "drained at 5,000 tokens") and not me.stop.is_set()
     Learner._drain(me, "drained at 4,000 tokens", 4000)
     assert me._drain_at == (4000, "drained at 4,000 tokens") and not me.stop.is_set()
-    me.summary.tokens = 4100
+    Learner._drain(me, "drained at 9,000 tokens", 9000)
+    assert me._drain_at == (9000, "drained at 9,000 tokens") and not me.stop.is_set()
+    me.summary.tokens = 9100
     Learner._drain(me, "drained at 3,000 tokens", 3000)
     assert me.stop.is_set() and me.stop_reason == "drained at 3,000 tokens"

@@ -184,44 +184,63 @@ def test_counts_a_stalled_coordinator_held_are_read_at_the_time_they_were_taken(
     assert calls == [{"L0": now["L0"] + 5 * 4000, "L1": now["L1"] + 5 * 1000}]
 
 
-def test_what_a_learner_trains_past_its_allotment_is_taken_from_those_short_of_theirs(monkeypatch, tmp_path):
-    """A learner whose directive came late trains over; the others' allotments are lowered
-    by that, beyond the step that crossed, in proportion to what each has left, so the run
-    still meets its budget; each lowering is kept in drain.json."""
+def _budget_after_a_drain(monkeypatch, tmp_path):
+    """A budget of 60,000 whose drain allotted 20,000 each to three learners at 10,000
+    (100 tokens a step, 1,000 tokens/s): the clock, the budget, the admin's calls and a
+    member maker."""
     import time
 
     from diloco.cli.local.run import Budget
 
     clock = [3000.0]
     monkeypatch.setattr(time, "time", lambda: clock[0])
-    calls = []
 
     class Admin:
-        def remove_learners(self, ids, drain, after_tokens):
-            calls.append(dict(after_tokens))
+        calls = []
 
-    def member(i, tokens, rate, state="draining"):
+        def remove_learners(self, ids, drain, after_tokens):
+            assert drain and sorted(ids) == sorted(after_tokens)
+            self.calls.append(dict(after_tokens))
+
+    def member(i, tokens, state="draining", rate=1000.0):
         return {"id": i, "state": state, "tokens": tokens, "inner_steps": tokens // 100, "tokens_per_s": rate,
                 "last_heartbeat_unix_ms": int(clock[0] * 1000), "counted_unix_ms": int(clock[0] * 1000)}
 
-    budget = Budget(60_000, tmp_path / "drain.json")
-    first = [member(i, 10_000, 1000.0, "active") for i in ("L0", "L1", "L2")]
-    budget.spend(30_000, first, Admin(), None)  # 30,000 left, 10 s at 3,000 tokens/s
-    assert calls == [{"L0": 20_000, "L1": 20_000, "L2": 20_000}]
-    # L0 heard of it late: at 26,100, 6,000 over beyond its last step; L1 has 7,000 left less
-    # 2 s at its rate, L2 3,000 less 2 s.
+    budget, admin = Budget(60_000, tmp_path / "drain.json"), Admin()
+    budget.spend(30_000, [member(i, 10_000, "active") for i in ("L0", "L1", "L2")], admin, None)
+    assert admin.calls == [{"L0": 20_000, "L1": 20_000, "L2": 20_000}] and budget.allotted == 60_000
     clock[0] += 1
-    budget.spend(0, [member("L0", 26_100, 1000.0), member("L1", 13_000, 1000.0), member("L2", 15_000, 1000.0)],
-                 Admin(), None)
-    assert calls[1] == {"L1": 20_000 - 3_750, "L2": 20_000 - 2_250}  # 6,000 taken of 5,000 and 3,000 left: 5:3
-    assert budget.allotments == {"L0": 20_000, "L1": 16_250, "L2": 17_750} and budget.taken == 6_000
+    return clock, budget, admin, member
+
+
+def test_what_a_learner_trains_past_its_allotment_is_taken_from_those_short_of_theirs(monkeypatch, tmp_path):
+    """A learner whose directive came late trains over; the others' allotments are lowered
+    by that, in proportion to what each has left, so the run still meets its budget; each
+    move is kept in drain.json."""
+    clock, budget, admin, member = _budget_after_a_drain(monkeypatch, tmp_path)
+    # L0 heard of it late: at 26,000, 6,000 over; L1 has 7,000 left less 2 s at its rate, L2 3,000 less 2 s.
+    budget.spend(0, [member("L0", 26_000), member("L1", 13_000), member("L2", 15_000)], admin, None)
+    assert admin.calls[1] == {"L1": 20_000 - 3_750, "L2": 20_000 - 2_250}  # 6,000 taken of 5,000 and 3,000 left: 5:3
+    assert budget.allotments == {"L0": 20_000, "L1": 16_250, "L2": 17_750}
     clock[0] += 1
-    budget.spend(0, [member("L0", 26_100, 0.0, "left"), member("L1", 14_000, 1000.0), member("L2", 16_000, 1000.0)],
-                 Admin(), None)
-    assert len(calls) == 2  # nothing more over: nothing more taken
-    assert 26_100 + 16_250 + 17_750 - 60_000 == 100  # the run, once L1 and L2 reach theirs: within a step
+    budget.spend(0, [member("L0", 26_000, "left"), member("L1", 14_000), member("L2", 16_100)], admin, None)
+    assert len(admin.calls) == 2  # on its allotments again (L2 within a step of its): nothing moved
     decided = json.loads((tmp_path / "drain.json").read_text())
-    assert decided["lowered"] == [{"unix_s": 3001.0, "over": 6_000, "allotments": {"L1": 16_250, "L2": 17_750}}]
+    assert decided["moved"] == [{"unix_s": 3001.0, "off": 6_000, "allotments": {"L1": 16_250, "L2": 17_750}}]
+
+
+def test_what_a_learner_leaves_of_its_allotment_is_given_to_those_still_training(monkeypatch, tmp_path):
+    """A learner that runs out of its steps (or dies) before its allotment leaves the run
+    short by the rest: the learners still training are given it, by their rates."""
+    clock, budget, admin, member = _budget_after_a_drain(monkeypatch, tmp_path)
+    budget.spend(0, [member("L0", 17_000, "left"), member("L1", 15_000, rate=3000.0), member("L2", 15_000)], admin, None)
+    assert admin.calls[1] == {"L1": 20_000 + 2_250, "L2": 20_000 + 750}
+    clock[0] += 1
+    budget.spend(0, [member("L0", 17_000, "left"), member("L1", 18_000, rate=3000.0), member("L2", 16_000)], admin, None)
+    assert len(admin.calls) == 2
+    # Over by less than a step per learner (each crosses its allotment by part of a step): as is.
+    budget.spend(0, [member("L0", 17_000, "left"), member("L1", 22_300, "left"), member("L2", 20_800, "left")], admin, None)
+    assert len(admin.calls) == 2
 
 
 def test_slot_seconds_count_each_slot_from_its_first_step_and_scavenged_from_the_request():

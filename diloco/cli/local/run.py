@@ -421,9 +421,9 @@ class Budget:
     token count reaches its allotment (``allot``; the learner counts its own steps, so
     neither the counts' age nor the directive's delay adds tokens). A learner whose
     directive reached it past its allotment (a coordinator that stopped answering across
-    the drain) trains that much over: as long as others are short of theirs, their
-    allotments are lowered by it (``rebalance``). A learner that joins later is drained at
-    once; one that dies before spending its allotment leaves the run that much short."""
+    the drain) trains that much over, and one that runs out of its steps or dies before
+    its allotment that much short: the others' allotments are moved by it while they
+    train (``rebalance``). A learner that joins later is drained at once."""
 
     def __init__(self, tokens: int | None, record: Path | None = None) -> None:
         self.tokens = tokens
@@ -439,8 +439,8 @@ class Budget:
         """Unix time of the first drain."""
         self.allotments: dict[str, int] = {}
         """Each allotted learner's current allotment."""
-        self.taken = 0
-        """What the allotments were lowered by so far (``rebalance``)."""
+        self.allotted = 0
+        """What the first allotments summed to: the allotted learners' share of the budget."""
 
     def spend(self, trained: int, members: list[dict], admin, monkey: ChaosMonkey | None) -> None:
         if self.tokens is None:
@@ -466,37 +466,44 @@ class Budget:
                 self._write({"unix_s": now, "budget": self.tokens, "spent": spent, "rate": self.rate, "learners": {
                     m["id"]: {"reported": m["tokens"], "rate": rates[m["id"]], "count_age_s": _age(m, now),
                               "estimated": counts[m["id"]], "allotment": after.get(m["id"])} for m in training},
-                    "lowered": []})
+                    "moved": []})
             drained = _patient(lambda: _drain(admin, [m["id"] for m in todo], after), "drain the learners")
             self.draining |= set(drained)
             self.allotments.update({i: a for i, a in after.items() if i in drained})
+            self.allotted = sum(self.allotments.values())
             self.drained_at = self.drained_at or time.time()
 
     def rebalance(self, members: list[dict], admin, now: float) -> None:
-        """What learners have trained past their allotments, beyond the step that crosses
-        one, taken from the allotments of those still short of theirs, in proportion to what
-        each has left (its estimated count when a new directive reaches it, two heartbeat
-        intervals on, kept as is)."""
-        by_id = {m["id"]: m for m in members}
-        over = sum(max(by_id[i]["tokens"] - a - by_id[i]["tokens"] // max(by_id[i]["inner_steps"], 1), 0)
-                   for i, a in self.allotments.items() if i in by_id)
-        excess = over - self.taken
-        if excess <= 0:
+        """Keep the allotted learners' total on what was allotted: what they will have
+        trained (a learner gone, its count; one still draining, its allotment or, past it,
+        its count) is compared with it, and beyond a step per learner the difference is
+        moved onto the allotments of the learners still training. Over (a learner whose
+        directive reached it past its allotment): taken from those short of theirs, in
+        proportion to what each has left (its estimated count when a new directive reaches
+        it, two heartbeat intervals on, kept as is). Short (a learner that ran out of its
+        steps, or died, before its allotment): given to them by their rates."""
+        allotted = [m for m in members if m["id"] in self.allotments]
+        draining = [m for m in allotted if m["state"] == "draining"]
+        projected = sum(m["tokens"] if m["state"] != "draining" else max(self.allotments[m["id"]], m["tokens"])
+                        for m in allotted)
+        off = projected - self.allotted
+        if abs(off) <= sum(m["tokens"] // max(m["inner_steps"], 1) for m in allotted) or not draining:
             return
-        reach_s = 2 * CoordinatorConfig.lease_s / HEARTBEATS_PER_LEASE
-        room = {i: int(a - _estimate(by_id[i], now) - _rate(by_id[i]) * reach_s) for i, a in self.allotments.items()
-                if i in by_id and by_id[i]["state"] == "draining"}
-        room = {i: r for i, r in room.items() if r > 0}
-        if not room:
+        if off > 0:
+            reach_s = 2 * CoordinatorConfig.lease_s / HEARTBEATS_PER_LEASE
+            weights = {m["id"]: int(self.allotments[m["id"]] - _estimate(m, now) - _rate(m) * reach_s) for m in draining}
+        else:
+            weights = {m["id"]: _rate(m) for m in draining}
+        weights = {i: w for i, w in weights.items() if w > 0}
+        if not weights:
             return
-        take = min(excess, sum(room.values()))
-        cuts = {i: take * r // sum(room.values()) for i, r in room.items()}
-        cuts[max(room, key=room.get)] += take - sum(cuts.values())
-        lowered = {i: self.allotments[i] - c for i, c in cuts.items() if c > 0}
-        _patient(lambda: admin.remove_learners(list(lowered), drain=True, after_tokens=lowered), "lower the allotments")
-        self.allotments.update(lowered)
-        self.taken += take
-        self.decisions.setdefault("lowered", []).append({"unix_s": now, "over": over, "allotments": lowered})
+        moved = min(off, sum(weights.values())) if off > 0 else off  # at most the room there is
+        shares = {i: int(moved * w / sum(weights.values())) for i, w in weights.items()}
+        shares[max(weights, key=weights.get)] += moved - sum(shares.values())
+        new = {i: self.allotments[i] - s for i, s in shares.items() if s}
+        _patient(lambda: admin.remove_learners(list(new), drain=True, after_tokens=new), "move the allotments")
+        self.allotments.update(new)
+        self.decisions.setdefault("moved", []).append({"unix_s": now, "off": off, "allotments": new})
         self._write(self.decisions)
 
     def _write(self, decisions: dict) -> None:

@@ -412,8 +412,10 @@ class Membership:
 
     def drain(self, learner_ids: list[str], now: float, after_tokens: dict[str, int] | None = None) -> list[Learner]:
         """``after_tokens``: learner -> the token count it trains to before it leaves (not
-        listed: it leaves now). A learner already draining keeps its drain unless this one
-        comes sooner (a lower count, or now): returns those whose drain moved so."""
+        listed: it leaves now). A learner already draining to a count takes the new one (a
+        token budget moves allotments as learners over- or undershoot theirs), one already
+        told to leave now keeps that; its deadline stays. Returns the learners whose drain
+        moved."""
         after_tokens = after_tokens or {}
         moved = []
         for learner in map(self.learner, learner_ids):
@@ -421,7 +423,7 @@ class Membership:
             if not learner.live:
                 continue
             if learner.state == DRAINING:
-                if learner.drain_after_tokens and after < learner.drain_after_tokens:
+                if learner.drain_after_tokens and after != learner.drain_after_tokens:
                     learner.drain_after_tokens, learner.reason = after, _drain_reason(after)
                     moved.append(learner)
                 continue
