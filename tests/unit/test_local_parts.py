@@ -589,3 +589,21 @@ def test_endpoints_json_gets_a_process_whose_first_write_was_interrupted(tmp_pat
     cluster.note_learners([member])  # the stop's listing
     assert [(e["role"], e.get("id"), e["pid"]) for e in json.loads((tmp_path / "endpoints.json").read_text())] == \
         [("learner", "L1", 4242)]
+
+
+def test_a_move_skips_a_learner_that_left_since_the_listing(monkeypatch, tmp_path):
+    """The allotments are moved from a listing a moment old: a learner that left since is
+    refused by the coordinator ("already gone") and the move goes to the others."""
+    from diloco.errors import FailedPrecondition
+
+    clock, budget, admin, member = _budget_after_a_drain(monkeypatch, tmp_path)
+
+    def remove_learners(ids, drain, after_tokens):
+        if "L1" in ids:
+            raise FailedPrecondition("already gone: L1")
+        admin.calls.append(dict(after_tokens))
+
+    admin.remove_learners = remove_learners
+    admin.members = lambda: [member("L0", 17_000, "left"), member("L1", 20_000, "left"), member("L2", 15_000)]
+    budget.spend(0, [member("L0", 17_000, "left"), member("L1", 15_000), member("L2", 15_000)], admin, None)
+    assert admin.calls[1] == {"L2": 20_000 + 1_500}
