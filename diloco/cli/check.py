@@ -226,10 +226,13 @@ def _minus(intervals: list[tuple[float, float]], holes: list[tuple[float, float]
     return _union(out)
 
 
-def reachable(shard: int, records: list[dict], chaos: list[dict], end: float) -> list[tuple[float, float]]:
+def reachable(shard: int, records: list[dict], chaos: list[dict], end: float,
+              stopped: dict[str, float] | None = None) -> list[tuple[float, float]]:
     """When at least one live learner could sync with ``shard``: from each accepted push of
-    a learner on, until it failed, left or was killed, or a fault cut it off that shard
-    (then from its next accepted push on); minus the times the shard was down."""
+    a learner on, until it failed, left, was killed or stopped training (``stopped``, by
+    its own events: the shard hears of a departure through the coordinator, which may not
+    be answering), or a fault cut it off that shard (then from its next accepted push on);
+    minus the times the shard was down."""
     cuts: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for fault, learner, start, healed in fault_spans(chaos, end):
         if fault["fault"] in CUTTING or (fault["fault"] == "cut-shard" and fault.get("shard") == shard):
@@ -242,6 +245,8 @@ def reachable(shard: int, records: list[dict], chaos: list[dict], end: float) ->
     for c in chaos:
         if c["kind"] == "kill":
             ends[c["learner"]] = min(ends.get(c["learner"], c["t"]), c["t"])
+    for learner, t in (stopped or {}).items():
+        ends[learner] = min(ends.get(learner, t), t)
     pushes: dict[str, list[float]] = defaultdict(list)
     for r in records:
         if r["kind"] == "push" and r["outcome"] != "duplicate":
@@ -271,7 +276,24 @@ def reachable(shard: int, records: list[dict], chaos: list[dict], end: float) ->
     return _minus(_union(spans), _union(down))
 
 
-def check_progress(shard: int, records: list[dict], chaos: list[dict], end: float) -> dict:
+def learner_stops(run_dir: Path) -> dict[str, float]:
+    """When each learner stopped training, by its own events (``learners/<id>.events.jsonl``:
+    its first state draining or left); a learner killed mid-step has none."""
+    stops = {}
+    for path in sorted((run_dir / "learners").glob("*.events.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # a killed learner's last line may be torn
+                continue
+            if event.get("kind") == "state" and event.get("state") in ("draining", "left"):
+                stops[path.name.removesuffix(".events.jsonl")] = event["t"]
+                break
+    return stops
+
+
+def check_progress(shard: int, records: list[dict], chaos: list[dict], end: float,
+                   stopped: dict[str, float] | None = None) -> dict:
     """Returns the shard's expected round period, its uptime under partitions and its
     longest stall; raises on a stall."""
     rounds = sorted(r["t"] for r in records if r["kind"] == "round")
@@ -282,7 +304,7 @@ def check_progress(shard: int, records: list[dict], chaos: list[dict], end: floa
     push_gaps = [b - a for times in _push_times(records).values() for a, b in zip(times, times[1:])]
     cadence = statistics.median(push_gaps) if push_gaps else (statistics.median(gaps) if gaps else 0.0)
     period = expected_period(cadence)  # the project's one definition (metrics.uptime's too)
-    eligible = reachable(shard, records, chaos, end)
+    eligible = reachable(shard, records, chaos, end, stopped)
     total = sum(b - a for a, b in eligible)
     stalled, worst = 0.0, (0.0, None)
     marks = rounds + [end]
@@ -384,10 +406,10 @@ def check(run_dir: Path, replay_fn=None, snapshot_dir: str | None = None) -> Rep
     shards = {}
 
     def progress() -> None:
-        first = None
+        first, stopped = None, learner_stops(run_dir)
         for s, records in tapes.items():
             try:
-                shards[s] = check_progress(s, records, chaos, end)
+                shards[s] = check_progress(s, records, chaos, end, stopped)
             except Violation as v:
                 shards[s] = v.args[1]
                 first = first or v

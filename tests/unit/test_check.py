@@ -237,6 +237,21 @@ def test_a_stall_while_learners_could_reach_the_shard_fails(tmp_path):
                          replay_fn=exact)) == {}
 
 
+def test_a_gap_after_every_learner_stopped_training_is_no_stall_though_the_shard_was_not_told(tmp_path):
+    """The learners stop pushing at t=1.1 (drained, by their own events) and the shard hears
+    they left only at the end (the coordinator did not answer): no learner could make the
+    shard progress. Without the learners' events the same tape is a stall."""
+    tape = _without_rounds(history(60, 0.25), 1.1, 14.0, pushes=True)
+    path = write_run(tmp_path / "stopped", tape)
+    (path / "learners").mkdir()
+    for learner, t in (("L0", 1.05), ("L1", 1.15)):
+        events = [{"kind": "state", "t": 0.1, "state": "computing", "step": 0},
+                  {"kind": "state", "t": t, "state": "draining", "step": 9}]
+        (path / "learners" / f"{learner}.events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"kind": "st')
+    assert failing(check(path, replay_fn=exact)) == {}
+    assert "progress" in failing(check(write_run(tmp_path / "untold", tape), replay_fn=exact))
+
+
 def test_a_gap_while_every_learner_is_cut_off_is_no_stall(tmp_path):
     tape = _without_rounds(history(60, 0.25), 1.1, 7.1, pushes=True)
     cut = [{"kind": "fault", "t": 1.2, "fault": "cut", "learners": ["L0"]},
