@@ -42,7 +42,7 @@ from pathlib import Path
 from diloco.errors import DilocoError, NotFound
 from diloco.tape import read_tape
 from diloco.cli.chaos import fault_spans
-from diloco.cli.metrics import expected_period
+from diloco.cli.metrics import expected_period, learner_events
 
 logger = logging.getLogger(__name__)
 
@@ -277,19 +277,11 @@ def reachable(shard: int, records: list[dict], chaos: list[dict], end: float,
 
 
 def learner_stops(run_dir: Path) -> dict[str, float]:
-    """When each learner stopped training, by its own events (``learners/<id>.events.jsonl``:
-    its first state draining or left); a learner killed mid-step has none."""
-    stops = {}
-    for path in sorted((run_dir / "learners").glob("*.events.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:  # a killed learner's last line may be torn
-                continue
-            if event.get("kind") == "state" and event.get("state") in ("draining", "left"):
-                stops[path.name.removesuffix(".events.jsonl")] = event["t"]
-                break
-    return stops
+    """When each learner stopped training, by its own events (``learner_events``: its first
+    state draining or left); a learner killed mid-step has none."""
+    return {learner: stop for learner, events in learner_events(run_dir).items()
+            if (stop := next((e["t"] for e in events if e["kind"] == "state" and e.get("state") in ("draining", "left")),
+                             None)) is not None}
 
 
 def check_progress(shard: int, records: list[dict], chaos: list[dict], end: float,

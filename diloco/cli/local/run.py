@@ -428,6 +428,7 @@ class Budget:
         self.record = record
         """Where the drain's decisions are written (``DRAIN_FILE``); None: nowhere."""
         self.decisions: dict = {}
+        """What ``DRAIN_FILE`` holds: the drain's decision and each later move."""
         self.rate = 0.0
         """The training learners' tokens/s, together."""
         self.spent = 0
@@ -495,14 +496,15 @@ class Budget:
         weights = {i: w for i, w in weights.items() if w > 0}
         if not weights:
             return
-        moved = min(off, sum(weights.values())) if off > 0 else off  # at most the room there is
-        shares = {i: int(moved * w / sum(weights.values())) for i, w in weights.items()}
+        total = sum(weights.values())
+        moved = min(off, total) if off > 0 else off  # at most the room there is
+        shares = {i: int(moved * w / total) for i, w in weights.items()}
         shares[max(weights, key=weights.get)] += moved - sum(shares.values())
         new = {i: self.allotments[i] - s for i, s in shares.items() if s}
         # (one that left since the listing is not an error: ``_drain`` skips it)
         _patient(lambda: _drain(admin, list(new), new), "move the allotments")
         self.allotments.update(new)
-        self.decisions.setdefault("moved", []).append({"unix_s": now, "off": off, "allotments": new})
+        self.decisions["moved"].append({"unix_s": now, "off": off, "allotments": new})
         self._write(self.decisions)
 
     def _write(self, decisions: dict) -> None:
