@@ -38,6 +38,18 @@
 #error "bit-identical results need plain single-precision evaluation (FLT_EVAL_METHOD == 0)"
 #endif
 
+/* The per-block sparse loops, compiled twice on x86-64: for AVX2 (chosen at load time on a
+ * CPU that has it) and for the baseline. The same IEEE operations either way (no FMA:
+ * -ffp-contract=off), so both write the same bits. */
+#if defined(__x86_64__) && defined(__has_attribute) && !defined(DILOCO_INT4_PORTABLE) && !defined(DILOCO_NO_CLONES)
+#if __has_attribute(target_clones)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef VECTOR_CLONES
+#define VECTOR_CLONES
+#endif
+
 /* Reading the input both as floats and as their bit patterns; may_alias keeps that legal. */
 typedef uint32_t __attribute__((may_alias)) u32_alias;
 
@@ -1024,6 +1036,39 @@ done:
  * operations in the same order (x = anchor - base; scale = absmax / 127; inverse =
  * 1 / scale; q = rint(x * inverse); value = base + float(q) * scale), bit for bit. */
 
+VECTOR_CLONES
+static double mirror_store_blocks(const float *anchor, const float *base, int8_t *codes, float *scales, Py_ssize_t n,
+                                  Py_ssize_t block) {
+    double lost = 0.0;
+    for (Py_ssize_t b = 0, blocks = (n + block - 1) / block; b < blocks; b++) {
+        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        float absmax = 0.0f;
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            float x = fabsf(anchor[i] - base[i]);
+            absmax = x > absmax ? x : absmax;
+        }
+        float scale = absmax / 127.0f;
+        float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        /* |q| <= 127 (the inverse of absmax / 127), so ROUND_MAGIC rounds half to even
+         * exactly as rint does, without a libm call per value. */
+        for (Py_ssize_t i = lo; i < hi; i++)
+            codes[i] = (int8_t)(int32_t)(((anchor[i] - base[i]) * inverse + ROUND_MAGIC) - ROUND_MAGIC);
+        scales[b] = scale;
+        lost += (double)scale * (double)scale * (double)(hi - lo) / 12.0;
+    }
+    return lost;
+}
+
+VECTOR_CLONES
+static void mirror_load_blocks(const int8_t *codes, const float *scales, const float *base, float *out, Py_ssize_t n,
+                               Py_ssize_t block) {
+    for (Py_ssize_t b = 0, blocks = (n + block - 1) / block; b < blocks; b++) {
+        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        float scale = scales[b];
+        for (Py_ssize_t i = lo; i < hi; i++) out[i] = base[i] + (float)codes[i] * scale;
+    }
+}
+
 PyDoc_STRVAR(mirror_store_doc,
 "mirror_store(anchor, base, codes, scales, n, block) -> float\n\n"
 "codes, scales <- the int8 blocks of anchor - base (float32 [n] each; codes int8 [n],\n"
@@ -1054,25 +1099,8 @@ static PyObject *py_mirror_store(PyObject *self, PyObject *args) {
     }
     double lost = 0.0;
     Py_BEGIN_ALLOW_THREADS
-    const float *anchor = (const float *)v[0].buf, *base = (const float *)v[1].buf;
-    int8_t *codes = (int8_t *)v[2].buf;
-    float *scales = (float *)v[3].buf;
-    for (Py_ssize_t b = 0; b < blocks; b++) {
-        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
-        float absmax = 0.0f;
-        for (Py_ssize_t i = lo; i < hi; i++) {
-            float x = fabsf(anchor[i] - base[i]);
-            if (x > absmax) absmax = x;
-        }
-        float scale = absmax / 127.0f;
-        float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-        /* |q| <= 127 (the inverse of absmax / 127), so ROUND_MAGIC rounds half to even
-         * exactly as rint does, without a libm call per value. */
-        for (Py_ssize_t i = lo; i < hi; i++)
-            codes[i] = (int8_t)(int32_t)(((anchor[i] - base[i]) * inverse + ROUND_MAGIC) - ROUND_MAGIC);
-        scales[b] = scale;
-        lost += (double)scale * (double)scale * (double)(hi - lo) / 12.0;
-    }
+    lost = mirror_store_blocks((const float *)v[0].buf, (const float *)v[1].buf, (int8_t *)v[2].buf,
+                               (float *)v[3].buf, n, block);
     Py_END_ALLOW_THREADS
     result = PyFloat_FromDouble(lost);
 done:
@@ -1107,14 +1135,8 @@ static PyObject *py_mirror_load(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    const int8_t *codes = (const int8_t *)v[0].buf;
-    const float *scales = (const float *)v[1].buf, *base = (const float *)v[2].buf;
-    float *out = (float *)v[3].buf;
-    for (Py_ssize_t b = 0; b < blocks; b++) {
-        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
-        float scale = scales[b];
-        for (Py_ssize_t i = lo; i < hi; i++) out[i] = base[i] + (float)codes[i] * scale;
-    }
+    mirror_load_blocks((const int8_t *)v[0].buf, (const float *)v[1].buf, (const float *)v[2].buf,
+                       (float *)v[3].buf, n, block);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -1184,99 +1206,116 @@ static inline int sparse_scale(float amax, int scale_size, float *scale, uint32_
     return 0;
 }
 
-static const float SPARSE_LEVELS[4] = {-1.5f, -0.5f, 0.5f, 1.5f}; /* (c - 1.5), exact */
+/* floor(x / scale + 2) clipped to 0..3, as numpy computes it: clipped to [0, 3] first, the
+ * conversion then truncates, which is floor for the non-negative values it is given (no
+ * libm call, and the loops over it vectorise: one true division per value). A zero scale
+ * (every value of the block is 0) codes every value 2 (+0.5 x 0). */
+static inline unsigned char sparse_code(float x, float scale) {
+    float q = x / scale + 2.0f;
+    q = q < 0.0f ? 0.0f : q;
+    q = q > 3.0f ? 3.0f : q;
+    return (unsigned char)(int)q;
+}
 
-/* floor(x / scale + 2) clipped to 0..3, as numpy computes it; the conversion truncates,
- * which is floor for the non-negative values it is given (no libm call). */
-static inline unsigned sparse_code(float x, float scale) {
-    if (!(scale > 0.0f)) return 2u;
-    float q = x / scale;
-    q = q + 2.0f;
-    return q < 1.0f ? 0u : q >= 3.0f ? 3u : (unsigned)q;
+/* One block of `len` values, of which the `k` largest |x| are kept (ties to the lower
+ * index): its scale (`*scale`, stored pattern `*bits`), the kept values' in-block
+ * positions in ascending order (`where`, unless every value is kept: then position j is
+ * j and `where` is not written) and their codes (`code`). `*ratio` carries the previous
+ * block's threshold over its largest key, the next block's first guess. Returns a STATUS. */
+VECTOR_CLONES
+static int sparse_block(const float *x, size_t len, size_t k, int scale_size, float *ratio, float *scale,
+                        uint32_t *bits, unsigned char *where, unsigned char *code) {
+    uint32_t keys[256], work[256];
+    uint32_t top = 0;
+    for (size_t i = 0; i < len; i++) {
+        keys[i] = ((const u32_alias *)x)[i] & 0x7FFFFFFFu;
+        top = keys[i] > top ? keys[i] : top;
+    }
+    if (top >= 0x7F800000u) return STATUS_NONFINITE; /* a NaN or an infinity: the largest key says so */
+    if (sparse_scale(bits_to_float(top), scale_size, scale, bits) < 0) return STATUS_SCALE_OVERFLOW;
+    float s = *scale;
+    if (k >= len) {
+        if (s > 0.0f)
+            for (size_t i = 0; i < len; i++) code[i] = sparse_code(x[i], s);
+        else
+            memset(code, 2, len);
+        return STATUS_OK;
+    }
+    /* The k-th largest key, searched for among the keys at or above a guess (the previous
+     * block's threshold as a fraction of its largest key, halved until at least k are): a
+     * few dozen candidates rather than the whole block. The guess changes only the work,
+     * never the result. */
+    uint32_t guess = float_to_bits(bits_to_float(top) * *ratio);
+    size_t count = 0;
+    for (;;) {
+        count = 0;
+        for (size_t i = 0; i < len; i++) {
+            work[count] = keys[i];
+            count += keys[i] >= guess;
+        }
+        if (count >= k || guess == 0) break;
+        guess = guess > 0x00800000u ? guess - 0x00800000u : 0; /* half the value (one exponent down) */
+    }
+    uint32_t threshold = kth_largest(work, (long)count, (long)k - 1);
+    size_t greater = 0;
+    for (size_t i = 0; i < len; i++) greater += keys[i] > threshold;
+    size_t ties = k - greater;
+    if (top > 0) *ratio = bits_to_float(threshold) / bits_to_float(top);
+    /* Branch-free compaction: every position is written at j, which moves on only for a
+     * kept one (the kept set is unpredictable, a branch would mispredict). */
+    float chosen[257];
+    unsigned char at[257];
+    size_t j = 0;
+    for (size_t i = 0; i < len; i++) {
+        size_t equal = keys[i] == threshold;
+        size_t keep = (keys[i] > threshold) | (equal & (ties > 0));
+        ties -= equal & keep;
+        at[j] = (unsigned char)i;
+        chosen[j] = x[i];
+        j += keep;
+    }
+    memcpy(where, at, k);
+    if (s > 0.0f)
+        for (j = 0; j < k; j++) code[j] = sparse_code(chosen[j], s);
+    else
+        memset(code, 2, k);
+    return STATUS_OK;
+}
+
+/* Codes of one block, four to a byte from code position `offset` on (bytes shared with a
+ * neighbouring block are OR-ed into; the caller zeroed them). */
+static void pack_codes(unsigned char *codes, size_t offset, const unsigned char *code, size_t k) {
+    size_t j = 0;
+    for (; j < k && ((offset + j) & 3); j++) codes[(offset + j) >> 2] |= (unsigned char)(code[j] << (2 * ((offset + j) & 3)));
+    for (; j + 4 <= k; j += 4)
+        codes[(offset + j) >> 2] = (unsigned char)(code[j] | code[j + 1] << 2 | code[j + 2] << 4 | code[j + 3] << 6);
+    for (; j < k; j++) codes[(offset + j) >> 2] |= (unsigned char)(code[j] << (2 * ((offset + j) & 3)));
 }
 
 static void sparse_range(SparseJob *job) {
-    uint32_t keys[256], work[256];
     float ratio = 0.5f;
+    unsigned char where[256], code[256];
     for (size_t b = job->block_begin; b < job->block_end; b++) {
         size_t lo = b * job->block_size;
         size_t len = job->n - lo < job->block_size ? job->n - lo : job->block_size;
         size_t k = job->kept < len ? job->kept : len;
         size_t offset = b * job->kept; /* every block before the last is full */
-        const float *x = job->x + lo;
-        uint32_t top = 0;
-        for (size_t i = 0; i < len; i++) {
-            keys[i] = ((const u32_alias *)x)[i] & 0x7FFFFFFFu;
-            top = keys[i] > top ? keys[i] : top;
-        }
-        if (top >= 0x7F800000u) { /* a NaN or an infinity: the largest key says so */
-            job->status = STATUS_NONFINITE;
-            job->bad_block = b;
-            return;
-        }
         float scale;
         uint32_t bits;
-        if (sparse_scale(bits_to_float(top), job->scale_size, &scale, &bits) < 0) {
-            job->status = STATUS_SCALE_OVERFLOW;
+        int status = sparse_block(job->x + lo, len, k, job->scale_size, &ratio, &scale, &bits, where, code);
+        if (status != STATUS_OK) {
+            job->status = status;
             job->bad_block = b;
             return;
         }
         store_scale(job->scales, b, job->scale_size, bits);
-        uint32_t threshold = 0;
-        size_t ties = 0;
-        if (k < len) {
-            /* The k-th largest key, searched for among the keys at or above a guess (the
-             * previous block's threshold as a fraction of its largest key, halved until
-             * at least k are): a few dozen candidates rather than the whole block. The
-             * guess changes only the work, never the result. */
-            uint32_t guess = float_to_bits(bits_to_float(top) * ratio);
-            size_t count = 0;
-            for (;;) {
-                count = 0;
-                for (size_t i = 0; i < len; i++) {
-                    work[count] = keys[i];
-                    count += keys[i] >= guess;
-                }
-                if (count >= k || guess == 0) break;
-                guess = guess > 0x00800000u ? guess - 0x00800000u : 0; /* half the value (one exponent down) */
-            }
-            threshold = kth_largest(work, (long)count, (long)k - 1);
-            size_t greater = 0;
-            for (size_t i = 0; i < len; i++) greater += keys[i] > threshold;
-            ties = k - greater;
-            if (top > 0) ratio = bits_to_float(threshold) / bits_to_float(top);
+        if (job->indices) {
+            if (k < len)
+                memcpy(job->indices + offset, where, k);
+            else
+                for (size_t i = 0; i < len; i++) job->indices[offset + i] = (unsigned char)i;
         }
-        /* The kept values in index order, then their codes packed a byte at a time. */
-        unsigned char *listed = job->indices ? job->indices + offset : NULL;
-        float chosen[257];
-        unsigned char where[257];
-        if (k < len) {
-            /* Branch-free compaction: every value is written at j, which moves on only for a
-             * kept one (the kept set is unpredictable, a branch would mispredict). */
-            size_t j = 0;
-            for (size_t i = 0; i < len; i++) {
-                size_t equal = keys[i] == threshold;
-                size_t keep = (keys[i] > threshold) | (equal & (ties > 0));
-                ties -= equal & keep;
-                where[j] = (unsigned char)i;
-                chosen[j] = x[i];
-                j += keep;
-            }
-            if (listed) memcpy(listed, where, k);
-        } else {
-            if (listed)
-                for (size_t i = 0; i < len; i++) listed[i] = (unsigned char)i;
-            memcpy(chosen, x, len * sizeof *chosen);
-        }
-        unsigned acc = 0;
-        for (size_t j = 0; j < k; j++) {
-            size_t at = offset + j;
-            acc |= sparse_code(chosen[j], scale) << (2 * (at & 3));
-            if ((at & 3) == 3 || j + 1 == k) {
-                job->codes[at >> 2] |= (unsigned char)acc;
-                acc = 0;
-            }
-        }
+        pack_codes(job->codes, offset, code, k);
     }
 }
 
@@ -1348,6 +1387,23 @@ done:
     return result;
 }
 
+/* The decoded values of a block's k codes from code position `offset` on: (c - 1.5) x
+ * scale, exact as numpy computes it; four to a byte when the block starts a byte. */
+static void sparse_values(const unsigned char *codes, size_t offset, size_t k, float scale, float *v) {
+    size_t j = 0;
+    if ((offset & 3) == 0) {
+        const unsigned char *c = codes + (offset >> 2);
+        for (; j + 4 <= k; j += 4) {
+            unsigned byte = c[j >> 2];
+            v[j] = ((float)(byte & 3u) - 1.5f) * scale;
+            v[j + 1] = ((float)(byte >> 2 & 3u) - 1.5f) * scale;
+            v[j + 2] = ((float)(byte >> 4 & 3u) - 1.5f) * scale;
+            v[j + 3] = ((float)(byte >> 6) - 1.5f) * scale;
+        }
+    }
+    for (; j < k; j++) v[j] = ((float)((codes[(offset + j) >> 2] >> (2 * ((offset + j) & 3))) & 3u) - 1.5f) * scale;
+}
+
 PyDoc_STRVAR(sparse_apply_doc,
 "sparse_apply(payload, numel, block_size, kept, scale_size, out, alpha, mode) -> float\n\n"
 "mode 0: out <- the decoded values (zero where nothing was kept); mode 1: out += alpha *\n"
@@ -1391,22 +1447,19 @@ static PyObject *py_sparse_apply(PyObject *self, PyObject *args) {
         float scale = load_scale(scales, b, scale_size);
         const unsigned char *where = index_len ? base + offset : NULL;
         float *o = out ? out + lo : NULL;
-#define SPARSE_VALUE(j) (SPARSE_LEVELS[(codes[(offset + (j)) >> 2] >> (2 * ((offset + (j)) & 3))) & 3u] * scale)
+        float v[256];
+        sparse_values(codes, offset, k, scale, v);
         if (mode == 2) {
-            for (size_t j = 0; j < k; j++) {
-                float v = SPARSE_VALUE(j);
-                sumsq += (double)v * (double)v;
-            }
+            for (size_t j = 0; j < k; j++) sumsq += (double)v[j] * (double)v[j];
         } else if (mode == 0 && where) {
-            for (size_t j = 0; j < k; j++) o[where[j]] = SPARSE_VALUE(j);
+            for (size_t j = 0; j < k; j++) o[where[j]] = v[j];
         } else if (mode == 0) {
-            for (size_t j = 0; j < k; j++) o[j] = SPARSE_VALUE(j);
+            memcpy(o, v, k * sizeof *v);
         } else if (where) {
-            for (size_t j = 0; j < k; j++) o[where[j]] = o[where[j]] + alpha * SPARSE_VALUE(j);
+            for (size_t j = 0; j < k; j++) o[where[j]] = o[where[j]] + alpha * v[j];
         } else {
-            for (size_t j = 0; j < k; j++) o[j] = o[j] + alpha * SPARSE_VALUE(j);
+            for (size_t j = 0; j < k; j++) o[j] = o[j] + alpha * v[j];
         }
-#undef SPARSE_VALUE
     }
     Py_END_ALLOW_THREADS
     result = PyFloat_FromDouble(sumsq);
@@ -1414,6 +1467,199 @@ done:
     if (pv.obj) PyBuffer_Release(&pv);
     if (ov.obj) PyBuffer_Release(&ov);
     return result;
+}
+
+typedef struct {
+    const float *goal;
+    float *anchor;
+    size_t n, block_size, kept;
+    int scale_size;
+    unsigned char *indices; /* NULL: every value kept (dense), no indices */
+    unsigned char *codes, *scales;
+    int status;
+    size_t bad_block;
+    double left;
+} CondenseJob;
+
+/* sparse_condense's pass, block by block: u = goal - anchor, its block encoded, anchor +=
+ * what the block decodes to (+0 where nothing was kept), and the squared norm of u minus
+ * that, in four running sums per block (positions i % 4; a fixed order). */
+VECTOR_CLONES
+static void condense_blocks(CondenseJob *job) {
+    float ratio = 0.5f, u[256], d[256];
+    unsigned char where[256], code[256];
+    size_t blocks = (job->n + job->block_size - 1) / job->block_size;
+    for (size_t b = 0; b < blocks; b++) {
+        size_t lo = b * job->block_size;
+        size_t len = job->n - lo < job->block_size ? job->n - lo : job->block_size;
+        size_t k = job->kept < len ? job->kept : len, offset = b * job->kept;
+        float *anchor = job->anchor + lo;
+        const float *goal = job->goal + lo;
+        for (size_t i = 0; i < len; i++) u[i] = goal[i] - anchor[i];
+        float scale;
+        uint32_t bits;
+        int status = sparse_block(u, len, k, job->scale_size, &ratio, &scale, &bits, where, code);
+        if (status != STATUS_OK) {
+            job->status = status;
+            job->bad_block = b;
+            return;
+        }
+        store_scale(job->scales, b, job->scale_size, bits);
+        pack_codes(job->codes, offset, code, k);
+        if (k < len) {
+            if (job->indices) memcpy(job->indices + offset, where, k);
+            memset(d, 0, len * sizeof *d);
+            for (size_t j = 0; j < k; j++) d[where[j]] = ((float)code[j] - 1.5f) * scale;
+        } else {
+            if (job->indices)
+                for (size_t i = 0; i < len; i++) job->indices[offset + i] = (unsigned char)i;
+            for (size_t i = 0; i < len; i++) d[i] = ((float)code[i] - 1.5f) * scale;
+        }
+        for (size_t i = 0; i < len; i++) anchor[i] = anchor[i] + d[i];
+        double lane[4] = {0.0, 0.0, 0.0, 0.0};
+        size_t i = 0;
+        for (; i + 4 <= len; i += 4)
+            for (size_t l = 0; l < 4; l++) {
+                double e = (double)u[i + l] - (double)d[i + l];
+                lane[l] += e * e;
+            }
+        for (; i < len; i++) {
+            double e = (double)u[i] - (double)d[i];
+            lane[i & 3] += e * e;
+        }
+        job->left += (lane[0] + lane[1]) + (lane[2] + lane[3]);
+    }
+}
+
+PyDoc_STRVAR(sparse_condense_doc,
+"sparse_condense(goal, anchor, numel, block_size, kept, scale_size) -> (status, bad_block, payload, left_sq)\n\n"
+"The sparse payload of goal - anchor (float32 [numel] each, anchor writable), anchor +=\n"
+"exactly what the payload decodes to (+0 where nothing was kept), and left_sq: the sum of\n"
+"squares (double) of what it left out, (goal - anchor) - decoded. One pass, one thread.\n"
+"status: 0 ok; else as sparse_quantize, the blocks before bad_block already advanced.");
+
+static PyObject *py_sparse_condense(PyObject *self, PyObject *args) {
+    PyObject *g_obj, *a_obj;
+    Py_ssize_t n, block_size, kept;
+    int scale_size;
+    if (!PyArg_ParseTuple(args, "OOnnni", &g_obj, &a_obj, &n, &block_size, &kept, &scale_size)) return NULL;
+    if (check_common(n, block_size, scale_size, 1) < 0) return NULL;
+    if (block_size > 256 || kept < 1 || kept > block_size) {
+        PyErr_SetString(PyExc_ValueError, "need block_size <= 256 and 1 <= kept <= block_size");
+        return NULL;
+    }
+    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
+    size_t blocks = full + (rest > 0);
+    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
+    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    Py_buffer gv = {0}, av = {0};
+    PyObject *payload = NULL, *result = NULL;
+    if (PyObject_GetBuffer(g_obj, &gv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (check_len(&gv, n * 4, "goal") < 0) goto done;
+    if (PyObject_GetBuffer(a_obj, &av, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    if (check_len(&av, n * 4, "anchor") < 0) goto done;
+    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size));
+    if (!payload) goto done;
+    unsigned char *base = (unsigned char *)PyBytes_AS_STRING(payload);
+    memset(base + index_len, 0, code_len); /* codes shared by two blocks are OR-ed in */
+    CondenseJob job = {
+        .goal = (const float *)gv.buf, .anchor = (float *)av.buf, .n = (size_t)n, .block_size = (size_t)block_size,
+        .kept = (size_t)kept, .scale_size = scale_size, .indices = index_len ? base : NULL,
+        .codes = base + index_len, .scales = base + index_len + code_len,
+    };
+    Py_BEGIN_ALLOW_THREADS
+    condense_blocks(&job);
+    Py_END_ALLOW_THREADS
+    if (job.status != STATUS_OK) Py_CLEAR(payload);
+    result = Py_BuildValue("inOd", job.status, (Py_ssize_t)job.bad_block, payload ? payload : Py_None, job.left);
+done:
+    Py_XDECREF(payload);
+    if (gv.obj) PyBuffer_Release(&gv);
+    if (av.obj) PyBuffer_Release(&av);
+    return result;
+}
+
+PyDoc_STRVAR(sparse_dot_doc,
+"sparse_dot(payload, numel, block_size, kept, scale_size, y) -> (dot, sumsq)\n\n"
+"The decoded values' dot product with float32 y [numel] and their sum of squares, both\n"
+"summed in double in index order: a push's agreement with a direction without decoding\n"
+"it into an array. The caller has checked the payload (indices, scales).");
+
+static PyObject *py_sparse_dot(PyObject *self, PyObject *args) {
+    PyObject *p_obj, *y_obj;
+    Py_ssize_t n, block_size, kept;
+    int scale_size;
+    if (!PyArg_ParseTuple(args, "OnnniO", &p_obj, &n, &block_size, &kept, &scale_size, &y_obj)) return NULL;
+    if (check_common(n, block_size, scale_size, 1) < 0) return NULL;
+    if (block_size > 256 || kept < 1 || kept > block_size) {
+        PyErr_SetString(PyExc_ValueError, "need block_size <= 256 and 1 <= kept <= block_size");
+        return NULL;
+    }
+    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
+    size_t blocks = full + (rest > 0);
+    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
+    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    Py_buffer pv = {0}, yv = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(p_obj, &pv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (check_len(&pv, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size), "payload") < 0) goto done;
+    if (PyObject_GetBuffer(y_obj, &yv, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (check_len(&yv, n * 4, "y") < 0) goto done;
+    double dot = 0.0, sumsq = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *base = (const unsigned char *)pv.buf, *codes = base + index_len;
+    const unsigned char *scales = codes + code_len;
+    const float *y = (const float *)yv.buf;
+    for (size_t b = 0; b < blocks; b++) {
+        size_t lo = b * (size_t)block_size;
+        size_t len = (size_t)n - lo < (size_t)block_size ? (size_t)n - lo : (size_t)block_size;
+        size_t k = (size_t)kept < len ? (size_t)kept : len, offset = b * (size_t)kept;
+        float v[256];
+        sparse_values(codes, offset, k, load_scale(scales, b, scale_size), v);
+        const unsigned char *where = index_len ? base + offset : NULL;
+        double lane_dot[4] = {0.0, 0.0, 0.0, 0.0}, lane_sq[4] = {0.0, 0.0, 0.0, 0.0};
+        for (size_t j = 0; j < k; j++) {
+            double value = (double)v[j];
+            lane_dot[j & 3] += value * (double)y[lo + (where ? where[j] : j)];
+            lane_sq[j & 3] += value * value;
+        }
+        dot += (lane_dot[0] + lane_dot[1]) + (lane_dot[2] + lane_dot[3]);
+        sumsq += (lane_sq[0] + lane_sq[1]) + (lane_sq[2] + lane_sq[3]);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("dd", dot, sumsq);
+done:
+    if (pv.obj) PyBuffer_Release(&pv);
+    if (yv.obj) PyBuffer_Release(&yv);
+    return result;
+}
+
+PyDoc_STRVAR(sumsq_f32_doc,
+"sumsq_f32(x) -> float\n\n"
+"The sum of squares of float32 x, in double: four running sums over the positions i % 4,\n"
+"added (0 + 1) + (2 + 3) at the end; a fixed order, so the same result on every run.");
+
+static PyObject *py_sumsq_f32(PyObject *self, PyObject *args) {
+    PyObject *x_obj;
+    if (!PyArg_ParseTuple(args, "O", &x_obj)) return NULL;
+    Py_buffer xv = {0};
+    if (PyObject_GetBuffer(x_obj, &xv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (xv.len % 4) {
+        PyBuffer_Release(&xv);
+        PyErr_SetString(PyExc_ValueError, "sumsq_f32 needs float32 data");
+        return NULL;
+    }
+    size_t n = (size_t)xv.len / 4;
+    double lane[4] = {0.0, 0.0, 0.0, 0.0};
+    Py_BEGIN_ALLOW_THREADS
+    const float *x = (const float *)xv.buf;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (size_t l = 0; l < 4; l++) lane[l] += (double)x[i + l] * (double)x[i + l];
+    for (; i < n; i++) lane[i & 3] += (double)x[i] * (double)x[i];
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&xv);
+    return PyFloat_FromDouble((lane[0] + lane[1]) + (lane[2] + lane[3]));
 }
 
 static PyMethodDef methods[] = {
@@ -1426,6 +1672,9 @@ static PyMethodDef methods[] = {
     {"mirror_load", py_mirror_load, METH_VARARGS, mirror_load_doc},
     {"sparse_quantize", py_sparse_quantize, METH_VARARGS, sparse_quantize_doc},
     {"sparse_apply", py_sparse_apply, METH_VARARGS, sparse_apply_doc},
+    {"sparse_condense", py_sparse_condense, METH_VARARGS, sparse_condense_doc},
+    {"sparse_dot", py_sparse_dot, METH_VARARGS, sparse_dot_doc},
+    {"sumsq_f32", py_sumsq_f32, METH_VARARGS, sumsq_f32_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -154,6 +154,43 @@ def quantize_reference(flat: np.ndarray, block_size: int, kept: int, scale_dtype
     return b"".join((listed, packed.astype(np.uint8).tobytes(), little.tobytes()))
 
 
+def condense(goal: np.ndarray, anchor: np.ndarray, block_size: int, kept: int, scale_dtype: str,
+             name: str) -> tuple[bytes, float]:
+    """An update from ``anchor`` to ``goal`` (float32, flat, the same size): the payload of
+    ``goal - anchor``, ``anchor`` advanced in place by exactly what the payload decodes to
+    (a float32 add, as the receiver applies it; +0 where nothing was kept), and the squared
+    norm of what the payload left out (float64). One pass in the C kernel
+    (``sparse_condense``); on an error, ``anchor`` may be partly advanced."""
+    kernel = native()
+    if kernel is None:
+        return condense_reference(goal, anchor, block_size, kept, scale_dtype, name)
+    status, bad, payload, left_sq = kernel.sparse_condense(goal, anchor, goal.size, block_size, kept,
+                                                           SCALE_BYTES[scale_dtype])
+    if status == 1:
+        raise CodecError(f"tensor {name!r}: block {bad} of the update holds a non-finite value")
+    if status == 2:
+        block = goal[bad * block_size: (bad + 1) * block_size] - anchor[bad * block_size: (bad + 1) * block_size]
+        raise CodecError(f"tensor {name!r}: block {bad} has |x| up to {float(np.abs(block).max()):.6g}, so its scale "
+                         f"overflows float16 (max 65504); use scale_dtype='float32'")
+    return payload, left_sq
+
+
+def condense_reference(goal: np.ndarray, anchor: np.ndarray, block_size: int, kept: int, scale_dtype: str,
+                       name: str) -> tuple[bytes, float]:
+    """``condense`` in numpy, the reference the C kernel is tested against."""
+    update = np.subtract(goal, anchor, dtype=np.float32)
+    if not np.isfinite(update).all():
+        block = int(np.flatnonzero(~np.isfinite(update))[0]) // block_size
+        raise CodecError(f"tensor {name!r}: block {block} of the update holds a non-finite value")
+    payload = quantize_reference(update, block_size, kept, scale_dtype, name)
+    positions, values = positions_values(memoryview(payload), update.size, block_size, kept, scale_dtype)
+    sent = np.zeros_like(update)
+    sent[positions] = values
+    left = update.astype(np.float64) - sent
+    np.add(anchor, sent, out=anchor)
+    return payload, float(np.dot(left, left))
+
+
 def check_indices(view: memoryview, numel: int, block_size: int, kept: int, scale_dtype: str, name: str) -> None:
     """Each block's indices point inside the block and strictly ascend (no repeats)."""
     if kept >= block_size:

@@ -25,6 +25,7 @@ import google_crc32c
 import numpy as np
 
 from diloco.codec import int4, sparse
+from diloco.codec.int4 import SCALE_BYTES
 from diloco.config import BLOCK_SIZE
 from diloco.errors import CodecError
 
@@ -131,6 +132,11 @@ def encode(
         payload = sparse.quantize(flat, block_size, kept, scale_dtype, name)
     else:
         raise CodecError(f"tensor {name!r}: unknown encoding {encoding!r}; expected one of {ENCODINGS}")
+    return _wrapped(name, shape, encoding, block_size, scale_dtype, payload, kept if encoding == "sparse" else 0)
+
+
+def _wrapped(name: str, shape: tuple[int, ...], encoding: str, block_size: int, scale_dtype: str, payload: bytes,
+             kept: int = 0) -> EncodedTensor:
     spec = TensorSpec(
         name=name,
         shape=shape,
@@ -140,9 +146,19 @@ def encode(
         scale_dtype=scale_dtype,
         byte_length=len(payload),
         checksum=checksum(payload),
-        kept=kept if encoding == "sparse" else 0,
+        kept=kept,
     )
     return EncodedTensor(spec, payload)
+
+
+def encode_sparse_update(name: str, shape: tuple[int, ...], goal: np.ndarray, anchor: np.ndarray, *,
+                         block_size: int, scale_dtype: str, kept: int) -> tuple[EncodedTensor, float]:
+    """The sparse encoding of ``goal - anchor`` (flat float32 arrays), ``anchor`` advanced in
+    place by exactly what it decodes to, and the squared norm of what it left out
+    (``diloco.codec.sparse.condense``): a shard's condensed reply, in one pass."""
+    sparse.check_params(block_size, kept, scale_dtype, name)
+    payload, left_sq = sparse.condense(goal, anchor, block_size, kept, scale_dtype, name)
+    return _wrapped(name, tuple(int(d) for d in shape), "sparse", block_size, scale_dtype, payload, kept), left_sq
 
 
 def encode_quantized(
@@ -322,8 +338,29 @@ def accumulate(
     # The int4 groups run last, so the last one measured the final ``out``.
     if sumsq is not None:
         return sumsq
+    return sumsq_f32(flat)
+
+
+def sumsq_f32(flat: np.ndarray) -> float:
+    """The sum of squares of a float32 array, summed in float64: one pass in the C kernel
+    (its own fixed order), float64 numpy without it (equal up to the summation order)."""
+    kernel = int4.native()
+    if kernel is not None:
+        return kernel.sumsq_f32(flat)
     wide = flat.astype(np.float64)
     return float(np.dot(wide, wide))
+
+
+def dot_and_sumsq(tensor: EncodedTensor, y: np.ndarray, scratch: np.ndarray) -> tuple[float, float]:
+    """(decoded . ``y``, decoded . decoded) of a checked tensor against flat float32 ``y``,
+    in float64: a sparse one straight from its bytes in the C kernel, else decoded into
+    ``scratch`` (float32, its size) first."""
+    s = tensor.spec
+    kernel = int4.native()
+    if s.encoding == "sparse" and kernel is not None:
+        return kernel.sparse_dot(_bytes(tensor.payload), s.numel, s.block_size, s.kept, SCALE_BYTES[s.scale_dtype], y)
+    norm_sq = accumulate([(tensor, 1.0)], scratch, overwrite=True)
+    return float(np.dot(scratch.astype(np.float64), y.astype(np.float64))), norm_sq
 
 
 def _bytes(payload: bytes | bytearray | memoryview) -> memoryview:

@@ -228,3 +228,105 @@ def test_the_c_kernel_refuses_what_the_reference_refuses():
         encode("w", x, encoding="sparse", kept=16)
     with pytest.raises(CodecError, match="overflows float16"):
         sparse.quantize(np.full(256, 1e6, np.float32), 128, 16, "float16", "w")
+
+
+@pytest.mark.parametrize("size,block,kept,scale_dtype", [
+    (128 * 40, 128, 128, "float16"), (128 * 40 + 77, 128, 128, "float32"), (1000, 128, 16, "float16"),
+    (128 * 3 + 50, 128, 64, "float16"), (4099, 256, 40, "float32"), (77, 2, 1, "float16"), (3, 128, 16, "float16")])
+def test_a_condensed_update_in_one_pass_is_the_reference_bit_for_bit(size, block, kept, scale_dtype):
+    """``sparse.condense`` (the shard's reply: encode goal - anchor, advance the anchor by
+    what it decodes to, measure what it left out) in the C kernel and in numpy: the same
+    payload, the same advanced anchor, bit for bit, and the left-out norm to rounding; and
+    both are the payload ``quantize`` writes for goal - anchor, decoded as a learner adds it."""
+    rng = np.random.default_rng(size + kept)
+    goal = (rng.standard_normal(size) * rng.uniform(1e-4, 2, size)).astype(np.float32)
+    anchor = goal - (rng.standard_normal(size) * 1e-2).astype(np.float32)
+    anchor[:block] = goal[:block]  # a block with nothing to send: a zero scale
+    anchor[block + 5: block + 9] = goal[block + 5: block + 9] - np.float32(1e-3)  # ties
+    c_anchor, ref_anchor = anchor.copy(), anchor.copy()
+    c_payload, c_left = sparse.condense(goal, c_anchor, block, kept, scale_dtype, "w")
+    ref_payload, ref_left = sparse.condense_reference(goal, ref_anchor, block, kept, scale_dtype, "w")
+    update = goal - anchor
+    assert c_payload == ref_payload == sparse.quantize_reference(update, block, kept, scale_dtype, "w")
+    assert np.array_equal(c_anchor.view(np.uint32), ref_anchor.view(np.uint32))
+    sent = sparse.decode_into(memoryview(c_payload), size, block, kept, scale_dtype, np.empty(size, np.float32))
+    assert np.array_equal(c_anchor, anchor + sent)
+    left = update.astype(np.float64) - sent
+    assert c_left == pytest.approx(float(np.dot(left, left)), rel=1e-12) and ref_left == pytest.approx(c_left, rel=1e-12)
+    assert c_left > 0 or size <= block  # a single block, equal to the goal: nothing to send
+
+
+def test_a_condensed_update_refuses_what_encoding_refuses():
+    goal = _values(1000)
+    anchor = goal.copy()
+    anchor[300] = np.inf
+    for condense in (sparse.condense, sparse.condense_reference):
+        with pytest.raises(CodecError, match="block 2 of the update holds a non-finite value"):
+            condense(goal, anchor.copy(), 128, 16, "float16", "w")
+        with pytest.raises(CodecError, match="overflows float16"):
+            condense(np.full(256, 1e6, np.float32), np.zeros(256, np.float32), 128, 16, "float16", "w")
+
+
+@pytest.mark.parametrize("kept", [16, 128])
+def test_a_pushs_agreement_read_from_its_bytes_is_its_decoded_dot_product(kept):
+    """``dot_and_sumsq`` (the shard's gate: a push against the fragment's reference
+    direction) from the sparse bytes in the C kernel equals the dot product and squared norm
+    of the decoded push, and the path that decodes first (every other encoding) agrees."""
+    from diloco.codec import dot_and_sumsq
+    from diloco.codec.tensor import sumsq_f32
+
+    x, y = _values(128 * 50 + 9, seed=1), _values(128 * 50 + 9, seed=2)
+    e = encode("w", x, encoding="sparse", kept=kept)
+    decoded = decode(e.spec, e.payload).double().numpy()
+    dot, norm_sq = dot_and_sumsq(e, y, np.empty(x.size, np.float32))
+    assert dot == pytest.approx(float(np.dot(decoded, y.astype(np.float64))), rel=1e-12)
+    assert norm_sq == pytest.approx(float(np.dot(decoded, decoded)), rel=1e-12)
+    int4 = encode("w", x, encoding="int4")
+    decoded4 = decode(int4.spec, int4.payload).double().numpy()
+    dot4, norm4 = dot_and_sumsq(int4, y, np.empty(x.size, np.float32))
+    assert dot4 == pytest.approx(float(np.dot(decoded4, y.astype(np.float64))), rel=1e-12)
+    assert norm4 == pytest.approx(float(np.dot(decoded4, decoded4)), rel=1e-12)
+    assert sumsq_f32(y) == sumsq_f32(y.copy()) == pytest.approx(float(np.dot(y.astype(np.float64), y)), rel=1e-12)
+
+
+def test_the_sparse_kernels_write_the_same_bits_with_and_without_their_avx2_clones(tmp_path):
+    """The per-block sparse and mirror loops are compiled twice on x86-64 (AVX2, chosen at
+    load time, and the baseline): built here with the clones off, the baseline writes the
+    bytes and values the installed module does."""
+    import importlib.machinery
+    import importlib.util
+    import shutil
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    from diloco.codec.int4 import native
+
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or native() is None:
+        pytest.fail("this test needs a C compiler and the built kernel (both are what builds the package)")
+    source = Path(sparse.__file__).with_name("_int4.c")
+    built = tmp_path / "_int4.so"
+    subprocess.run([compiler, "-O3", "-ffp-contract=off", "-DDILOCO_NO_CLONES", "-shared", "-fPIC",
+                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(built)], check=True)
+    loader = importlib.machinery.ExtensionFileLoader("_int4", str(built))
+    baseline = importlib.util.module_from_spec(importlib.util.spec_from_loader("_int4", loader))
+    loader.exec_module(baseline)
+    installed = native()
+    rng = np.random.default_rng(7)
+    size = 128 * 500 + 33
+    goal = (rng.standard_normal(size) * rng.uniform(1e-4, 2, size)).astype(np.float32)
+    anchor = goal - (rng.standard_normal(size) * 1e-2).astype(np.float32)
+    for kept in (16, 128):
+        assert installed.sparse_quantize(goal, size, 128, kept, 2, 2) == baseline.sparse_quantize(goal, size, 128, kept, 2, 2)
+        a, b = anchor.copy(), anchor.copy()
+        assert installed.sparse_condense(goal, a, size, 128, kept, 2) == baseline.sparse_condense(goal, b, size, 128, kept, 2)
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    codes = [np.zeros(size, np.int8) for _ in range(2)]
+    scales = [np.zeros(-(-size // 512), np.float32) for _ in range(2)]
+    lost = [m.mirror_store(anchor, goal, c, s, size, 512) for m, c, s in zip((installed, baseline), codes, scales)]
+    assert lost[0] == lost[1] and np.array_equal(codes[0], codes[1]) and np.array_equal(scales[0], scales[1])
+    loaded = [np.empty(size, np.float32) for _ in range(2)]
+    for m, out in zip((installed, baseline), loaded):
+        m.mirror_load(codes[0], scales[0], goal, out, size, 512)
+    assert np.array_equal(loaded[0].view(np.uint32), loaded[1].view(np.uint32))

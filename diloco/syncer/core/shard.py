@@ -22,9 +22,11 @@ from diloco.codec import (
     TensorSpec,
     accumulate,
     check_payload,
+    dot_and_sumsq,
     encode,
     dequantize_payload,
     encode_quantized,
+    encode_sparse_update,
     expected_byte_length,
     int4_scales,
     norm_of,
@@ -298,9 +300,9 @@ def _gates(job: RoundJob) -> tuple[float, ...]:
                 continue
             dot = norm_sq = 0.0
             for i, piece in pieces:
-                scratch = job.merge_buffer[: piece.numel]
-                norm_sq += accumulate([(push.payload.tensors[i], 1.0)], scratch, overwrite=True)
-                dot += float(np.dot(scratch, job.reference[i].reshape(-1)))
+                d, n = dot_and_sumsq(push.payload.tensors[i], job.reference[i].reshape(-1),
+                                     job.merge_buffer[: piece.numel])
+                dot, norm_sq = dot + d, norm_sq + n
             if norm_sq > 0:
                 cosines[k] = dot / math.sqrt(norm_sq * reference_sq)
     agreement = job.agreement or (None,) * len(job.pushes)
@@ -342,27 +344,22 @@ def condense(fragment: Fragment, target: Sequence[np.ndarray], mirror: Mirror, b
     for index, piece in enumerate(fragment.pieces):
         values = mirror.anchor_into(index, anchor[: piece.numel])
         goal = np.asarray(target[index]).reshape(-1)
-        update = scratch[: piece.numel]
-        np.subtract(goal, values, out=update)
-        if piece.buffer:
-            encoded = encode(piece.name, update.reshape(piece.shape), encoding="fp32")
-        elif m.reply_codec == "sparse":
-            encoded = encode(piece.name, update.reshape(piece.shape), encoding="sparse", block_size=m.block_size,
-                             scale_dtype=m.scale_dtype, kept=kept)
-            positions, sent = sparse.positions_values(memoryview(encoded.payload), piece.numel, m.block_size, kept,
-                                                      m.scale_dtype)
-            wide = update.astype(np.float64)
-            kept_wide = sent.astype(np.float64)
-            rounding_sq += float(np.dot(wide, wide) - 2 * np.dot(wide[positions], kept_wide) + np.dot(kept_wide, kept_wide))
-            update.fill(0)
-            update[positions] = sent
+        if m.reply_codec == "sparse" and not piece.buffer:
+            encoded, left_sq = encode_sparse_update(piece.name, piece.shape, goal, values, block_size=m.block_size,
+                                                    scale_dtype=m.scale_dtype, kept=kept)
+            rounding_sq += left_sq
         else:
-            encoded = encode(piece.name, update.reshape(piece.shape), encoding="int4", block_size=m.block_size,
-                             scale_dtype=m.scale_dtype)
-            dequantize_payload(encoded.payload, piece.numel, m.block_size, m.scale_dtype, out=update)
-            rounding_sq += int4_rounding_sq(int4_scales(encoded.payload, piece.numel, m.block_size, m.scale_dtype),
-                                            piece.numel, m.block_size)
-        np.add(values, update, out=values)
+            update = scratch[: piece.numel]
+            np.subtract(goal, values, out=update)
+            if piece.buffer:
+                encoded = encode(piece.name, update.reshape(piece.shape), encoding="fp32")
+            else:
+                encoded = encode(piece.name, update.reshape(piece.shape), encoding="int4", block_size=m.block_size,
+                                 scale_dtype=m.scale_dtype)
+                dequantize_payload(encoded.payload, piece.numel, m.block_size, m.scale_dtype, out=update)
+                rounding_sq += int4_rounding_sq(int4_scales(encoded.payload, piece.numel, m.block_size,
+                                                            m.scale_dtype), piece.numel, m.block_size)
+            np.add(values, update, out=values)
         store(mirror, index, values, base)
         tensors.append(encoded)
     mirror.base, mirror.rounding_sq = base, rounding_sq
