@@ -58,6 +58,7 @@ enum { STATUS_OK = 0, STATUS_NONFINITE = 1, STATUS_SCALE_OVERFLOW = 2 };
 /* Below this many elements per thread, starting a thread costs more than it saves. */
 #define MIN_ELEMENTS_PER_THREAD ((size_t)1 << 18)
 #define MAX_THREADS 64
+#define MIRROR_MAX_BLOCK 4096 /* values per mirror block mirror_condense holds on its stack */
 
 /* ---------------------------------------------------------------------------------- */
 /* Scalar helpers (once per block).                                                     */
@@ -1284,11 +1285,15 @@ static int sparse_block(const float *x, size_t len, size_t k, int scale_size, fl
 
 /* Codes of one block, four to a byte from code position `offset` on (bytes shared with a
  * neighbouring block are OR-ed into; the caller zeroed them). */
+VECTOR_CLONES
 static void pack_codes(unsigned char *codes, size_t offset, const unsigned char *code, size_t k) {
     size_t j = 0;
     for (; j < k && ((offset + j) & 3); j++) codes[(offset + j) >> 2] |= (unsigned char)(code[j] << (2 * ((offset + j) & 3)));
-    for (; j + 4 <= k; j += 4)
-        codes[(offset + j) >> 2] = (unsigned char)(code[j] | code[j + 1] << 2 | code[j + 2] << 4 | code[j + 3] << 6);
+    for (; j + 4 <= k; j += 4) { /* four codes (bytes 0..3) into one byte: t | t >> 6 | t >> 12 | t >> 18 */
+        uint32_t t;
+        memcpy(&t, code + j, 4);
+        codes[(offset + j) >> 2] = (unsigned char)((t | t >> 6 | t >> 12 | t >> 18) & 0xFFu);
+    }
     for (; j < k; j++) codes[(offset + j) >> 2] |= (unsigned char)(code[j] << (2 * ((offset + j) & 3)));
 }
 
@@ -1662,6 +1667,143 @@ static PyObject *py_sumsq_f32(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble((lane[0] + lane[1]) + (lane[2] + lane[3]));
 }
 
+/* ---------------------------------------------------------------------------------- */
+/* A shard's condensed sparse reply, fused with the learner's mirror: per mirror block    */
+/* (diloco/syncer/core/mirrors.py), the anchor loaded (mirror_load's operations), each    */
+/* sparse block of it encoded towards the goal and advanced (condense_blocks'), then the  */
+/* block stored against the new base (mirror_store's): one pass over the arrays, the same */
+/* float operations in the same order as those three, so the same bits.                   */
+
+typedef struct {
+    int8_t *codes;        /* the mirror's int8 codes: read, then rewritten against new_base */
+    float *mirror_scales; /* one per mirror block: read, then rewritten */
+    const float *old_base, *new_base, *goal;
+    size_t n, mirror_block;
+    CondenseJob reply; /* n, block_size, kept, scale_size, indices, codes, scales; status, left */
+    double drift;
+} MirrorCondenseJob;
+
+VECTOR_CLONES
+static void mirror_condense_blocks(MirrorCondenseJob *job) {
+    float anchor[MIRROR_MAX_BLOCK], u[256], d[256];
+    unsigned char where[256], code[256];
+    float ratio = 0.5f;
+    CondenseJob *r = &job->reply;
+    size_t chunks = (job->n + job->mirror_block - 1) / job->mirror_block;
+    for (size_t c = 0; c < chunks; c++) {
+        size_t lo = c * job->mirror_block, hi = lo + job->mirror_block < job->n ? lo + job->mirror_block : job->n;
+        float mscale = job->mirror_scales[c];
+        for (size_t i = lo; i < hi; i++) anchor[i - lo] = job->old_base[i] + (float)job->codes[i] * mscale;
+        for (size_t start = lo; start < hi; start += r->block_size) {
+            size_t b = start / r->block_size;
+            size_t len = hi - start < r->block_size ? hi - start : r->block_size;
+            size_t k = r->kept < len ? r->kept : len, offset = b * r->kept;
+            float *a = anchor + (start - lo);
+            const float *goal = job->goal + start;
+            for (size_t i = 0; i < len; i++) u[i] = goal[i] - a[i];
+            float scale;
+            uint32_t bits;
+            int status = sparse_block(u, len, k, r->scale_size, &ratio, &scale, &bits, where, code);
+            if (status != STATUS_OK) {
+                r->status = status;
+                r->bad_block = b;
+                return;
+            }
+            store_scale(r->scales, b, r->scale_size, bits);
+            pack_codes(r->codes, offset, code, k);
+            if (k < len) {
+                if (r->indices) memcpy(r->indices + offset, where, k);
+                memset(d, 0, len * sizeof *d);
+                for (size_t j = 0; j < k; j++) d[where[j]] = ((float)code[j] - 1.5f) * scale;
+            } else {
+                if (r->indices)
+                    for (size_t i = 0; i < len; i++) r->indices[offset + i] = (unsigned char)i;
+                for (size_t i = 0; i < len; i++) d[i] = ((float)code[i] - 1.5f) * scale;
+            }
+            for (size_t i = 0; i < len; i++) a[i] = a[i] + d[i];
+            double lane[4] = {0.0, 0.0, 0.0, 0.0};
+            size_t i = 0;
+            for (; i + 4 <= len; i += 4)
+                for (size_t l = 0; l < 4; l++) {
+                    double e = (double)u[i + l] - (double)d[i + l];
+                    lane[l] += e * e;
+                }
+            for (; i < len; i++) {
+                double e = (double)u[i] - (double)d[i];
+                lane[i & 3] += e * e;
+            }
+            r->left += (lane[0] + lane[1]) + (lane[2] + lane[3]);
+        }
+        job->drift += mirror_store_blocks(anchor, job->new_base + lo, job->codes + lo, job->mirror_scales + c,
+                                          (Py_ssize_t)(hi - lo), (Py_ssize_t)(hi - lo));
+    }
+}
+
+PyDoc_STRVAR(mirror_condense_doc,
+"mirror_condense(codes, mirror_scales, old_base, new_base, goal, n, mirror_block, block_size, kept, scale_size)\n"
+"    -> (status, bad_block, payload, left_sq, drift)\n\n"
+"A condensed sparse reply from a mirrored anchor (old_base + codes x mirror_scales, per\n"
+"mirror block) to goal, and the mirror advanced by what the reply decodes to and stored\n"
+"against new_base (codes and mirror_scales rewritten): mirror_load, sparse_condense and\n"
+"mirror_store in one pass, bit for bit. mirror_block must be a multiple of block_size (at\n"
+"most 4096). drift: what mirror_store returns. On a status other than 0 (as\n"
+"sparse_condense) the mirror blocks before the bad one are rewritten.");
+
+static PyObject *py_mirror_condense(PyObject *self, PyObject *args) {
+    PyObject *objs[5];
+    Py_ssize_t n, mirror_block, block_size, kept;
+    int scale_size;
+    if (!PyArg_ParseTuple(args, "OOOOOnnnni", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &n, &mirror_block,
+                          &block_size, &kept, &scale_size))
+        return NULL;
+    if (check_common(n, block_size, scale_size, 1) < 0) return NULL;
+    if (block_size > 256 || kept < 1 || kept > block_size || mirror_block <= 0 || mirror_block > MIRROR_MAX_BLOCK ||
+        mirror_block % block_size) {
+        PyErr_SetString(PyExc_ValueError,
+                        "need block_size <= 256, 1 <= kept <= block_size, mirror_block a multiple of block_size <= 4096");
+        return NULL;
+    }
+    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
+    size_t blocks = full + (rest > 0);
+    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
+    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    Py_ssize_t chunks = (n + mirror_block - 1) / mirror_block;
+    Py_buffer v[5] = {{0}};
+    const Py_ssize_t lens[5] = {n, chunks * 4, n * 4, n * 4, n * 4};
+    const char *names[5] = {"codes", "mirror_scales", "old_base", "new_base", "goal"};
+    PyObject *payload = NULL, *result = NULL;
+    int got = 0;
+    for (; got < 5; got++) {
+        int flags = PyBUF_C_CONTIGUOUS | (got < 2 ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(objs[got], &v[got], flags) < 0) goto done;
+        if (check_len(&v[got], lens[got], names[got]) < 0) {
+            got++;
+            goto done;
+        }
+    }
+    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size));
+    if (!payload) goto done;
+    unsigned char *base = (unsigned char *)PyBytes_AS_STRING(payload);
+    memset(base + index_len, 0, code_len); /* codes shared by two blocks are OR-ed in */
+    MirrorCondenseJob job = {
+        .codes = (int8_t *)v[0].buf, .mirror_scales = (float *)v[1].buf, .old_base = (const float *)v[2].buf,
+        .new_base = (const float *)v[3].buf, .goal = (const float *)v[4].buf, .n = (size_t)n,
+        .mirror_block = (size_t)mirror_block,
+        .reply = {.n = (size_t)n, .block_size = (size_t)block_size, .kept = (size_t)kept, .scale_size = scale_size,
+                  .indices = index_len ? base : NULL, .codes = base + index_len, .scales = base + index_len + code_len},
+    };
+    Py_BEGIN_ALLOW_THREADS
+    mirror_condense_blocks(&job);
+    Py_END_ALLOW_THREADS
+    if (job.reply.status != STATUS_OK) Py_CLEAR(payload);
+    result = Py_BuildValue("inOdd", job.reply.status, (Py_ssize_t)job.reply.bad_block, payload ? payload : Py_None,
+                           job.reply.left, job.drift);
+done:
+    Py_XDECREF(payload);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, quantize_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
@@ -1674,6 +1816,7 @@ static PyMethodDef methods[] = {
     {"sparse_apply", py_sparse_apply, METH_VARARGS, sparse_apply_doc},
     {"sparse_condense", py_sparse_condense, METH_VARARGS, sparse_condense_doc},
     {"sparse_dot", py_sparse_dot, METH_VARARGS, sparse_dot_doc},
+    {"mirror_condense", py_mirror_condense, METH_VARARGS, mirror_condense_doc},
     {"sumsq_f32", py_sumsq_f32, METH_VARARGS, sumsq_f32_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -166,13 +166,17 @@ def condense(goal: np.ndarray, anchor: np.ndarray, block_size: int, kept: int, s
         return condense_reference(goal, anchor, block_size, kept, scale_dtype, name)
     status, bad, payload, left_sq = kernel.sparse_condense(goal, anchor, goal.size, block_size, kept,
                                                            SCALE_BYTES[scale_dtype])
-    if status == 1:
-        raise CodecError(f"tensor {name!r}: block {bad} of the update holds a non-finite value")
-    if status == 2:
-        block = goal[bad * block_size: (bad + 1) * block_size] - anchor[bad * block_size: (bad + 1) * block_size]
-        raise CodecError(f"tensor {name!r}: block {bad} has |x| up to {float(np.abs(block).max()):.6g}, so its scale "
-                         f"overflows float16 (max 65504); use scale_dtype='float32'")
+    if status:
+        refuse_update(status, bad, name)
     return payload, left_sq
+
+
+def refuse_update(status: int, block: int, name: str) -> None:
+    """The error for a C kernel's status on an update (1: non-finite, 2: scale overflow)."""
+    if status == 1:
+        raise CodecError(f"tensor {name!r}: block {block} of the update holds a non-finite value")
+    raise CodecError(f"tensor {name!r}: block {block} of the update has a value whose scale overflows float16 "
+                     f"(max 65504); use scale_dtype='float32'")
 
 
 def condense_reference(goal: np.ndarray, anchor: np.ndarray, block_size: int, kept: int, scale_dtype: str,

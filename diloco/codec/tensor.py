@@ -151,14 +151,15 @@ def _wrapped(name: str, shape: tuple[int, ...], encoding: str, block_size: int, 
     return EncodedTensor(spec, payload)
 
 
-def encode_sparse_update(name: str, shape: tuple[int, ...], goal: np.ndarray, anchor: np.ndarray, *,
-                         block_size: int, scale_dtype: str, kept: int) -> tuple[EncodedTensor, float]:
-    """The sparse encoding of ``goal - anchor`` (flat float32 arrays), ``anchor`` advanced in
-    place by exactly what it decodes to, and the squared norm of what it left out
-    (``diloco.codec.sparse.condense``): a shard's condensed reply, in one pass."""
+def sparse_tensor(name: str, shape: tuple[int, ...], payload: bytes, *, block_size: int, scale_dtype: str,
+                  kept: int) -> EncodedTensor:
+    """Wrap a sparse payload written elsewhere (a shard's condensed reply,
+    ``diloco.syncer.core.mirrors.condense_sparse``) without encoding again."""
     sparse.check_params(block_size, kept, scale_dtype, name)
-    payload, left_sq = sparse.condense(goal, anchor, block_size, kept, scale_dtype, name)
-    return _wrapped(name, tuple(int(d) for d in shape), "sparse", block_size, scale_dtype, payload, kept), left_sq
+    shape = tuple(int(d) for d in shape)
+    if len(payload) != sparse.nbytes(math.prod(shape), block_size, kept, scale_dtype):
+        raise CodecError(f"tensor {name!r}: a sparse payload of {len(payload)} bytes does not match shape {shape}")
+    return _wrapped(name, shape, "sparse", block_size, scale_dtype, payload, kept)
 
 
 def encode_quantized(

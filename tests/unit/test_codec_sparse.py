@@ -326,6 +326,12 @@ def test_the_sparse_kernels_write_the_same_bits_with_and_without_their_avx2_clon
     scales = [np.zeros(-(-size // 512), np.float32) for _ in range(2)]
     lost = [m.mirror_store(anchor, goal, c, s, size, 512) for m, c, s in zip((installed, baseline), codes, scales)]
     assert lost[0] == lost[1] and np.array_equal(codes[0], codes[1]) and np.array_equal(scales[0], scales[1])
+    for kept in (16, 128):
+        mirrors = [(codes[0].copy(), scales[0].copy()) for _ in range(2)]
+        fused = [m.mirror_condense(c, s, anchor, goal, goal - 1e-3, size, 512, 128, kept, 2)
+                 for m, (c, s) in zip((installed, baseline), mirrors)]
+        assert fused[0] == fused[1] and np.array_equal(mirrors[0][0], mirrors[1][0])
+        assert np.array_equal(mirrors[0][1], mirrors[1][1])
     loaded = [np.empty(size, np.float32) for _ in range(2)]
     for m, out in zip((installed, baseline), loaded):
         m.mirror_load(codes[0], scales[0], goal, out, size, 512)

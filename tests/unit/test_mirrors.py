@@ -167,3 +167,38 @@ def test_the_c_kernel_stores_and_loads_mirrors_bit_for_bit_as_the_numpy_path():
     assert np.array_equal(loaded, dequantize8(codes_np, scales_np, np.empty_like(anchor)) + base)
     with pytest.raises(ValueError):
         kernel.mirror_store(anchor, base, codes[:-1], scales, size, BLOCK)
+
+
+@pytest.mark.parametrize("size,kept,scale_dtype", [(40 * BLOCK, 128, "float16"), (7 * BLOCK + 300, 16, "float16"),
+                                                   (3 * BLOCK + 77, 128, "float32"), (100, 16, "float16")])
+@pytest.mark.parametrize("same_base", [False, True])
+def test_a_sparse_reply_and_its_mirror_in_one_pass_are_the_three_passes_it_fuses(size, kept, scale_dtype, same_base):
+    """``condense_sparse`` in the C kernel (``mirror_condense``) against the three passes it
+    fuses (load the anchor, ``sparse.condense``, store it against the new base): the same
+    payload, the same mirror codes and scales, the same drift and left-out norm, bit for bit."""
+    import copy
+
+    from diloco.codec import sparse
+    from diloco.codec.int4 import native
+    from diloco.syncer.core.mirrors import base_of, condense_sparse, exact, store
+
+    assert native() is not None, "the C kernel is not built"
+    rng = np.random.default_rng(size + kept)
+    old = base_of(3, [rng.standard_normal(size).astype(np.float32)], copy=True)
+    mirror = exact(old)
+    store(mirror, 0, old.values[0] + (rng.standard_normal(size) * 1e-3).astype(np.float32), old)  # codes != 0
+    goal = old.values[0] + (rng.standard_normal(size) * 1e-2).astype(np.float32)
+    new = old if same_base else base_of(4, [goal - (rng.standard_normal(size) * 1e-4).astype(np.float32)], copy=True)
+    fused, reference = mirror, copy.deepcopy(mirror)
+    reference.base = mirror.base  # deepcopy copied the base: share it, as mirrors do
+    if same_base:
+        new = mirror.base
+    scratch = np.empty(size, np.float32)
+    payload, left = condense_sparse(fused, 0, goal, new, scratch, block_size=128, kept=kept, scale_dtype=scale_dtype,
+                                    name="w")
+    values = reference.anchor_into(0, np.empty(size, np.float32))
+    want_payload, want_left = sparse.condense(goal, values, 128, kept, scale_dtype, "w")
+    store(reference, 0, values, new)
+    assert payload == want_payload and left == want_left and fused.drift_sq == reference.drift_sq
+    assert np.array_equal(fused.codes[0], reference.codes[0])
+    assert np.array_equal(fused.scales[0].view(np.uint32), reference.scales[0].view(np.uint32))

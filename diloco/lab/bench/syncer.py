@@ -13,10 +13,13 @@ memcpy measured in the same run.
   bare ``grpc.aio`` server process that does nothing with what it receives (raw bytes,
   no protos, no work): what Python gRPC itself moves here. ingress_vs_grpc = ingress /
   grpc_noop, the share of that ceiling the shard reaches.
-- merge_ms: in this process, ``compute_round`` for one round of ``learners`` deltas
-  (merge + outer step + quantized update), best of 5; memcpy_ms: ``learners`` copies of
-  the fragment (``dst.copy_(src)`` from ``learners`` distinct fp32 sources, as the merge
-  reads ``learners`` distinct deltas), best of 5; merge_ratio = merge_ms / memcpy_ms.
+- merge_ms: in this process, ``compute_round`` for one round of ``learners`` deltas at the
+  learners' default codec (gates, merge, outer step, quantized update), best of 5;
+  replies_ms: ``condense_replies`` after it, a condensed reply to each of the ``learners``
+  (each mirrored, as after its bootstrap) at the shard's default reply codec, best of 5;
+  memcpy_ms: ``learners`` copies of the fragment (``dst.copy_(src)`` from ``learners``
+  distinct fp32 sources, as the merge reads ``learners`` distinct deltas), best of 5;
+  merge_ratio = merge_ms / memcpy_ms, replies_ratio = replies_ms / memcpy_ms.
 - rounds_per_s: full rounds (push, merge, update back to every learner) per second.
 - rss: the shard process's peak resident memory (VmHWM) after the run.
 - shard_cpu_ms_per_round: the shard process's CPU time (user + system) over the measured
@@ -203,33 +206,46 @@ def grpc_noop_mbps(params: int, learners: int, rounds: int) -> float:
     return _median_round_mbps(timings, rounds, end=1, size=2)
 
 
-def _merge_and_memcpy_ms(params: int, learners: int) -> tuple[float, float]:
+def _round_and_memcpy_ms(params: int, learners: int) -> tuple[float, float, float]:
+    """(merge_ms, replies_ms, memcpy_ms): best of 5 rounds of ``learners`` pushes at the
+    learners' default codec, each learner mirrored (it took the full values first, as after
+    a bootstrap), so the round answers each with a condensed reply at the shard's default
+    reply codec."""
     from diloco.clock import VectorClock
     from diloco.codec import encode
+    from diloco.codec.sparse import kept_for
+    from diloco.learner.config import LearnerConfig
     from diloco.syncer.config import RoundConfig, SyncerConfig
     from diloco.wire import PushMeta
-    from diloco.syncer.core.shard import ShardCore, compute_round, inspect_payload
+    from diloco.syncer.core.shard import ShardCore, compute_round, condense_replies, inspect_payload
 
     plan = synthetic(params).plan(1)
     core = ShardCore(SyncerConfig(rounds=RoundConfig(grace_mode="off")), plan, {0: synthetic_values(plan)})
     core.set_membership({f"L{i}" for i in range(learners)}, set())
     pieces = plan.fragments[0].pieces
+    learner = LearnerConfig()
+    codec = {"encoding": learner.delta_codec, "kept": kept_for(learner.delta_density, learner.block_size)}
     g = torch.Generator().manual_seed(0)
     payloads = []
     for i in range(learners):
-        encoded = [encode(p.name, torch.randn(p.shape, generator=g) * 1e-3) for p in pieces]
+        encoded = [encode(p.name, torch.randn(p.shape, generator=g) * 1e-3, **codec) for p in pieces]
         payloads.append((tuple(e.spec for e in encoded), inspect_payload([e.spec for e in encoded], b"".join(e.payload for e in encoded))))
-    best_merge = float("inf")
-    for r in range(5):
+    best_merge = best_replies = float("inf")
+    for r in range(6):
         for i, (specs, payload) in enumerate(payloads):
-            name = f"L{i}"
-            meta = PushMeta(name, 0, core.fragments[0].version, 4096, 8, 0.1, VectorClock({name: r + 1}), specs)
+            name, version = f"L{i}", core.fragments[0].version
+            core.update_for(0, version, name)  # what the learner holds: mirrored from here
+            meta = PushMeta(name, 0, version, 4096, 8, 0.1, VectorClock({name: r + 1}), specs)
             core.accept(meta, payload, 0, now=float(r))
         job = core.begin_round(0, core.decide(0, float(r)), float(r))
         started = time.perf_counter()
         segment = compute_round(job, core.cfg)
-        best_merge = min(best_merge, time.perf_counter() - started)
-        core.finish_round(job, segment, float(r))
+        merged = time.perf_counter()
+        condensed, base = condense_replies(job, core.cfg)
+        replied = time.perf_counter()
+        if r:  # the first round makes every mirror's first base
+            best_merge, best_replies = min(best_merge, merged - started), min(best_replies, replied - merged)
+        core.finish_round(job, segment, float(r), condensed, base)
     # One copy per learner's fragment, from distinct sources like the merge's distinct inputs
     # (copying one source eight times would run from the last-level cache).
     sources = [torch.randn(params) for _ in range(learners)]
@@ -240,7 +256,7 @@ def _merge_and_memcpy_ms(params: int, learners: int) -> tuple[float, float]:
         for src in sources:
             dst.copy_(src)
         best_copy = min(best_copy, time.perf_counter() - started)
-    return best_merge * 1e3, best_copy * 1e3
+    return best_merge * 1e3, best_replies * 1e3, best_copy * 1e3
 
 
 _SYNTHETIC_ROW = 1024
@@ -279,7 +295,7 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> d
         raise InvalidArgument("params must be a positive multiple of 1024; learners and rounds positive")
     tcp = tcp_loopback_mbps()
     noop = grpc_noop_mbps(params, learners, rounds)
-    merge_ms, memcpy_ms = _merge_and_memcpy_ms(params, learners)
+    merge_ms, replies_ms, memcpy_ms = _round_and_memcpy_ms(params, learners)
 
     secret = "bench-secret"
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,7 +332,7 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> d
     last = max(timings[i][-1][2] for i in range(learners))
     # Ratios are of the figures as reported, so each equals its printed parts.
     tcp, noop, ingress = round(tcp, 1), round(noop, 1), round(ingress, 1)
-    merge_ms, memcpy_ms = round(merge_ms, 2), round(memcpy_ms, 2)
+    merge_ms, replies_ms, memcpy_ms = round(merge_ms, 2), round(replies_ms, 2), round(memcpy_ms, 2)
     return {
         "tcp_loopback_mbps": tcp,
         "grpc_noop_mbps": noop,
@@ -326,6 +342,8 @@ def run(params: int = 4 * 1024 * 1024, learners: int = 8, rounds: int = 30) -> d
         "merge_ms": merge_ms,
         "memcpy_ms": memcpy_ms,
         "merge_ratio": round(merge_ms / memcpy_ms, 2),
+        "replies_ms": replies_ms,
+        "replies_ratio": round(replies_ms / memcpy_ms, 2),
         "rounds_per_s": round(rounds / (last - first), 2),
         "shard_cpu_ms_per_round": round(shard_cpu_s / rounds * 1e3, 1),
         "shard_mb_per_cpu_s": round(pushed / shard_cpu_s / 1e6, 1),

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diloco.codec.int4 import native, num_blocks
+from diloco.codec import sparse
+from diloco.codec.int4 import SCALE_BYTES, native, num_blocks
 
 BLOCK = 512
 """Parameters per int8 scale of a residual."""
@@ -116,6 +117,30 @@ def rebase(mirror: Mirror, base: Base, scratch: np.ndarray) -> None:
     for index, values in enumerate(base.values):
         store(mirror, index, mirror.anchor_into(index, scratch[: values.size]), base)
     mirror.base = base
+
+
+def condense_sparse(mirror: Mirror, index: int, goal: np.ndarray, base: Base, scratch: np.ndarray, *,
+                    block_size: int, kept: int, scale_dtype: str, name: str) -> tuple[bytes, float]:
+    """Piece ``index`` of a sparse reply taking the learner's anchor (as ``mirror`` holds it)
+    to ``goal`` (flat float32): its payload and the squared norm of what it left out, the
+    mirror advanced by exactly what the reply decodes to and stored against ``base`` (its
+    rounding added to the drift; on an error, partly). One pass in the C kernel (``mirror_condense``) when a
+    mirror block holds whole sparse blocks; else the three passes it fuses, which are its
+    reference: ``anchor_into`` (into ``scratch``, float32, at least the piece's size),
+    ``sparse.condense`` and ``store``."""
+    kernel = native()
+    if kernel is None or BLOCK % block_size:
+        values = mirror.anchor_into(index, scratch[: goal.size])
+        payload, left_sq = sparse.condense(goal, values, block_size, kept, scale_dtype, name)
+        store(mirror, index, values, base)
+        return payload, left_sq
+    status, bad, payload, left_sq, drift = kernel.mirror_condense(
+        mirror.codes[index], mirror.scales[index], mirror.base.values[index], base.values[index], goal, goal.size,
+        BLOCK, block_size, kept, SCALE_BYTES[scale_dtype])
+    if status:
+        sparse.refuse_update(status, bad, name)
+    mirror.drift_sq += drift
+    return payload, left_sq
 
 
 def int4_rounding_sq(scales: np.ndarray, numel: int, block_size: int) -> float:

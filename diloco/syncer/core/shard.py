@@ -26,10 +26,10 @@ from diloco.codec import (
     encode,
     dequantize_payload,
     encode_quantized,
-    encode_sparse_update,
     expected_byte_length,
     int4_scales,
     norm_of,
+    sparse_tensor,
 )
 from diloco.codec import sparse
 from diloco.codec.sparse import kept_for
@@ -39,7 +39,7 @@ from diloco.wire import MAX_VERSION, PushMeta
 from diloco.syncer.config import SyncerConfig
 from diloco.syncer.core.bounds import REFERENCE_DECAY, Influence, Push, gate
 from diloco.syncer.core.merge import Contribution, merge_piece, raw_weight, token_weights
-from diloco.syncer.core.mirrors import Base, Mirror, base_of, exact, int4_rounding_sq, rebase, store
+from diloco.syncer.core.mirrors import Base, Mirror, base_of, condense_sparse, exact, int4_rounding_sq, rebase, store
 from diloco.syncer.core.outer import MomentumStep, momentum_step, outer_step_
 from diloco.syncer.core.rounds import Close, RoundView, Timings, Wait, decide_round
 
@@ -342,13 +342,15 @@ def condense(fragment: Fragment, target: Sequence[np.ndarray], mirror: Mirror, b
     tensors = []
     rounding_sq = 0.0
     for index, piece in enumerate(fragment.pieces):
-        values = mirror.anchor_into(index, anchor[: piece.numel])
         goal = np.asarray(target[index]).reshape(-1)
         if m.reply_codec == "sparse" and not piece.buffer:
-            encoded, left_sq = encode_sparse_update(piece.name, piece.shape, goal, values, block_size=m.block_size,
-                                                    scale_dtype=m.scale_dtype, kept=kept)
+            payload, left_sq = condense_sparse(mirror, index, goal, base, anchor, block_size=m.block_size, kept=kept,
+                                               scale_dtype=m.scale_dtype, name=piece.name)
+            tensors.append(sparse_tensor(piece.name, piece.shape, payload, block_size=m.block_size,
+                                         scale_dtype=m.scale_dtype, kept=kept))
             rounding_sq += left_sq
         else:
+            values = mirror.anchor_into(index, anchor[: piece.numel])
             update = scratch[: piece.numel]
             np.subtract(goal, values, out=update)
             if piece.buffer:
@@ -360,8 +362,8 @@ def condense(fragment: Fragment, target: Sequence[np.ndarray], mirror: Mirror, b
                 rounding_sq += int4_rounding_sq(int4_scales(encoded.payload, piece.numel, m.block_size,
                                                             m.scale_dtype), piece.numel, m.block_size)
             np.add(values, update, out=values)
-        store(mirror, index, values, base)
-        tensors.append(encoded)
+            store(mirror, index, values, base)
+            tensors.append(encoded)
     mirror.base, mirror.rounding_sq = base, rounding_sq
     return tuple(tensors)
 
