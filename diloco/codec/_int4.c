@@ -1804,6 +1804,40 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(scale_add_doc,
+"scale_add(y, a, x, b) -> None\n\n"
+"y <- y * a + x * b over float32 y and x of one size: two float32 products and a float32\n"
+"sum per value (no FMA), as numpy's y *= a; y += b * x computes them, in one pass.");
+
+VECTOR_CLONES
+static void scale_add_values(float *y, float a, const float *x, float b, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = y[i] * a + x[i] * b;
+}
+
+static PyObject *py_scale_add(PyObject *self, PyObject *args) {
+    PyObject *y_obj, *x_obj;
+    float a, b;
+    if (!PyArg_ParseTuple(args, "OfOf", &y_obj, &a, &x_obj, &b)) return NULL;
+    Py_buffer yv = {0}, xv = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(y_obj, &yv, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (yv.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "scale_add needs float32 data");
+        goto done;
+    }
+    if (PyObject_GetBuffer(x_obj, &xv, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (check_len(&xv, yv.len, "x") < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    scale_add_values((float *)yv.buf, a, (const float *)xv.buf, b, (size_t)yv.len / 4);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (yv.obj) PyBuffer_Release(&yv);
+    if (xv.obj) PyBuffer_Release(&xv);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, quantize_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
@@ -1818,6 +1852,7 @@ static PyMethodDef methods[] = {
     {"sparse_dot", py_sparse_dot, METH_VARARGS, sparse_dot_doc},
     {"mirror_condense", py_mirror_condense, METH_VARARGS, mirror_condense_doc},
     {"sumsq_f32", py_sumsq_f32, METH_VARARGS, sumsq_f32_doc},
+    {"scale_add", py_scale_add, METH_VARARGS, scale_add_doc},
     {NULL, NULL, 0, NULL},
 };
 

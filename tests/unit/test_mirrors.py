@@ -202,3 +202,21 @@ def test_a_sparse_reply_and_its_mirror_in_one_pass_are_the_three_passes_it_fuses
     assert payload == want_payload and left == want_left and fused.drift_sq == reference.drift_sq
     assert np.array_equal(fused.codes[0], reference.codes[0])
     assert np.array_equal(fused.scales[0].view(np.uint32), reference.scales[0].view(np.uint32))
+
+
+def test_the_reference_direction_follows_a_round_in_one_pass_as_numpy_computes_it():
+    """``follow_`` (the fragment's reference direction after a round) in the C kernel: the
+    float32 products and sum numpy's two in-place steps compute, bit for bit."""
+    from diloco.codec.int4 import native
+    from diloco.syncer.core.bounds import REFERENCE_DECAY
+    from diloco.syncer.core.shard import follow_
+
+    assert native() is not None, "the C kernel is not built"
+    rng = np.random.default_rng(3)
+    reference, delta = rng.standard_normal((2, 10_003)).astype(np.float32)
+    weight = np.float32((1 - REFERENCE_DECAY) * 0.731)
+    want = reference.copy()
+    want *= REFERENCE_DECAY
+    want += weight * delta
+    follow_(reference, delta, weight)
+    assert np.array_equal(reference.view(np.uint32), want.view(np.uint32))

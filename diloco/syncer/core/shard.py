@@ -32,6 +32,7 @@ from diloco.codec import (
     sparse_tensor,
 )
 from diloco.codec import sparse
+from diloco.codec.int4 import native
 from diloco.codec.sparse import kept_for
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import Fragment, FragmentPlan
@@ -271,8 +272,7 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
             momentum = np.zeros_like(delta)
         if follow:
             reference = job.reference[index].reshape(-1)
-            reference *= REFERENCE_DECAY
-            reference += np.float32((1 - REFERENCE_DECAY) * scale) * delta
+            follow_(reference, delta, np.float32((1 - REFERENCE_DECAY) * scale))
         lr = m.outer_lr * (job.participation if m.scale_by == "live" else 1.0)
         outer = job.outer or MomentumStep(m.outer_momentum, m.outer_momentum)
         packed, scales = outer_step_(
@@ -281,6 +281,17 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
         )
         encoded.append(encode_quantized(piece.name, piece.shape, packed, scales, m.block_size, m.scale_dtype))
     return Segment(job.version, "delta", tuple(encoded))
+
+
+def follow_(reference: np.ndarray, delta: np.ndarray, weight: np.float32) -> None:
+    """``reference = reference * REFERENCE_DECAY + delta * weight`` in place (float32), in one
+    pass in the C kernel (``scale_add``: the same float32 products and sum as numpy's)."""
+    kernel = native()
+    if kernel is not None:
+        kernel.scale_add(reference, REFERENCE_DECAY, delta, weight)
+        return
+    reference *= REFERENCE_DECAY
+    reference += weight * delta
 
 
 def _gates(job: RoundJob) -> tuple[float, ...]:
