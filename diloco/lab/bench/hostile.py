@@ -125,7 +125,9 @@ def _attack_vectors(attack: str, anchor: list[torch.Tensor], pieces, shadow: "Sh
 class Shadow:
     """An honest learner's training, kept aside: a copy of the model trained on the task's
     own batches with its own optimizer, moved by the global values as an honest learner's
-    model is (each fragment by its anchor's change since last seen)."""
+    model is (the rebase rule): when a fragment's reply arrives, its values become the new
+    anchor plus the progress made since the push it answers (what was pushed is in the
+    anchor now, merged)."""
 
     def __init__(self, spec: str, task) -> None:
         from diloco.learner.config import LearnerConfig
@@ -137,20 +139,36 @@ class Shadow:
         self.optimizer, self.schedule = inner_optimizer(task, self.cfg)
         self.batches = iter(task.batches)
         self.seen: dict[int, list[torch.Tensor]] = {}
+        self.pushed: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        """Fragment -> (the step its latest push was sent at, the shadow's values then)."""
 
     def train(self, learner) -> None:
-        """One inner step, after moving the model by what ``learner``'s anchors moved."""
+        """One inner step, after taking in what ``learner`` received and pushed since the last
+        call: a fragment whose anchor moved in answer to a push is rebased onto it, and a
+        push sent since is recorded with the values it stands for (none trained since: it
+        went out in the ``learner.step`` after the last call)."""
         with torch.no_grad():
             for fragment_id, anchor in learner.anchors().items():
-                pieces = learner.plan.fragments[fragment_id].pieces
+                targets = [piece.view(self.params[piece.tensor]) for piece in learner.plan.fragments[fragment_id].pieces]
+                sent = learner.book.fragments[fragment_id].sent
                 before = self.seen.get(fragment_id)
-                for piece, a, b in zip(pieces, anchor, before or anchor):
-                    target = piece.view(self.params[piece.tensor])
-                    if before is None:
-                        target.copy_(a.reshape(target.shape))
-                    else:
-                        target.add_((a - b).reshape(target.shape))
-                self.seen[fragment_id] = [a.clone() for a in anchor]
+                if before is None or not all(torch.equal(a, b) for a, b in zip(anchor, before)):
+                    pushed = self.pushed.get(fragment_id)
+                    answered = before is not None and pushed is not None and (sent is None or sent.step != pushed[0])
+                    for target, a, b, p in zip(targets, anchor, before or anchor, pushed[1] if answered else anchor):
+                        if before is None:
+                            target.copy_(a.reshape(target.shape))
+                        elif answered:  # the anchor, plus the progress made since the push
+                            target.copy_(a.reshape(target.shape) + (target - p))
+                        else:  # moved with our push still out (a re-sync): by the anchor's move
+                            target.add_((a - b).reshape(target.shape))
+                    if answered:
+                        del self.pushed[fragment_id]
+                    self.seen[fragment_id] = [a.clone() for a in anchor]
+                # A push sent since the last call stands for the values now (rebased first, as
+                # an honest learner applies a reply before it sends in the same step).
+                if sent is not None and self.pushed.get(fragment_id, (None,))[0] != sent.step:
+                    self.pushed[fragment_id] = (sent.step, [t.detach().clone() for t in targets])
         from diloco.learner.runner import inner_step
 
         inner_step(self.spec, self.task, next(self.batches), self.optimizer, self.schedule, self.cfg.grad_clip)
