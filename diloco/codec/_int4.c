@@ -1324,6 +1324,28 @@ static void sparse_range(SparseJob *job) {
     }
 }
 
+/* The layout of a sparse payload of n values (format: diloco/codec/sparse.py), after
+ * checking the parameters (a Python error set and -1 when they are bad). */
+typedef struct {
+    size_t blocks, total, index_len, code_len, bytes;
+} SparseLayout;
+
+static int sparse_layout(Py_ssize_t n, Py_ssize_t block_size, Py_ssize_t kept, int scale_size, int threads,
+                         SparseLayout *l) {
+    if (check_common(n, block_size, scale_size, threads) < 0) return -1;
+    if (block_size > 256 || kept < 1 || kept > block_size) {
+        PyErr_SetString(PyExc_ValueError, "need block_size <= 256 and 1 <= kept <= block_size");
+        return -1;
+    }
+    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
+    l->blocks = full + (rest > 0);
+    l->total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
+    l->index_len = kept < block_size ? l->total : 0;
+    l->code_len = (l->total + 3) / 4;
+    l->bytes = l->index_len + l->code_len + l->blocks * (size_t)scale_size;
+    return 0;
+}
+
 static void sparse_range_v(void *job) { sparse_range((SparseJob *)job); }
 
 PyDoc_STRVAR(sparse_quantize_doc,
@@ -1336,20 +1358,14 @@ static PyObject *py_sparse_quantize(PyObject *self, PyObject *args) {
     Py_ssize_t n, block_size, kept;
     int scale_size, threads;
     if (!PyArg_ParseTuple(args, "Onnnii", &x_obj, &n, &block_size, &kept, &scale_size, &threads)) return NULL;
-    if (check_common(n, block_size, scale_size, threads) < 0) return NULL;
-    if (block_size > 256 || kept < 1 || kept > block_size) {
-        PyErr_SetString(PyExc_ValueError, "need block_size <= 256 and 1 <= kept <= block_size");
-        return NULL;
-    }
-    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
-    size_t blocks = full + (rest > 0);
-    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
-    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    SparseLayout layout;
+    if (sparse_layout(n, block_size, kept, scale_size, threads, &layout) < 0) return NULL;
+    size_t blocks = layout.blocks, index_len = layout.index_len, code_len = layout.code_len;
     Py_buffer xv = {0};
     PyObject *payload = NULL, *result = NULL;
     if (PyObject_GetBuffer(x_obj, &xv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (check_len(&xv, n * 4, "x") < 0) goto done;
-    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size));
+    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)layout.bytes);
     if (!payload) goto done;
     unsigned char *base = (unsigned char *)PyBytes_AS_STRING(payload);
     memset(base + index_len, 0, code_len); /* codes are OR-ed in */
@@ -1427,14 +1443,13 @@ static PyObject *py_sparse_apply(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "need block_size <= 256, 1 <= kept <= block_size, mode 0-2 (out None for 2)");
         return NULL;
     }
-    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
-    size_t blocks = full + (rest > 0);
-    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
-    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    SparseLayout layout;
+    if (sparse_layout(n, block_size, kept, scale_size, 1, &layout) < 0) return NULL;
+    size_t blocks = layout.blocks, index_len = layout.index_len, code_len = layout.code_len;
     Py_buffer pv = {0}, ov = {0};
     PyObject *result = NULL;
     if (PyObject_GetBuffer(p_obj, &pv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (check_len(&pv, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size), "payload") < 0) goto done;
+    if (check_len(&pv, (Py_ssize_t)layout.bytes, "payload") < 0) goto done;
     if (mode != 2) {
         if (PyObject_GetBuffer(out_obj, &ov, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
         if (check_len(&ov, n * 4, "out") < 0) goto done;
@@ -1486,53 +1501,61 @@ typedef struct {
     double left;
 } CondenseJob;
 
-/* sparse_condense's pass, block by block: u = goal - anchor, its block encoded, anchor +=
- * what the block decodes to (+0 where nothing was kept), and the squared norm of u minus
- * that, in four running sums per block (positions i % 4; a fixed order). */
+/* One block b (len values at goal, anchor) of sparse_condense's pass: u = goal - anchor,
+ * encoded into the job's payload, anchor += what the block decodes to (+0 where nothing
+ * was kept), and the squared norm of u minus that added to job->left, in four running
+ * sums (positions i % 4; a fixed order). Returns a STATUS (recorded in the job). Inlined
+ * into each caller, so into each of their clones. */
+static inline __attribute__((always_inline)) int condense_block(CondenseJob *job, size_t b, const float *goal,
+                                                                 float *anchor, size_t len, float *ratio) {
+    float u[256], d[256];
+    unsigned char where[256], code[256];
+    size_t k = job->kept < len ? job->kept : len, offset = b * job->kept;
+    for (size_t i = 0; i < len; i++) u[i] = goal[i] - anchor[i];
+    float scale;
+    uint32_t bits;
+    int status = sparse_block(u, len, k, job->scale_size, ratio, &scale, &bits, where, code);
+    if (status != STATUS_OK) {
+        job->status = status;
+        job->bad_block = b;
+        return status;
+    }
+    store_scale(job->scales, b, job->scale_size, bits);
+    pack_codes(job->codes, offset, code, k);
+    if (k < len) {
+        if (job->indices) memcpy(job->indices + offset, where, k);
+        memset(d, 0, len * sizeof *d);
+        for (size_t j = 0; j < k; j++) d[where[j]] = ((float)code[j] - 1.5f) * scale;
+    } else {
+        if (job->indices)
+            for (size_t i = 0; i < len; i++) job->indices[offset + i] = (unsigned char)i;
+        for (size_t i = 0; i < len; i++) d[i] = ((float)code[i] - 1.5f) * scale;
+    }
+    for (size_t i = 0; i < len; i++) anchor[i] = anchor[i] + d[i];
+    double lane[4] = {0.0, 0.0, 0.0, 0.0};
+    size_t i = 0;
+    for (; i + 4 <= len; i += 4)
+        for (size_t l = 0; l < 4; l++) {
+            double e = (double)u[i + l] - (double)d[i + l];
+            lane[l] += e * e;
+        }
+    for (; i < len; i++) {
+        double e = (double)u[i] - (double)d[i];
+        lane[i & 3] += e * e;
+    }
+    job->left += (lane[0] + lane[1]) + (lane[2] + lane[3]);
+    return STATUS_OK;
+}
+
+/* sparse_condense's pass, block by block. */
 VECTOR_CLONES
 static void condense_blocks(CondenseJob *job) {
-    float ratio = 0.5f, u[256], d[256];
-    unsigned char where[256], code[256];
+    float ratio = 0.5f;
     size_t blocks = (job->n + job->block_size - 1) / job->block_size;
     for (size_t b = 0; b < blocks; b++) {
         size_t lo = b * job->block_size;
         size_t len = job->n - lo < job->block_size ? job->n - lo : job->block_size;
-        size_t k = job->kept < len ? job->kept : len, offset = b * job->kept;
-        float *anchor = job->anchor + lo;
-        const float *goal = job->goal + lo;
-        for (size_t i = 0; i < len; i++) u[i] = goal[i] - anchor[i];
-        float scale;
-        uint32_t bits;
-        int status = sparse_block(u, len, k, job->scale_size, &ratio, &scale, &bits, where, code);
-        if (status != STATUS_OK) {
-            job->status = status;
-            job->bad_block = b;
-            return;
-        }
-        store_scale(job->scales, b, job->scale_size, bits);
-        pack_codes(job->codes, offset, code, k);
-        if (k < len) {
-            if (job->indices) memcpy(job->indices + offset, where, k);
-            memset(d, 0, len * sizeof *d);
-            for (size_t j = 0; j < k; j++) d[where[j]] = ((float)code[j] - 1.5f) * scale;
-        } else {
-            if (job->indices)
-                for (size_t i = 0; i < len; i++) job->indices[offset + i] = (unsigned char)i;
-            for (size_t i = 0; i < len; i++) d[i] = ((float)code[i] - 1.5f) * scale;
-        }
-        for (size_t i = 0; i < len; i++) anchor[i] = anchor[i] + d[i];
-        double lane[4] = {0.0, 0.0, 0.0, 0.0};
-        size_t i = 0;
-        for (; i + 4 <= len; i += 4)
-            for (size_t l = 0; l < 4; l++) {
-                double e = (double)u[i + l] - (double)d[i + l];
-                lane[l] += e * e;
-            }
-        for (; i < len; i++) {
-            double e = (double)u[i] - (double)d[i];
-            lane[i & 3] += e * e;
-        }
-        job->left += (lane[0] + lane[1]) + (lane[2] + lane[3]);
+        if (condense_block(job, b, job->goal + lo, job->anchor + lo, len, &ratio) != STATUS_OK) return;
     }
 }
 
@@ -1548,22 +1571,16 @@ static PyObject *py_sparse_condense(PyObject *self, PyObject *args) {
     Py_ssize_t n, block_size, kept;
     int scale_size;
     if (!PyArg_ParseTuple(args, "OOnnni", &g_obj, &a_obj, &n, &block_size, &kept, &scale_size)) return NULL;
-    if (check_common(n, block_size, scale_size, 1) < 0) return NULL;
-    if (block_size > 256 || kept < 1 || kept > block_size) {
-        PyErr_SetString(PyExc_ValueError, "need block_size <= 256 and 1 <= kept <= block_size");
-        return NULL;
-    }
-    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
-    size_t blocks = full + (rest > 0);
-    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
-    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    SparseLayout layout;
+    if (sparse_layout(n, block_size, kept, scale_size, 1, &layout) < 0) return NULL;
+    size_t index_len = layout.index_len, code_len = layout.code_len;
     Py_buffer gv = {0}, av = {0};
     PyObject *payload = NULL, *result = NULL;
     if (PyObject_GetBuffer(g_obj, &gv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (check_len(&gv, n * 4, "goal") < 0) goto done;
     if (PyObject_GetBuffer(a_obj, &av, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
     if (check_len(&av, n * 4, "anchor") < 0) goto done;
-    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size));
+    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)layout.bytes);
     if (!payload) goto done;
     unsigned char *base = (unsigned char *)PyBytes_AS_STRING(payload);
     memset(base + index_len, 0, code_len); /* codes shared by two blocks are OR-ed in */
@@ -1595,19 +1612,13 @@ static PyObject *py_sparse_dot(PyObject *self, PyObject *args) {
     Py_ssize_t n, block_size, kept;
     int scale_size;
     if (!PyArg_ParseTuple(args, "OnnniO", &p_obj, &n, &block_size, &kept, &scale_size, &y_obj)) return NULL;
-    if (check_common(n, block_size, scale_size, 1) < 0) return NULL;
-    if (block_size > 256 || kept < 1 || kept > block_size) {
-        PyErr_SetString(PyExc_ValueError, "need block_size <= 256 and 1 <= kept <= block_size");
-        return NULL;
-    }
-    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
-    size_t blocks = full + (rest > 0);
-    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
-    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    SparseLayout layout;
+    if (sparse_layout(n, block_size, kept, scale_size, 1, &layout) < 0) return NULL;
+    size_t blocks = layout.blocks, index_len = layout.index_len, code_len = layout.code_len;
     Py_buffer pv = {0}, yv = {0};
     PyObject *result = NULL;
     if (PyObject_GetBuffer(p_obj, &pv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (check_len(&pv, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size), "payload") < 0) goto done;
+    if (check_len(&pv, (Py_ssize_t)layout.bytes, "payload") < 0) goto done;
     if (PyObject_GetBuffer(y_obj, &yv, PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (check_len(&yv, n * 4, "y") < 0) goto done;
     double dot = 0.0, sumsq = 0.0;
@@ -1685,8 +1696,7 @@ typedef struct {
 
 VECTOR_CLONES
 static void mirror_condense_blocks(MirrorCondenseJob *job) {
-    float anchor[MIRROR_MAX_BLOCK], u[256], d[256];
-    unsigned char where[256], code[256];
+    float anchor[MIRROR_MAX_BLOCK];
     float ratio = 0.5f;
     CondenseJob *r = &job->reply;
     size_t chunks = (job->n + job->mirror_block - 1) / job->mirror_block;
@@ -1695,44 +1705,10 @@ static void mirror_condense_blocks(MirrorCondenseJob *job) {
         float mscale = job->mirror_scales[c];
         for (size_t i = lo; i < hi; i++) anchor[i - lo] = job->old_base[i] + (float)job->codes[i] * mscale;
         for (size_t start = lo; start < hi; start += r->block_size) {
-            size_t b = start / r->block_size;
             size_t len = hi - start < r->block_size ? hi - start : r->block_size;
-            size_t k = r->kept < len ? r->kept : len, offset = b * r->kept;
-            float *a = anchor + (start - lo);
-            const float *goal = job->goal + start;
-            for (size_t i = 0; i < len; i++) u[i] = goal[i] - a[i];
-            float scale;
-            uint32_t bits;
-            int status = sparse_block(u, len, k, r->scale_size, &ratio, &scale, &bits, where, code);
-            if (status != STATUS_OK) {
-                r->status = status;
-                r->bad_block = b;
+            if (condense_block(r, start / r->block_size, job->goal + start, anchor + (start - lo), len, &ratio) !=
+                STATUS_OK)
                 return;
-            }
-            store_scale(r->scales, b, r->scale_size, bits);
-            pack_codes(r->codes, offset, code, k);
-            if (k < len) {
-                if (r->indices) memcpy(r->indices + offset, where, k);
-                memset(d, 0, len * sizeof *d);
-                for (size_t j = 0; j < k; j++) d[where[j]] = ((float)code[j] - 1.5f) * scale;
-            } else {
-                if (r->indices)
-                    for (size_t i = 0; i < len; i++) r->indices[offset + i] = (unsigned char)i;
-                for (size_t i = 0; i < len; i++) d[i] = ((float)code[i] - 1.5f) * scale;
-            }
-            for (size_t i = 0; i < len; i++) a[i] = a[i] + d[i];
-            double lane[4] = {0.0, 0.0, 0.0, 0.0};
-            size_t i = 0;
-            for (; i + 4 <= len; i += 4)
-                for (size_t l = 0; l < 4; l++) {
-                    double e = (double)u[i + l] - (double)d[i + l];
-                    lane[l] += e * e;
-                }
-            for (; i < len; i++) {
-                double e = (double)u[i] - (double)d[i];
-                lane[i & 3] += e * e;
-            }
-            r->left += (lane[0] + lane[1]) + (lane[2] + lane[3]);
         }
         job->drift += mirror_store_blocks(anchor, job->new_base + lo, job->codes + lo, job->mirror_scales + c,
                                           (Py_ssize_t)(hi - lo), (Py_ssize_t)(hi - lo));
@@ -1763,10 +1739,9 @@ static PyObject *py_mirror_condense(PyObject *self, PyObject *args) {
                         "need block_size <= 256, 1 <= kept <= block_size, mirror_block a multiple of block_size <= 4096");
         return NULL;
     }
-    size_t full = (size_t)n / (size_t)block_size, rest = (size_t)n % (size_t)block_size;
-    size_t blocks = full + (rest > 0);
-    size_t total = full * (size_t)kept + (rest < (size_t)kept ? rest : (size_t)kept);
-    size_t index_len = kept < block_size ? total : 0, code_len = (total + 3) / 4;
+    SparseLayout layout;
+    if (sparse_layout(n, block_size, kept, scale_size, 1, &layout) < 0) return NULL;
+    size_t index_len = layout.index_len, code_len = layout.code_len;
     Py_ssize_t chunks = (n + mirror_block - 1) / mirror_block;
     Py_buffer v[5] = {{0}};
     const Py_ssize_t lens[5] = {n, chunks * 4, n * 4, n * 4, n * 4};
@@ -1781,7 +1756,7 @@ static PyObject *py_mirror_condense(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(index_len + code_len + blocks * (size_t)scale_size));
+    payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)layout.bytes);
     if (!payload) goto done;
     unsigned char *base = (unsigned char *)PyBytes_AS_STRING(payload);
     memset(base + index_len, 0, code_len); /* codes shared by two blocks are OR-ed in */
