@@ -1813,6 +1813,39 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(dot_f32_doc,
+"dot_f32(x, y) -> float\n\n"
+"The dot product of float32 x and y of one size, in double: four running sums over the\n"
+"positions i % 4, added (0 + 1) + (2 + 3) at the end (sumsq_f32's order).");
+
+static PyObject *py_dot_f32(PyObject *self, PyObject *args) {
+    PyObject *x_obj, *y_obj;
+    if (!PyArg_ParseTuple(args, "OO", &x_obj, &y_obj)) return NULL;
+    Py_buffer xv = {0}, yv = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(x_obj, &xv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (xv.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "dot_f32 needs float32 data");
+        goto done;
+    }
+    if (PyObject_GetBuffer(y_obj, &yv, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (check_len(&yv, xv.len, "y") < 0) goto done;
+    size_t n = (size_t)xv.len / 4;
+    double lane[4] = {0.0, 0.0, 0.0, 0.0};
+    Py_BEGIN_ALLOW_THREADS
+    const float *x = (const float *)xv.buf, *y = (const float *)yv.buf;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (size_t l = 0; l < 4; l++) lane[l] += (double)x[i + l] * (double)y[i + l];
+    for (; i < n; i++) lane[i & 3] += (double)x[i] * (double)y[i];
+    Py_END_ALLOW_THREADS
+    result = PyFloat_FromDouble((lane[0] + lane[1]) + (lane[2] + lane[3]));
+done:
+    if (xv.obj) PyBuffer_Release(&xv);
+    if (yv.obj) PyBuffer_Release(&yv);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, quantize_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
@@ -1827,6 +1860,7 @@ static PyMethodDef methods[] = {
     {"sparse_dot", py_sparse_dot, METH_VARARGS, sparse_dot_doc},
     {"mirror_condense", py_mirror_condense, METH_VARARGS, mirror_condense_doc},
     {"sumsq_f32", py_sumsq_f32, METH_VARARGS, sumsq_f32_doc},
+    {"dot_f32", py_dot_f32, METH_VARARGS, dot_f32_doc},
     {"scale_add", py_scale_add, METH_VARARGS, scale_add_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -355,12 +355,15 @@ def sumsq_f32(flat: np.ndarray) -> float:
 def dot_and_sumsq(tensor: EncodedTensor, y: np.ndarray, scratch: np.ndarray) -> tuple[float, float]:
     """(decoded . ``y``, decoded . decoded) of a checked tensor against flat float32 ``y``,
     in float64: a sparse one straight from its bytes in the C kernel, else decoded into
-    ``scratch`` (float32, its size) first."""
+    ``scratch`` (float32, its size) first, then one pass (``dot_f32``; numpy's float64
+    without the kernel, equal up to the summation order)."""
     s = tensor.spec
     kernel = int4.native()
     if s.encoding == "sparse" and kernel is not None:
         return kernel.sparse_dot(_bytes(tensor.payload), s.numel, s.block_size, s.kept, SCALE_BYTES[s.scale_dtype], y)
     norm_sq = accumulate([(tensor, 1.0)], scratch, overwrite=True)
+    if kernel is not None:
+        return kernel.dot_f32(scratch, y), norm_sq
     return float(np.dot(scratch.astype(np.float64), y.astype(np.float64))), norm_sq
 
 
