@@ -607,3 +607,29 @@ def test_a_move_skips_a_learner_that_left_since_the_listing(monkeypatch, tmp_pat
     admin.members = lambda: [member("L0", 17_000, "left"), member("L1", 20_000, "left"), member("L2", 15_000)]
     budget.spend(0, [member("L0", 17_000, "left"), member("L1", 15_000), member("L2", 15_000)], admin, None)
     assert admin.calls[1] == {"L2": 20_000 + 1_500}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_interrupt_python_dropped_in_a_finalizer_is_raised_again():
+    """A SIGTERM whose handler runs inside a finalizer: Python prints and drops the
+    KeyboardInterrupt ("Exception ignored in ..."), and the watch loop raises it again
+    (``Arrivals.raise_if_lost``) instead of training on to the time limit."""
+    import signal
+    import threading
+
+    from diloco.cli.local.run import _interrupts
+
+    assert threading.current_thread() is threading.main_thread(), "signal handlers run in the main thread only"
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100_000):  # Python code: the handler runs in here, and its raise is dropped
+                pass
+
+    with _interrupts() as arrived:
+        arrived.raise_if_lost()  # nothing raised yet: nothing to raise again
+        Finalized()
+        assert arrived.raised == 1 and arrived.first is not None
+        with pytest.raises(KeyboardInterrupt):
+            arrived.raise_if_lost()

@@ -105,6 +105,7 @@ class LocalRun:
         self.given_mode = 0o700
         # The parts, made as the run starts:
         self.hub = self.cluster = self.admin = self.monkey = self.curves = None
+        self.arrived = Arrivals()
         self.progress: Progress | None = None
         self.budget = Budget(cfg.tokens, self.run_dir / DRAIN_FILE)
         self.interrupted_at: float | None = None
@@ -126,6 +127,7 @@ class LocalRun:
             record = RunRecord(self.run_dir, started_wall=time.time(), resumed_from=self.resumed_from)
             started = time.monotonic()
             with _interrupts() as arrived:
+                self.arrived = arrived
                 try:
                     self.start(record)
                     self.watch(record, started)
@@ -254,6 +256,7 @@ class LocalRun:
         ending = Ending(self.cfg, record, started)
         with self.progress.live():
             while True:
+                self.arrived.raise_if_lost()
                 members, launches = _patient(lambda: self.admin.listing(include_gone=True), "list the learners")
                 _link_learner_logs(self.run_dir, members)
                 self.cluster.note_learners(members)
@@ -743,6 +746,17 @@ def _missing(cfg: LocalConfig, members: list[dict], monkey: ChaosMonkey | None) 
 class Arrivals:
     first: float | None = None
     """time.monotonic() when the first SIGINT or SIGTERM arrived (None: none yet)."""
+    raised: int = 0
+    """KeyboardInterrupts the handler raised."""
+
+    def raise_if_lost(self) -> None:
+        """Raise the handler's KeyboardInterrupt again, for a caller that is still running
+        although it was raised: Python runs a handler wherever its main thread is, and one
+        raised inside a finalizer (``__del__``) or a callback Python calls is printed and
+        dropped ("Exception ignored in ..."). Seen: a SIGTERM lost in a tokenizer's
+        ``__del__``, and the run trained on to its time limit."""
+        if self.raised:
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -769,6 +783,7 @@ def _interrupts():
         handler = previous.get(signum)
         if callable(handler):
             handler(signum, frame)
+        arrived.raised += 1
         raise KeyboardInterrupt
 
     def note(wakeups: int) -> None:
