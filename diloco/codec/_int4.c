@@ -1650,34 +1650,6 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(sumsq_f32_doc,
-"sumsq_f32(x) -> float\n\n"
-"The sum of squares of float32 x, in double: four running sums over the positions i % 4,\n"
-"added (0 + 1) + (2 + 3) at the end; a fixed order, so the same result on every run.");
-
-static PyObject *py_sumsq_f32(PyObject *self, PyObject *args) {
-    PyObject *x_obj;
-    if (!PyArg_ParseTuple(args, "O", &x_obj)) return NULL;
-    Py_buffer xv = {0};
-    if (PyObject_GetBuffer(x_obj, &xv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (xv.len % 4) {
-        PyBuffer_Release(&xv);
-        PyErr_SetString(PyExc_ValueError, "sumsq_f32 needs float32 data");
-        return NULL;
-    }
-    size_t n = (size_t)xv.len / 4;
-    double lane[4] = {0.0, 0.0, 0.0, 0.0};
-    Py_BEGIN_ALLOW_THREADS
-    const float *x = (const float *)xv.buf;
-    size_t i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (size_t l = 0; l < 4; l++) lane[l] += (double)x[i + l] * (double)x[i + l];
-    for (; i < n; i++) lane[i & 3] += (double)x[i] * (double)x[i];
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&xv);
-    return PyFloat_FromDouble((lane[0] + lane[1]) + (lane[2] + lane[3]));
-}
-
 /* ---------------------------------------------------------------------------------- */
 /* A shard's condensed sparse reply, fused with the learner's mirror: per mirror block    */
 /* (diloco/syncer/core/mirrors.py), the anchor loaded (mirror_load's operations), each    */
@@ -1816,7 +1788,8 @@ done:
 PyDoc_STRVAR(dot_f32_doc,
 "dot_f32(x, y) -> float\n\n"
 "The dot product of float32 x and y of one size, in double: four running sums over the\n"
-"positions i % 4, added (0 + 1) + (2 + 3) at the end (sumsq_f32's order).");
+"positions i % 4, added (0 + 1) + (2 + 3) at the end; a fixed order, so the same result on\n"
+"every run (dot_f32(x, x): x's sum of squares).");
 
 static PyObject *py_dot_f32(PyObject *self, PyObject *args) {
     PyObject *x_obj, *y_obj;
@@ -1859,7 +1832,6 @@ static PyMethodDef methods[] = {
     {"sparse_condense", py_sparse_condense, METH_VARARGS, sparse_condense_doc},
     {"sparse_dot", py_sparse_dot, METH_VARARGS, sparse_dot_doc},
     {"mirror_condense", py_mirror_condense, METH_VARARGS, mirror_condense_doc},
-    {"sumsq_f32", py_sumsq_f32, METH_VARARGS, sumsq_f32_doc},
     {"dot_f32", py_dot_f32, METH_VARARGS, dot_f32_doc},
     {"scale_add", py_scale_add, METH_VARARGS, scale_add_doc},
     {NULL, NULL, 0, NULL},

@@ -184,8 +184,7 @@ def condense_reference(goal: np.ndarray, anchor: np.ndarray, block_size: int, ke
     """``condense`` in numpy, the reference the C kernel is tested against."""
     update = np.subtract(goal, anchor, dtype=np.float32)
     if not np.isfinite(update).all():
-        block = int(np.flatnonzero(~np.isfinite(update))[0]) // block_size
-        raise CodecError(f"tensor {name!r}: block {block} of the update holds a non-finite value")
+        refuse_update(1, int(np.flatnonzero(~np.isfinite(update))[0]) // block_size, name)
     payload = quantize_reference(update, block_size, kept, scale_dtype, name)
     positions, values = positions_values(memoryview(payload), update.size, block_size, kept, scale_dtype)
     sent = np.zeros_like(update)

@@ -25,7 +25,6 @@ import google_crc32c
 import numpy as np
 
 from diloco.codec import int4, sparse
-from diloco.codec.int4 import SCALE_BYTES
 from diloco.config import BLOCK_SIZE
 from diloco.errors import CodecError
 
@@ -344,10 +343,10 @@ def accumulate(
 
 def sumsq_f32(flat: np.ndarray) -> float:
     """The sum of squares of a float32 array, summed in float64: one pass in the C kernel
-    (its own fixed order), float64 numpy without it (equal up to the summation order)."""
+    (``dot_f32``'s fixed order), float64 numpy without it (equal up to the summation order)."""
     kernel = int4.native()
     if kernel is not None:
-        return kernel.sumsq_f32(flat)
+        return kernel.dot_f32(flat, flat)
     wide = flat.astype(np.float64)
     return float(np.dot(wide, wide))
 
@@ -360,7 +359,8 @@ def dot_and_sumsq(tensor: EncodedTensor, y: np.ndarray, scratch: np.ndarray) -> 
     s = tensor.spec
     kernel = int4.native()
     if s.encoding == "sparse" and kernel is not None:
-        return kernel.sparse_dot(_bytes(tensor.payload), s.numel, s.block_size, s.kept, SCALE_BYTES[s.scale_dtype], y)
+        return kernel.sparse_dot(_bytes(tensor.payload), s.numel, s.block_size, s.kept,
+                                 int4.SCALE_BYTES[s.scale_dtype], y)
     norm_sq = accumulate([(tensor, 1.0)], scratch, overwrite=True)
     if kernel is not None:
         return kernel.dot_f32(scratch, y), norm_sq

@@ -31,7 +31,6 @@ from diloco.codec import (
     norm_of,
     sparse_tensor,
 )
-from diloco.codec import sparse
 from diloco.codec.int4 import native
 from diloco.codec.sparse import kept_for
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted

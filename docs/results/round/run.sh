@@ -9,7 +9,7 @@ for point in "1048576 8" "4194304 8" "16777216 8" "4194304 1" "4194304 32"; do
   for try in 1 2 3; do
     for tree in "$BEFORE" "$root"; do
       label=$([ "$tree" = "$root" ] && echo after || echo before)
-      echo "$label $try $(cd "$here" && PYTHONPATH="$tree" python round.py $point "$here")"
+      echo "$label $try $(cd "$here" && PYTHONPATH="$tree" python round.py $point)"
     done
   done
 done
