@@ -19,9 +19,10 @@ async def running_shard(tmp_path, learners=("L0", "L1", "L2"), run=TINY, shard_i
     max_push_bytes = rounds.pop("max_push_bytes", 512 * 1024 * 1024)
     idle_s = rounds.pop("stream_idle_timeout_s", 60.0)
     validator = rounds.pop("validator", False)
+    bounds = {"robust_multiple": rounds.pop("robust_multiple")} if "robust_multiple" in rounds else {}
     cfg = SyncerConfig(
         shard_id=shard_id, num_shards=num_shards, rounds=RoundConfig(**rounds), merge=merge, max_push_bytes=max_push_bytes,
-        stream_idle_timeout_s=idle_s, validator=validator,
+        stream_idle_timeout_s=idle_s, validator=validator, **bounds,
     )
     server = ShardServer(run, cfg, ShardServerConfig(secret=SECRET, data_dir=tmp_path, static_learners=tuple(learners)),
                          seeded_core(run, cfg))

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 
 
 from diloco.tape import read_tape
@@ -23,7 +24,7 @@ from tests.checks import assert_same_tensors
 # Bounds that never bind: a snapshot does not carry a fragment's Influence (its learners'
 # latest norms and push intervals, syncer.core.bounds), and the live round's time-based
 # clip depends on how long the snapshot took; restored, the round would be bounded anew.
-SHARD_CFG = SyncerConfig(rounds=RoundConfig(quorum=2, grace_mode="off"), robust_multiple=1e9)
+SHARD_CFG = SyncerConfig(rounds=RoundConfig(quorum=2, grace_mode="off"), robust_multiple=math.inf)
 
 
 class EpochLearner(FakeLearner):

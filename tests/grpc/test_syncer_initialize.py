@@ -105,6 +105,9 @@ def test_a_learner_joining_late_downloads_one_int4_update_from_the_seed(tmp_path
                 # Others on record with huge deltas: L0's pushes, alone, are not held to the
                 # fallback bound (syncer.core.bounds), and the fragment moves.
                 core.fragments[0].influence.record([Push("L8", 1e9, 1.0, -10.0), Push("L9", 1e9, 1.0, -10.0)])
+                for learner in ("L8", "L9"):  # agreeing with a reference they turned: directions judged
+                    core.fragments[0].influence.agreed(learner, 0.5)
+                core.fragments[0].influence.turned(["L8", "L9"])
                 trained = FakeLearner.of(server, "L0", fragment=0)
                 for _ in range(3):
                     await trained.push(c0, deltas=[torch.randn(t.shape) * 0.05 for t in seed])

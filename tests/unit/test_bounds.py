@@ -14,11 +14,20 @@ def norm_never_needed():
     return 1.0
 
 
+def judged(influence: Influence) -> Influence:
+    """Every learner on record agrees with a reference that others turned: directions are
+    judged (``Bound.unvouched`` false), so only the norm bounds clip."""
+    for learner in influence.latest:
+        influence.agreed(learner, 0.5)
+    influence.turned(["R1", "R2"])
+    return influence
+
+
 def history(*pushes: Push) -> Influence:
     influence = Influence()
     for push in pushes:
         influence.record([push])
-    return influence
+    return judged(influence)
 
 
 def test_with_no_other_learner_on_record_a_delta_is_held_to_the_fragment_norm_per_period():
@@ -71,6 +80,7 @@ def test_a_record_not_refreshed_for_long_is_no_reference():
     influence = Influence()
     for t in (0.0, 1.0, 2.0):  # L0 and L1 push every second
         influence.record([Push("L0", 1.0, 10.0, t), Push("L1", 0.1, 10.0, t)])
+    judged(influence)
     stale_s = max(STALE_MIN_S, STALE_INTERVALS * 1.0)
     (fresh,) = influence.bounds([Push("L0", 1.0, 10.0, 2.0 + stale_s - 1)], 3.0, lambda: 1.0)
     assert fresh.clip == pytest.approx(0.3)  # L1's 0.1 still bounds it
@@ -99,6 +109,7 @@ def test_pushing_more_often_than_the_others_buys_no_more_movement():
     for t in (0.0, 2.0, 4.0):  # L0 and L1 push every 2 s with norm 1
         influence.record([Push("L0", 1.0, 10.0, t), Push("L1", 1.0, 10.0, t + 0.1)])
     influence.record([Push("L2", 1.0, 10.0, 4.0)])
+    judged(influence)
     (flood,) = influence.bounds([Push("L2", 3.0, 10.0, 4.2)], 3.0, norm_never_needed)
     assert flood.clip == pytest.approx(3.0 * (0.2 / 2.0) / 3.0)
     (later,) = influence.bounds([Push("L2", 3.0, 10.0, 9.0)], 3.0, norm_never_needed)
@@ -156,6 +167,75 @@ def test_the_gate_counts_a_push_by_how_its_direction_agrees_with_the_others():
     assert gate(0.10, 0.40) == 0.0 and gate(-0.5, 0.40) == 0.0  # at m / 4 and below: nothing
     # Nothing to compare with, or others that do not agree with the reference themselves.
     assert gate(None, 0.4) == gate(0.0, None) == gate(-1.0, 0.0) == gate(-1.0, -0.2) == 1.0
+
+
+def test_a_push_whose_direction_nothing_judges_shares_the_fragments_fallback():
+    """Others on record but no agreement measured yet (a fragment's start), an agreement not
+    above 0, or a reference only the pusher turned: the gate lets the push through, so its
+    norm is held to ``FALLBACK_RATIO`` x the fragment's norm per ``FALLBACK_PERIOD_S``
+    since the last such push, shared by those of one round."""
+    influence = Influence()
+    influence.record([Push("L0", 1.0, 10.0, 0.0), Push("L1", 1.0, 10.0, 0.0)])
+    (first,) = influence.bounds([Push("L2", 3.0, 10.0, 1.0)], 3.0, lambda: 8.0)
+    assert first.unvouched and first.agreement is None
+    assert first.clip == pytest.approx(FALLBACK_RATIO * 8.0 / 3.0)  # none before it: a whole period
+    influence.record([Push("L2", 3.0, 10.0, 1.0)], unvouched={"L2"})
+    assert influence.unvouched_at == 1.0
+    soon = 1.0 + FALLBACK_PERIOD_S / 8
+    (one,) = influence.bounds([Push("L0", 1.0, 10.0, soon)], 3.0, lambda: 8.0)
+    assert one.clip == pytest.approx(FALLBACK_RATIO * 8.0 / 8)
+    both = influence.bounds([Push("L0", 1.0, 10.0, soon), Push("L1", 1.0, 10.0, soon)], 3.0, lambda: 8.0)
+    assert [b.clip for b in both] == pytest.approx([FALLBACK_RATIO * 8.0 / 8 / 2] * 2)
+    # The others turn away from the reference: still nothing judges the direction.
+    for learner in ("L0", "L1", "L2"):
+        influence.agreed(learner, -0.3)
+    influence.turned(["L0", "L1"])
+    (against,) = influence.bounds([Push("L3", 1.0, 10.0, soon)], 3.0, lambda: 8.0)
+    assert against.unvouched and against.agreement == -0.3 and against.clip < 1.0
+    # They agree with it: judged, only the norm bound.
+    for learner in ("L0", "L1", "L2"):
+        influence.agreed(learner, 0.4)
+    (judged_push,) = influence.bounds([Push("L3", 1.0, 10.0, soon)], 3.0, lambda: 8.0)
+    assert not judged_push.unvouched and judged_push.clip == 1.0
+
+
+def test_a_learner_gated_out_does_not_leave_the_others_unjudged():
+    """Of two others, the lower middle is the lower: a negating learner's cosine (gated out,
+    counted 0) would make every honest push's agreement negative, and nothing would judge
+    them again. Whether a push is judged reads the others whose latest push counted; the
+    gate reads them all (there the gated-out learner's low cosine lets the honest ones
+    vouch for each other: left out of it, a learner gated once by chance had no say, and
+    an attacker's pushes became the only voice: docs/results/trust/direction-bootstrap/)."""
+    influence = history(Push("L0", 1.0, 1.0, 0.0), Push("L1", 1.0, 1.0, 0.0))
+    influence.agreed("L0", -0.9, counted=0.0)
+    influence.agreed("L1", 0.4)
+    (bound,) = influence.bounds([Push("L2", 1.0, 1.0, 1.0)], 3.0, norm_never_needed)
+    assert bound.agreement == -0.9 and not bound.unvouched
+    influence.agreed("L0", -0.9, counted=0.5)  # counted in part: it has its say again
+    (bound,) = influence.bounds([Push("L2", 1.0, 1.0, 1.0)], 3.0, norm_never_needed)
+    assert bound.agreement == -0.9 and bound.unvouched
+    influence.agreed("L1", 0.4, counted=0.0)
+    influence.agreed("L0", 0.3, counted=0.0)  # no other counted: nothing judges it
+    (bound,) = influence.bounds([Push("L2", 1.0, 1.0, 1.0)], 3.0, norm_never_needed)
+    assert bound.agreement == 0.3 and bound.unvouched
+
+
+def test_a_reference_turned_by_one_learner_alone_does_not_vouch_for_it():
+    influence = Influence()
+    assert not influence.vouches("L0")
+    influence.turned(["L0"])
+    assert not influence.vouches("L0") and influence.vouches("L1")
+    influence.turned(["L1", "L2", "L3"])
+    assert influence.turned_by == {"L0", "L1"}  # two names tell the cases apart
+    assert all(influence.vouches(learner) for learner in ("L0", "L1", "L9"))
+    alone = Influence()
+    alone.record([Push("L5", 1.0, 10.0, 0.0), Push("L6", 1.0, 10.0, 0.0)])
+    alone.agreed("L5", 0.5)
+    alone.agreed("L6", 0.5)
+    alone.turned(["L7"])
+    (own,) = alone.bounds([Push("L7", 1.0, 10.0, 1.0)], 3.0, lambda: 8.0)
+    (other,) = alone.bounds([Push("L8", 1.0, 10.0, 1.0)], 3.0, lambda: 8.0)
+    assert own.unvouched and not other.unvouched
 
 
 def test_a_push_is_gated_against_the_median_of_the_other_learners_agreement():

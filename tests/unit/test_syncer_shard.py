@@ -13,7 +13,7 @@ from diloco.codec import decode, encode
 from diloco.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.fragments import plan_fragments
 from diloco.syncer.config import MergeConfig, RoundConfig, SyncerConfig
-from diloco.syncer.core.bounds import FLOOR_RATIO, Push
+from diloco.syncer.core.bounds import FALLBACK_PERIOD_S, FALLBACK_RATIO, FLOOR_RATIO, Push
 from diloco.syncer.core.rounds import Close, Wait
 from diloco.syncer.core.shard import (
     ACCEPTED,
@@ -817,6 +817,9 @@ def test_push_bound_uses_the_fragment_norm_of_its_version():
     state = shard.fragments[0]
     # Others on record with huge deltas: the robust clip (syncer.core.bounds) never binds here.
     state.influence.record([Push("L8", 1e9, 1.0, -10.0), Push("L9", 1e9, 1.0, -10.0)])
+    for learner in ("L8", "L9"):  # and agree with a reference they turned: the directions are judged
+        state.influence.agreed(learner, 0.5)
+    state.influence.turned(["L8", "L9"])
     norm0 = shard.fragment_norm(state)
     pieces = state.fragment.pieces
     clocks = {n: VectorClock() for n in ("L0", "L1", "L2")}
@@ -1046,6 +1049,59 @@ def test_a_learner_gated_to_nothing_does_not_share_the_honest_rounds_step():
     honest[0].apply(shard.update_for(0, honest[0].version[0], honest[0].name))
     honest[0].push(0, now=5.1, deltas=direction)
     assert close(shard, 0, now=5.11).participation == pytest.approx(1 / 4)
+
+
+def test_a_learner_that_set_the_reference_alone_cannot_ride_it_once_the_others_arrive():
+    """The negate attack as runs showed it: the attacker joins first and its pushes turn the
+    fragment's reference alone; the honest learners that arrive disagree with that reference,
+    so their agreement is negative and the gate judges nothing. Its cosine with a reference
+    only it turned is not measured (so it cannot vouch against the first honest push), and
+    while nothing judges directions every push shares the fragment's fallback: the attacker's
+    pushes then move the fragment by at most that share, not whole. Once the honest pushes
+    have turned the reference and agree with it, the attacker's are gated out."""
+    shard, initial = make_shard(num_fragments=1)
+    shard.set_membership({"L0"}, set())
+    attacker = Learner("L0", shard, initial, seed=0)
+    honest = [Learner(f"L{i}", shard, initial, seed=i) for i in (1, 2)]
+    g = torch.Generator().manual_seed(7)
+    direction = [torch.randn(p.shape, generator=g) * 0.01 for p in shard.plan.fragments[0].pieces]
+    state = shard.fragments[0]
+
+    def attack(now):
+        before = [p.copy() for p in state.params]
+        _, payload, _ = attacker.push(0, now=now, deltas=[-2.9 * d for d in direction])
+        job = close(shard, 0, now=now + 0.01)
+        attacker.apply(shard.update_for(0, attacker.version[0], attacker.name))
+        return job, math.sqrt(sum(n * n for n in payload.norms)), fragment_moved(shard, 0, before)
+
+    def honest_push(learner, now):
+        deltas = [d + 0.3 * torch.randn(d.shape, generator=g) * d.abs().mean() for d in direction]
+        learner.push(0, now=now, deltas=deltas)
+        job = close(shard, 0, now=now + 0.01)
+        learner.apply(shard.update_for(0, learner.version[0], learner.name))
+        return job
+
+    job, _, _ = attack(0.0)  # alone in the run: merged, and the reference is its own
+    assert job.measured[0] == (None, 1.0) and state.influence.turned_by == {"L0"}
+    shard.set_membership({"L0", "L1", "L2"}, set())
+    job, _, _ = attack(1.0)
+    assert job.measured[0][0] is None  # its own history does not vouch for it
+    first = honest_push(honest[0], 2.0)
+    cos, gated = first.measured[0]
+    assert cos < 0 and gated == 1.0 and first.clip == (1.0,)  # nothing vouched against it
+    second = honest_push(honest[1], 2.1)
+    assert second.measured[0][1] == 1.0 and second.clip[0] < 1.0  # unvouched: a share of the fallback
+    job, pushed, moved = attack(2.2)
+    budget = FALLBACK_RATIO * max(shard.fragment_norm(state), 1.0) * 0.1 / FALLBACK_PERIOD_S
+    assert job.clip[0] * job.measured[0][1] <= budget / pushed * 1.001 and moved < 1.1 * budget
+    for rnd in range(4):  # the honest learners turn the reference
+        for i, learner in enumerate(honest):
+            honest_push(learner, 3.0 + 5 * rnd + i)
+    job, _, moved = attack(30.0)
+    assert job.measured[0][0] < 0 and job.measured[0][1] == 0.0 and moved < 0.01 * pushed
+    for i, learner in enumerate(honest):
+        job = honest_push(learner, 31.0 + i)
+        assert job.clip == (1.0,) and job.measured[0][1] == 1.0
 
 
 def test_claimed_tokens_count_at_most_three_times_the_other_learners():

@@ -309,6 +309,9 @@ def test_a_snapshot_carries_the_influence_bounds_and_a_restored_shard_continues_
         assert mine.at - 5000.0 == pytest.approx(theirs.at - 100.0)
     assert list(back.influence.latest) == list(state.influence.latest)
     assert back.influence.last_at - 5000.0 == pytest.approx(state.influence.last_at - 100.0)
+    assert back.influence.turned_by == state.influence.turned_by and len(state.influence.turned_by) == 2
+    assert state.influence.unvouched_at is not None  # the second learner's first push had nothing to judge it
+    assert back.influence.unvouched_at - 5000.0 == pytest.approx(state.influence.unvouched_at - 100.0)
     assert_same_tensors(back.reference, state.reference, "reference")
     assert back.departed == state.departed
     push = Push("L0", norm=1.0, weight=64.0, at=101.0)

@@ -53,6 +53,20 @@ norm per push and no time: with nothing to compare it with, a per-time bound onl
 throttles fast honest hardware (it held a lone learner's 600 steps in 9 s to eval 7.15
 where two learners reached 3.25), and a run of one learner is that learner.
 
+A push whose direction nothing judges is held to the same fallback, shared by every such
+push to the fragment: ``FALLBACK_RATIO`` x the fragment's norm per ``FALLBACK_PERIOD_S``
+since the last one merged. Nothing judges it while the others' agreement is unknown or not
+above 0 (``gate`` lets it through whole then, so that honest pushes can turn a reference
+that points the wrong way), or while the reference was turned by the pusher alone: its own
+history does not vouch for it, as for the norms (``Influence.turned_by``). Both happen at a
+fragment's start, and both were how one negating learner of three got in: it joined first,
+set the reference alone, and its pushes passed while the honest learners' agreement with
+that reference was negative (4 or 5 of them merged after the honest learners' first in
+the runs that ended 15-18 % worse, docs/results/trust/direction-bootstrap/). A learner
+gated out has no say in the others' agreement: of two others, the lower middle is the
+lower, and its negative cosine would leave every honest push unjudged (in the gate it
+keeps its say: there the honest learners vouch for each other through it).
+
 Measured on the honest default run (4 learners, 240 steps, docs/results/influence/): the
 rule clipped 6 of 496 pushes at multiple 3, all but two during the run's first seconds.
 """
@@ -63,7 +77,7 @@ import dataclasses
 import math
 import statistics
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 REFERENCE_DECAY = 0.5
@@ -113,6 +127,9 @@ class Bound:
     agreement: float | None = None
     """The median of the other learners' latest agreements (None: none measured): what
     ``gate`` holds this push's agreement to."""
+    unvouched: bool = False
+    """Nothing judges its direction (``Influence.bounds``): ``clip`` includes the fragment's
+    shared fallback for such pushes."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +149,11 @@ class Influence:
         self.latest: OrderedDict[str, Sample] = OrderedDict()
         self.last_at: float | None = None
         """When the latest merged push arrived (any learner's)."""
+        self.turned_by: frozenset[str] = frozenset()
+        """Who turned the fragment's reference direction (``turned``), two names at most:
+        enough to tell a reference only one learner made from one the others made too."""
+        self.unvouched_at: float | None = None
+        """When the latest push merged with nothing to judge its direction arrived."""
 
     def bounds(self, pushes: list[Push], multiple: float, fragment_norm: Callable[[], float],
                members: frozenset[str] | None = None) -> list[Bound]:
@@ -144,12 +166,34 @@ class Influence:
         intervals = [s.interval for s in reference.values() if s.interval is not None]
         stale_s = max(STALE_MIN_S, STALE_INTERVALS * statistics.median_low(intervals)) if intervals else math.inf
         floor = FLOOR_RATIO * max(fragment_norm(), 1.0)
-        return [self._bound(p, reference, multiple, fragment_norm, floor, stale_s,
-                            alone=members is not None and not (members - {p.learner})) for p in pushes]
+        bounds = [self._bound(p, reference, multiple, fragment_norm, floor, stale_s,
+                              alone=members is not None and not (members - {p.learner})) for p in pushes]
+        unvouched = [i for i, b in enumerate(bounds) if b.unvouched]
+        if unvouched:  # one share of the fragment's fallback each
+            since = min(pushes[i].at for i in unvouched) - self.unvouched_at if self.unvouched_at is not None else math.inf
+            limit = FALLBACK_RATIO * max(fragment_norm(), 1.0) * min(1.0, max(since, 0.0) / FALLBACK_PERIOD_S)
+            for i in unvouched:
+                share = _clip(pushes[i].norm, limit / len(unvouched))
+                bounds[i] = dataclasses.replace(bounds[i], clip=min(bounds[i].clip, share))
+        return bounds
 
-    def record(self, pushes: list[Push]) -> None:
-        """The round merged these pushes: they are their learners' latest."""
+    def turned(self, learners: Iterable[str]) -> None:
+        """A round of these learners' pushes turned the reference direction."""
+        for learner in sorted(learners):
+            if len(self.turned_by) < 2:
+                self.turned_by |= {learner}
+
+    def vouches(self, learner: str) -> bool:
+        """The reference direction was turned by another learner than ``learner`` too: its
+        cosine with a push of ``learner`` says something of the push."""
+        return bool(self.turned_by - {learner})
+
+    def record(self, pushes: list[Push], unvouched: Collection[str] = ()) -> None:
+        """The round merged these pushes: they are their learners' latest. ``unvouched``: the
+        learners among them whose directions nothing judged (their time spends the fallback)."""
         for push in pushes:
+            if push.learner in unvouched:
+                self.unvouched_at = push.at if self.unvouched_at is None else max(self.unvouched_at, push.at)
             self.last_at = push.at if self.last_at is None else max(self.last_at, push.at)
             sample = self._sample(push)
             self.latest.pop(push.learner, None)
@@ -178,6 +222,8 @@ class Influence:
             "latest": [[learner, s.norm, s.weight, now - s.at, s.interval, s.cos, s.counted]
                        for learner, s in self.latest.items()],
             "last_age": None if self.last_at is None else now - self.last_at,
+            "turned_by": sorted(self.turned_by),
+            "unvouched_age": None if self.unvouched_at is None else now - self.unvouched_at,
         }
 
     @classmethod
@@ -193,6 +239,11 @@ class Influence:
                                                     None if cos is None else float(cos),
                                                     float(counted[0]) if counted else 1.0)
         influence.last_at = None if state["last_age"] is None else now - float(state["last_age"])
+        # Snapshots written before these were kept: nobody turned the reference yet (it is
+        # turned again by the next round that follows it), nothing unvouched merged.
+        influence.turned_by = frozenset(str(learner) for learner in state.get("turned_by", ())[:2])
+        age = state.get("unvouched_age")
+        influence.unvouched_at = None if age is None else now - float(age)
         return influence
 
     def _sample(self, push: Push) -> Sample:
@@ -219,8 +270,14 @@ class Influence:
             if typical > 0:
                 limit *= min(1.0, dt / typical)
         cosines = [s.cos for s in others if s.cos is not None]
-        return Bound(_clip(push.norm, limit), multiple**2 * statistics.median_low(s.weight for s in others),
-                     statistics.median_low(cosines) if cosines else None)
+        agreement = statistics.median_low(cosines) if cosines else None
+        # Whether anything judges its direction: the agreement of the others whose latest push
+        # counted (a learner gated out, the lower middle of two, would leave every honest push
+        # unjudged; it keeps its say in the gate, where the honest learners vouch for each other).
+        counted = [s.cos for s in others if s.cos is not None and s.counted > 0]
+        judged = bool(counted) and statistics.median_low(counted) > 0 and self.vouches(push.learner)
+        return Bound(_clip(push.norm, limit), multiple**2 * statistics.median_low(s.weight for s in others), agreement,
+                     unvouched=not judged)
 
 
 def gate(cos: float | None, agreement: float | None) -> float:

@@ -225,6 +225,10 @@ class RoundJob:
     """Per push, the others' median agreement its own is gated against (empty: none)."""
     reference: tuple[np.ndarray, ...] = ()
     """The fragment's reference direction, updated in place by ``compute_round``."""
+    vouched: tuple[bool, ...] = ()
+    """Per push, whether the reference was turned by another learner too
+    (``Influence.vouches``): a push's cosine with a reference only its own learner turned is
+    not measured. Empty: all."""
     gate: tuple[float, ...] = ()
     """Given (a replay): each push's gate, instead of measuring it."""
     trust: tuple[float, ...] = ()
@@ -244,10 +248,7 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
     m = cfg.merge
     gates = _gates(job)
     clip = tuple(c * g for c, g in zip(job.clip or (1.0,) * len(job.pushes), gates))
-    # The reference follows rounds whose every merged push counted in full: a learner whose
-    # pushes are cut cannot turn it towards its own direction.
-    trust = job.trust or (1.0,) * len(job.pushes)
-    follow = bool(job.reference) and all(g == 1.0 and t == 1.0 for g, t, w in zip(gates, trust, job.weights) if w > 0)
+    follow = follows(job, gates)
     encoded = []
     for index, piece in enumerate(job.fragment.pieces):
         if piece.buffer:
@@ -282,6 +283,14 @@ def compute_round(job: RoundJob, cfg: SyncerConfig) -> Segment:
     return Segment(job.version, "delta", tuple(encoded))
 
 
+def follows(job: RoundJob, gates: Sequence[float]) -> bool:
+    """Whether the round turns the reference direction: when every push it merged counted
+    in full (gate and trust), so that a learner whose pushes are cut cannot turn it towards
+    its own direction."""
+    trust = job.trust or (1.0,) * len(job.pushes)
+    return bool(job.reference) and all(g == 1.0 and t == 1.0 for g, t, w in zip(gates, trust, job.weights) if w > 0)
+
+
 def follow_(reference: np.ndarray, delta: np.ndarray, weight: np.float32) -> None:
     """``reference = reference * REFERENCE_DECAY + delta * weight`` in place (float32), in one
     pass in the C kernel (``scale_add``: the same float32 products and sum as numpy's)."""
@@ -306,7 +315,7 @@ def _gates(job: RoundJob) -> tuple[float, ...]:
         if job.reference else 0.0
     if reference_sq > 0:
         for k, (push, weight) in enumerate(zip(job.pushes, job.weights)):
-            if weight <= 0:
+            if weight <= 0 or (job.vouched and not job.vouched[k]):
                 continue
             dot = norm_sq = 0.0
             for i, piece in pieces:
@@ -655,7 +664,8 @@ class ShardCore:
                                    frozenset((self.live | self.draining) - self.failed))))
         trust = tuple(self.trust_of(state, p.meta.learner_id) for p in pushes)
         # A learner the validator doubts vouches for no one: only trusted pushes are references.
-        state.influence.record([m for m in measured if self.trust_of(state, m.learner) == 1.0])
+        state.influence.record([m for m in measured if self.trust_of(state, m.learner) == 1.0],
+                               unvouched={learner for learner, bound in bounds.items() if bound.unvouched})
         contributions = [
             Contribution(
                 p.meta.learner_id,
@@ -731,6 +741,7 @@ class ShardCore:
             trust=trust,
             agreement=tuple(bounds[p.meta.learner_id].agreement if p.meta.learner_id in bounds else None for p in pushes),
             reference=tuple(state.reference),
+            vouched=tuple(state.influence.vouches(p.meta.learner_id) for p in pushes),
             mirrors=mirrored,
             base=base,
             stale=tuple(m for m in state.mirrors.values() if m.base is not base and m.base not in kept
@@ -770,6 +781,8 @@ class ShardCore:
         state.last_round_at = now
         for push, clip, (cos, gated) in zip(job.pushes, job.clip, job.measured):
             state.influence.agreed(push.meta.learner_id, cos, clip * gated)
+        if follows(job, [gated for _, gated in job.measured]):
+            state.influence.turned(p.meta.learner_id for p, w in zip(job.pushes, job.weights) if w > 0)
         state.timings.observe("sync_time_s", now - job.closed_at, self.cfg.rounds.ema_factor)
         self.rounds_closed += 1
         self.clock = self.clock.tick(self.process)
