@@ -128,8 +128,9 @@ class Bound:
     """The median of the other learners' latest agreements (None: none measured): what
     ``gate`` holds this push's agreement to."""
     unvouched: bool = False
-    """Nothing judges its direction (``Influence.bounds``): ``clip`` includes the fragment's
-    shared fallback for such pushes."""
+    """With other learners on record, nothing judges its direction (``Influence.bounds``):
+    ``clip`` includes the fragment's shared fallback for such pushes. With none on record
+    it is False: the lone-learner fallback is already its whole bound."""
 
 
 @dataclass(frozen=True)
