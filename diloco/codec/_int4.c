@@ -50,6 +50,9 @@
 #define VECTOR_CLONES
 #endif
 
+/* Eight int32 lanes (GCC's vector extension): AVX2 in the AVX2 clones, two SSE2 halves else. */
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
 /* Reading the input both as floats and as their bit patterns; may_alias keeps that legal. */
 typedef uint32_t __attribute__((may_alias)) u32_alias;
 
@@ -1218,15 +1221,35 @@ static inline unsigned char sparse_code(float x, float scale) {
     return (unsigned char)(int)q;
 }
 
+/* The positions i < len (len <= 256) whose flag[i] is 1 (each flag 0 or 1, the flags
+ * padded with 0 to a multiple of 64) as a bitmask, 64 positions to a word; returns how
+ * many are set. The multiply gathers the low bit of each of 8 bytes into the top byte. */
+static inline size_t flag_mask(const unsigned char *flag, size_t len, uint64_t mask[4]) {
+    size_t set = 0;
+    for (size_t w = 0; w < 4; w++) {
+        uint64_t word = 0;
+        if (64 * w < len)
+            for (size_t c = 0; c < 8; c++) {
+                uint64_t bytes;
+                memcpy(&bytes, flag + 64 * w + 8 * c, 8);
+                word |= ((bytes * 0x0102040810204080ull) >> 56) << (8 * c);
+            }
+        mask[w] = word;
+        set += (size_t)__builtin_popcountll(word);
+    }
+    return set;
+}
+
 /* One block of `len` values, of which the `k` largest |x| are kept (ties to the lower
  * index): its scale (`*scale`, stored pattern `*bits`), the kept values' in-block
  * positions in ascending order (`where`, unless every value is kept: then position j is
  * j and `where` is not written) and their codes (`code`). `*ratio` carries the previous
- * block's threshold over its largest key, the next block's first guess. Returns a STATUS. */
+ * block's threshold over its mean |x|, the next block's first guess. Returns a STATUS. */
 VECTOR_CLONES
 static int sparse_block(const float *x, size_t len, size_t k, int scale_size, float *ratio, float *scale,
                         uint32_t *bits, unsigned char *where, unsigned char *code) {
-    uint32_t keys[256], work[256];
+    uint32_t keys[256];
+    unsigned char flag[256];
     uint32_t top = 0;
     for (size_t i = 0; i < len; i++) {
         keys[i] = ((const u32_alias *)x)[i] & 0x7FFFFFFFu;
@@ -1242,40 +1265,70 @@ static int sparse_block(const float *x, size_t len, size_t k, int scale_size, fl
             memset(code, 2, len);
         return STATUS_OK;
     }
-    /* The k-th largest key, searched for among the keys at or above a guess (the previous
-     * block's threshold as a fraction of its largest key, halved until at least k are): a
-     * few dozen candidates rather than the whole block. The guess changes only the work,
-     * never the result. */
-    uint32_t guess = float_to_bits(bits_to_float(top) * *ratio);
-    size_t count = 0;
-    for (;;) {
-        count = 0;
-        for (size_t i = 0; i < len; i++) {
-            work[count] = keys[i];
-            count += keys[i] >= guess;
+    size_t padded = (len + 63) & ~(size_t)63;
+    for (size_t i = len; i < padded; i++) keys[i] = 0, flag[i] = 0;
+    /* The k-th largest key (the threshold) is searched for among the candidates, the keys
+     * at or above a guess: 0.9 x the previous block's threshold as a multiple of its mean
+     * |x| (steadier from block to block than the largest |x|), then 0.8 x that, then 0
+     * (every key), until at least k keys are at or above it. A few dozen candidates rather
+     * than the whole block; the guess changes only the work, never the result, as every key
+     * below it is below the threshold. */
+    float lane[8] = {0};
+    for (size_t i = 0; i < padded; i += 8)
+        for (size_t l = 0; l < 8; l++) lane[l] += bits_to_float(keys[i + l]);
+    float mean = ((lane[0] + lane[1]) + (lane[2] + lane[3]) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))) / (float)len;
+    float first = mean * (*ratio * 0.9f);
+    uint32_t guess = first < bits_to_float(top) ? float_to_bits(first) : top;
+    uint64_t mask[4];
+    for (int attempt = 0;; attempt++) {
+        for (size_t i = 0; i < len; i++) flag[i] = keys[i] >= guess;
+        if (flag_mask(flag, len, mask) >= k || guess == 0) break;
+        guess = attempt == 0 ? float_to_bits(bits_to_float(guess) * 0.8f) : 0;
+    }
+    int32_t cand[256 + 8];
+    size_t m = 0;
+    for (size_t w = 0; w < 4; w++)
+        for (uint64_t bit = mask[w]; bit; bit &= bit - 1) cand[m++] = (int32_t)keys[64 * w + (size_t)__builtin_ctzll(bit)];
+    uint32_t threshold;
+    if (m <= 64) {
+        /* Each candidate's count of larger ones, in vector lanes (no branch to mispredict):
+         * the threshold is the smallest candidate with fewer than k larger. Keys are below
+         * 2^31, so signed comparisons order them. */
+        size_t rounded = (m + 7) & ~(size_t)7;
+        for (size_t c = m; c < rounded; c++) cand[c] = 0x7FFFFFFF; /* never the threshold: k real ones are larger */
+        int32_t best = 0x7FFFFFFF;
+        for (size_t c = 0; c < rounded; c += 8) {
+            i32x8 lanes, larger = {0};
+            memcpy(&lanes, cand + c, sizeof lanes);
+            for (size_t d = 0; d < m; d++) larger -= cand[d] > lanes; /* a true comparison is -1 */
+            i32x8 v = lanes | ((larger >= (int32_t)k) & 0x7FFFFFFF); /* 2^31 - 1: not the threshold */
+            for (size_t l = 0; l < 8; l++) best = v[l] < best ? v[l] : best;
         }
-        if (count >= k || guess == 0) break;
-        guess = guess > 0x00800000u ? guess - 0x00800000u : 0; /* half the value (one exponent down) */
+        threshold = (uint32_t)best;
+    } else {
+        threshold = kth_largest((uint32_t *)cand, (long)m, (long)k - 1);
     }
-    uint32_t threshold = kth_largest(work, (long)count, (long)k - 1);
-    size_t greater = 0;
-    for (size_t i = 0; i < len; i++) greater += keys[i] > threshold;
-    size_t ties = k - greater;
-    if (top > 0) *ratio = bits_to_float(threshold) / bits_to_float(top);
-    /* Branch-free compaction: every position is written at j, which moves on only for a
-     * kept one (the kept set is unpredictable, a branch would mispredict). */
-    float chosen[257];
-    unsigned char at[257];
+    if (mean > 0.0f) *ratio = bits_to_float(threshold) / mean;
+    /* Kept: every key above the threshold, and of those equal to it the first k - (how
+     * many are above), in ascending position. */
+    uint64_t equal[4];
+    for (size_t i = 0; i < len; i++) flag[i] = keys[i] == threshold;
+    flag_mask(flag, len, equal);
+    for (size_t i = 0; i < len; i++) flag[i] = keys[i] > threshold;
+    size_t ties = k - flag_mask(flag, len, mask);
+    for (size_t w = 0; w < 4 && ties; w++)
+        for (; equal[w] && ties; ties--) {
+            mask[w] |= equal[w] & -equal[w];
+            equal[w] &= equal[w] - 1;
+        }
+    float chosen[256];
     size_t j = 0;
-    for (size_t i = 0; i < len; i++) {
-        size_t equal = keys[i] == threshold;
-        size_t keep = (keys[i] > threshold) | (equal & (ties > 0));
-        ties -= equal & keep;
-        at[j] = (unsigned char)i;
-        chosen[j] = x[i];
-        j += keep;
-    }
-    memcpy(where, at, k);
+    for (size_t w = 0; w < 4; w++)
+        for (uint64_t bit = mask[w]; bit; bit &= bit - 1) {
+            size_t i = 64 * w + (size_t)__builtin_ctzll(bit);
+            where[j] = (unsigned char)i;
+            chosen[j++] = x[i];
+        }
     if (s > 0.0f)
         for (j = 0; j < k; j++) code[j] = sparse_code(chosen[j], s);
     else
@@ -1298,7 +1351,7 @@ static void pack_codes(unsigned char *codes, size_t offset, const unsigned char 
 }
 
 static void sparse_range(SparseJob *job) {
-    float ratio = 0.5f;
+    float ratio = 1.5f;
     unsigned char where[256], code[256];
     for (size_t b = job->block_begin; b < job->block_end; b++) {
         size_t lo = b * job->block_size;
@@ -1408,18 +1461,25 @@ done:
     return result;
 }
 
+/* f32x4 lanes of one byte's four 2-bit codes, c - 1.5 each (exact), for byte b at row b. */
+typedef float f32x4 __attribute__((vector_size(16)));
+static f32x4 code_levels[256];
+
+static void fill_code_levels(void) {
+    for (unsigned b = 0; b < 256; b++)
+        for (unsigned l = 0; l < 4; l++) code_levels[b][l] = (float)(b >> (2 * l) & 3u) - 1.5f;
+}
+
 /* The decoded values of a block's k codes from code position `offset` on: (c - 1.5) x
- * scale, exact as numpy computes it; four to a byte when the block starts a byte. */
+ * scale, exact as numpy computes it (one multiply of the exact level); four to a byte,
+ * one row of code_levels each, when the block starts a byte. */
 static void sparse_values(const unsigned char *codes, size_t offset, size_t k, float scale, float *v) {
     size_t j = 0;
     if ((offset & 3) == 0) {
         const unsigned char *c = codes + (offset >> 2);
         for (; j + 4 <= k; j += 4) {
-            unsigned byte = c[j >> 2];
-            v[j] = ((float)(byte & 3u) - 1.5f) * scale;
-            v[j + 1] = ((float)(byte >> 2 & 3u) - 1.5f) * scale;
-            v[j + 2] = ((float)(byte >> 4 & 3u) - 1.5f) * scale;
-            v[j + 3] = ((float)(byte >> 6) - 1.5f) * scale;
+            f32x4 row = code_levels[c[j >> 2]] * scale;
+            memcpy(v + j, &row, sizeof row);
         }
     }
     for (; j < k; j++) v[j] = ((float)((codes[(offset + j) >> 2] >> (2 * ((offset + j) & 3))) & 3u) - 1.5f) * scale;
@@ -1468,13 +1528,15 @@ static PyObject *py_sparse_apply(PyObject *self, PyObject *args) {
         const unsigned char *where = index_len ? base + offset : NULL;
         float *o = out ? out + lo : NULL;
         float v[256];
+        if (mode == 0 && !where) { /* dense: straight into out */
+            sparse_values(codes, offset, k, scale, o);
+            continue;
+        }
         sparse_values(codes, offset, k, scale, v);
         if (mode == 2) {
             for (size_t j = 0; j < k; j++) sumsq += (double)v[j] * (double)v[j];
         } else if (mode == 0 && where) {
             for (size_t j = 0; j < k; j++) o[where[j]] = v[j];
-        } else if (mode == 0) {
-            memcpy(o, v, k * sizeof *v);
         } else if (where) {
             for (size_t j = 0; j < k; j++) o[where[j]] = o[where[j]] + alpha * v[j];
         } else {
@@ -1550,7 +1612,7 @@ static inline __attribute__((always_inline)) int condense_block(CondenseJob *job
 /* sparse_condense's pass, block by block. */
 VECTOR_CLONES
 static void condense_blocks(CondenseJob *job) {
-    float ratio = 0.5f;
+    float ratio = 1.5f;
     size_t blocks = (job->n + job->block_size - 1) / job->block_size;
     for (size_t b = 0; b < blocks; b++) {
         size_t lo = b * job->block_size;
@@ -1669,7 +1731,7 @@ typedef struct {
 VECTOR_CLONES
 static void mirror_condense_blocks(MirrorCondenseJob *job) {
     float anchor[MIRROR_MAX_BLOCK];
-    float ratio = 0.5f;
+    float ratio = 1.5f;
     CondenseJob *r = &job->reply;
     size_t chunks = (job->n + job->mirror_block - 1) / job->mirror_block;
     for (size_t c = 0; c < chunks; c++) {
@@ -1845,4 +1907,7 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__int4(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__int4(void) {
+    fill_code_levels();
+    return PyModule_Create(&module);
+}

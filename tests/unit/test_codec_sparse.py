@@ -336,3 +336,42 @@ def test_the_sparse_kernels_write_the_same_bits_with_and_without_their_avx2_clon
     for m, out in zip((installed, baseline), loaded):
         m.mirror_load(codes[0], scales[0], goal, out, size, 512)
     assert np.array_equal(loaded[0].view(np.uint32), loaded[1].view(np.uint32))
+
+
+@pytest.mark.parametrize("block,kept", [(128, 16), (128, 1), (128, 127), (100, 13), (256, 40), (8, 3)])
+def test_the_c_kernels_selection_is_the_references_on_blocks_made_to_defeat_its_guess(block, kept):
+    """The kernel looks for each block's threshold among the values at or above a guess
+    taken from the block before; these blocks make the guess wrong in every direction
+    (scales jumping by up to 1e9 from one block to the next, most values tied at the threshold, fewer nonzero
+    values than are kept, a few distinct magnitudes, heavy tails), and the bytes must still
+    be the numpy reference's."""
+    rng = np.random.default_rng(block * 1000 + kept)
+    blocks = []
+    for b in range(240):
+        kind = b % 8
+        if kind == 0:
+            v = rng.standard_normal(block) * 10.0 ** rng.choice([-6, 0, 3])
+        elif kind == 1:
+            v = np.full(block, 0.5)
+            v[rng.choice(block, kept // 2, replace=False)] = 2.0  # the threshold is shared by most of the block
+        elif kind == 2:
+            v = np.zeros(block)
+            v[rng.choice(block, max(kept // 2, 1) - 1, replace=False)] = rng.standard_normal(max(kept // 2, 1) - 1)
+        elif kind == 3:
+            v = rng.choice([-2.0, -1.0, 0.0, 1.0, 2.0], block)
+        elif kind == 4:
+            v = np.clip(rng.standard_t(1.5, block), -1e4, 1e4)
+        elif kind == 5:
+            v = np.zeros(block)
+        elif kind == 6:
+            v = rng.standard_normal(block) * 1e-3
+            v[rng.integers(block)] = 1e3  # one outlier: a mean far above the rest
+        else:
+            v = rng.uniform(-1, 1, block) * np.linspace(1e-4, 1, block)
+        blocks.append(rng.permutation(v) if kind != 1 else v)
+    x = np.concatenate(blocks).astype(np.float32)
+    for scale_dtype in ("float16", "float32"):
+        reference = sparse.quantize_reference(x, block, kept, scale_dtype, "w")
+        assert sparse.quantize(x, block, kept, scale_dtype, "w") == reference
+        anchor = np.zeros_like(x)
+        assert sparse.condense(x, anchor, block, kept, scale_dtype, "w")[0] == reference
