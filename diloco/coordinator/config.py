@@ -112,6 +112,11 @@ class CoordinatorConfig:
     """A learner that has not heartbeated for this long is marked failed. Learners heartbeat
     every fifth of it unless told an interval: thousands of learners want a longer one
     (at 2,048, 45 s: docs/results/heartbeat/)."""
+    isolation_hold_s: float = 30.0
+    """Hearing from no learner for three quarters of a lease while two or more are members, the
+    coordinator suspects that it is the one cut off and fails none of them for lease
+    expiry, for up to this long from the last heartbeat it heard; once one is heard again,
+    every lease moves on by the silence (0: off; docs/ARCHITECTURE.md, "Partitions")."""
     idle_timeout_s: float = 300.0
     """A learner whose heartbeats report no new trained token or step for this long is
     marked failed, as a dead one (a slow start, an XLA compile, fit in it; 0: never)."""
@@ -189,6 +194,8 @@ class CoordinatorConfig:
         if not (math.isfinite(self.credential_lifetime_s) and self.credential_lifetime_s >= 2 * self.lease_s):
             raise InvalidArgument(f"credential lifetime must be at least two leases ({2 * self.lease_s:g} s: a learner "
                                   f"renews it with its heartbeats), got {self.credential_lifetime_s}")
+        if not (math.isfinite(self.isolation_hold_s) and self.isolation_hold_s >= 0):
+            raise InvalidArgument(f"isolation hold must be a finite number of seconds >= 0, got {self.isolation_hold_s}")
         if not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s >= 0):
             raise InvalidArgument(f"idle timeout must be a finite number of seconds >= 0, got {self.idle_timeout_s}")
         if not (math.isfinite(self.snapshot_every_s) and self.snapshot_every_s >= 0):

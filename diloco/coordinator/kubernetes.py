@@ -127,7 +127,7 @@ class KubernetesLauncher:
         (a ``CustomObjectsApi``, used only with JobSet templates) win over ``api_client``;
         without them, the client comes from ``cfg.kube_config``. With
         ``cfg.owner_configmap`` set, this reads that ConfigMap (blocking, once).
-        ``on_exit(launch id, how it ended)``: called once for each launched pod or JobSet
+        ``on_exit(launch id, how it ended, cleanly)``: called once for each launched pod or JobSet
         seen finished (listed every ``cfg.watch_interval_s`` once this launcher has launched)."""
         self.cfg = cfg
         self.on_exit = on_exit
@@ -252,10 +252,11 @@ class KubernetesLauncher:
             if p.metadata.deletion_timestamp is None and (p.status is None or p.status.phase not in ("Succeeded", "Failed"))
         ]
 
-    def ended_pods(self) -> list[tuple[str, str]]:
-        """(launch id, how it ended) of this release's launched pods that finished: the
-        learner container's exit code, reason and termination message (its last log lines
-        with the chart's FallbackToLogsOnError), else the pod's phase and reason."""
+    def ended_pods(self) -> list[tuple[str, str, bool]]:
+        """(launch id, how it ended, cleanly: Succeeded) of this release's launched pods
+        that finished: the learner container's exit code, reason and termination message
+        (its last log lines with the chart's FallbackToLogsOnError), else the pod's phase
+        and reason."""
         pods = self.api.list_namespaced_pod(self.cfg.namespace, label_selector=self._pod_selector())
         ended = []
         for pod in pods.items:
@@ -273,7 +274,7 @@ class KubernetesLauncher:
                 detail += f": {message[-400:]}" if message else ""
             elif pod.status.reason or pod.status.message:
                 detail += f": {pod.status.reason or ''} {pod.status.message or ''}".rstrip()
-            ended.append((launch_id, detail))
+            ended.append((launch_id, detail, phase == "Succeeded"))
         return ended
 
     def _jobsets(self) -> list[dict]:
@@ -286,10 +287,10 @@ class KubernetesLauncher:
         return [j["metadata"]["name"] for j in self._jobsets()
                 if not j["metadata"].get("deletionTimestamp") and not (j.get("status") or {}).get("terminalState")]
 
-    def ended_slices(self) -> list[tuple[str, str]]:
-        """(launch id, how it ended) of this release's launched JobSets that ended: the
-        terminal state and its condition's reason and message (a slice fails when a host
-        failed once more than its failurePolicy's restarts allow)."""
+    def ended_slices(self) -> list[tuple[str, str, bool]]:
+        """(launch id, how it ended, cleanly: Completed) of this release's launched JobSets
+        that ended: the terminal state and its condition's reason and message (a slice
+        fails when a host failed once more than its failurePolicy's restarts allow)."""
         ended = []
         for jobset in self._jobsets():
             status = jobset.get("status") or {}
@@ -299,10 +300,10 @@ class KubernetesLauncher:
             condition = next((c for c in status.get("conditions") or [] if c.get("type") == state), {})
             why = ": ".join(filter(None, (condition.get("reason"), condition.get("message"))))
             detail = f"jobset {jobset['metadata']['name']} {state}" + (f": {why}" if why else "")
-            ended.append((jobset["metadata"].get("labels", {}).get(LAUNCH_LABEL, ""), detail))
+            ended.append((jobset["metadata"].get("labels", {}).get(LAUNCH_LABEL, ""), detail, state == "Completed"))
         return ended
 
-    def ended(self) -> list[tuple[str, str]]:
+    def ended(self) -> list[tuple[str, str, bool]]:
         return [*(self.ended_pods() if self.launches_pods else ()), *(self.ended_slices() if self.launches_jobsets else ())]
 
     async def _watch(self) -> None:
@@ -311,11 +312,11 @@ class KubernetesLauncher:
 
         while True:
             try:
-                for launch_id, detail in await asyncio.to_thread(self.ended):
+                for launch_id, detail, clean in await asyncio.to_thread(self.ended):
                     if launch_id and launch_id not in self._reported:
                         self._reported.add(launch_id)
                         logger.info("learner of launch %s ended: %s", launch_id, detail)
-                        self.on_exit(launch_id, detail)
+                        self.on_exit(launch_id, detail, clean)
             except (ApiException, HTTPError, OSError) as error:
                 logger.warning("cannot list launched learners: %s", error)
             await asyncio.sleep(self.cfg.watch_interval_s)

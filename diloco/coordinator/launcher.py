@@ -103,7 +103,9 @@ class LaunchResult:
 
 
 # Called with (launch id, how it ended) when a launched learner's process or pod ends.
-ExitCallback = Callable[[str, str], None]
+ExitCallback = Callable[[str, str, bool], None]
+"""(launch id, how it ended, whether cleanly: exit code 0, a pod that Succeeded, a JobSet
+that Completed)."""
 
 
 class Launcher(Protocol):
@@ -439,7 +441,7 @@ class LocalProcessLauncher:
             tail = log_tail(self.log_dir / f"{launch_id}.log")
             detail += f": {tail}" if tail else ""
         logger.info("learner %s (pid %s) ended: %s", launch_id, process.pid, detail)
-        self.on_exit(launch_id, detail)
+        self.on_exit(launch_id, detail, returncode == 0 and not failure)
 
     async def stop(self, launch_ids: Sequence[str], gently: bool = False) -> None:
         await asyncio.gather(*(self._stop_one(self.processes.get(i), i, gently) for i in launch_ids))

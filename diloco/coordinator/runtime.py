@@ -538,9 +538,9 @@ class CoordinatorRuntime:
         finally:
             self._settle()
 
-    def launch_ended(self, launch_id: str, detail: str) -> None:
+    def launch_ended(self, launch_id: str, detail: str, clean: bool = False) -> None:
         """From a launcher: a process or pod it started has ended."""
-        self.membership.launch_ended(launch_id, detail, self._now())
+        self.membership.launch_ended(launch_id, detail, self._now(), clean)
         self._settle()
 
     # --- the membership stream -------------------------------------------------------

@@ -328,7 +328,9 @@ def test_heartbeats_come_every_fifth_of_the_lease_the_coordinator_announces(tmp_
 def test_membership_stream_and_a_real_shard_hear_of_a_failure_within_one_lease(tmp_path):
     async def scenario():
         lease_s = 0.5
-        async with running_coordinator(tmp_path, lease_s=lease_s) as server:
+        # Both learners fall silent below: with the hold of a coordinator that hears nobody
+        # (test_coordinator_stall.py) they would not fail for 30 s; here it is off.
+        async with running_coordinator(tmp_path, lease_s=lease_s, isolation_hold_s=0.0) as server:
             a = await joined(server.address)
             shard = ShardServer(TINY, SyncerConfig(), ShardServerConfig(secret=SECRET, coordinator=server.address))
             await shard.start()

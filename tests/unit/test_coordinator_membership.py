@@ -332,7 +332,7 @@ def test_changes_say_why_and_which_process_to_stop_and_how():
     m.join("spot", "host:2", "", "", now=0.0, credential=OPEN)
     m.join("", "host:3", "", "", now=0.0, credential=OPEN)
     m.heartbeat("L0", HeartbeatStats(), now=1.0)
-    m.heartbeat("L2", HeartbeatStats(), now=1.0)
+    m.heartbeat("L2", HeartbeatStats(), now=2.0)  # heard within the last 3/4 lease: L1's silence is news
     m.leave("L0", "", now=2.0)  # no reason given
     m.expire(5.0)  # L1 never heartbeat
     m.remove(["L2"], "removed by an operator", now=5.5)
@@ -562,7 +562,9 @@ def test_a_member_that_heartbeats_but_trains_nothing_fails_after_the_idle_timeou
     """A silent member (it heartbeats, its counts never grow) is failed like a dead one,
     with the reason; progress renews it, a draining learner has its own deadline, and
     next_deadline wakes the coordinator for it."""
-    m = membership(idle_timeout_s=30.0, lease_s=5.0, credential_lifetime_s=60.0)
+    # No hold for a coordinator that hears nobody: L1 alone beats below, every 4 s of a 5 s
+    # lease, slower than a learner may (every half lease), so 4 s of silence look like it.
+    m = membership(idle_timeout_s=30.0, lease_s=5.0, credential_lifetime_s=60.0, isolation_hold_s=0.0)
     for _ in range(3):
         m.join("", "host:1", "", PLAN, now=0.0, credential=OPEN)
     for t in range(2, 30, 2):  # every learner beats; only L1 trains

@@ -24,6 +24,11 @@ LIVE = (JOINING, ACTIVE, DRAINING)
 STATES = (JOINING, ACTIVE, DRAINING, FAILED, LEFT)
 # Departed learners kept for ListLearners(include_gone); older ones are forgotten.
 MAX_GONE_KEPT = 1000
+UNHEARD_LEASES = 0.75
+"""Heard from no learner for this share of a lease, the coordinator suspects itself
+(``Membership.unheard``). Learners heartbeat at most every half lease, so a quarter of a
+lease is left for a late one; with the default interval (a fifth of the lease), every
+lease of an isolated coordinator's learners runs out after this much silence, not before."""
 MAX_REASON_CHARS = 500
 """A learner's own reason for leaving is cut to this (it is stored, listed and shown)."""
 
@@ -78,7 +83,8 @@ class Change:
     to stop: now, or ``gently`` (it left by itself and is exiting: only if it lingers)."""
 
     kind: str
-    """joined | active | draining | failed | left | launch_ended"""
+    """joined | active | draining | failed | left | launch_ended | unheard | heard (the last
+    two: no learner; the coordinator's own suspicion that it is cut off, and its end)"""
     learner: Learner | None
     reason: str
     stop_launch: str = ""
@@ -176,6 +182,14 @@ class Membership:
         heartbeat were half its cost). A heartbeat only moves its own learner's deadline
         later, so it keeps it; whatever may bring a deadline earlier (a join, a drain, a
         launch, a pause or a renewal) forgets it. None: not known, found at the next look."""
+        self.heard_s: float | None = None
+        """When a learner was last heard: a heartbeat, a join or a leave (None: none yet)."""
+        self.heard_members = 0
+        """How many learners were members then: a silence is every one of theirs, those that
+        ended since included (say, finished while this coordinator was cut off)."""
+        self.unheard_since: float | None = None
+        """While failures are held because no learner is heard (``unheard``): ``heard_s``
+        when the first was held. None: nothing held."""
 
     # --- reading ---------------------------------------------------------------------
 
@@ -199,12 +213,30 @@ class Membership:
         changes, self._changes = self._changes, []
         return changes
 
+    def unheard(self, now: float) -> bool:
+        """Does the coordinator suspect that it is the one cut off? Two or more learners were
+        members when one was last heard, and none has been heard for ``UNHEARD_LEASES`` of a
+        lease since (each heartbeats at least twice a lease, by default five times: one
+        learner's silence that long is news, every learner's at once most likely this end's
+        own network), and not yet for ``isolation_hold_s``: after that, learners that stay
+        silent are failed as usual (a fleet that died together, too)."""
+        if not self.cfg.isolation_hold_s or self.heard_s is None:
+            return False
+        silent = now - self.heard_s
+        return self.heard_members >= 2 and UNHEARD_LEASES * self.cfg.lease_s <= silent < self.cfg.isolation_hold_s
+
+    def _lease_ends(self, learner: Learner) -> float:
+        """When its lease ends as ``expire`` acts on it: not before a hold ends."""
+        deadline = lease_deadline(learner, self.cfg.lease_s, self.cfg.idle_timeout_s)
+        if self.unheard_since is not None:
+            deadline = max(deadline, self.unheard_since + self.cfg.isolation_hold_s)
+        return deadline
+
     def next_deadline(self) -> float | None:
         """The earliest lease, drain or launch deadline (None: there is none); from the
         last look unless something since may have brought one earlier."""
         if self._earliest is None:
-            deadlines = [lease_deadline(l, self.cfg.lease_s, self.cfg.idle_timeout_s) for l in self.learners.values()
-                         if l.live]
+            deadlines = [self._lease_ends(l) for l in self.learners.values() if l.live]
             deadlines += [l.drain_deadline_s for l in self.learners.values() if l.state == DRAINING and l.drain_deadline_s]
             deadlines += [x.launched_s + self.cfg.join_timeout_s for x in self.launches.values()]
             self._earliest = min(deadlines, default=math.inf)
@@ -242,6 +274,7 @@ class Membership:
                           credential=credential.name, max_tokens_per_s=credential.tokens_per_s)
         self.next_number += 1
         self.learners[learner.id] = learner
+        self._heard(now)
         self._forget_deadline()
         self._emit("joined", learner, f"joined pool {pool}" + (f" (launch {launch_id})" if launch_id else ""))
         return learner
@@ -255,6 +288,7 @@ class Membership:
             raise FailedPrecondition(f"{learner_id} was marked failed ({learner.reason}); join again")
         if learner.state == LEFT:
             raise FailedPrecondition(f"{learner_id} has left ({learner.reason}); join again")
+        self._heard(now)
         if stats.tokens > learner.tokens or stats.inner_steps > learner.inner_steps:
             learner.progress_s = now
         self.credit_tokens(learner, stats.tokens, now)
@@ -287,6 +321,7 @@ class Membership:
                 learner.inner_steps = max(learner.inner_steps, final[1])
             reason = reason[:MAX_REASON_CHARS] or ("failed" if failed else "left")
             self._depart(learner, FAILED if failed else LEFT, reason, now, gently=True)
+            self._heard(now)
 
     def credit_tokens(self, learner: Learner, reported: int, now: float) -> None:
         """Count the tokens a learner reports it has trained, as far as it could have:
@@ -304,6 +339,20 @@ class Membership:
 
     # --- time ------------------------------------------------------------------------
 
+    def _heard(self, now: float) -> None:
+        """A learner was heard (a heartbeat, a join or a leave). If failures were held because none
+        was, the coordinator was cut off rather than they: every lease moves on by the
+        silence, as after a stall of its own (``pause``); a learner that stays silent is
+        failed one lease after it was last heard of before it."""
+        if self.unheard_since is not None:
+            silent = now - self.unheard_since
+            self.unheard_since = None
+            self.pause(silent, now)
+            self._changes.append(Change("heard", None, f"a learner was heard again after {silent:.1f} s of silence: "
+                                                       f"every lease moves on by that"))
+        self.heard_s = now if self.heard_s is None else max(self.heard_s, now)
+        self.heard_members = sum(l.live for l in self.learners.values())
+
     def expire(self, now: float) -> None:
         """Fail learners whose lease ran out, stop drains that took too long and free the
         slots of launches that never joined."""
@@ -311,12 +360,21 @@ class Membership:
         if earliest is None or now < earliest:
             return
         self._forget_deadline()
+        unheard = self.unheard(now)
+        if not unheard:
+            self.unheard_since = None  # heard, or held for isolation_hold_s: no longer
         for learner in list(self.learners.values()):
             if not learner.live or (now < lease_deadline(learner, self.cfg.lease_s, self.cfg.idle_timeout_s)
                                     and learner.state != DRAINING):
                 continue  # the common case, without decide_lease's reason: this runs on every call
             decision = decide_lease(learner, now, self.cfg.lease_s, self.cfg.idle_timeout_s)
-            if isinstance(decision, Expired):
+            if isinstance(decision, Expired) and unheard:
+                if self.unheard_since is None:
+                    self.unheard_since = self.heard_s
+                    self._changes.append(Change(
+                        "unheard", None, f"no learner heard for {now - self.heard_s:.1f} s: this coordinator may be "
+                        f"the one cut off, so no lease fails before {self.cfg.isolation_hold_s:g} s of silence"))
+            elif isinstance(decision, Expired):
                 self._depart(learner, FAILED, decision.reason, now)
             elif learner.state == DRAINING and learner.drain_deadline_s is not None and now >= learner.drain_deadline_s:
                 self._depart(learner, LEFT, f"drain timed out after {self.cfg.drain_timeout_s:g} s", now)
@@ -343,6 +401,10 @@ class Membership:
                     learner.drain_deadline_s += stalled_s
         for launch_id, launch in list(self.launches.items()):
             self.launches[launch_id] = dataclasses.replace(launch, launched_s=min(launch.launched_s + stalled_s, now))
+        if self.heard_s is not None:
+            self.heard_s = min(self.heard_s + stalled_s, now)
+        if self.unheard_since is not None:
+            self.unheard_since = min(self.unheard_since + stalled_s, now)
         self._forget_deadline()
 
     def renew_all(self, now: float) -> None:
@@ -354,6 +416,8 @@ class Membership:
                 learner.progress_s = max(learner.progress_s, now)
         for launch_id, launch in list(self.launches.items()):
             self.launches[launch_id] = dataclasses.replace(launch, launched_s=max(launch.launched_s, now))
+        self.heard_s, self.unheard_since = now, None
+        self.heard_members = sum(l.live for l in self.learners.values())
         self._forget_deadline()
 
     # --- launches and removal --------------------------------------------------------
@@ -375,16 +439,20 @@ class Membership:
         self.launches[launch_id] = Launch(launch_id, pool, now)
         self._forget_deadline()
 
-    def launch_ended(self, launch_id: str, detail: str, now: float) -> None:
+    def launch_ended(self, launch_id: str, detail: str, now: float, clean: bool = False) -> None:
         """A launched process or pod ended. Before joining, it frees its slot; after, its
-        learner fails now rather than a lease later."""
+        learner fails now rather than a lease later, unless it ended ``clean`` (exit code 0:
+        it finished, or drained, and its Leave was lost, say while this coordinator was cut
+        off): then it has left, and nobody replaces its work."""
         launch = self.launches.pop(launch_id, None)
         if launch is not None:
             self._launch_failed(launch, f"ended before joining: {detail}", now)
             self._changes.append(Change("launch_ended", None, f"launch {launch_id} ended before joining: {detail}"))
             return
         for learner in self.learners.values():
-            if learner.launch_id == launch_id and learner.live:
+            if learner.launch_id == launch_id and learner.live and clean:
+                self._depart(learner, LEFT, f"process ended cleanly ({detail}); its Leave was not heard", now)
+            elif learner.launch_id == launch_id and learner.live:
                 self._depart(learner, FAILED, f"process ended: {detail}", now)
 
     def _launch_failed(self, launch: Launch, detail: str, now: float) -> None:
