@@ -133,7 +133,7 @@ def add_coordinator_parser(commands: argparse._SubParsersAction) -> None:
     add_flag(p, "--pools", CoordinatorConfig, "pools",
              shown=",".join, taken=lambda pools: tuple(x for x in pools.split(",") if x))
     add_flag(p, "--lease-s", CoordinatorConfig, "lease_s", type=float)
-    add_flag(p, "--isolation-hold-s", CoordinatorConfig, "isolation_hold_s", type=float, metavar="S")
+    add_flag(p, "--isolation-hold-leases", CoordinatorConfig, "isolation_hold_leases", type=float, metavar="N")
     add_flag(p, "--idle-timeout-s", CoordinatorConfig, "idle_timeout_s",
              type=float)
     add_flag(p, "--credential-lifetime-s", CoordinatorConfig, "credential_lifetime_s", type=float, metavar="S")

@@ -56,6 +56,11 @@ class LocalLauncherConfig:
     """The rate of each site's link, each way, Mbit/s (with ``site_hub``); a launch's
     ``link_mbit`` override sets its own."""
 
+    @property
+    def isolation_hold_s(self) -> float:
+        """``isolation_hold_leases`` in seconds."""
+        return self.isolation_hold_leases * self.lease_s
+
     def __post_init__(self) -> None:
         if not (math.isfinite(self.terminate_timeout_s) and self.terminate_timeout_s > 0):
             raise InvalidArgument(f"terminate timeout must be > 0 s, got {self.terminate_timeout_s}")
@@ -83,6 +88,11 @@ class KubernetesLauncherConfig:
     templates' ConfigMap. Empty: pods have no owner and outlive everything."""
     watch_interval_s: float = 5.0
     """How often launched pods are listed to notice the ones that ended (and why)."""
+
+    @property
+    def isolation_hold_s(self) -> float:
+        """``isolation_hold_leases`` in seconds."""
+        return self.isolation_hold_leases * self.lease_s
 
     def __post_init__(self) -> None:
         check_dns_label("namespace", self.namespace)
@@ -112,11 +122,12 @@ class CoordinatorConfig:
     """A learner that has not heartbeated for this long is marked failed. Learners heartbeat
     every fifth of it unless told an interval: thousands of learners want a longer one
     (at 2,048, 45 s: docs/results/heartbeat/)."""
-    isolation_hold_s: float = 30.0
-    """Hearing from no learner for three quarters of a lease while two or more are members, the
-    coordinator suspects that it is the one cut off and fails none of them for lease
-    expiry, for up to this long from the last heartbeat it heard; once one is heard again,
-    every lease moves on by the silence (0: off; docs/ARCHITECTURE.md, "Partitions")."""
+    isolation_hold_leases: float = 6.0
+    """Hearing from no learner for three quarters of a lease when two or more were members,
+    the coordinator suspects that it is the one cut off and fails none of them for lease
+    expiry, for up to this many leases from the last learner it heard (6: 30 s at the
+    default lease); once one is heard again, every lease moves on by the silence (0: off;
+    docs/ARCHITECTURE.md, "Partitions")."""
     idle_timeout_s: float = 300.0
     """A learner whose heartbeats report no new trained token or step for this long is
     marked failed, as a dead one (a slow start, an XLA compile, fit in it; 0: never)."""
@@ -186,6 +197,11 @@ class CoordinatorConfig:
     kubernetes: KubernetesLauncherConfig = field(default_factory=KubernetesLauncherConfig)
     shutdown_grace_s: float = 5.0
 
+    @property
+    def isolation_hold_s(self) -> float:
+        """``isolation_hold_leases`` in seconds."""
+        return self.isolation_hold_leases * self.lease_s
+
     def __post_init__(self) -> None:
         for name in ("lease_s", "drain_timeout_s", "join_timeout_s", "snapshot_timeout_s", "shutdown_grace_s"):
             value = getattr(self, name)
@@ -194,8 +210,10 @@ class CoordinatorConfig:
         if not (math.isfinite(self.credential_lifetime_s) and self.credential_lifetime_s >= 2 * self.lease_s):
             raise InvalidArgument(f"credential lifetime must be at least two leases ({2 * self.lease_s:g} s: a learner "
                                   f"renews it with its heartbeats), got {self.credential_lifetime_s}")
-        if not (math.isfinite(self.isolation_hold_s) and self.isolation_hold_s >= 0):
-            raise InvalidArgument(f"isolation hold must be a finite number of seconds >= 0, got {self.isolation_hold_s}")
+        if not (math.isfinite(self.isolation_hold_leases) and (self.isolation_hold_leases == 0
+                                                                or self.isolation_hold_leases >= 1)):
+            raise InvalidArgument(f"isolation hold must be 0 leases (off) or at least 1 (a shorter one holds no "
+                                  f"failure), got {self.isolation_hold_leases}")
         if not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s >= 0):
             raise InvalidArgument(f"idle timeout must be a finite number of seconds >= 0, got {self.idle_timeout_s}")
         if not (math.isfinite(self.snapshot_every_s) and self.snapshot_every_s >= 0):

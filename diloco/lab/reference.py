@@ -66,7 +66,7 @@ CHART_VALUES: dict[tuple[type, str], ChartValue] = {
     (SyncerConfig, "num_shards"): ChartValue("syncer.shards", own_default="a deployment spreads the model over 2 shards"),
     (CoordinatorConfig, "lease_s"): ChartValue("coordinator.leaseSeconds"),
     (CoordinatorConfig, "idle_timeout_s"): ChartValue("coordinator.idleTimeoutSeconds"),
-    (CoordinatorConfig, "isolation_hold_s"): ChartValue("coordinator.isolationHoldSeconds"),
+    (CoordinatorConfig, "isolation_hold_leases"): ChartValue("coordinator.isolationHoldLeases"),
     (CoordinatorConfig, "max_learners"): ChartValue("coordinator.maxLearners"),
     (CoordinatorConfig, "model_sha256"): ChartValue("coordinator.modelSha256"),
     (CoordinatorConfig, "drain_timeout_s"): ChartValue("coordinator.drainTimeoutSeconds"),

@@ -330,7 +330,7 @@ def test_membership_stream_and_a_real_shard_hear_of_a_failure_within_one_lease(t
         lease_s = 0.5
         # Both learners fall silent below: with the hold of a coordinator that hears nobody
         # (test_coordinator_stall.py) they would not fail for 30 s; here it is off.
-        async with running_coordinator(tmp_path, lease_s=lease_s, isolation_hold_s=0.0) as server:
+        async with running_coordinator(tmp_path, lease_s=lease_s, isolation_hold_leases=0.0) as server:
             a = await joined(server.address)
             shard = ShardServer(TINY, SyncerConfig(), ShardServerConfig(secret=SECRET, coordinator=server.address))
             await shard.start()

@@ -138,6 +138,8 @@ TEMPLATE_ERRORS = {
     "a pool listed twice": ({"scavenging": {"pools": [{"name": "spot"}, {"name": "spot"}]}}, 'pool "spot" is listed twice'),
     "restore without a snapshot volume": ({"restore": "latest", "snapshots": {"enabled": False}}, "restore needs snapshots.enabled"),
     "object-store credentials without a url": ({"snapshots": {"credentialsSecret": "s3"}}, "set snapshots.url too"),
+    "an isolation hold shorter than a lease": (
+        {"coordinator": {"isolationHoldLeases": 0.5}}, "coordinator.isolationHoldLeases 0.5 must be 0 (off) or at least 1"),
     "TPU hosts with more chips than the slice": (
         {"learners": {"tpu": {"topology": "1x1", "chipsPerHost": 4}}},
         "learners.tpu.chipsPerHost 4 does not divide the 1 chip(s) of learners.tpu.topology 1x1: "

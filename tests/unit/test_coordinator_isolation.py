@@ -4,7 +4,10 @@ up to ``isolation_hold_s``; once one is heard again, every lease moves on by the
 so that a learner that really went away is still failed one lease after it was last heard
 of. One learner silent while the others beat is failed on its lease, as before."""
 
+import pytest
+
 from diloco.coordinator.core.membership import ACTIVE, FAILED, UNHEARD_LEASES, HeartbeatStats
+from diloco.errors import InvalidArgument
 from tests.unit.test_coordinator_membership import OPEN, membership
 
 
@@ -19,7 +22,7 @@ def beating(m, ids, start, end, every=1.0, offset=0.2):
 
 
 def three(**cfg):
-    m = membership(lease_s=5.0, isolation_hold_s=30.0, **cfg)
+    m = membership(lease_s=5.0, isolation_hold_leases=6.0, **cfg)
     for _ in range(3):
         m.join("", "", "", "", now=0.0, credential=OPEN)
     beating(m, ["L0", "L1", "L2"], 1.0, 10.0)  # last heard: L0 at 10.0, L1 10.2, L2 10.4
@@ -75,12 +78,12 @@ def test_one_learner_silent_while_the_others_beat_is_failed_on_its_lease():
 
 
 def test_a_lone_member_and_a_hold_of_0_fail_on_the_lease():
-    lone = membership(lease_s=5.0, isolation_hold_s=30.0)
+    lone = membership(lease_s=5.0, isolation_hold_leases=6.0)
     lone.join("", "", "", "", now=0.0, credential=OPEN)
     lone.heartbeat("L0", HeartbeatStats(), now=1.0)
     lone.expire(6.0)  # one member: its silence and the coordinator's cannot be told apart
     assert lone.learner("L0").state == FAILED
-    off = membership(lease_s=5.0, isolation_hold_s=0.0)
+    off = membership(lease_s=5.0, isolation_hold_leases=0.0)
     for _ in range(2):
         off.join("", "", "", "", now=0.0, credential=OPEN)
     beating(off, ["L0", "L1"], 1.0, 10.0)
@@ -93,7 +96,7 @@ def test_silence_shorter_than_three_quarters_of_a_lease_is_not_suspected():
     lease is no silence of everyone's."""
     assert UNHEARD_LEASES * 8.0 == 6.0
     for last_heard, held in ((3.05, False), (2.95, True)):
-        m = membership(lease_s=8.0, isolation_hold_s=30.0)
+        m = membership(lease_s=8.0, isolation_hold_leases=6.0)
         for _ in range(2):
             m.join("", "", "", "", now=0.0, credential=OPEN)
         m.heartbeat("L0", HeartbeatStats(), now=1.0)  # L0's last: its lease runs out at 9
@@ -133,7 +136,7 @@ def test_members_that_ended_during_the_silence_still_count_towards_it():
     """Three members were heard last; two finish while the coordinator is cut off (their
     processes end cleanly, their Leaves lost): the third, alone now, is still held, since
     its silence began among three."""
-    m = membership(lease_s=5.0, isolation_hold_s=30.0)
+    m = membership(lease_s=5.0, isolation_hold_leases=6.0)
     for launch in ("x0", "x1", "x2"):
         m.add_launch(launch, "default", now=0.0)
         m.join("", "", launch, "", now=0.0, credential=OPEN)
@@ -144,10 +147,19 @@ def test_members_that_ended_during_the_silence_still_count_towards_it():
     assert m.learner("L0").state == ACTIVE
     # A member that left with a Leave the coordinator heard was heard: one member is left,
     # and its silence is its own.
-    solo = membership(lease_s=5.0, isolation_hold_s=30.0)
+    solo = membership(lease_s=5.0, isolation_hold_leases=6.0)
     for _ in range(2):
         solo.join("", "", "", "", now=0.0, credential=OPEN)
     beating(solo, ["L0", "L1"], 1.0, 10.0)
     solo.leave("L1", "finished", now=10.5)
     solo.expire(15.0)
     assert solo.learner("L0").state == FAILED
+
+
+@pytest.mark.parametrize("hold", [0.5, -1.0, float("inf"), float("nan")])
+def test_a_hold_that_could_hold_nothing_is_refused(hold):
+    with pytest.raises(InvalidArgument, match=r"isolation hold must be 0 leases \(off\) or at least 1 \(a shorter one "
+                                              r"holds no failure\), got"):
+        membership(lease_s=5.0, isolation_hold_leases=hold)
+    assert membership(lease_s=45.0, isolation_hold_leases=1.0).cfg.isolation_hold_s == 45.0
+    assert membership(lease_s=45.0).cfg.isolation_hold_s == 270.0  # 6 leases by default

@@ -564,7 +564,7 @@ def test_a_member_that_heartbeats_but_trains_nothing_fails_after_the_idle_timeou
     next_deadline wakes the coordinator for it."""
     # No hold for a coordinator that hears nobody: L1 alone beats below, every 4 s of a 5 s
     # lease, slower than a learner may (every half lease), so 4 s of silence look like it.
-    m = membership(idle_timeout_s=30.0, lease_s=5.0, credential_lifetime_s=60.0, isolation_hold_s=0.0)
+    m = membership(idle_timeout_s=30.0, lease_s=5.0, credential_lifetime_s=60.0, isolation_hold_leases=0.0)
     for _ in range(3):
         m.join("", "host:1", "", PLAN, now=0.0, credential=OPEN)
     for t in range(2, 30, 2):  # every learner beats; only L1 trains

@@ -22,7 +22,7 @@ def test_the_watch_reports_a_gap_beyond_a_tick_once():
 def test_a_pause_moves_live_leases_drains_and_joins_on_by_the_stall():
     # Nobody is heard after the stall either: the hold of a coordinator that hears nobody
     # (test_coordinator_isolation.py) is off, so that the lease is what is seen.
-    m = membership(lease_s=5.0, drain_timeout_s=30.0, join_timeout_s=60.0, isolation_hold_s=0.0)
+    m = membership(lease_s=5.0, drain_timeout_s=30.0, join_timeout_s=60.0, isolation_hold_leases=0.0)
     m.join("", "", "", "", now=10.0, credential=OPEN)
     m.heartbeat("L0", HeartbeatStats(tokens=64, inner_steps=1), now=12.0)  # lease until 17
     m.join("", "", "", "", now=12.0, credential=OPEN)
