@@ -34,7 +34,10 @@ def local(out: Path, task: str, *extra: str) -> dict:
 
 @pytest.mark.parametrize("example, steps, options, unit", [
     ("tied_lm", 60, [], "loss"),
-    ("cnn_bn", 60, [], "loss"),
+    # 120: at 60 steps its eval fell by 0.58-0.69 alone here, but by 0.21 and 0.25 in two
+    # CI runs (c470802): a 6 s asynchronous run under the other worker's load. At 120 it
+    # falls by about 1.0.
+    ("cnn_bn", 120, [], "loss"),
     ("byte_gpt", 48, GPT, "bits/byte"),
 ])
 def test_an_example_trains_and_its_export_reproduces_the_eval_loss(tmp_path, example, steps, options, unit):
