@@ -102,10 +102,9 @@ class LaunchResult:
     """Why the launch failed, or where the learner runs."""
 
 
-# Called with (launch id, how it ended) when a launched learner's process or pod ends.
 ExitCallback = Callable[[str, str, bool], None]
-"""(launch id, how it ended, whether cleanly: exit code 0, a pod that Succeeded, a JobSet
-that Completed)."""
+"""Called when a launched learner's process or pod ends: (launch id, how it ended, whether
+cleanly: exit code 0, a pod that Succeeded, a JobSet that Completed)."""
 
 
 class Launcher(Protocol):

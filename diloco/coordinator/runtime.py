@@ -539,7 +539,7 @@ class CoordinatorRuntime:
             self._settle()
 
     def launch_ended(self, launch_id: str, detail: str, clean: bool = False) -> None:
-        """From a launcher: a process or pod it started has ended."""
+        """From a launcher: a process or pod it started has ended (``clean``: exit code 0)."""
         self.membership.launch_ended(launch_id, detail, self._now(), clean)
         self._settle()
 
