@@ -12,10 +12,15 @@ from tests.required import SITES, skip_or_fail
 
 
 def require_sites() -> None:
+    """Skip (or fail) where sites cannot be made; then remove what killed runs left, as every
+    run does at its start, so that a test's before-and-after compare of the machine's
+    namespaces and bridges sees only what it made (a run killed on this machine earlier
+    left its sites behind, and the test's own run removed them: a red CI)."""
     try:
         sites.check()
     except FailedPrecondition as error:
         skip_or_fail(str(error), SITES)
+    sites.remove_dead()
 
 
 def namespaces() -> set[str]:
