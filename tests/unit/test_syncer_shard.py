@@ -522,6 +522,27 @@ def test_at_a_runs_end_the_learners_gone_keep_their_share_until_the_last_has_lef
     assert shares == [pytest.approx(1 / 3)] * 5  # before: 1/3, 1/2, then the whole step
 
 
+def test_at_a_runs_end_a_learner_that_left_without_a_final_push_keeps_its_share_too():
+    """A learner leaves with no final push to a fragment (none was due, or its last push was
+    merged already): it keeps its share all the same. Seen on the long workload's end:
+    the last learner's rounds of a fragment merged at 1/2 where the others' were at 1/4."""
+    shard, initial = make_shard()
+    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
+    for learner in learners:
+        shard.learner_draining(learner.name)
+    for t, learner in enumerate(learners[:2]):
+        learner.push(0, now=t)  # an ordinary push, merged; then it leaves
+        close(shard, 0, now=t)
+        shard.learner_left(learner.name)
+    last = learners[2]
+    shares = []
+    for t in range(4):
+        last.push(0, now=10 + t, final=t == 3)
+        shares.append(close(shard, 0, now=10 + t).participation)
+        last.apply(shard.update_for(0, last.version[0], last.name))
+    assert shares == [pytest.approx(1 / 3)] * 4  # before: the whole step, each of them
+
+
 def test_a_failed_learner_s_final_push_leaves_no_share_behind():
     shard, initial = make_shard()
     learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]

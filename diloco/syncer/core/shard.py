@@ -974,6 +974,15 @@ class ShardCore:
         self.draining.add(learner_id)
 
     def learner_left(self, learner_id: str) -> None:
+        """Gone in good standing. At a run's end (every member draining) it keeps its share of
+        each fragment's step until the last learner has left, as a merged final push gives
+        it (``begin_round``): a learner often leaves without a final push to every fragment
+        (none was due, or its last push was merged already), and the others' last rounds
+        of such a fragment were merged at 1/3 or 1/2 where the rest were at 1/4 (the long
+        workload's tapes, docs/results/final-flush/)."""
+        if learner_id in self.draining and not (self.live - self.failed):
+            for state in self.fragments.values():
+                state.departed.setdefault(learner_id, state.version + 1)
         self.live.discard(learner_id)
         self.draining.discard(learner_id)
         self._remember_left(learner_id)
