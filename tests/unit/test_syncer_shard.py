@@ -501,16 +501,21 @@ def test_a_final_push_is_merged_at_its_share_of_the_cycle_after_the_others_left(
     assert shares == [pytest.approx(1 / 3), 0.5, 1.0]
 
 
-def test_at_a_runs_end_the_learners_gone_keep_their_share_until_the_last_has_left():
+@pytest.mark.parametrize("final_push", [True, False])
+def test_at_a_runs_end_the_learners_gone_keep_their_share_until_the_last_has_left(final_push):
     """Every learner draining (a met budget), they leave one by one, each after its own
     allotment: the last one keeps pushing its share of the step for as many rounds as it
-    trains on, not the whole step once the cycle after the others' final pushes is over."""
+    trains on, not the whole step once the cycle after the others' final pushes is over
+    (before: 1/3, 1/2, then the whole step). So does a learner that leaves with no final
+    push to a fragment (none was due, or its last push was merged already; seen on the
+    long workload's end: the last learner's rounds of such a fragment at 1/2, the others'
+    at 1/4; before: the whole step once both had left)."""
     shard, initial = make_shard()
     learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
     for learner in learners:
         shard.learner_draining(learner.name)
     for t, learner in enumerate(learners[:2]):
-        learner.push(0, now=t, final=True)
+        learner.push(0, now=t, final=final_push)
         close(shard, 0, now=t)
         shard.learner_left(learner.name)
     last = learners[2]
@@ -519,28 +524,7 @@ def test_at_a_runs_end_the_learners_gone_keep_their_share_until_the_last_has_lef
         last.push(0, now=10 + t, final=t == 4)
         shares.append(close(shard, 0, now=10 + t).participation)
         last.apply(shard.update_for(0, last.version[0], last.name))
-    assert shares == [pytest.approx(1 / 3)] * 5  # before: 1/3, 1/2, then the whole step
-
-
-def test_at_a_runs_end_a_learner_that_left_without_a_final_push_keeps_its_share_too():
-    """A learner leaves with no final push to a fragment (none was due, or its last push was
-    merged already): it keeps its share all the same. Seen on the long workload's end:
-    the last learner's rounds of a fragment merged at 1/2 where the others' were at 1/4."""
-    shard, initial = make_shard()
-    learners = [Learner(f"L{i}", shard, initial, seed=i) for i in range(3)]
-    for learner in learners:
-        shard.learner_draining(learner.name)
-    for t, learner in enumerate(learners[:2]):
-        learner.push(0, now=t)  # an ordinary push, merged; then it leaves
-        close(shard, 0, now=t)
-        shard.learner_left(learner.name)
-    last = learners[2]
-    shares = []
-    for t in range(4):
-        last.push(0, now=10 + t, final=t == 3)
-        shares.append(close(shard, 0, now=10 + t).participation)
-        last.apply(shard.update_for(0, last.version[0], last.name))
-    assert shares == [pytest.approx(1 / 3)] * 4  # before: the whole step, each of them
+    assert shares == [pytest.approx(1 / 3)] * 5
 
 
 def test_a_failed_learner_s_final_push_leaves_no_share_behind():
